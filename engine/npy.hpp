@@ -1,0 +1,30 @@
+// engine/npy.hpp: NumPy .npy reading and writing for the CLI and the tests (format versions 1.0-3.0).
+// Reads trust nothing in the file; writes are atomic (temporary file + rename), so no partial output exists.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace gpt2attn::npy {
+
+enum class Kind : uint8_t { f32, u8 };  // f32 holds float16/32/64 input, u8 holds bool/uint8 input
+
+struct Array {
+  Kind kind = Kind::f32;
+  std::string descr;            // the file's dtype string, e.g. "<f8", "|b1"
+  std::vector<int64_t> shape;   // C order
+  std::vector<float> f32;       // filled when kind == f32 (converted from the file's float dtype)
+  std::vector<uint8_t> u8;      // filled when kind == u8 (bool/uint8 values, bool normalised to 0/1)
+  int64_t numel() const;
+};
+
+// Accepts little-endian <f2/<f4/<f8 (or '='), |u1, |b1; C order only. Fortran order, big-endian data,
+// other dtypes, a bad magic, a truncated header or payload, or a shape/size mismatch throw
+// Error(bad_file) naming the path and the problem.
+Array read(const std::string& path);
+
+// Writes a little-endian float32 C-order array. Throws Error(bad_file) if the file cannot be written.
+void write_f32(const std::string& path, const float* data, const std::vector<int64_t>& shape);
+
+}  // namespace gpt2attn::npy

@@ -1,0 +1,37 @@
+// engine/safetensors.hpp: a strict reader of the safetensors format (8-byte LE header length, JSON header,
+// raw little-endian tensor bytes). Only the parsing; mapping names to Weights is in weights_io.cpp.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace gpt2attn::safetensors {
+
+struct Tensor {
+  std::string dtype;            // "F32", "F16", "BF16" (others are listed but cannot be converted)
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;  // byte offsets into the data section
+};
+
+struct File {
+  std::string path;
+  std::map<std::string, Tensor> tensors;  // "__metadata__" excluded
+  std::vector<uint8_t> data;              // the data section (everything after the header)
+
+  bool has(const std::string& name) const { return tensors.count(name) != 0; }
+  // The tensor converted to f32 (F32/F16/BF16); throws Error(bad_file) for other dtypes.
+  std::vector<float> to_f32(const std::string& name) const;
+};
+
+// Checks: file size >= 8, header length <= file size - 8 and <= 100 MB, valid JSON object, every
+// entry has dtype/shape/data_offsets of the right types, known dtype, non-negative shape whose byte size
+// equals end - begin, begin <= end <= data size, no overflow. Throws Error(bad_file) naming path + tensor.
+File read(const std::string& path);
+
+// Writes a safetensors file of F32 tensors (used by tests and `gpt2attn` tooling).
+void write_f32(const std::string& path,
+               const std::vector<std::pair<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>>& tensors);
+
+}  // namespace gpt2attn::safetensors

@@ -1,0 +1,98 @@
+// gpt2attn/attention.hpp: the multi-head attention layer (torch.nn.MultiheadAttention semantics, batch_first)
+// and the GPT-2 causal self-attention built on it. Construction does all set-up; forward() only computes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "gpt2attn/config.hpp"
+#include "gpt2attn/tensor.hpp"
+#include "gpt2attn/weights.hpp"
+
+namespace gpt2attn {
+
+// Instruction sets the kernel layer is compiled for; `best` takes the strongest this CPU runs.
+enum class Isa : uint8_t { best, scalar, avx2, avx512 };
+const char* to_string(Isa isa);
+Isa isa_from_string(const std::string& s);  // "best" | "scalar" | "avx2" | "avx512"
+Isa best_supported_isa();                   // what `best` resolves to on this machine
+bool isa_supported(Isa isa);
+
+struct EngineOptions {
+  int threads = 0;        // default thread count for forward(); 0 = omp_get_max_threads() at construction
+  Isa isa = Isa::best;    // GPT2ATTN_ISA=scalar|avx2|avx512 in the environment overrides `best`
+};
+
+// One call's inputs. Shapes in the B/T/Tk/E/H vocabulary; every view may be strided.
+struct AttentionInputs {
+  TensorView query;        // (B, T, d_in) f32
+  TensorView key;          // (B, Tk, kdim) f32; empty = self-attention (key = value = query, fused QKV)
+  TensorView value;        // (B, Tk, vdim) f32; given iff key is
+  TensorView attn_mask;    // optional: (T, Tk), (B, T, Tk) or (B, H, T, Tk); u8 or f32
+  MaskKind mask_kind = MaskKind::keep;
+  TensorView key_padding;  // optional: (B, Tk), nonzero = padding (torch's key_padding_mask); u8 or f32
+};
+
+struct RunOptions {
+  int threads = 0;             // 0 = the layer's default
+  bool training = false;       // dropout applies only when true
+  uint64_t dropout_seed = 0;   // see the dropout contract below
+  bool check_finite = true;    // reject NaN/Inf inputs with an error naming the tensor and index
+};
+
+// Dropout contract (training only, p = config.dropout): attention weight (b, h, i, j) of a call is kept
+// iff dropout_uniform(seed, ((b*H + h)*T + i)*Tk + j) >= p, and kept weights are scaled by 1/(1-p).
+// The draw depends only on (seed, index), so results do not depend on threads, tiling or ISA.
+//   splitmix64(x): x += 0x9e3779b97f4a7c15; x = (x ^ x>>30) * 0xbf58476d1ce4e5b9;
+//                  x = (x ^ x>>27) * 0x94d049bb133111eb; return x ^ x>>31
+//   dropout_uniform(seed, n) = (splitmix64(seed ^ splitmix64(n)) >> 40) * 2^-24   in [0, 1)
+
+// Semantics (all paths, the naive reference included):
+//   Q = query W_q^T + b_q, K = key W_k^T + b_k, V = value W_v^T + b_v, split into H heads of D
+//   s[b,h,i,j] = Q_i . K_j / sqrt(D)  (+ additive mask), masked entries = -inf
+//   masked: keep-mask == 0, block-mask != 0, key_padding != 0, causal j > i + (Tk - T)
+//   p = softmax_j(s); a row with every entry masked gives p = 0 (never NaN)
+//   out = concat_h(p V) W_o^T + b_o, shape (B, T, E)
+class MultiHeadAttention {
+ public:
+  // Validates config and weights (throws Error naming the problem), repacks weights for oneDNN,
+  // registers the causal mask for config.context_length, and picks the kernel ISA once.
+  MultiHeadAttention(const Config& config, const Weights& weights, const EngineOptions& options = {});
+  ~MultiHeadAttention();
+  MultiHeadAttention(MultiHeadAttention&&) noexcept;
+  MultiHeadAttention& operator=(MultiHeadAttention&&) noexcept;
+
+  // out: (B, T, E) contiguous f32, owned by the caller. Input is validated before anything is written;
+  // on error `out` is untouched. Not reentrant on one object: concurrent calls are serialised.
+  void forward(const AttentionInputs& in, float* out, const RunOptions& run = {});
+
+  // Reserves the workspace for (B, T, Tk) so that later calls up to that size allocate nothing.
+  void reserve(int64_t B, int64_t T, int64_t Tk);
+  size_t workspace_bytes(int64_t B, int64_t T, int64_t Tk) const;
+
+  const Config& config() const;
+  Isa isa() const;                     // the kernel instruction set chosen at construction
+  std::string implementation() const;  // e.g. "tiled-online-softmax/avx512 + onednn-matmul"
+  int default_threads() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// GPT-2's attention block: fused QKV, causal mask registered for context_length, self-attention only.
+// A sequence longer than context_length is refused with an error.
+class CausalSelfAttention {
+ public:
+  CausalSelfAttention(Config config, const Weights& weights, const EngineOptions& options = {});
+  // x: (B, T, d_in) contiguous f32, out: (B, T, E) contiguous f32.
+  void forward(const float* x, int64_t B, int64_t T, float* out, const RunOptions& run = {});
+  MultiHeadAttention& layer() { return mha_; }
+
+ private:
+  MultiHeadAttention mha_;
+};
+
+}  // namespace gpt2attn

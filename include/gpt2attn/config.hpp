@@ -1,0 +1,47 @@
+// gpt2attn/config.hpp: the attention layer's hyper-parameters, their validation, and the GPT-2/GPT-3 presets.
+// Sizes only; weights live in weights.hpp and run-time choices (threads, ISA) in attention.hpp.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace gpt2attn {
+
+// Vocabulary used at every boundary: B batch, T query length, Tk key length, E model width (d_model),
+// H heads, D = E / H head size. Input widths: d_in (query), kdim (key), vdim (value).
+struct Config {
+  int64_t d_model = 0;          // E: width of Q, K, V after projection and of the output
+  int64_t num_heads = 0;        // H; must divide E
+  int64_t d_in = 0;             // query input width; 0 means E (seed 004's d_in != d_out when set)
+  int64_t kdim = 0;             // key input width; 0 means d_in (torch.nn.MultiheadAttention's kdim)
+  int64_t vdim = 0;             // value input width; 0 means d_in
+  int64_t context_length = 1024;  // longest T and Tk accepted; the causal mask is registered for it
+  bool qkv_bias = true;         // biases on the Q/K/V projections
+  bool out_bias = true;         // bias on the output projection
+  bool causal = false;          // bottom-right aligned causal mask (top-left when T == Tk)
+  float dropout = 0.0f;         // probability of zeroing an attention weight, training mode only
+
+  int64_t head_dim() const { return num_heads > 0 ? d_model / num_heads : 0; }
+  int64_t query_width() const { return d_in ? d_in : d_model; }
+  int64_t key_width() const { return kdim ? kdim : query_width(); }
+  int64_t value_width() const { return vdim ? vdim : query_width(); }
+  // True when one fused [3E, d_in] projection applies (query, key and value share a width).
+  bool same_input_widths() const { return key_width() == query_width() && value_width() == query_width(); }
+
+  // Throws Error(invalid_argument) naming the first bad field.
+  void validate() const;
+};
+
+// Presets compiled into the library from configs/*.json: gpt2-small (768/12), gpt2-medium (1024/16),
+// gpt2-large (1280/20), gpt2-xl (1600/25), the GPT-3 family up to gpt3-175b (12288/96).
+// All presets are causal self-attention with biases, dropout 0.
+std::vector<std::string> preset_names();
+Config preset(const std::string& name);  // throws invalid_argument listing the known names
+
+// Parses a config JSON object ({"d_model": 768, "num_heads": 12, ...}); unknown keys are an error.
+Config config_from_json(const std::string& json_text, const std::string& origin = "<json>");
+Config load_config(const std::string& path);
+std::string to_json(const Config& c);
+
+}  // namespace gpt2attn

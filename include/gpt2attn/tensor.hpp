@@ -1,0 +1,51 @@
+// gpt2attn/tensor.hpp: non-owning strided views of the caller's arrays (rank <= 4, strides in elements).
+// The library never copies an input to make it contiguous; it reads through the strides given here.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+namespace gpt2attn {
+
+enum class DType : uint8_t { f32, u8 };  // u8 carries bool masks (0 / nonzero)
+
+struct TensorView {
+  const void* data = nullptr;
+  DType dtype = DType::f32;
+  int rank = 0;
+  std::array<int64_t, 4> shape{};
+  std::array<int64_t, 4> strides{};  // elements, not bytes; 0 broadcasts
+
+  bool empty() const { return data == nullptr; }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int i = 0; i < rank; ++i) n *= shape[i];
+    return n;
+  }
+  std::string shape_str() const;  // "(2, 7, 768)"
+
+  // A row-major contiguous view.
+  static TensorView contiguous(const void* data, DType dtype, std::initializer_list<int64_t> shape);
+  static TensorView f32(const float* data, std::initializer_list<int64_t> shape) {
+    return contiguous(data, DType::f32, shape);
+  }
+  static TensorView u8(const uint8_t* data, std::initializer_list<int64_t> shape) {
+    return contiguous(data, DType::u8, shape);
+  }
+  // The same data with explicit strides (elements), e.g. a slice of a larger buffer.
+  TensorView with_strides(std::initializer_list<int64_t> strides) const;
+};
+
+// How a user mask is read. Each is broadcast from (T, Tk), (B, T, Tk) or (B, H, T, Tk).
+enum class MaskKind : uint8_t {
+  keep,      // nonzero may attend (seeds 002/003: masked_fill(mask == 0, -inf))
+  block,     // nonzero may not attend (torch.nn.MultiheadAttention's bool attn_mask)
+  additive,  // float added to the scaled scores (torch's float attn_mask; -inf blocks)
+};
+
+const char* to_string(MaskKind k);
+MaskKind mask_kind_from_string(const std::string& s);  // "keep" | "block" | "additive"
+
+}  // namespace gpt2attn

@@ -1,0 +1,64 @@
+// tests/tolerance.hpp: the one tolerance policy of the test suite, and the comparison every test uses.
+// Failures print index, expected, got, error, allowed and the ISA under test (first few only).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace gpt2attn::test {
+
+enum class Dtype { f32, bf16 };
+
+inline double unit_roundoff(Dtype d) { return d == Dtype::f32 ? 0x1p-24 : 0x1p-9; }
+
+// Allowed error for a value produced by chained reductions of length <= `reduction_length` in `dtype`,
+// against a double-accumulated reference. Rounding errors of a length-K sum grow like sqrt(K) for random
+// data (worst case K); 16 covers the chained GEMM -> softmax -> GEMM -> GEMM stages and exp's few ulps.
+// The absolute floor scales with the output's magnitude, because cancellation makes small entries of a
+// large-magnitude result as uncertain as the large ones.
+struct Tolerance {
+  double rtol, atol;
+};
+inline Tolerance tolerance_for(Dtype dtype, int64_t reduction_length, double max_abs_reference) {
+  const double k = static_cast<double>(reduction_length < 1 ? 1 : reduction_length);
+  const double rtol = 16.0 * unit_roundoff(dtype) * std::sqrt(k);
+  return {rtol, rtol * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
+}
+
+// Compares `got` to `expected` element-wise; NaN where the reference is finite is always a failure.
+template <class Got>
+::testing::AssertionResult all_close(const std::vector<Got>& got, const std::vector<double>& expected, Dtype dtype,
+                                     int64_t reduction_length, const std::string& context) {
+  if (got.size() != expected.size()) {
+    return ::testing::AssertionFailure() << context << ": size " << got.size() << " != " << expected.size();
+  }
+  double max_ref = 0;
+  for (double e : expected) max_ref = std::fmax(max_ref, std::fabs(e));
+  const Tolerance tol = tolerance_for(dtype, reduction_length, max_ref);
+  std::ostringstream msg;
+  int64_t bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = static_cast<double>(got[i]), e = expected[i];
+    const double err = std::fabs(g - e), allowed = tol.atol + tol.rtol * std::fabs(e);
+    const bool ok = std::isfinite(e) ? (std::isfinite(g) && err <= allowed) : (std::isnan(e) == std::isnan(g));
+    if (!ok) {
+      if (bad < 5) {
+        msg << "\n  [" << i << "] expected " << e << " got " << g << " error " << err << " allowed " << allowed;
+      }
+      ++bad;
+    }
+    if (std::isfinite(err)) worst = std::fmax(worst, err);
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << context << ": " << bad << " of " << got.size()
+                                       << " elements out of tolerance (rtol " << tol.rtol << ", atol " << tol.atol
+                                       << ", worst finite error " << worst << ")" << msg.str();
+}
+
+}  // namespace gpt2attn::test
