@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages gpt2attn builds and tests with; idempotent, installs only what is missing.
 set -euo pipefail
+# ocl-icd-opencl-dev/opencl-c-headers: Debian's dnnl-config.cmake find_package()s OpenCL (its GPU runtime).
 pkgs=(g++ cmake make libdnnl-dev libxsimd-dev libgtest-dev libbenchmark-dev nlohmann-json3-dev
+      ocl-icd-opencl-dev opencl-c-headers
       python3 python3-numpy python3-torch libopenblas0-pthread)
 missing=()
 for p in "${pkgs[@]}"; do

@@ -1,4 +1,4 @@
-// tests/tolerance.hpp: the one tolerance policy of the test suite, and the comparison every test uses.
+// tests/tolerance.hpp: the comparison every test uses, on the one tolerance policy (gpt2attn/tolerance.hpp).
 // Failures print index, expected, got, error, allowed and the ISA under test (first few only).
 #pragma once
 
@@ -10,25 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "gpt2attn/tolerance.hpp"
+
 namespace gpt2attn::test {
 
-enum class Dtype { f32, bf16 };
-
-inline double unit_roundoff(Dtype d) { return d == Dtype::f32 ? 0x1p-24 : 0x1p-9; }
-
-// Allowed error for a value produced by chained reductions of length <= `reduction_length` in `dtype`,
-// against a double-accumulated reference. Rounding errors of a length-K sum grow like sqrt(K) for random
-// data (worst case K); 16 covers the chained GEMM -> softmax -> GEMM -> GEMM stages and exp's few ulps.
-// The absolute floor scales with the output's magnitude, because cancellation makes small entries of a
-// large-magnitude result as uncertain as the large ones.
-struct Tolerance {
-  double rtol, atol;
-};
-inline Tolerance tolerance_for(Dtype dtype, int64_t reduction_length, double max_abs_reference) {
-  const double k = static_cast<double>(reduction_length < 1 ? 1 : reduction_length);
-  const double rtol = 16.0 * unit_roundoff(dtype) * std::sqrt(k);
-  return {rtol, rtol * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
-}
+using Dtype = gpt2attn::Precision;  // the policy itself lives in include/gpt2attn/tolerance.hpp
 
 // Compares `got` to `expected` element-wise; NaN where the reference is finite is always a failure.
 template <class Got>

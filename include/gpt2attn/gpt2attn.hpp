@@ -7,3 +7,4 @@
 #include "gpt2attn/reference.hpp"
 #include "gpt2attn/tensor.hpp"
 #include "gpt2attn/weights.hpp"
+#include "gpt2attn/tolerance.hpp"

@@ -1,0 +1,117 @@
+// engine/config.cpp: Config validation, JSON (de)serialisation and the compiled-in presets.
+// The preset text comes from configs/*.json through CMake (generated/presets.cpp); nothing is duplicated here.
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string_view>
+
+#include "gpt2attn/config.hpp"
+#include "gpt2attn/error.hpp"
+
+namespace gpt2attn {
+namespace detail {
+extern const std::pair<std::string_view, std::string_view> kPresetJson[];
+extern const int kPresetCount;
+}  // namespace detail
+
+void Config::validate() const {
+  auto positive = [](const char* field, int64_t v) {
+    if (v <= 0) invalid(std::string("config: ") + field + " must be positive, got " + std::to_string(v));
+  };
+  positive("d_model", d_model);
+  positive("num_heads", num_heads);
+  positive("context_length", context_length);
+  for (auto [field, v] : {std::pair{"d_in", d_in}, {"kdim", kdim}, {"vdim", vdim}}) {
+    if (v < 0) invalid(std::string("config: ") + field + " must be positive (or 0 for the default), got " + std::to_string(v));
+  }
+  if (d_model % num_heads != 0) {
+    invalid("config: num_heads=" + std::to_string(num_heads) + " does not divide d_model=" + std::to_string(d_model));
+  }
+  if (!(dropout >= 0.0f && dropout < 1.0f)) {
+    invalid("config: dropout must be in [0, 1), got " + std::to_string(dropout));
+  }
+}
+
+static const std::vector<std::string> kKeys = {"d_model", "num_heads", "d_in", "kdim", "vdim", "context_length",
+                                               "qkv_bias", "out_bias", "causal", "dropout"};
+
+Config config_from_json(const std::string& json_text, const std::string& origin) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json_text);
+  } catch (const nlohmann::json::exception& e) {
+    fail(ErrorCode::bad_file, origin + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) fail(ErrorCode::bad_file, origin + ": expected a JSON object");
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (std::find(kKeys.begin(), kKeys.end(), it.key()) == kKeys.end()) {
+      fail(ErrorCode::bad_file, origin + ": unknown config key '" + it.key() + "'");
+    }
+  }
+  Config c;
+  auto get_int = [&](const char* k, int64_t& dst) {
+    if (!j.contains(k)) return;
+    if (!j[k].is_number_integer()) fail(ErrorCode::bad_file, origin + ": '" + k + "' must be an integer");
+    dst = j[k].get<int64_t>();
+  };
+  auto get_bool = [&](const char* k, bool& dst) {
+    if (!j.contains(k)) return;
+    if (!j[k].is_boolean()) fail(ErrorCode::bad_file, origin + ": '" + k + "' must be true or false");
+    dst = j[k].get<bool>();
+  };
+  get_int("d_model", c.d_model);
+  get_int("num_heads", c.num_heads);
+  get_int("d_in", c.d_in);
+  get_int("kdim", c.kdim);
+  get_int("vdim", c.vdim);
+  get_int("context_length", c.context_length);
+  get_bool("qkv_bias", c.qkv_bias);
+  get_bool("out_bias", c.out_bias);
+  get_bool("causal", c.causal);
+  if (j.contains("dropout")) {
+    if (!j["dropout"].is_number()) fail(ErrorCode::bad_file, origin + ": 'dropout' must be a number");
+    c.dropout = j["dropout"].get<float>();
+  }
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    fail(ErrorCode::bad_file, origin + ": " + e.what());
+  }
+  return c;
+}
+
+Config load_config(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) fail(ErrorCode::bad_file, path + ": cannot open config file");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return config_from_json(ss.str(), path);
+}
+
+std::string to_json(const Config& c) {
+  nlohmann::json j = {{"d_model", c.d_model}, {"num_heads", c.num_heads}, {"d_in", c.query_width()},
+                      {"kdim", c.key_width()}, {"vdim", c.value_width()}, {"context_length", c.context_length},
+                      {"qkv_bias", c.qkv_bias}, {"out_bias", c.out_bias}, {"causal", c.causal},
+                      {"dropout", c.dropout}};
+  return j.dump();
+}
+
+std::vector<std::string> preset_names() {
+  std::vector<std::string> names;
+  for (int i = 0; i < detail::kPresetCount; ++i) names.emplace_back(detail::kPresetJson[i].first);
+  return names;
+}
+
+Config preset(const std::string& name) {
+  for (int i = 0; i < detail::kPresetCount; ++i) {
+    if (detail::kPresetJson[i].first == name) {
+      return config_from_json(std::string(detail::kPresetJson[i].second), "preset " + name);
+    }
+  }
+  std::string known;
+  for (const auto& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
+  invalid("unknown preset '" + name + "' (known: " + known + ")");
+}
+
+}  // namespace gpt2attn

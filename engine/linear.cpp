@@ -1,0 +1,120 @@
+// engine/linear.cpp: oneDNN matmul primitives for the projections (describe once, execute many).
+#include "engine/linear.hpp"
+
+#include <omp.h>
+
+#include "gpt2attn/error.hpp"
+
+namespace gpt2attn::detail {
+
+using dnnl::memory;
+using tag = memory::format_tag;
+using dt = memory::data_type;
+
+ScopedOmpThreads::ScopedOmpThreads(int threads) : saved_(omp_get_max_threads()) {
+  if (threads > 0) omp_set_num_threads(threads);
+}
+ScopedOmpThreads::~ScopedOmpThreads() { omp_set_num_threads(saved_); }
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  return eng;
+}
+
+// One primitive for one (M, lda, ldc, threads), with its memory objects and scratchpad kept so that a
+// call only swaps data handles.
+struct Linear::Entry {
+  int64_t M, lda, ldc;
+  int threads;
+  dnnl::matmul prim;
+  dnnl::stream stream;
+  memory src, dst, scratch;
+  std::vector<memory> keep_alive;       // the memory objects c_args points into
+  std::vector<dnnl_exec_arg_t> c_args;  // built once: the C++ execute() would build a vector per call
+  std::string impl;
+};
+
+Linear::Linear(const float* w, const float* bias, int64_t N, int64_t K) : N_(N), K_(K), has_bias_(bias != nullptr) {
+  try {
+    auto& eng = cpu_engine();
+    // Let oneDNN choose the weights' blocked layout for a representative M; every later primitive is
+    // created with this same layout, so the weights exist once, reordered once.
+    const memory::desc src_any({128, K}, dt::f32, tag::ab), w_any({K, N}, dt::f32, tag::any),
+        dst_any({128, N}, dt::f32, tag::ab);
+    const memory::desc b_desc({1, N}, dt::f32, tag::ab);
+    auto pd = has_bias_ ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_any, w_any, b_desc, dst_any), eng)
+                        : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_any, w_any, dst_any), eng);
+    weights_desc_ = pd.weights_desc();
+    weights_ = memory(weights_desc_, eng);
+    // Our (N, K) row-major weights are the (K, N) matrix oneDNN wants, in column-major order ("ba").
+    memory user_w({{K, N}, dt::f32, tag::ba}, eng, const_cast<float*>(w));
+    dnnl::stream s(eng);
+    dnnl::reorder(user_w, weights_).execute(s, user_w, weights_);
+    if (has_bias_) {
+      bias_ = memory(b_desc, eng);
+      std::copy(bias, bias + N, static_cast<float*>(bias_.get_data_handle()));
+    }
+    s.wait();
+  } catch (const dnnl::error& e) {
+    fail(ErrorCode::internal, std::string("oneDNN: creating a ") + std::to_string(N) + "x" + std::to_string(K) +
+                                  " linear layer failed: " + e.what());
+  }
+}
+
+Linear::Linear(Linear&&) noexcept = default;
+Linear& Linear::operator=(Linear&&) noexcept = default;
+Linear::~Linear() = default;
+
+Linear::Entry& Linear::entry(int64_t M, int64_t lda, int64_t ldc, int threads) {
+  for (auto& e : entries_) {
+    if (e->M == M && e->lda == lda && e->ldc == ldc && e->threads == threads) return *e;
+  }
+  try {
+    auto& eng = cpu_engine();
+    const memory::desc src({M, K_}, dt::f32, memory::dims{lda, 1}), dst({M, N_}, dt::f32, memory::dims{ldc, 1});
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    // Created under the caller's thread count: oneDNN plans its work split for it.
+    ScopedOmpThreads scope(threads);
+    auto pd = has_bias_
+                  ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights_desc_, bias_.get_desc(), dst), attr, eng)
+                  : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights_desc_, dst), attr, eng);
+    auto e = std::make_unique<Entry>();
+    e->M = M, e->lda = lda, e->ldc = ldc, e->threads = threads;
+    e->prim = dnnl::matmul(pd);
+    e->stream = dnnl::stream(eng);
+    e->src = memory(src, eng, DNNL_MEMORY_NONE);
+    e->dst = memory(dst, eng, DNNL_MEMORY_NONE);
+    e->scratch = memory(pd.scratchpad_desc(), eng);
+    std::vector<std::pair<int, memory>> args = {{DNNL_ARG_SRC, e->src}, {DNNL_ARG_WEIGHTS, weights_},
+                                                {DNNL_ARG_DST, e->dst}, {DNNL_ARG_SCRATCHPAD, e->scratch}};
+    if (has_bias_) args.emplace_back(DNNL_ARG_BIAS, bias_);
+    for (auto& [arg, mem] : args) {
+      e->keep_alive.push_back(mem);
+      e->c_args.push_back({arg, mem.get()});
+    }
+    e->impl = pd.impl_info_str();
+    entries_.push_back(std::move(e));
+    return *entries_.back();
+  } catch (const dnnl::error& e) {
+    fail(ErrorCode::internal, "oneDNN: creating a matmul for M=" + std::to_string(M) + " failed: " + e.what());
+  }
+}
+
+void Linear::prepare(int64_t M, int64_t lda, int64_t ldc, int threads) { last_ = &entry(M, lda, ldc, threads); }
+
+void Linear::run(const float* x, int64_t M, int64_t lda, float* y, int64_t ldc, int threads) {
+  Entry& e = entry(M, lda, ldc, threads);
+  last_ = &e;
+  e.src.set_data_handle(const_cast<float*>(x));
+  e.dst.set_data_handle(y);
+  ScopedOmpThreads scope(threads);
+  const dnnl_status_t st =
+      dnnl_primitive_execute(e.prim.get(), e.stream.get(), static_cast<int>(e.c_args.size()), e.c_args.data());
+  if (st != dnnl_success) fail(ErrorCode::internal, "oneDNN: matmul execution failed (status " + std::to_string(st) + ")");
+  e.stream.wait();
+}
+
+std::string Linear::implementation() const { return last_ ? last_->impl : "onednn-matmul"; }
+
+}  // namespace gpt2attn::detail

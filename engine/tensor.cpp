@@ -1,0 +1,56 @@
+// engine/tensor.cpp: TensorView helpers and the mask-kind names. No data is ever copied here.
+#include "gpt2attn/tensor.hpp"
+
+#include "gpt2attn/error.hpp"
+
+namespace gpt2attn {
+
+std::string TensorView::shape_str() const {
+  std::string s = "(";
+  for (int i = 0; i < rank; ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + (rank == 1 ? ",)" : ")");
+}
+
+TensorView TensorView::contiguous(const void* data, DType dtype, std::initializer_list<int64_t> shape) {
+  if (shape.size() > 4) invalid("TensorView: rank " + std::to_string(shape.size()) + " > 4");
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.rank = static_cast<int>(shape.size());
+  int i = 0;
+  for (int64_t s : shape) v.shape[i++] = s;
+  int64_t stride = 1;
+  for (int d = v.rank - 1; d >= 0; --d) {
+    v.strides[d] = stride;
+    stride *= v.shape[d];
+  }
+  return v;
+}
+
+TensorView TensorView::with_strides(std::initializer_list<int64_t> strides) const {
+  if (static_cast<int>(strides.size()) != rank) {
+    invalid("TensorView: " + std::to_string(strides.size()) + " strides for rank " + std::to_string(rank));
+  }
+  TensorView v = *this;
+  int i = 0;
+  for (int64_t s : strides) v.strides[i++] = s;
+  return v;
+}
+
+const char* to_string(MaskKind k) {
+  switch (k) {
+    case MaskKind::keep: return "keep";
+    case MaskKind::block: return "block";
+    case MaskKind::additive: return "additive";
+  }
+  return "?";
+}
+
+MaskKind mask_kind_from_string(const std::string& s) {
+  if (s == "keep") return MaskKind::keep;
+  if (s == "block") return MaskKind::block;
+  if (s == "additive") return MaskKind::additive;
+  invalid("unknown mask kind '" + s + "' (expected keep, block or additive)");
+}
+
+}  // namespace gpt2attn

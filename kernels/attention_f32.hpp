@@ -1,0 +1,87 @@
+// kernels/attention_f32.hpp: the tiled fp32 attention core (flash-attention style, online softmax) for one
+// (batch, head) slice and a range of query rows. Pure compute on pointers and strides: no allocation,
+// no threads, no oneDNN. The engine plans the work and hands each call a scratch slice.
+//
+// Layouts (one head h of one sequence b; all pointers already offset to that slice):
+//   q   (T, D)  row stride ldq    k (Tk, D) row stride ldk    v (Tk, D) row stride ldv
+//   out (T, D)  row stride ldo    (each row's D values contiguous)
+//
+// Algorithm. Queries sit in SIMD lanes: a query tile of BQ rows is packed transposed, qt (D, BQ), so the
+// score tile s (BK, BQ) = K_tile . qt is a register-blocked outer-product GEMM, and every per-query
+// quantity (running max m, running sum l, rescale alpha) is a vertical vector op. For each key tile:
+//   m_new = max(m, max_j s_j)                 (m = -inf while every key so far was masked)
+//   alpha = exp(m - m_new),  p_j = exp(s_j - m_new)     (with m_new = 0 substituted when it is -inf)
+//   l     = alpha * l + sum_j p_j
+//   acc   = alpha * acc + V_tile^T . p          (acc (D, BQ), unnormalised output, transposed)
+// and at the end out_i = acc_i / l_i, or 0 when l_i == 0 (a query that may attend to nothing).
+// Dropout multiplies p_j by keep/(1-p) after l has been accumulated: it acts on the normalised weights.
+//
+// Causal work is skipped by index arithmetic: query i sees keys j <= i + causal_offset, so key tiles past
+// the last query's horizon are never touched, and only tiles crossing the diagonal read the layer's
+// registered causal bias row (0 where visible, -inf where not).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace gpt2attn::kernels {
+
+enum class MaskDType : uint8_t { u8, f32 };
+enum class MaskMode : uint8_t { keep, block, additive };
+
+// A user mask or key padding, already offset to this (b, h); element (i, j) at data[i*stride_i + j*stride_j].
+struct MaskRef {
+  const void* data = nullptr;  // null = no mask
+  MaskDType dtype = MaskDType::f32;
+  MaskMode mode = MaskMode::keep;
+  int64_t stride_i = 0, stride_j = 0;
+};
+
+struct AttentionArgs {
+  const float* q = nullptr;  // (T, D)
+  const float* k = nullptr;  // (Tk, D)
+  const float* v = nullptr;  // (Tk, D)
+  float* out = nullptr;      // (T, D)
+  int64_t ldq = 0, ldk = 0, ldv = 0, ldo = 0;
+  int64_t T = 0, Tk = 0, D = 0;
+  float scale = 1.0f;  // 1 / sqrt(D)
+
+  bool causal = false;
+  int64_t causal_offset = 0;          // Tk - T: bottom-right alignment
+  const float* causal_bias = nullptr;  // registered row: causal_bias[c] = (c >= 0 ? 0 : -inf) for c = i + offset - j,
+                                       // valid for c in [-(context-1), context + kMaxQueryTile)
+
+  MaskRef mask;         // (T, Tk) user mask
+  MaskRef key_padding;  // (1, Tk): stride_i unused; nonzero = padding (mode block)
+
+  float dropout_p = 0.0f;       // 0 = no dropout
+  uint64_t dropout_seed = 0;
+  uint64_t dropout_base = 0;    // ((b*H + h)*T)*Tk: index of (i=0, j=0) in the dropout contract
+};
+
+// Widest query tile of any ISA; bounds the causal bias row the engine registers.
+inline constexpr int64_t kMaxQueryTile = 64;
+
+// The kernel's tile geometry for one instruction set (see kernels/tiles.hpp for the reasons).
+struct TileShape {
+  int64_t query_tile;  // BQ: query rows per tile (lanes x query vectors of the micro-kernel)
+  int64_t key_tile;    // BK: keys per tile
+};
+
+// One implementation per instruction set, chosen once by the engine.
+struct AttentionKernel {
+  const char* isa;
+  TileShape tiles;
+  // Floats of scratch one call needs for head size D; the engine allocates threads x this, once.
+  size_t (*scratch_floats)(int64_t D);
+  // Computes out rows [q_begin, q_end) (q_begin a multiple of tiles.query_tile) for one (b, h).
+  void (*run)(const AttentionArgs& args, int64_t q_begin, int64_t q_end, float* scratch);
+};
+
+// Defined in the per-ISA translation units (attention_f32_<isa>.cpp). The avx2/avx512 ones must only be
+// called on CPUs that support them; the engine checks before choosing.
+const AttentionKernel& attention_f32_scalar();
+const AttentionKernel& attention_f32_avx2();
+const AttentionKernel& attention_f32_avx512();
+
+}  // namespace gpt2attn::kernels

@@ -1,0 +1,187 @@
+// kernels/attention_f32_impl.hpp: the tiled attention algorithm described in attention_f32.hpp, written once
+// over Vec<Arch>. Included only by the per-ISA instantiation files; everything here has internal linkage so
+// code compiled with AVX-512 flags can never be linked into the scalar path.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/attention_f32.hpp"
+#include "kernels/dropout.hpp"
+#include "kernels/tiles.hpp"
+#include "kernels/vec.hpp"
+
+namespace gpt2attn::kernels {
+namespace {
+
+template <class Arch, int QV, int R>
+struct AttentionF32 {
+  using V = Vec<Arch>;
+  using B = typename V::B;
+  static constexpr int W = V::W;
+  static constexpr int BQ = QV * W;  // queries per tile, in lanes
+  static constexpr int BK = tiles::kKeyTile;
+  static_assert(BQ <= kMaxQueryTile, "the registered causal row covers kMaxQueryTile query lanes");
+
+  // Scratch: qt (D, BQ) | s (BK, BQ) | acc (D, BQ) | m (BQ) | l (BQ) | alpha (BQ).
+  static size_t scratch_floats(int64_t D) { return static_cast<size_t>((2 * D + BK + 3) * BQ); }
+
+  static void run(const AttentionArgs& a, int64_t q_begin, int64_t q_end, float* scratch) {
+    for (int64_t i0 = q_begin; i0 < q_end; i0 += BQ) tile(a, i0, std::min<int64_t>(i0 + BQ, q_end), scratch);
+  }
+
+  // s[j][lane] = scale * K_j . q_lane for RR key rows; K rows are broadcast, queries are vectors.
+  template <int RR>
+  static void score_rows(const float* k, int64_t ldk, const float* qt, int64_t D, float scale, float* s) {
+    B acc[RR][QV];
+    for (int r = 0; r < RR; ++r)
+      for (int v = 0; v < QV; ++v) acc[r][v] = V::set1(0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      B q[QV];
+      for (int v = 0; v < QV; ++v) q[v] = V::load(qt + d * BQ + v * W);
+      for (int r = 0; r < RR; ++r) {
+        const B kb = V::set1(k[r * ldk + d]);
+        for (int v = 0; v < QV; ++v) acc[r][v] = V::fma(kb, q[v], acc[r][v]);
+      }
+    }
+    const B sc = V::set1(scale);
+    for (int r = 0; r < RR; ++r)
+      for (int v = 0; v < QV; ++v) V::store(s + r * BQ + v * W, acc[r][v] * sc);
+  }
+
+  // acc[d][lane] = alpha[lane] * acc[d][lane] + sum_j V[j][d] * p[j][lane] for RR consecutive d.
+  template <int RR>
+  static void pv_rows(const float* vcol, int64_t ldv, const float* p, int64_t nk, const float* alpha, float* acc) {
+    B c[RR][QV];
+    for (int v = 0; v < QV; ++v) {
+      const B al = V::load(alpha + v * W);
+      for (int r = 0; r < RR; ++r) c[r][v] = V::load(acc + r * BQ + v * W) * al;
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      B pj[QV];
+      for (int v = 0; v < QV; ++v) pj[v] = V::load(p + j * BQ + v * W);
+      for (int r = 0; r < RR; ++r) {
+        const B vb = V::set1(vcol[j * ldv + r]);
+        for (int v = 0; v < QV; ++v) c[r][v] = V::fma(vb, pj[v], c[r][v]);
+      }
+    }
+    for (int r = 0; r < RR; ++r)
+      for (int v = 0; v < QV; ++v) V::store(acc + r * BQ + v * W, c[r][v]);
+  }
+
+  static float mask_value(const MaskRef& mk, int64_t i, int64_t j) {
+    const int64_t at = i * mk.stride_i + j * mk.stride_j;
+    return mk.dtype == MaskDType::u8 ? static_cast<float>(static_cast<const uint8_t*>(mk.data)[at])
+                                     : static_cast<const float*>(mk.data)[at];
+  }
+
+  static void tile(const AttentionArgs& a, int64_t i0, int64_t i1, float* scratch) {
+    const int64_t D = a.D, nq = i1 - i0;
+    float* qt = scratch;
+    float* s = qt + D * BQ;
+    float* acc = s + BK * BQ;
+    float* m = acc + D * BQ;
+    float* l = m + BQ;
+    float* alpha = l + BQ;
+
+    // Pack the query tile transposed, zero lanes past the last query.
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t i = 0; i < nq; ++i) qt[d * BQ + i] = a.q[(i0 + i) * a.ldq + d];
+      for (int64_t i = nq; i < BQ; ++i) qt[d * BQ + i] = 0.0f;
+    }
+    std::fill(acc, acc + D * BQ, 0.0f);
+    std::fill(m, m + BQ, -INFINITY);
+    std::fill(l, l + BQ, 0.0f);
+
+    // The last query of the tile sees keys up to i1 - 1 + offset; nothing beyond is touched.
+    const int64_t kend = a.causal ? std::clamp<int64_t>(i1 + a.causal_offset, 0, a.Tk) : a.Tk;
+    for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+      const int64_t nk = std::min<int64_t>(BK, kend - j0);
+
+      {
+        const float* k = a.k + j0 * a.ldk;
+        int64_t j = 0;
+        for (; j + R <= nk; j += R) score_rows<R>(k + j * a.ldk, a.ldk, qt, D, a.scale, s + j * BQ);
+        for (; j < nk; ++j) score_rows<1>(k + j * a.ldk, a.ldk, qt, D, a.scale, s + j * BQ);
+      }
+
+      // Only tiles crossing the diagonal (some key past the first query's horizon) are masked.
+      if (a.causal && j0 + nk - 1 > i0 + a.causal_offset) {
+        for (int64_t j = 0; j < nk; ++j) {
+          const float* bias = a.causal_bias + (i0 + a.causal_offset - (j0 + j));
+          for (int v = 0; v < QV; ++v) V::store(s + j * BQ + v * W, V::load(s + j * BQ + v * W) + V::load(bias + v * W));
+        }
+      }
+      if (a.key_padding.data) {
+        for (int64_t j = 0; j < nk; ++j) {
+          if (mask_value(a.key_padding, 0, j0 + j) != 0.0f) std::fill(s + j * BQ, s + (j + 1) * BQ, -INFINITY);
+        }
+      }
+      if (a.mask.data) {
+        for (int64_t i = 0; i < nq; ++i) {
+          for (int64_t j = 0; j < nk; ++j) {
+            const float x = mask_value(a.mask, i0 + i, j0 + j);
+            float& sc = s[j * BQ + i];
+            switch (a.mask.mode) {
+              case MaskMode::additive: sc += x; break;
+              case MaskMode::keep: if (x == 0.0f) sc = -INFINITY; break;
+              case MaskMode::block: if (x != 0.0f) sc = -INFINITY; break;
+            }
+          }
+        }
+      }
+
+      // Online softmax: new running max, rescale factor, exponentials in place, running sum.
+      for (int v = 0; v < QV; ++v) {
+        const B m_old = V::load(m + v * W);
+        B m_new = m_old;
+        for (int64_t j = 0; j < nk; ++j) m_new = V::max(m_new, V::load(s + j * BQ + v * W));
+        const B m_safe = V::finite_or_zero(m_new);
+        B sum = V::set1(0.0f);
+        for (int64_t j = 0; j < nk; ++j) {
+          const B p = V::exp(V::load(s + j * BQ + v * W) - m_safe);
+          V::store(s + j * BQ + v * W, p);
+          sum = sum + p;
+        }
+        const B al = V::exp(m_old - m_safe);
+        V::store(alpha + v * W, al);
+        V::store(m + v * W, m_new);
+        V::store(l + v * W, V::fma(V::load(l + v * W), al, sum));
+      }
+
+      if (a.dropout_p > 0.0f) {
+        const float keep_scale = 1.0f / (1.0f - a.dropout_p);
+        for (int64_t j = 0; j < nk; ++j) {
+          for (int64_t i = 0; i < nq; ++i) {
+            const uint64_t n = a.dropout_base + static_cast<uint64_t>((i0 + i) * a.Tk + (j0 + j));
+            s[j * BQ + i] *= dropout_uniform(a.dropout_seed, n) >= a.dropout_p ? keep_scale : 0.0f;
+          }
+        }
+      }
+
+      {
+        const float* vt = a.v + j0 * a.ldv;
+        int64_t d = 0;
+        for (; d + R <= D; d += R) pv_rows<R>(vt + d, a.ldv, s, nk, alpha, acc + d * BQ);
+        for (; d < D; ++d) pv_rows<1>(vt + d, a.ldv, s, nk, alpha, acc + d * BQ);
+      }
+    }
+
+    // out_i = acc_i / l_i; a query that saw no key (l == 0) gets zeros, never NaN.
+    for (int64_t i = 0; i < nq; ++i) {
+      const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+      float* o = a.out + (i0 + i) * a.ldo;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d * BQ + i] * inv;
+    }
+  }
+};
+
+template <class Arch, tiles::Blocking Bl>
+const AttentionKernel& make_attention_kernel(const char* isa) {
+  using K = AttentionF32<Arch, Bl.query_vectors, Bl.row_block>;
+  static const AttentionKernel kernel{isa, {K::BQ, K::BK}, &K::scratch_floats, &K::run};
+  return kernel;
+}
+
+}  // namespace
+}  // namespace gpt2attn::kernels

@@ -1,0 +1,345 @@
+// tools/gpt2attn.cpp: the command-line tool: `forward` on .npy/.safetensors files, `bench` over the presets,
+// `presets`. Exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error. Only main() exits.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/npy.hpp"
+#include "gpt2attn/gpt2attn.hpp"
+
+namespace ga = gpt2attn;
+
+namespace {
+
+const char* kUsage = R"(usage:
+  gpt2attn forward --weights W.safetensors [--prefix P] --heads H --query q.npy
+                   [--key k.npy --value v.npy] [--mask m.npy --mask-kind keep|block|additive]
+                   [--key-padding kp.npy] [--causal] [--context-length N] [--dtype f32]
+                   [--threads N] [--isa best|avx512|avx2|scalar] --output y.npy
+  gpt2attn bench   [--preset NAME ...] [--batch B] [--seq T] [--mode prefill] [--dtype f32]
+                   [--threads N] [--isa ...] [--repeats N] [--check | --no-check] [--json]
+  gpt2attn presets
+
+forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semantics, batch_first) with the
+         weights of a safetensors file (torch or Hugging Face GPT-2 naming) and writes float32 (B, T, E).
+         Inputs are float32/float64 .npy; masks bool, uint8 or float; without --key/--value it is
+         self-attention. --context-length defaults to max(1024, T, Tk).
+bench    times the whole layer (QKV projection, causal attention, output projection) on random weights for
+         each preset (default: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b; gpt3-175b at
+         min(T, 128) unless --preset names it). GFLOP/s counts causal attention once (the lower triangle):
+         2*B*T*d_in*3E + 2*B*T*E*E + 4*E*B*T*(T+1)/2. --check (default in the table, off with --json)
+         compares the first rows of batch 0 with the naive reference (double accumulation).
+presets  lists the compiled-in presets.
+
+exit status: 0 success, 2 bad input or usage, 1 internal error.
+)";
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// --name value options; flags have no value. Repeated options keep every value.
+struct Args {
+  std::map<std::string, std::vector<std::string>> values;
+  std::vector<std::string> flags;
+
+  bool flag(const std::string& f) const { return std::find(flags.begin(), flags.end(), f) != flags.end(); }
+  bool has(const std::string& k) const { return values.count(k) != 0; }
+  std::string get(const std::string& k, const std::string& def = "") const {
+    auto it = values.find(k);
+    return it == values.end() ? def : it->second.back();
+  }
+  std::string required(const std::string& k) const {
+    if (!has(k)) throw UsageError("missing required option --" + k);
+    return get(k);
+  }
+  int64_t integer(const std::string& k, int64_t def, int64_t min_value) const {
+    if (!has(k)) return def;
+    const std::string s = get(k);
+    size_t used = 0;
+    int64_t v = 0;
+    try {
+      v = std::stoll(s, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != s.size() || s.empty()) throw UsageError("--" + k + ": expected an integer, got '" + s + "'");
+    if (v < min_value) throw UsageError("--" + k + ": must be >= " + std::to_string(min_value) + ", got " + s);
+    return v;
+  }
+};
+
+Args parse(int argc, char** argv, int first, const std::vector<std::string>& value_opts,
+           const std::vector<std::string>& flag_opts) {
+  Args a;
+  for (int i = first; i < argc; ++i) {
+    std::string s = argv[i];
+    if (s.rfind("--", 0) != 0) throw UsageError("unexpected argument '" + s + "'");
+    s = s.substr(2);
+    if (std::find(flag_opts.begin(), flag_opts.end(), s) != flag_opts.end()) {
+      a.flags.push_back(s);
+    } else if (std::find(value_opts.begin(), value_opts.end(), s) != value_opts.end()) {
+      if (i + 1 >= argc) throw UsageError("option --" + s + " needs a value");
+      a.values[s].push_back(argv[++i]);
+    } else {
+      throw UsageError("unknown option --" + s);
+    }
+  }
+  return a;
+}
+
+void check_dtype(const Args& a) {
+  const std::string dt = a.get("dtype", "f32");
+  if (dt != "f32") throw UsageError("--dtype " + dt + " is not supported (supported: f32)");
+}
+
+ga::TensorView view_of(const ga::npy::Array& arr, const std::string& what) {
+  if (arr.shape.size() > 4) ga::invalid(what + ": rank " + std::to_string(arr.shape.size()) + " > 4");
+  ga::TensorView v;
+  if (arr.kind == ga::npy::Kind::f32) {
+    v = ga::TensorView::f32(arr.f32.data(), {});
+  } else {
+    v = ga::TensorView::u8(arr.u8.data(), {});
+  }
+  v.rank = static_cast<int>(arr.shape.size());
+  int64_t stride = 1;
+  for (int d = v.rank - 1; d >= 0; --d) {
+    v.shape[d] = arr.shape[d];
+    v.strides[d] = stride;
+    stride *= arr.shape[d];
+  }
+  return v;
+}
+
+ga::npy::Array read_float_input(const std::string& path, const std::string& what) {
+  ga::npy::Array a = ga::npy::read(path);
+  if (a.kind != ga::npy::Kind::f32) {
+    ga::invalid(what + " (" + path + "): expected float32 or float64 data, got dtype " + a.descr);
+  }
+  return a;
+}
+
+int cmd_forward(int argc, char** argv) {
+  const Args a = parse(argc, argv, 2,
+                       {"weights", "prefix", "heads", "query", "key", "value", "mask", "mask-kind", "key-padding",
+                        "context-length", "dtype", "threads", "isa", "output"},
+                       {"causal"});
+  check_dtype(a);
+  const std::string out_path = a.required("output");
+  const int64_t heads = a.integer("heads", 0, 1);
+  if (!a.has("heads")) throw UsageError("missing required option --heads");
+  const int64_t threads = a.integer("threads", 0, 1);
+  if (a.has("key") != a.has("value")) throw UsageError("--key and --value must be given together");
+  if (a.has("mask-kind") && !a.has("mask")) throw UsageError("--mask-kind given without --mask");
+
+  const ga::LoadedLayer layer = ga::load_safetensors_layer(a.required("weights"), a.get("prefix"));
+  const ga::npy::Array q = read_float_input(a.required("query"), "query");
+  ga::npy::Array k, v, mask, padding;
+  ga::AttentionInputs in;
+  in.query = view_of(q, "query");
+  if (a.has("key")) {
+    k = read_float_input(a.get("key"), "key");
+    v = read_float_input(a.get("value"), "value");
+    in.key = view_of(k, "key");
+    in.value = view_of(v, "value");
+  }
+  if (a.has("mask")) {
+    mask = ga::npy::read(a.get("mask"));
+    in.attn_mask = view_of(mask, "mask");
+    in.mask_kind = ga::mask_kind_from_string(a.get("mask-kind", "keep"));
+  }
+  if (a.has("key-padding")) {
+    padding = ga::npy::read(a.get("key-padding"));
+    in.key_padding = view_of(padding, "key-padding");
+  }
+
+  ga::Config cfg;
+  cfg.num_heads = heads;
+  cfg = ga::apply_loaded_shapes(cfg, layer);
+  cfg.causal = a.flag("causal");
+  const int64_t T = in.query.rank == 3 ? in.query.shape[1] : 0;
+  const int64_t Tk = in.key.rank == 3 ? in.key.shape[1] : T;
+  cfg.context_length = a.integer("context-length", std::max<int64_t>({1024, T, Tk}), 1);
+  cfg.validate();
+
+  ga::EngineOptions opts;
+  opts.threads = static_cast<int>(threads);
+  opts.isa = ga::isa_from_string(a.get("isa", "best"));
+  ga::MultiHeadAttention mha(cfg, layer.weights, opts);
+  if (in.query.rank != 3) ga::invalid("query: expected shape (B, T, d_in), got " + in.query.shape_str());
+  std::vector<float> out(static_cast<size_t>(in.query.shape[0] * T * cfg.d_model));
+  mha.forward(in, out.data());
+  ga::npy::write_f32(out_path, out.data(), {in.query.shape[0], T, cfg.d_model});
+  return 0;
+}
+
+int cmd_presets() {
+  std::printf("%-13s %8s %6s %5s %8s\n", "preset", "d_model", "heads", "D", "context");
+  for (const auto& name : ga::preset_names()) {
+    const ga::Config c = ga::preset(name);
+    std::printf("%-13s %8ld %6ld %5ld %8ld\n", name.c_str(), static_cast<long>(c.d_model),
+                static_cast<long>(c.num_heads), static_cast<long>(c.head_dim()), static_cast<long>(c.context_length));
+  }
+  return 0;
+}
+
+struct BenchResult {
+  std::string preset;
+  int64_t B, T;
+  int threads;
+  double median_ms, gflops;
+  std::string isa, impl;
+  bool checked = false;
+  double max_abs_err = 0, allowed = 0;
+};
+
+double causal_layer_flops(const ga::Config& c, int64_t B, int64_t T) {
+  const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
+  const double b = static_cast<double>(B), t = static_cast<double>(T);
+  return 2 * b * t * d_in * 3 * E + 2 * b * t * E * E + 4 * E * b * t * (t + 1) / 2;
+}
+
+BenchResult bench_one(const std::string& name, int64_t B, int64_t T, int threads, ga::Isa isa, int repeats,
+                      bool check) {
+  ga::Config cfg = ga::preset(name);
+  cfg.context_length = std::max(cfg.context_length, T);
+  const ga::Weights w = ga::Weights::random(cfg, 1234);
+  ga::EngineOptions opts;
+  opts.threads = threads;
+  opts.isa = isa;
+  ga::CausalSelfAttention layer(cfg, w, opts);
+  std::vector<float> x(static_cast<size_t>(B * T * cfg.query_width())), y(static_cast<size_t>(B * T * cfg.d_model));
+  std::mt19937 rng(42);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (float& f : x) f = nd(rng);
+
+  layer.forward(x.data(), B, T, y.data());  // warm-up: primitives, workspace, caches
+  std::vector<double> ms;
+  for (int r = 0; r < repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    layer.forward(x.data(), B, T, y.data());
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  BenchResult r{name, B, T, layer.layer().default_threads(), ms[ms.size() / 2], 0, ga::to_string(layer.layer().isa()),
+                layer.layer().implementation()};
+  r.gflops = causal_layer_flops(cfg, B, T) / (r.median_ms * 1e6);
+
+  if (check) {
+    // Causal rows t < Tc depend only on tokens < Tc, so the reference on batch 0's first Tc tokens checks
+    // those rows exactly at a cost the naive loops can afford (~2 GFLOP in double).
+    const double E = static_cast<double>(cfg.d_model);
+    const int64_t Tc = std::clamp<int64_t>(static_cast<int64_t>(2e9 / (8 * E * E)), 4, 64);
+    const int64_t tc = std::min(T, Tc);
+    ga::AttentionInputs in;
+    in.query = ga::TensorView::f32(x.data(), {1, tc, cfg.query_width()});
+    const std::vector<double> ref = ga::reference_forward(cfg, w, in);
+    double max_ref = 0;
+    for (double e : ref) max_ref = std::max(max_ref, std::fabs(e));
+    const ga::Tolerance tol = ga::tolerance_for(ga::Precision::f32, std::max(cfg.query_width(), T), max_ref);
+    r.checked = true;
+    r.allowed = tol.atol;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const double err = std::fabs(static_cast<double>(y[i]) - ref[i]);
+      r.max_abs_err = std::isnan(err) ? INFINITY : std::max(r.max_abs_err, err);
+      if (!tol.accepts(y[i], ref[i])) r.allowed = -1;  // marks failure
+    }
+  }
+  return r;
+}
+
+int cmd_bench(int argc, char** argv) {
+  const Args a = parse(argc, argv, 2, {"preset", "batch", "seq", "mode", "dtype", "threads", "isa", "repeats"},
+                       {"check", "no-check", "json"});
+  check_dtype(a);
+  const std::string mode = a.get("mode", "prefill");
+  if (mode != "prefill") throw UsageError("--mode " + mode + " is not supported (supported: prefill)");
+  const int64_t B = a.integer("batch", 1, 1), T = a.integer("seq", 1024, 1);
+  const int threads = static_cast<int>(a.integer("threads", 0, 1));
+  const int repeats = static_cast<int>(a.integer("repeats", 5, 1));
+  const bool json = a.flag("json");
+  const bool check = a.flag("check") || (!json && !a.flag("no-check"));
+  const ga::Isa isa = ga::isa_from_string(a.get("isa", "best"));
+  std::vector<std::string> presets;
+  const bool explicit_presets = a.has("preset");
+  if (explicit_presets) {
+    presets = a.values.at("preset");
+    for (const auto& p : presets) (void)ga::preset(p);  // unknown names fail before any timing
+  } else {
+    presets = {"gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b"};
+  }
+
+  if (!json) {
+    std::printf("%-12s %-8s %-5s %3s %6s %7s %10s %9s %-7s %s\n", "preset", "mode", "dtype", "B", "T", "threads",
+                "median_ms", "GFLOP/s", "ISA", check ? "max_err (allowed)" : "");
+  }
+  bool all_ok = true;
+  for (const auto& name : presets) {
+    // gpt3-175b's weights are 2.4 GB and its layer ~100x gpt2-small's: by default it runs at a small T.
+    const int64_t t = (!explicit_presets && name == "gpt3-175b") ? std::min<int64_t>(T, 128) : T;
+    const BenchResult r = bench_one(name, B, t, threads, isa, repeats, check);
+    const bool ok = !r.checked || r.allowed >= 0;
+    all_ok = all_ok && ok;
+    if (json) {
+      nlohmann::json j = {{"preset", r.preset}, {"mode", mode}, {"dtype", "f32"}, {"batch", r.B}, {"seq", r.T},
+                          {"threads", r.threads}, {"median_ms", r.median_ms}, {"gflops", r.gflops},
+                          {"isa", r.isa}, {"implementation", r.impl}};
+      if (r.checked) {
+        j["max_abs_err"] = r.max_abs_err;
+        j["check"] = ok ? "ok" : "FAIL";
+      }
+      std::printf("%s\n", j.dump().c_str());
+    } else {
+      char err[64] = "";
+      if (r.checked) std::snprintf(err, sizeof err, "%.2e %s", r.max_abs_err, ok ? "ok" : "FAIL");
+      std::printf("%-12s %-8s %-5s %3ld %6ld %7d %10.3f %9.1f %-7s %s\n", r.preset.c_str(), mode.c_str(), "f32",
+                  static_cast<long>(r.B), static_cast<long>(r.T), r.threads, r.median_ms, r.gflops, r.isa.c_str(), err);
+    }
+    std::fflush(stdout);
+  }
+  if (!json) std::printf("implementation: %s\n", bench_one("gpt2-small", 1, 1, threads, isa, 1, false).impl.c_str());
+  if (!all_ok) {
+    std::fprintf(stderr, "gpt2attn: bench: check against the naive reference FAILED\n");
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string cmd = argc > 1 ? argv[1] : "";
+  try {
+    if (cmd == "forward") return cmd_forward(argc, argv);
+    if (cmd == "bench") return cmd_bench(argc, argv);
+    if (cmd == "presets") return cmd_presets();
+    if (cmd == "--help" || cmd == "-h" || cmd == "help") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    throw UsageError(cmd.empty() ? "missing command (forward, bench or presets)" : "unknown command '" + cmd + "'");
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "gpt2attn: %s (see gpt2attn --help)\n", e.what());
+    return 2;
+  } catch (const ga::Error& e) {
+    std::string msg = e.what();
+    std::replace(msg.begin(), msg.end(), '\n', ' ');
+    std::fprintf(stderr, "gpt2attn: %s\n", msg.c_str());
+    return e.code() == ga::ErrorCode::internal ? 1 : 2;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "gpt2attn: out of memory\n");
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpt2attn: internal error: %s\n", e.what());
+    return 1;
+  }
+}
