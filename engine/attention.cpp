@@ -1,5 +1,5 @@
-// engine/attention.cpp: the layer's orchestration: projections on oneDNN, the attention core split across
-// the caller's threads, the output projection. All set-up happens in the constructor; forward() computes.
+// engine/attention.cpp: the layer's orchestration: per-head projections on oneDNN writing Q/K/V head-major,
+// the attention core split across the caller's threads, the output projection. All set-up happens in the constructor; forward() computes.
 #include "gpt2attn/attention.hpp"
 
 #include <omp.h>
@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
-#include <optional>
+#include <exception>
 
 #include "engine/dispatch.hpp"
 #include "engine/linear.hpp"
@@ -73,13 +73,14 @@ const void* advance(const void* p, DType dt, int64_t elems) {
 
 struct MultiHeadAttention::Impl {
   Config cfg;
-  Weights cross_weights;  // kept only until the separate Q/K/V projections are first needed
   Isa isa;
   const kernels::AttentionKernel* kernel;
   int default_threads;
 
-  std::optional<Linear> qkv;      // fused (3E, d_in): self-attention
-  std::optional<Linear> q, k, v;  // separate: cross-attention (created on first use)
+  // One (D, width) projection per head and per Q/K/V, so that each GEMM writes its head's (T, D) rows
+  // contiguously: Q, K and V land head-major, [B][H][T][D], exactly where attention reads them.
+  // Self-attention feeds the query to all three; cross-attention feeds query, key and value.
+  std::vector<Linear> proj_q, proj_k, proj_v;
   Linear out;
 
   // The registered causal mask: the triangular (context x context) buffer of the seeds is Toeplitz, so
@@ -97,21 +98,16 @@ struct MultiHeadAttention::Impl {
         kernel(&detail::attention_kernel(isa)),
         default_threads(o.threads > 0 ? o.threads : omp_get_max_threads()),
         out(w.w_o.data(), cfg.out_bias ? w.b_o.data() : nullptr, cfg.d_model, cfg.d_model) {
-    const int64_t E = cfg.d_model, d_in = cfg.query_width();
-    if (cfg.same_input_widths()) {
-      std::vector<float> w_qkv(static_cast<size_t>(3 * E * d_in)), b_qkv;
-      std::copy(w.w_q.begin(), w.w_q.end(), w_qkv.begin());
-      std::copy(w.w_k.begin(), w.w_k.end(), w_qkv.begin() + E * d_in);
-      std::copy(w.w_v.begin(), w.w_v.end(), w_qkv.begin() + 2 * E * d_in);
-      if (cfg.qkv_bias) {
-        b_qkv = w.b_q;
-        b_qkv.insert(b_qkv.end(), w.b_k.begin(), w.b_k.end());
-        b_qkv.insert(b_qkv.end(), w.b_v.begin(), w.b_v.end());
+    const int64_t H = cfg.num_heads, D = cfg.head_dim();
+    auto per_head = [&](std::vector<Linear>& dst, const std::vector<float>& weight, const std::vector<float>& bias,
+                        int64_t width) {
+      for (int64_t h = 0; h < H; ++h) {
+        dst.emplace_back(weight.data() + h * D * width, cfg.qkv_bias ? bias.data() + h * D : nullptr, D, width);
       }
-      qkv.emplace(w_qkv.data(), cfg.qkv_bias ? b_qkv.data() : nullptr, 3 * E, d_in);
-    }
-    cross_weights.w_q = w.w_q, cross_weights.w_k = w.w_k, cross_weights.w_v = w.w_v;
-    cross_weights.b_q = w.b_q, cross_weights.b_k = w.b_k, cross_weights.b_v = w.b_v;
+    };
+    per_head(proj_q, w.w_q, w.b_q, cfg.query_width());
+    per_head(proj_k, w.w_k, w.b_k, cfg.key_width());
+    per_head(proj_v, w.w_v, w.b_v, cfg.value_width());
 
     const int64_t C = cfg.context_length;
     causal_center = C - 1;
@@ -121,25 +117,15 @@ struct MultiHeadAttention::Impl {
     }
   }
 
-  void ensure_cross_projections() {
-    if (q) return;
-    const int64_t E = cfg.d_model;
-    const bool bias = cfg.qkv_bias;
-    q.emplace(cross_weights.w_q.data(), bias ? cross_weights.b_q.data() : nullptr, E, cfg.query_width());
-    k.emplace(cross_weights.w_k.data(), bias ? cross_weights.b_k.data() : nullptr, E, cfg.key_width());
-    v.emplace(cross_weights.w_v.data(), bias ? cross_weights.b_v.data() : nullptr, E, cfg.value_width());
-    cross_weights = Weights{};  // oneDNN holds its own reordered copies now
-  }
-
   int64_t scratch_stride() const { return round_up(static_cast<int64_t>(kernel->scratch_floats(cfg.head_dim())), 16); }
 
   // Workspace layout (floats, each region 64-byte aligned):
-  //   projections  self: qkv (B*T, 3E)   cross: q (B*T, E) | k (B*Tk, E) | v (B*Tk, E)
-  //   ctx          (B*T, E): attention output, heads concatenated, read by the output projection
+  //   q            (B, H, T, D)     k, v   (B, H, Tk, D) each: the projections, head-major
+  //   ctx          (B, T, E): attention output, heads concatenated, read by the output projection
   //   packed       copies of inputs whose strides oneDNN cannot read in place (query | key | value)
   //   scratch      threads x the kernel's scratch_floats(D)
   struct Plan {
-    int64_t proj, ctx, packed_q, packed_k, packed_v, scratch, total;
+    int64_t q, k, v, ctx, packed_q, packed_k, packed_v, scratch, total;
   };
   Plan plan(const Shape& s, bool pack_q, bool pack_k, bool pack_v, int threads) const {
     Plan p{};
@@ -149,7 +135,9 @@ struct MultiHeadAttention::Impl {
       at += round_up(n, 16);
       return start;
     };
-    p.proj = region(s.self_attention ? s.B * s.T * 3 * s.E : s.B * (s.T + 2 * s.Tk) * s.E);
+    p.q = region(s.B * s.T * s.E);
+    p.k = region(s.B * s.Tk * s.E);
+    p.v = region(s.B * s.Tk * s.E);
     p.ctx = region(s.B * s.T * s.E);
     p.packed_q = region(pack_q ? s.B * s.T * s.d_in : 0);
     p.packed_k = region(pack_k ? s.B * s.Tk * s.kdim : 0);
@@ -168,12 +156,35 @@ struct MultiHeadAttention::Impl {
     ws_floats = bytes / sizeof(float);
   }
 
+  // Q (B, H, T, D), K and V (B, H, Tk, D) from inputs read as (B*N, width) row matrices. The 3H per-head
+  // GEMMs run in parallel, one thread each: they are independent, so this scales without oneDNN's
+  // per-GEMM barriers, and a head's Linear is only ever used by one thread at a time.
+  void project(const Shape& s, Rows xq, Rows xk, Rows xv, float* q, float* k, float* v, int threads) {
+    const int64_t H = s.H, D = s.D, B = s.B;
+    Linear* lin[3] = {proj_q.data(), proj_k.data(), proj_v.data()};
+    const Rows x[3] = {xq, xk, xv};
+    float* dst[3] = {q, k, v};
+    const int64_t n[3] = {s.T, s.Tk, s.Tk};
+    std::exception_ptr error;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t item = 0; item < 3 * H; ++item) {
+      const int64_t which = item / H, h = item % H;
+      try {
+        for (int64_t b = 0; b < B; ++b) {
+          lin[which][h].run(x[which].data + b * n[which] * x[which].ld, n[which], x[which].ld,
+                            dst[which] + (b * H + h) * n[which] * D, D, 1);
+        }
+      } catch (...) {
+#pragma omp critical(gpt2attn_project_error)
+        if (!error) error = std::current_exception();
+      }
+    }
+    if (error) std::rethrow_exception(error);
+  }
+
   void forward(const AttentionInputs& in, float* out_data, const RunOptions& run) {
     std::lock_guard<std::mutex> lock(mu);
     const Shape s = detail::validate_inputs(cfg, in, run);
-    if (s.self_attention && !qkv) {
-      invalid("self-attention needs kdim == vdim == d_in; this layer has different input widths, pass key and value");
-    }
     if (!out_data) invalid("output: null pointer");
     const int threads = run.threads > 0 ? run.threads : default_threads;
     const bool pack_q = needs_packing(in.query);
@@ -182,43 +193,24 @@ struct MultiHeadAttention::Impl {
     const Plan p = plan(s, pack_q, pack_k, pack_v, threads);
     grow_workspace(p.total);
     float* w = ws.get();
-    const int64_t E = s.E;
 
-    // Projections. K and V land where attention reads them: each head's D values contiguous, rows strided.
-    const float *qp, *kp, *vp;
-    int64_t ld_qkv, batch_q, batch_kv;  // row stride, and batch strides of Q and of K/V, in floats
     const Rows xq = as_rows(in.query, w + p.packed_q);
-    if (s.self_attention) {
-      float* dst = w + p.proj;  // (B*T, 3E) = [Q | K | V] per token
-      qkv->run(xq.data, s.B * s.T, xq.ld, dst, 3 * E, threads);
-      qp = dst, kp = dst + E, vp = dst + 2 * E;
-      ld_qkv = 3 * E, batch_q = batch_kv = s.T * 3 * E;
-    } else {
-      ensure_cross_projections();
-      float* dq = w + p.proj;
-      float* dk = dq + s.B * s.T * E;
-      float* dv = dk + s.B * s.Tk * E;
-      const Rows xk = as_rows(in.key, w + p.packed_k), xv = as_rows(in.value, w + p.packed_v);
-      q->run(xq.data, s.B * s.T, xq.ld, dq, E, threads);
-      k->run(xk.data, s.B * s.Tk, xk.ld, dk, E, threads);
-      v->run(xv.data, s.B * s.Tk, xv.ld, dv, E, threads);
-      qp = dq, kp = dk, vp = dv;
-      ld_qkv = E, batch_q = s.T * E, batch_kv = s.Tk * E;
-    }
+    const Rows xk = s.self_attention ? xq : as_rows(in.key, w + p.packed_k);
+    const Rows xv = s.self_attention ? xq : as_rows(in.value, w + p.packed_v);
+    project(s, xq, xk, xv, w + p.q, w + p.k, w + p.v, threads);
 
     float* ctx = w + p.ctx;
-    attend(s, in, run, qp, kp, vp, ld_qkv, batch_q, batch_kv, ctx, w + p.scratch, threads);
-    out.run(ctx, s.B * s.T, E, out_data, E, threads);
+    attend(s, in, run, w + p.q, w + p.k, w + p.v, ctx, w + p.scratch, threads);
+    out.run(ctx, s.B * s.T, s.E, out_data, s.E, threads);
   }
 
   // The attention core: (B, H, query tiles) split across threads. With a causal mask, later query tiles
   // see more keys, so work items are issued longest first and taken dynamically (greedy balancing).
   void attend(const Shape& s, const AttentionInputs& in, const RunOptions& run, const float* qp, const float* kp,
-              const float* vp, int64_t ld, int64_t batch_q, int64_t batch_kv, float* ctx, float* scratch_base,
-              int threads) {
+              const float* vp, float* ctx, float* scratch_base, int threads) {
     const int64_t B = s.B, H = s.H, D = s.D, T = s.T, Tk = s.Tk, E = s.E;
     kernels::AttentionArgs base;
-    base.ldq = base.ldk = base.ldv = ld;
+    base.ldq = base.ldk = base.ldv = D;
     base.ldo = E;
     base.T = T, base.Tk = Tk, base.D = D;
     base.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
@@ -243,9 +235,9 @@ struct MultiHeadAttention::Impl {
       for (int64_t it = 0; it < items; ++it) {
         const int64_t tile = tiles - 1 - it / (B * H), bh = it % (B * H), b = bh / H, h = bh % H;
         kernels::AttentionArgs a = base;
-        a.q = qp + b * batch_q + h * D;
-        a.k = kp + b * batch_kv + h * D;
-        a.v = vp + b * batch_kv + h * D;
+        a.q = qp + bh * T * D;
+        a.k = kp + bh * Tk * D;
+        a.v = vp + bh * Tk * D;
         a.out = ctx + b * T * E + h * D;
         if (mask.data) {
           a.mask = mask;
@@ -285,12 +277,8 @@ size_t MultiHeadAttention::workspace_bytes(int64_t B, int64_t T, int64_t Tk) con
   Shape s;
   s.B = B, s.T = T, s.Tk = Tk, s.E = c.d_model, s.H = c.num_heads, s.D = c.head_dim();
   s.d_in = c.query_width(), s.kdim = c.key_width(), s.vdim = c.value_width();
-  // The worst case of self- and cross-attention, inputs packed.
-  s.self_attention = false;
-  const int64_t cross = impl_->plan(s, true, true, true, impl_->default_threads).total;
-  s.self_attention = true;
-  const int64_t self = impl_->plan(s, true, false, false, impl_->default_threads).total;
-  return static_cast<size_t>(std::max(cross, self)) * sizeof(float);
+  // The worst case: cross-attention with every input packed.
+  return static_cast<size_t>(impl_->plan(s, true, true, true, impl_->default_threads).total) * sizeof(float);
 }
 
 void MultiHeadAttention::reserve(int64_t B, int64_t T, int64_t Tk) {
@@ -302,8 +290,8 @@ const Config& MultiHeadAttention::config() const { return impl_->cfg; }
 Isa MultiHeadAttention::isa() const { return impl_->isa; }
 int MultiHeadAttention::default_threads() const { return impl_->default_threads; }
 std::string MultiHeadAttention::implementation() const {
-  const auto& lin = impl_->qkv ? *impl_->qkv : impl_->out;
-  return std::string("tiled-online-softmax/") + impl_->kernel->isa + " + onednn-matmul/" + lin.implementation();
+  return std::string("tiled-online-softmax/") + impl_->kernel->isa + " + onednn-matmul/" +
+         impl_->proj_q.front().implementation();
 }
 
 CausalSelfAttention::CausalSelfAttention(Config config, const Weights& weights, const EngineOptions& options)

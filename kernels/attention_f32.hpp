@@ -7,10 +7,11 @@
 //   out (T, D)  row stride ldo    (each row's D values contiguous)
 //
 // Algorithm. Queries sit in SIMD lanes: a query tile of BQ rows is packed transposed, qt (D, BQ), so the
-// score tile s (BK, BQ) = K_tile . qt is a register-blocked outer-product GEMM, and every per-query
+// score tile s (BK, BQ) = K_tile . qt is a register-blocked outer-product GEMM (qt is pre-scaled by
+// scale * log2(e), so scores are in log2 units and exp becomes a cheap exp2), and every per-query
 // quantity (running max m, running sum l, rescale alpha) is a vertical vector op. For each key tile:
 //   m_new = max(m, max_j s_j)                 (m = -inf while every key so far was masked)
-//   alpha = exp(m - m_new),  p_j = exp(s_j - m_new)     (with m_new = 0 substituted when it is -inf)
+//   alpha = 2^(m - m_new),  p_j = 2^(s_j - m_new)       (with m_new = 0 substituted when it is -inf)
 //   l     = alpha * l + sum_j p_j
 //   acc   = alpha * acc + V_tile^T . p          (acc (D, BQ), unnormalised output, transposed)
 // and at the end out_i = acc_i / l_i, or 0 when l_i == 0 (a query that may attend to nothing).

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/attention_f32.hpp"
 #include "kernels/dropout.hpp"
@@ -30,9 +31,23 @@ struct AttentionF32 {
     for (int64_t i0 = q_begin; i0 < q_end; i0 += BQ) tile(a, i0, std::min<int64_t>(i0 + BQ, q_end), scratch);
   }
 
-  // s[j][lane] = scale * K_j . q_lane for RR key rows; K rows are broadcast, queries are vectors.
+  // Calls f(std::integral_constant<int, rem>) for 1 <= rem <= RR: a ragged block keeps full register
+  // blocking instead of falling back to one row at a time.
+  template <int RR, class F>
+  static void with_rows(int64_t rem, F&& f) {
+    if constexpr (RR >= 1) {
+      if (rem == RR) {
+        f(std::integral_constant<int, RR>{});
+      } else {
+        with_rows<RR - 1>(rem, f);
+      }
+    }
+  }
+
+  // s[j][lane] = K_j . qt_lane for RR key rows (qt is pre-scaled by scale*log2(e), so s is in log2 units);
+  // also folds the rows into the running column max mx. K rows are broadcast, queries are vectors.
   template <int RR>
-  static void score_rows(const float* k, int64_t ldk, const float* qt, int64_t D, float scale, float* s) {
+  static void score_rows(const float* k, int64_t ldk, const float* qt, int64_t D, float* s, B* mx) {
     B acc[RR][QV];
     for (int r = 0; r < RR; ++r)
       for (int v = 0; v < QV; ++v) acc[r][v] = V::set1(0.0f);
@@ -44,9 +59,12 @@ struct AttentionF32 {
         for (int v = 0; v < QV; ++v) acc[r][v] = V::fma(kb, q[v], acc[r][v]);
       }
     }
-    const B sc = V::set1(scale);
-    for (int r = 0; r < RR; ++r)
-      for (int v = 0; v < QV; ++v) V::store(s + r * BQ + v * W, acc[r][v] * sc);
+    for (int r = 0; r < RR; ++r) {
+      for (int v = 0; v < QV; ++v) {
+        V::store(s + r * BQ + v * W, acc[r][v]);
+        mx[v] = V::max(mx[v], acc[r][v]);
+      }
+    }
   }
 
   // acc[d][lane] = alpha[lane] * acc[d][lane] + sum_j V[j][d] * p[j][lane] for RR consecutive d.
@@ -84,9 +102,11 @@ struct AttentionF32 {
     float* l = m + BQ;
     float* alpha = l + BQ;
 
-    // Pack the query tile transposed, zero lanes past the last query.
+    // Pack the query tile transposed and pre-scaled, so scores come out as log2(e) * scale * q.k and the
+    // softmax runs on exp2; zero lanes past the last query.
+    const float qscale = a.scale * 1.4426950408889634f;
     for (int64_t d = 0; d < D; ++d) {
-      for (int64_t i = 0; i < nq; ++i) qt[d * BQ + i] = a.q[(i0 + i) * a.ldq + d];
+      for (int64_t i = 0; i < nq; ++i) qt[d * BQ + i] = a.q[(i0 + i) * a.ldq + d] * qscale;
       for (int64_t i = nq; i < BQ; ++i) qt[d * BQ + i] = 0.0f;
     }
     std::fill(acc, acc + D * BQ, 0.0f);
@@ -98,32 +118,42 @@ struct AttentionF32 {
     for (int64_t j0 = 0; j0 < kend; j0 += BK) {
       const int64_t nk = std::min<int64_t>(BK, kend - j0);
 
+      B mx[QV];
+      for (int v = 0; v < QV; ++v) mx[v] = V::load(m + v * W);
       {
         const float* k = a.k + j0 * a.ldk;
         int64_t j = 0;
-        for (; j + R <= nk; j += R) score_rows<R>(k + j * a.ldk, a.ldk, qt, D, a.scale, s + j * BQ);
-        for (; j < nk; ++j) score_rows<1>(k + j * a.ldk, a.ldk, qt, D, a.scale, s + j * BQ);
+        for (; j + R <= nk; j += R) score_rows<R>(k + j * a.ldk, a.ldk, qt, D, s + j * BQ, mx);
+        if (j < nk) {
+          with_rows<R - 1>(nk - j, [&](auto rr) {
+            score_rows<decltype(rr)::value>(k + j * a.ldk, a.ldk, qt, D, s + j * BQ, mx);
+          });
+        }
       }
+      bool masked = false;  // any mask changes scores after mx was taken: recompute it then
 
       // Only tiles crossing the diagonal (some key past the first query's horizon) are masked.
       if (a.causal && j0 + nk - 1 > i0 + a.causal_offset) {
+        masked = true;
         for (int64_t j = 0; j < nk; ++j) {
           const float* bias = a.causal_bias + (i0 + a.causal_offset - (j0 + j));
           for (int v = 0; v < QV; ++v) V::store(s + j * BQ + v * W, V::load(s + j * BQ + v * W) + V::load(bias + v * W));
         }
       }
       if (a.key_padding.data) {
+        masked = true;
         for (int64_t j = 0; j < nk; ++j) {
           if (mask_value(a.key_padding, 0, j0 + j) != 0.0f) std::fill(s + j * BQ, s + (j + 1) * BQ, -INFINITY);
         }
       }
       if (a.mask.data) {
+        masked = true;
         for (int64_t i = 0; i < nq; ++i) {
           for (int64_t j = 0; j < nk; ++j) {
             const float x = mask_value(a.mask, i0 + i, j0 + j);
             float& sc = s[j * BQ + i];
             switch (a.mask.mode) {
-              case MaskMode::additive: sc += x; break;
+              case MaskMode::additive: sc += x * 1.4426950408889634f; break;  // log2 units
               case MaskMode::keep: if (x == 0.0f) sc = -INFINITY; break;
               case MaskMode::block: if (x != 0.0f) sc = -INFINITY; break;
             }
@@ -134,16 +164,19 @@ struct AttentionF32 {
       // Online softmax: new running max, rescale factor, exponentials in place, running sum.
       for (int v = 0; v < QV; ++v) {
         const B m_old = V::load(m + v * W);
-        B m_new = m_old;
-        for (int64_t j = 0; j < nk; ++j) m_new = V::max(m_new, V::load(s + j * BQ + v * W));
+        B m_new = mx[v];
+        if (masked) {
+          m_new = m_old;
+          for (int64_t j = 0; j < nk; ++j) m_new = V::max(m_new, V::load(s + j * BQ + v * W));
+        }
         const B m_safe = V::finite_or_zero(m_new);
         B sum = V::set1(0.0f);
         for (int64_t j = 0; j < nk; ++j) {
-          const B p = V::exp(V::load(s + j * BQ + v * W) - m_safe);
+          const B p = V::exp2(V::load(s + j * BQ + v * W) - m_safe);
           V::store(s + j * BQ + v * W, p);
           sum = sum + p;
         }
-        const B al = V::exp(m_old - m_safe);
+        const B al = V::exp2(m_old - m_safe);
         V::store(alpha + v * W, al);
         V::store(m + v * W, m_new);
         V::store(l + v * W, V::fma(V::load(l + v * W), al, sum));
@@ -163,7 +196,11 @@ struct AttentionF32 {
         const float* vt = a.v + j0 * a.ldv;
         int64_t d = 0;
         for (; d + R <= D; d += R) pv_rows<R>(vt + d, a.ldv, s, nk, alpha, acc + d * BQ);
-        for (; d < D; ++d) pv_rows<1>(vt + d, a.ldv, s, nk, alpha, acc + d * BQ);
+        if (d < D) {
+          with_rows<R - 1>(D - d, [&](auto rr) {
+            pv_rows<decltype(rr)::value>(vt + d, a.ldv, s, nk, alpha, acc + d * BQ);
+          });
+        }
       }
     }
 

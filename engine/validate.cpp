@@ -1,0 +1,233 @@
+// engine/validate.cpp: the one check of a forward call's inputs (shapes, dtypes, strides, finiteness), shared by
+// MultiHeadAttention::forward and the naive reference. It never checks the Config or Weights (done at construction).
+#include "engine/validate.hpp"
+
+#include <array>
+#include <cmath>
+#include <string>
+
+#include "gpt2attn/error.hpp"
+
+namespace gpt2attn::detail {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::f32: return "f32";
+    case DType::u8: return "u8";
+  }
+  return "unknown";
+}
+
+// Checks that hold for every view before its shape is read: a sane rank, no negative size or stride, and data
+// behind a non-empty shape. A bad rank is reported before shape_str() is called, which indexes shape[0..rank).
+void check_view(const TensorView& v, const char* name) {
+  if (v.rank < 0 || v.rank > 4) invalid(std::string(name) + ": rank must be in [0, 4], got " + str(v.rank));
+  if (v.data == nullptr && v.rank > 0) {
+    invalid(std::string(name) + ": null data pointer with non-empty shape " + v.shape_str());
+  }
+  for (int d = 0; d < v.rank; ++d) {
+    if (v.shape[d] < 0) invalid(std::string(name) + ": negative size in shape " + v.shape_str());
+    if (v.strides[d] < 0) {
+      invalid(std::string(name) + ": negative stride " + str(v.strides[d]) + " in dimension " + str(d) +
+              " (shape " + v.shape_str() + "); negative strides are not supported");
+    }
+  }
+}
+
+void require_dtype(const TensorView& v, const char* name, DType want) {
+  if (v.dtype != want) {
+    invalid(std::string(name) + ": expected dtype " + dtype_name(want) + ", got " + dtype_name(v.dtype));
+  }
+}
+
+void require_mask_dtype(const TensorView& v, const char* name) {
+  if (v.dtype != DType::f32 && v.dtype != DType::u8) {
+    invalid(std::string(name) + ": expected dtype u8 or f32, got " + dtype_name(v.dtype));
+  }
+}
+
+// "(B, Tk, kdim) = (2, *, 16)": the symbolic shape and the values known at this point (`*` = free).
+std::string expected_str(const char* symbols, std::initializer_list<int64_t> dims) {
+  std::string s = std::string(symbols) + " = (";
+  int i = 0;
+  for (int64_t d : dims) s += (i++ ? ", " : "") + (d < 0 ? std::string("*") : str(d));
+  return s + ")";
+}
+
+[[noreturn]] void bad_shape(const TensorView& v, const char* name, const std::string& expected) {
+  invalid(std::string(name) + ": expected shape " + expected + ", got " + v.shape_str());
+}
+
+// Scans a rank-3 f32 view through its strides; the message gives the first bad element's (b, t, e).
+void check_finite3(const TensorView& v, const char* name, const char* len_symbol) {
+  const auto* p = static_cast<const float*>(v.data);
+  const int64_t sB = v.strides[0], sT = v.strides[1], sE = v.strides[2];
+  for (int64_t b = 0; b < v.shape[0]; ++b) {
+    for (int64_t t = 0; t < v.shape[1]; ++t) {
+      for (int64_t e = 0; e < v.shape[2]; ++e) {
+        const float x = p[b * sB + t * sT + e * sE];
+        if (!std::isfinite(x)) {
+          const char* what = std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf");
+          invalid(std::string(name) + " contains " + what + " at (b, " + len_symbol + ", e) = (" + str(b) + ", " +
+                  str(t) + ", " + str(e) + ")");
+        }
+      }
+    }
+  }
+}
+
+// An additive mask may hold -inf (that is how it blocks) but not NaN, and not +inf: +inf would make the row's
+// softmax inf - inf = NaN, which no caller can mean.
+void check_additive_mask(const TensorView& v) {
+  const auto* p = static_cast<const float*>(v.data);
+  static const char* const kIndexNames[5] = {"", "", "(t, j)", "(b, t, j)", "(b, h, t, j)"};
+  std::array<int64_t, 4> shape{1, 1, 1, 1}, strides{0, 0, 0, 0};
+  const int lead = 4 - v.rank;  // right-align into 4 dimensions so one loop nest covers every rank
+  for (int d = 0; d < v.rank; ++d) {
+    shape[lead + d] = v.shape[d];
+    strides[lead + d] = v.strides[d];
+  }
+  for (int64_t a = 0; a < shape[0]; ++a) {
+    for (int64_t b = 0; b < shape[1]; ++b) {
+      for (int64_t c = 0; c < shape[2]; ++c) {
+        for (int64_t d = 0; d < shape[3]; ++d) {
+          const float x = p[a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3]];
+          if (std::isnan(x) || x == INFINITY) {
+            const std::array<int64_t, 4> idx{a, b, c, d};
+            std::string at;
+            for (int k = lead; k < 4; ++k) at += (k > lead ? ", " : "") + str(idx[k]);
+            invalid(std::string("attn_mask (additive) contains ") + (std::isnan(x) ? "NaN" : "+Inf") + " at " +
+                    kIndexNames[v.rank] + " = (" + at + "); only finite values and -inf are allowed");
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Shape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run) {
+  if (run.threads < 0) invalid("run.threads: expected >= 0 (0 = the layer's default), got " + str(run.threads));
+
+  Shape s;
+  s.E = config.d_model;
+  s.H = config.num_heads;
+  s.D = config.head_dim();
+  s.d_in = config.query_width();
+
+  // query (B, T, d_in)
+  const TensorView& q = in.query;
+  check_view(q, "query");
+  if (q.empty()) invalid("query: missing; expected a (B, T, d_in) f32 tensor");
+  require_dtype(q, "query", DType::f32);
+  if (q.rank != 3) {
+    invalid("query: expected rank 3 (B, T, d_in), got rank " + str(q.rank) + " with shape " + q.shape_str());
+  }
+  if (q.shape[2] != s.d_in) bad_shape(q, "query", expected_str("(B, T, d_in)", {-1, -1, s.d_in}));
+  if (q.shape[0] < 1 || q.shape[1] < 1) {
+    invalid("query: batch B and length T must be >= 1, got shape " + q.shape_str());
+  }
+  s.B = q.shape[0];
+  s.T = q.shape[1];
+  if (s.T > config.context_length) {
+    invalid("query: sequence length T=" + str(s.T) + " exceeds context_length=" + str(config.context_length));
+  }
+
+  // key (B, Tk, kdim) and value (B, Tk, vdim), both or neither
+  const TensorView &k = in.key, &v = in.value;
+  check_view(k, "key");
+  check_view(v, "value");
+  if (k.empty() != v.empty()) {
+    invalid(k.empty() ? "value given without key: pass both for cross-attention, or neither for self-attention"
+                      : "key given without value: pass both for cross-attention, or neither for self-attention");
+  }
+  s.self_attention = k.empty();
+  if (s.self_attention) {
+    // key = value = query, so the key/value projections must accept the query's width.
+    if (config.key_width() != s.d_in || config.value_width() != s.d_in) {
+      invalid("key/value: missing, but self-attention needs kdim = vdim = d_in; config has d_in=" + str(s.d_in) +
+              ", kdim=" + str(config.key_width()) + ", vdim=" + str(config.value_width()));
+    }
+    s.Tk = s.T;
+    s.kdim = s.vdim = s.d_in;
+  } else {
+    s.kdim = config.key_width();
+    s.vdim = config.value_width();
+    require_dtype(k, "key", DType::f32);
+    require_dtype(v, "value", DType::f32);
+    if (k.rank != 3) {
+      invalid("key: expected rank 3 (B, Tk, kdim), got rank " + str(k.rank) + " with shape " + k.shape_str());
+    }
+    if (k.shape[0] != s.B || k.shape[2] != s.kdim) {
+      bad_shape(k, "key", expected_str("(B, Tk, kdim)", {s.B, -1, s.kdim}));
+    }
+    if (k.shape[1] < 1) invalid("key: length Tk must be >= 1, got shape " + k.shape_str());
+    s.Tk = k.shape[1];
+    if (v.rank != 3) {
+      invalid("value: expected rank 3 (B, Tk, vdim), got rank " + str(v.rank) + " with shape " + v.shape_str());
+    }
+    if (v.shape[0] != s.B || v.shape[1] != s.Tk || v.shape[2] != s.vdim) {
+      bad_shape(v, "value", expected_str("(B, Tk, vdim)", {s.B, s.Tk, s.vdim}) + " (B from query, Tk from key)");
+    }
+    if (s.Tk > config.context_length) {
+      invalid("key: sequence length Tk=" + str(s.Tk) + " exceeds context_length=" + str(config.context_length));
+    }
+  }
+
+  // attn_mask: exactly (T, Tk), (B, T, Tk) or (B, H, T, Tk); broadcasting beyond that is the caller's strides.
+  const TensorView& m = in.attn_mask;
+  check_view(m, "attn_mask");
+  if (!m.empty()) {
+    require_mask_dtype(m, "attn_mask");
+    if (in.mask_kind == MaskKind::additive && m.dtype != DType::f32) {
+      invalid(std::string("attn_mask: mask_kind additive requires dtype f32, got ") + dtype_name(m.dtype) +
+              " (use keep or block for a boolean mask)");
+    }
+    const std::string all = expected_str("(T, Tk)", {s.T, s.Tk}) + ", " +
+                            expected_str("(B, T, Tk)", {s.B, s.T, s.Tk}) + " or " +
+                            expected_str("(B, H, T, Tk)", {s.B, s.H, s.T, s.Tk});
+    switch (m.rank) {
+      case 2:
+        if (m.shape[0] != s.T || m.shape[1] != s.Tk) bad_shape(m, "attn_mask", all);
+        break;
+      case 3:
+        if (m.shape[0] != s.B || m.shape[1] != s.T || m.shape[2] != s.Tk) bad_shape(m, "attn_mask", all);
+        break;
+      case 4:
+        if (m.shape[0] != s.B || m.shape[1] != s.H || m.shape[2] != s.T || m.shape[3] != s.Tk) {
+          bad_shape(m, "attn_mask", all);
+        }
+        break;
+      default: bad_shape(m, "attn_mask", all);
+    }
+    s.mask_rank = m.rank;
+  }
+
+  // key_padding (B, Tk), nonzero = padding
+  const TensorView& kp = in.key_padding;
+  check_view(kp, "key_padding");
+  if (!kp.empty()) {
+    require_mask_dtype(kp, "key_padding");
+    if (kp.rank != 2 || kp.shape[0] != s.B || kp.shape[1] != s.Tk) {
+      bad_shape(kp, "key_padding", expected_str("(B, Tk)", {s.B, s.Tk}));
+    }
+    s.key_padding = true;
+  }
+
+  // Last, because it reads every element: the shapes above guarantee the scans stay in bounds.
+  if (run.check_finite) {
+    check_finite3(q, "query", "t");
+    if (!s.self_attention) {
+      check_finite3(k, "key", "j");
+      check_finite3(v, "value", "j");
+    }
+    if (!m.empty() && in.mask_kind == MaskKind::additive) check_additive_mask(m);
+  }
+  return s;
+}
+
+}  // namespace gpt2attn::detail

@@ -1,0 +1,343 @@
+// tests/test_validation.cpp: every class of bad input is refused, with invalid_argument and a message naming the
+// culprit, by BOTH the naive reference and MultiHeadAttention, and the layer's output buffer is left untouched.
+// What valid inputs compute is tested elsewhere (test_reference.cpp and the parity tests).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gpt2attn/attention.hpp"
+#include "gpt2attn/error.hpp"
+#include "gpt2attn/reference.hpp"
+
+namespace gpt2attn {
+namespace {
+
+constexpr float kSentinel = -12345.5f;
+
+// Small sizes in the B, T, Tk, E, H vocabulary; cross-attention key/value have Tk != T.
+constexpr int64_t B = 2, T = 3, Tk = 4, E = 8, H = 2;
+
+Config small_config() {
+  Config c;
+  c.d_model = E;
+  c.num_heads = H;
+  c.context_length = 16;
+  return c;
+}
+
+::testing::AssertionResult message_has(const Error& e, const std::vector<std::string>& words) {
+  if (e.code() != ErrorCode::invalid_argument) {
+    return ::testing::AssertionFailure() << "code " << static_cast<int>(e.code()) << " (want invalid_argument) for: "
+                                         << e.what();
+  }
+  const std::string msg = e.what();
+  for (const std::string& w : words) {
+    if (msg.find(w) == std::string::npos) {
+      return ::testing::AssertionFailure() << "message lacks \"" << w << "\": " << msg;
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Runs the call through the reference and through a layer; both must throw Error(invalid_argument) whose
+// message contains every word, and the layer must not have written a single output element.
+void expect_rejected(const Config& c, const AttentionInputs& in, const RunOptions& run,
+                     const std::vector<std::string>& words) {
+  const Weights w = Weights::random(c, 1);
+  try {
+    reference_forward(c, w, in, run);
+    ADD_FAILURE() << "reference_forward accepted the input";
+  } catch (const Error& e) {
+    EXPECT_TRUE(message_has(e, words)) << "reference_forward";
+  }
+
+  // Large enough for whatever (B, T, E) the query claims, so a wrongly accepted call cannot overflow it.
+  size_t n = 4096;
+  if (in.query.rank == 3 && in.query.shape[0] > 0 && in.query.shape[1] > 0) {
+    n = std::max(n, static_cast<size_t>(in.query.shape[0] * in.query.shape[1] * c.d_model));
+  }
+  std::vector<float> out(n, kSentinel);
+  MultiHeadAttention layer(c, w);
+  try {
+    layer.forward(in, out.data(), run);
+    ADD_FAILURE() << "MultiHeadAttention::forward accepted the input";
+  } catch (const Error& e) {
+    EXPECT_TRUE(message_has(e, words)) << "MultiHeadAttention::forward";
+  }
+  const auto touched = std::find_if(out.begin(), out.end(), [](float x) {
+    return std::memcmp(&x, &kSentinel, sizeof x) != 0;
+  });
+  EXPECT_TRUE(touched == out.end()) << "output written at element " << (touched - out.begin())
+                                    << " although the call was refused";
+}
+
+// A config or weights problem is refused by the layer's constructor and by the reference.
+void expect_construction_rejected(const Config& c, const Weights& w, const AttentionInputs& in,
+                                  const std::vector<std::string>& words) {
+  try {
+    MultiHeadAttention layer(c, w);
+    ADD_FAILURE() << "MultiHeadAttention constructor accepted it";
+  } catch (const Error& e) {
+    EXPECT_TRUE(message_has(e, words)) << "MultiHeadAttention constructor";
+  }
+  try {
+    reference_forward(c, w, in);
+    ADD_FAILURE() << "reference_forward accepted it";
+  } catch (const Error& e) {
+    EXPECT_TRUE(message_has(e, words)) << "reference_forward";
+  }
+}
+
+// Valid inputs of every kind the cases below break one at a time.
+class Validation : public ::testing::Test {
+ protected:
+  Config cfg = small_config();
+  std::vector<float> q = filled(B * T * E), k = filled(B * Tk * E), v = filled(B * Tk * E);
+  std::vector<float> add = std::vector<float>(B * H * T * Tk + 8, 0.0f);
+  std::vector<uint8_t> u8 = std::vector<uint8_t>(B * H * T * Tk + 8, 1);
+  RunOptions run;
+
+  static std::vector<float> filled(int64_t n) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) x[i] = std::sin(0.37f * static_cast<float>(i));
+    return x;
+  }
+  AttentionInputs self() const {
+    AttentionInputs in;
+    in.query = TensorView::f32(q.data(), {B, T, E});
+    return in;
+  }
+  AttentionInputs cross() const {
+    AttentionInputs in = self();
+    in.key = TensorView::f32(k.data(), {B, Tk, E});
+    in.value = TensorView::f32(v.data(), {B, Tk, E});
+    return in;
+  }
+};
+
+// The harness itself: valid inputs pass both paths, and the layer does write its output, so "untouched" above
+// means something.
+TEST_F(Validation, ValidInputsAreAccepted) {
+  const Weights w = Weights::random(cfg, 1);
+  AttentionInputs in = cross();
+  in.attn_mask = TensorView::u8(u8.data(), {B, H, T, Tk});
+  in.key_padding = TensorView::f32(add.data(), {B, Tk});
+  EXPECT_EQ(reference_forward(cfg, w, in, run).size(), static_cast<size_t>(B * T * E));
+  std::vector<float> out(B * T * E, kSentinel);
+  MultiHeadAttention layer(cfg, w);
+  layer.forward(in, out.data(), run);
+  for (float x : out) ASSERT_TRUE(std::isfinite(x) && x != kSentinel);
+}
+
+TEST_F(Validation, MissingQuery) {
+  AttentionInputs in;
+  expect_rejected(cfg, in, run, {"query", "missing"});
+  in = cross();
+  in.query = {};
+  expect_rejected(cfg, in, run, {"query", "missing"});
+}
+
+TEST_F(Validation, QueryWrongRank) {
+  AttentionInputs in = self();
+  in.query = TensorView::f32(q.data(), {B * T, E});
+  expect_rejected(cfg, in, run, {"query", "rank 3", "(6, 8)"});
+  in.query = TensorView::f32(q.data(), {1, B, T, E});
+  expect_rejected(cfg, in, run, {"query", "rank 3", "(1, 2, 3, 8)"});
+}
+
+TEST_F(Validation, QueryWrongWidth) {
+  AttentionInputs in = self();
+  in.query = TensorView::f32(q.data(), {B, 4, 6});
+  expect_rejected(cfg, in, run, {"query", "(B, T, d_in) = (*, *, 8)", "(2, 4, 6)"});
+  // d_in set explicitly: an E-wide query is now the wrong width.
+  Config c = cfg;
+  c.d_in = 6;
+  expect_rejected(c, self(), run, {"query", "(*, *, 6)", "(2, 3, 8)"});
+}
+
+TEST_F(Validation, QueryWrongDtypeOrEmptyDimension) {
+  AttentionInputs in = self();
+  in.query.dtype = DType::u8;
+  expect_rejected(cfg, in, run, {"query", "f32", "u8"});
+  in = self();
+  in.query = TensorView::f32(q.data(), {B, 0, E});
+  expect_rejected(cfg, in, run, {"query", "(2, 0, 8)"});
+}
+
+TEST_F(Validation, BatchMismatchBetweenQueryAndKey) {
+  AttentionInputs in = cross();
+  in.key = TensorView::f32(k.data(), {1, Tk, E});
+  expect_rejected(cfg, in, run, {"key", "(B, Tk, kdim) = (2, *, 8)", "(1, 4, 8)"});
+  in = cross();
+  in.value = TensorView::f32(v.data(), {1, Tk, E});
+  expect_rejected(cfg, in, run, {"value", "(2, 4, 8)", "(1, 4, 8)"});
+}
+
+TEST_F(Validation, KeyLengthMismatchBetweenKeyAndValue) {
+  AttentionInputs in = cross();
+  in.value = TensorView::f32(v.data(), {B, Tk - 1, E});
+  expect_rejected(cfg, in, run, {"value", "Tk", "(2, 4, 8)", "(2, 3, 8)"});
+}
+
+TEST_F(Validation, KeyWidthMustBeKdim) {
+  Config c = cfg;
+  c.kdim = 5;
+  expect_rejected(c, cross(), run, {"key", "kdim", "(2, *, 5)", "(2, 4, 8)"});
+  // Self-attention cannot feed a query of width d_in into a kdim-wide key projection.
+  expect_rejected(c, self(), run, {"kdim"});
+}
+
+TEST_F(Validation, KeyWithoutValueAndValueWithoutKey) {
+  AttentionInputs in = cross();
+  in.value = {};
+  expect_rejected(cfg, in, run, {"key given without value"});
+  in = cross();
+  in.key = {};
+  expect_rejected(cfg, in, run, {"value given without key"});
+}
+
+TEST_F(Validation, MaskOfWrongShape) {
+  AttentionInputs in = cross();
+  in.attn_mask = TensorView::u8(u8.data(), {T, T});  // (T, T) where (T, Tk) is due
+  expect_rejected(cfg, in, run, {"attn_mask", "(T, Tk) = (3, 4)", "got (3, 3)"});
+  in.attn_mask = TensorView::u8(u8.data(), {B + 1, T, Tk});
+  expect_rejected(cfg, in, run, {"attn_mask", "(B, T, Tk) = (2, 3, 4)", "got (3, 3, 4)"});
+  in.attn_mask = TensorView::u8(u8.data(), {B, 1, T, Tk});  // no broadcast over H by shape: use a 0 stride
+  expect_rejected(cfg, in, run, {"attn_mask", "(B, H, T, Tk) = (2, 2, 3, 4)", "got (2, 1, 3, 4)"});
+  in.attn_mask = TensorView::u8(u8.data(), {Tk});
+  expect_rejected(cfg, in, run, {"attn_mask", "got (4,)"});
+}
+
+TEST_F(Validation, AdditiveMaskMustBeFloat) {
+  AttentionInputs in = self();
+  in.attn_mask = TensorView::u8(u8.data(), {T, T});
+  in.mask_kind = MaskKind::additive;
+  expect_rejected(cfg, in, run, {"attn_mask", "additive", "f32", "u8"});
+}
+
+TEST_F(Validation, KeyPaddingWrongShape) {
+  AttentionInputs in = cross();
+  in.key_padding = TensorView::u8(u8.data(), {B, Tk + 1});
+  expect_rejected(cfg, in, run, {"key_padding", "(B, Tk) = (2, 4)", "got (2, 5)"});
+  in.key_padding = TensorView::u8(u8.data(), {B, T, Tk});
+  expect_rejected(cfg, in, run, {"key_padding", "(B, Tk) = (2, 4)", "got (2, 3, 4)"});
+  in = self();  // self-attention: Tk is T
+  in.key_padding = TensorView::u8(u8.data(), {B, Tk});
+  expect_rejected(cfg, in, run, {"key_padding", "(B, Tk) = (2, 3)", "got (2, 4)"});
+}
+
+TEST_F(Validation, SequenceLongerThanContextLength) {
+  Config c = cfg;
+  c.context_length = T - 1;
+  expect_rejected(c, self(), run, {"query", "sequence length T=3", "exceeds context_length=2"});
+  c.context_length = Tk - 1;  // T fits, Tk does not
+  expect_rejected(c, cross(), run, {"key", "Tk=4", "context_length=3"});
+}
+
+TEST_F(Validation, NonFiniteQueryKeyValue) {
+  q[(1 * T + 2) * E + 5] = NAN;
+  expect_rejected(cfg, self(), run, {"query", "NaN", "(b, t, e) = (1, 2, 5)"});
+  q[(1 * T + 2) * E + 5] = INFINITY;
+  expect_rejected(cfg, self(), run, {"query", "Inf", "(1, 2, 5)"});
+  q[(1 * T + 2) * E + 5] = -INFINITY;
+  expect_rejected(cfg, self(), run, {"query", "Inf", "(1, 2, 5)"});
+  q[(1 * T + 2) * E + 5] = 0.0f;
+  k[(0 * Tk + 3) * E + 1] = NAN;
+  expect_rejected(cfg, cross(), run, {"key", "NaN", "(0, 3, 1)"});
+  k[(0 * Tk + 3) * E + 1] = 0.0f;
+  v[(1 * Tk + 0) * E + 7] = INFINITY;
+  expect_rejected(cfg, cross(), run, {"value", "Inf", "(1, 0, 7)"});
+}
+
+// The scan reads through the strides: a NaN in a gap that the view skips is not an input, and is accepted.
+TEST_F(Validation, FinitenessScanFollowsStrides) {
+  std::vector<float> wide(B * T * 2 * E, NAN);
+  for (size_t i = 0; i < wide.size(); i += 2) wide[i] = 0.25f;
+  AttentionInputs in;
+  in.query = TensorView::f32(wide.data(), {B, T, E}).with_strides({T * 2 * E, 2 * E, 2});
+  const Weights w = Weights::random(cfg, 1);
+  EXPECT_NO_THROW(reference_forward(cfg, w, in, run));
+  wide[(1 * T + 1) * 2 * E + 2 * 3] = NAN;  // element (1, 1, 3) of the view
+  expect_rejected(cfg, in, run, {"query", "NaN", "(1, 1, 3)"});
+}
+
+TEST_F(Validation, NaNInAdditiveMask) {
+  AttentionInputs in = cross();
+  in.mask_kind = MaskKind::additive;
+  add[2 * Tk + 1] = -INFINITY;  // -inf is how an additive mask blocks: allowed
+  in.attn_mask = TensorView::f32(add.data(), {T, Tk});
+  const Weights w = Weights::random(cfg, 1);
+  EXPECT_NO_THROW(reference_forward(cfg, w, in, run));
+  add[1 * Tk + 3] = NAN;
+  expect_rejected(cfg, in, run, {"attn_mask", "NaN", "(t, j) = (1, 3)"});
+  in.attn_mask = TensorView::f32(add.data(), {B, H, T, Tk}).with_strides({0, 0, Tk, 1});
+  expect_rejected(cfg, in, run, {"attn_mask", "NaN", "(b, h, t, j) = (0, 0, 1, 3)"});
+}
+
+TEST_F(Validation, NonFiniteAcceptedWhenCheckIsOff) {
+  q[3] = NAN;
+  run.check_finite = false;
+  EXPECT_NO_THROW(reference_forward(cfg, Weights::random(cfg, 1), self(), run));
+}
+
+TEST_F(Validation, NegativeThreads) {
+  run.threads = -1;
+  expect_rejected(cfg, self(), run, {"threads", "-1"});
+}
+
+TEST_F(Validation, NegativeStrideOrNullData) {
+  AttentionInputs in = self();
+  in.query = TensorView::f32(q.data() + (T - 1) * E, {B, T, E}).with_strides({T * E, -E, 1});
+  expect_rejected(cfg, in, run, {"query", "negative stride"});
+  in = cross();
+  in.key.data = nullptr;
+  expect_rejected(cfg, in, run, {"key", "null"});
+  in = cross();
+  in.attn_mask = TensorView::u8(nullptr, {T, Tk});
+  expect_rejected(cfg, in, run, {"attn_mask", "null"});
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Config::validate and Weights::validate, reached through the layer's constructor and through the reference.
+TEST_F(Validation, BadConfig) {
+  const Weights w = Weights::random(cfg, 1);
+  const AttentionInputs in = self();
+  struct Case {
+    const char* what;
+    void (*edit)(Config&);
+    std::vector<std::string> words;
+  };
+  const Case cases[] = {
+      {"E not divisible by H", [](Config& c) { c.num_heads = 3; }, {"num_heads", "d_model"}},
+      {"d_model 0", [](Config& c) { c.d_model = 0; }, {"d_model"}},
+      {"num_heads 0", [](Config& c) { c.num_heads = 0; }, {"num_heads"}},
+      {"negative d_model", [](Config& c) { c.d_model = -8; }, {"d_model"}},
+      {"negative dropout", [](Config& c) { c.dropout = -0.1f; }, {"dropout"}},
+      {"dropout 1", [](Config& c) { c.dropout = 1.0f; }, {"dropout"}},
+      {"dropout NaN", [](Config& c) { c.dropout = NAN; }, {"dropout"}},
+      {"context_length 0", [](Config& c) { c.context_length = 0; }, {"context_length"}},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    Config c = cfg;
+    k.edit(c);
+    expect_construction_rejected(c, w, in, k.words);
+  }
+}
+
+TEST_F(Validation, BadWeights) {
+  Weights w = Weights::random(cfg, 1);
+  w.w_q.pop_back();
+  expect_construction_rejected(cfg, w, self(), {"w_q"});
+  w = Weights::random(cfg, 1);
+  w.b_o.clear();
+  expect_construction_rejected(cfg, w, self(), {"b_o"});
+}
+
+}  // namespace
+}  // namespace gpt2attn
