@@ -1,0 +1,239 @@
+# tests/python/test_cli_errors.py: the CLI's bad-input contract. Every bad input exits 2 with exactly one
+# clear stderr line naming the problem, no signal or trace dump, and no output file left behind.
+# Also `gpt2attn presets` and `gpt2attn --help` succeed. Numerical results are the other scripts' business.
+import os
+import re
+import struct
+import sys
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import parity_common as pc  # noqa: E402
+from parity_common import check  # noqa: E402
+
+E, H, B, T = 8, 2, 2, 3
+DUMP_MARKERS = ("Traceback", "terminate called", "Aborted", "core dumped", "Segmentation", "what():",
+                "AddressSanitizer", "stack trace")
+
+
+class Fixture:
+    """A valid weights file and valid inputs; each case breaks one thing."""
+
+    def __init__(self, r):
+        self.r = r
+        self.dir = r.workdir()
+        torch.manual_seed(0)
+        m = nn.MultiheadAttention(E, H, batch_first=True)
+        self.sd = pc.state_dict_of(m)
+        self.weights = self.path("w.safetensors")
+        self.st_bytes = pc.safetensors_bytes(self.sd)
+        with open(self.weights, "wb") as f:
+            f.write(self.st_bytes)
+        g = np.random.default_rng(0)
+        self.q = self.npy("q.npy", g.standard_normal((B, T, E)).astype(np.float32))
+        self.kv = self.npy("kv.npy", g.standard_normal((B, 5, E)).astype(np.float32))
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def npy(self, name, a):
+        return pc.save_npy(self.path(name), a)
+
+    def raw(self, name, data):
+        with open(self.path(name), "wb") as f:
+            f.write(data)
+        return self.path(name)
+
+    def st(self, name, tensors=None, **kw):
+        return pc.write_safetensors(self.path(name), self.sd if tensors is None else tensors, **kw)
+
+    def fwd(self, weights=None, query=None, drop=(), extra=()):
+        """forward args with the valid defaults; `drop` removes options (and their values) by name."""
+        opts = [("--weights", weights or self.weights), ("--heads", H), ("--query", query or self.q)]
+        return ["forward"] + [str(x) for o in opts if o[0] not in drop for x in o] + [str(x) for x in extra]
+
+
+def expect_error(r, args, keywords, output=None, tail=()):
+    """Runs the CLI and checks the bad-input contract; keywords: any one must appear (case-insensitive).
+    --output comes after args, then tail (for an option left without its value at the very end)."""
+    wd = r.workdir()
+    out = output or os.path.join(wd, "y.npy")
+    args = list(args) + ["--output", out] + [str(x) for x in tail]
+    p = pc.run_cli(r.cli, args)
+    cmd = pc.fmt_cmd(r.cli, args)
+    check(p.returncode >= 0, "killed by signal %d: %s" % (-p.returncode, cmd))
+    check(p.returncode == 2, "exit %d, expected 2: %s; stderr: %r" % (p.returncode, cmd, p.stderr[-300:]))
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    check(len(lines) == 1, "expected exactly one stderr line, got %d: %r (%s)" % (len(lines), p.stderr[-400:], cmd))
+    for marker in DUMP_MARKERS:
+        check(marker.lower() not in p.stderr.lower(), "stderr looks like a dump (%r): %r" % (marker, lines[0]))
+    check(any(re.search(k, lines[0], re.I) for k in keywords),
+          "stderr does not mention %s: %r (%s)" % (" / ".join(keywords), lines[0], cmd))
+    check(not os.path.exists(out), "output file exists after failure: %s" % cmd)
+    return "stderr: %s" % lines[0]
+
+
+def main():
+    r = pc.Runner("bad input contract of the gpt2attn CLI")
+    fx = Fixture(r)
+    err = lambda name, args, keywords, **kw: r.case(name, expect_error, r, args, keywords, **kw)  # noqa: E731
+
+    # --- weights file ---
+    err("missing_weights_option", fx.fwd(drop=("--weights",)), ["weights"])
+    err("weights_file_missing", fx.fwd(weights=fx.path("nope.safetensors")),
+        ["nope\\.safetensors", "no such", "not found", "does not exist", "cannot open"])
+    err("weights_truncated", fx.fwd(weights=fx.raw("trunc.safetensors", fx.st_bytes[:-20])),
+        ["truncat", "offset", "size", "short", "end of file", "past"])
+    err("weights_file_shorter_than_8_bytes", fx.fwd(weights=fx.raw("tiny.safetensors", b"\x10\x00")),
+        ["truncat", "header", "short", "size", "too small"])
+    err("weights_header_length_huge",
+        fx.fwd(weights=fx.raw("huge.safetensors", struct.pack("<Q", 1 << 62) + fx.st_bytes[8:])),
+        ["header"])
+    not_json = b"{this is not json}      "
+    err("weights_header_not_json",
+        fx.fwd(weights=fx.raw("nojson.safetensors", struct.pack("<Q", len(not_json)) + not_json + b"\0" * 64)),
+        ["json", "header", "parse"])
+
+    def past_end(h):  # the span stays the right size, but it starts and ends past the data section
+        h["out_proj.weight"]["data_offsets"] = [o + 4096 for o in h["out_proj.weight"]["data_offsets"]]
+    err("weights_offsets_past_end", fx.fwd(weights=fx.st("past.safetensors", header_override=past_end)),
+        ["offset", "end", "truncat", "size", "bound", "past"])
+
+    def wrong_shape(h):
+        h["out_proj.weight"]["shape"] = [E, E + 1]
+    err("weights_shape_disagrees_with_bytes", fx.fwd(weights=fx.st("shape.safetensors", header_override=wrong_shape)),
+        ["shape", "size", "offset", "bytes", "out_proj"])
+    bad_out = dict(fx.sd)
+    bad_out["out_proj.weight"] = torch.zeros(E, E + 2)
+    err("weights_out_proj_wrong_shape", fx.fwd(weights=fx.st("outw.safetensors", bad_out)),
+        ["out_proj", "shape"])
+    err("weights_f64_dtype_unsupported", fx.fwd(weights=fx.st("f64.safetensors", dtype="F64")),
+        ["dtype", "F64", "unsupported"])
+    err("weights_wrong_prefix", fx.fwd(extra=["--prefix", "h.9.attn."]),
+        ["prefix", "h\\.9\\.attn", "not found", "in_proj_weight", "c_attn"])
+    err("weights_no_attention_tensors",
+        fx.fwd(weights=fx.st("other.safetensors", {"wte.weight": torch.zeros(4, E)})),
+        ["in_proj_weight", "c_attn", "not found", "no attention", "missing"])
+
+    # --- options ---
+    err("heads_not_dividing_E", ["forward", "--weights", fx.weights, "--heads", 3, "--query", fx.q],
+        ["head", "divis", "divide"])
+    err("heads_zero", ["forward", "--weights", fx.weights, "--heads", 0, "--query", fx.q], ["head"])
+    err("missing_heads", fx.fwd(drop=("--heads",)), ["head"])
+    err("missing_query", fx.fwd(drop=("--query",)), ["query"])
+    r.case("missing_output", lambda: expect_missing_output(r, fx))
+    err("unknown_option", fx.fwd(extra=["--frobnicate"]), ["unknown", "unrecognized", "option", "frobnicate"])
+    err("threads_negative", fx.fwd(extra=["--threads", "-1"]), ["thread"])
+    err("threads_not_a_number", fx.fwd(extra=["--threads", "two"]), ["thread"])
+    err("context_length_not_a_number", fx.fwd(extra=["--context-length", "12x"]), ["context"])
+    err("option_missing_value_at_end", fx.fwd(), ["thread", "value", "missing"], tail=["--threads"])
+    err("unknown_mask_kind", fx.fwd(extra=["--mask", fx.npy("mk.npy", np.ones((T, T), bool)),
+                                           "--mask-kind", "sometimes"]),
+        ["mask-kind", "mask kind", "kind", "sometimes"])
+    err("unwritable_output_dir", fx.fwd(), ["output", "no such", "cannot", "write", "open"],
+        output=os.path.join(fx.dir, "no_such_dir", "y.npy"))
+    r.case("dtype_bf16_accepted_or_refused", lambda: dtype_bf16(r, fx))
+
+    # --- inputs ---
+    err("query_rank_4", fx.fwd(query=fx.npy("q4.npy", np.zeros((1, B, T, E), np.float32))),
+        ["rank", "dim", "shape", "query"])
+    err("query_rank_1", fx.fwd(query=fx.npy("q1.npy", np.zeros((E,), np.float32))), ["rank", "dim", "shape", "query"])
+    err("query_width_not_d_in", fx.fwd(query=fx.npy("qw.npy", np.zeros((B, T, E + 1), np.float32))),
+        ["width", "d_in", "query", "shape"])
+    err("query_int32", fx.fwd(query=fx.npy("qi.npy", np.zeros((B, T, E), np.int32))),
+        ["dtype", "float", "type", "query"])
+    err("query_missing_file", fx.fwd(query=fx.path("missing_q.npy")),
+        ["missing_q", "no such", "not found", "cannot open", "does not exist"])
+    nan_q = np.zeros((B, T, E), np.float32)
+    nan_q[1, 2, 3] = np.nan
+    err("query_contains_nan", fx.fwd(query=fx.npy("qnan.npy", nan_q)), ["nan", "finite"])
+    err("query_fortran_order", fx.fwd(query=fx.npy("qf.npy", np.asfortranarray(np.ones((B, T, E), np.float32)))),
+        ["fortran", "order"])
+    with open(fx.q, "rb") as f:
+        qbytes = f.read()
+    err("query_truncated_npy", fx.fwd(query=fx.raw("qtrunc.npy", qbytes[:-7])),
+        ["truncat", "size", "short", "end", "bytes"])
+    err("query_not_npy", fx.fwd(query=fx.raw("qjunk.npy", b"this is not an npy file at all")),
+        ["npy", "magic", "format", "header"])
+    err("key_without_value", fx.fwd(extra=["--key", fx.kv]), ["value"])
+    err("value_without_key", fx.fwd(extra=["--value", fx.kv]), ["key"])
+    err("key_value_lengths_differ", fx.fwd(extra=["--key", fx.kv, "--value",
+                                                  fx.npy("v4.npy", np.zeros((B, 4, E), np.float32))]),
+        ["key", "value", "length", "shape"])
+    err("key_batch_differs", fx.fwd(extra=["--key", fx.npy("k3.npy", np.zeros((B + 1, 5, E), np.float32)),
+                                           "--value", fx.npy("v3.npy", np.zeros((B + 1, 5, E), np.float32))]),
+        ["batch", "key", "shape"])
+    err("key_width_not_kdim", fx.fwd(extra=["--key", fx.npy("kw.npy", np.zeros((B, 5, E + 2), np.float32)),
+                                            "--value", fx.kv]),
+        ["kdim", "key", "width", "shape"])
+
+    # --- masks ---
+    err("mask_wrong_shape", fx.fwd(extra=["--mask", fx.npy("m_bad.npy", np.ones((T, T + 1), bool)),
+                                          "--mask-kind", "block"]), ["mask"])
+    err("mask_wrong_batch_rank3", fx.fwd(extra=["--mask", fx.npy("m_b.npy", np.ones((B + 1, T, T), bool)),
+                                                "--mask-kind", "keep"]), ["mask"])
+    err("mask_rank5", fx.fwd(extra=["--mask", fx.npy("m5.npy", np.ones((1, B, H, T, T), bool)),
+                                    "--mask-kind", "keep"]), ["mask"])
+    err("additive_mask_given_as_bool", fx.fwd(extra=["--mask", fx.npy("m_add.npy", np.zeros((T, T), bool)),
+                                                     "--mask-kind", "additive"]),
+        ["additive", "float", "bool", "mask"])
+    err("key_padding_wrong_shape", fx.fwd(extra=["--key-padding", fx.npy("kp.npy", np.zeros((B, T + 1), bool))]),
+        ["padding", "key"])
+
+    # --- lengths ---
+    err("T_exceeds_context_length", fx.fwd(extra=["--context-length", T - 1]), ["context"])
+    err("Tk_exceeds_context_length", fx.fwd(extra=["--key", fx.kv, "--value", fx.kv, "--context-length", 4]),
+        ["context"])
+
+    # --- informational commands ---
+    r.case("presets_lists_all", lambda: presets(r))
+    r.case("help_exits_0", lambda: help_ok(r))
+    r.finish()
+
+
+def expect_missing_output(r, fx):
+    p = pc.run_cli(r.cli, fx.fwd())
+    cmd = pc.fmt_cmd(r.cli, fx.fwd())
+    check(p.returncode == 2, "exit %d, expected 2: %s; stderr: %r" % (p.returncode, cmd, p.stderr[-300:]))
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    check(len(lines) == 1 and "output" in lines[0].lower(), "expected one stderr line naming --output, got %r"
+          % p.stderr[-300:])
+    return "stderr: %s" % lines[0]
+
+
+def dtype_bf16(r, fx):
+    """--dtype bf16: either it runs (exit 0 with a float32 (B, T, E) output) or it is refused cleanly."""
+    wd = r.workdir()
+    out = os.path.join(wd, "y.npy")
+    args = fx.fwd(extra=["--dtype", "bf16", "--output", out])
+    p = pc.run_cli(r.cli, args)
+    if p.returncode == 0:
+        y = np.load(out)
+        check(y.shape == (B, T, E) and y.dtype == np.float32, "bf16 output %s %s" % (y.shape, y.dtype))
+        return "accepted"
+    return expect_error(r, fx.fwd(extra=["--dtype", "bf16"]), ["dtype", "bf16"])
+
+
+def presets(r):
+    p = pc.run_cli(r.cli, ["presets"])
+    check(p.returncode == 0, "`gpt2attn presets` exit %d; stderr %r" % (p.returncode, p.stderr[-300:]))
+    names = ["gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-small", "gpt3-medium", "gpt3-large",
+             "gpt3-xl", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b"]
+    missing = [n for n in names if not re.search(r"(^|[^\w.-])%s($|[^\w.-])" % re.escape(n), p.stdout)]
+    check(not missing, "presets output lacks %s: %r" % (missing, p.stdout[:400]))
+    return "%d presets" % len(names)
+
+
+def help_ok(r):
+    p = pc.run_cli(r.cli, ["--help"])
+    check(p.returncode == 0, "`gpt2attn --help` exit %d; stderr %r" % (p.returncode, p.stderr[-300:]))
+    text = p.stdout + p.stderr
+    check("forward" in text, "--help does not mention the forward command: %r" % text[:300])
+    return None
+
+
+if __name__ == "__main__":
+    main()
