@@ -34,7 +34,7 @@ struct LoadedLayer {
 };
 
 // Reads one layer from a safetensors file. Accepts both namings after `prefix` (e.g. "h.3.attn."):
-//   torch:   in_proj_weight (3E, E) | q_proj_weight/k_proj_weight/v_proj_weight, in_proj_bias (3E),
+//   torch:   in_proj_weight (3E, d_in) | q_proj_weight/k_proj_weight/v_proj_weight, in_proj_bias (3E),
 //            out_proj.weight (E, E), out_proj.bias (E)
 //   hf-gpt2: c_attn.weight (d_in, 3E) [Conv1D: x @ W + b], c_attn.bias (3E), c_proj.weight (E, E),
 //            c_proj.bias (E)

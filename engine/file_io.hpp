@@ -1,0 +1,101 @@
+// engine/file_io.hpp: small pieces shared by the npy and safetensors readers: bad_file errors, checked file
+// sizes and reads, atomic writes, and f16/bf16 widening. No format knowledge lives here.
+#pragma once
+
+#include <unistd.h>
+
+#include <bit>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <system_error>
+
+#include "gpt2attn/error.hpp"
+
+namespace gpt2attn::io {
+
+// The readers copy little-endian file bytes straight into host integers and floats.
+static_assert(std::endian::native == std::endian::little, "gpt2attn's file readers assume a little-endian host");
+
+[[noreturn]] inline void file_error(const std::string& path, const std::string& problem) {
+  fail(ErrorCode::bad_file, path + ": " + problem);
+}
+
+// Size of a regular file; a missing path or a directory is a bad_file error, not a 0-byte read.
+inline uint64_t file_size(const std::string& path) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::exists(status)) file_error(path, "cannot open: no such file");
+  if (!std::filesystem::is_regular_file(status)) file_error(path, "cannot open: not a regular file");
+  const uint64_t size = std::filesystem::file_size(path, ec);
+  if (ec) file_error(path, "cannot open: " + ec.message());
+  return size;
+}
+
+inline std::ifstream open_for_read(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) file_error(path, std::string("cannot open: ") + std::strerror(errno));
+  return in;
+}
+
+// Callers have already checked the byte count against the file size, so a short read here means the
+// file changed underneath us or the device failed.
+inline void read_exact(std::ifstream& in, const std::string& path, void* dst, uint64_t n) {
+  if (n == 0) return;
+  in.read(static_cast<char*>(dst), static_cast<std::streamsize>(n));
+  if (static_cast<uint64_t>(in.gcount()) != n) file_error(path, "read failed (file shrank while reading?)");
+}
+
+inline uint64_t load_le_u64(const unsigned char* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// Writes through `body(std::ostream&)` into path + ".tmp.<pid>" and renames it onto `path`, so readers
+// see either the old file or the complete new one, never a partial one. The temporary is removed on
+// every failure path, including an exception from `body`.
+template <class Body>
+void write_atomically(const std::string& path, Body&& body) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  try {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) file_error(path, "cannot create temporary file " + tmp + ": " + std::strerror(errno));
+    body(out);
+    out.close();
+    if (out.fail()) file_error(path, "write to " + tmp + " failed (disk full?)");
+  } catch (...) {
+    std::remove(tmp.c_str());
+    throw;
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::remove(tmp.c_str());
+    file_error(path, "cannot rename " + tmp + " onto it: " + std::strerror(err));
+  }
+}
+
+// IEEE binary16 -> binary32, exact for every input: normals rebias the exponent (127 - 15 = 112),
+// subnormals are man * 2^-24 (exactly representable in f32), inf/nan keep sign and payload.
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  const uint32_t man = h & 0x3FFu;
+  if (exp == 0) {
+    const float mag = std::ldexp(static_cast<float>(man), -24);
+    return sign ? -mag : mag;
+  }
+  const uint32_t bits = exp == 0x1F ? (sign | 0x7F800000u | (man << 13))
+                                    : (sign | ((exp + 112u) << 23) | (man << 13));
+  return std::bit_cast<float>(bits);
+}
+
+// bfloat16 is the high half of a binary32, so widening is a shift.
+inline float bf16_to_f32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+
+}  // namespace gpt2attn::io

@@ -1,0 +1,225 @@
+// engine/safetensors.cpp: the strict safetensors reader (every header field, offset and size checked before
+// any data is trusted), F32/F16/BF16 widening, and the atomic F32 writer. Knows nothing of attention layers.
+#include "engine/safetensors.hpp"
+
+#include <cstring>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "engine/file_io.hpp"
+#include "gpt2attn/error.hpp"
+
+namespace gpt2attn::safetensors {
+namespace {
+
+using nlohmann::json;
+
+// The reference implementation's limit too: a larger header is a corrupt length, not a real checkpoint.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+// Bytes per element; 0 for an unknown dtype.
+uint64_t dtype_size(const std::string& dtype) {
+  static const std::pair<const char*, uint64_t> kSizes[] = {
+      {"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"I64", 8},
+      {"I32", 4}, {"I16", 2}, {"I8", 1},  {"U8", 1},   {"BOOL", 1},
+  };
+  for (const auto& [name, size] : kSizes)
+    if (dtype == name) return size;
+  return 0;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// A JSON value that must be a non-negative integer; floats, negatives and values past uint64 are refused.
+bool as_u64(const json& v, uint64_t& out) {
+  if (!v.is_number_unsigned()) return false;
+  out = v.get<uint64_t>();
+  return true;
+}
+
+// A short rendering of a header value for messages. Arrays and objects are named, not dumped: dump() recurses,
+// and a hostile header can nest a million levels deep.
+std::string describe(const json& v) {
+  if (v.is_number() || v.is_boolean() || v.is_null()) return v.dump();
+  if (v.is_string()) return v.get_ref<const std::string&>().size() <= 40 ? v.dump() : "a long string";
+  return v.is_array() ? "an array" : "an object";
+}
+
+// The two offsets as written, for messages: [begin, end] when both are scalars.
+std::string describe_offsets(const json& v) {
+  if (!v.is_array()) return describe(v);
+  std::string s = "[";
+  for (size_t i = 0; i < v.size() && i < 4; ++i) s += (i ? ", " : "") + describe(v[i]);
+  return s + (v.size() > 4 ? ", ...]" : "]");
+}
+
+Tensor parse_entry(const std::string& path, const std::string& name, const json& v, uint64_t data_size) {
+  const std::string where = "tensor '" + name + "': ";
+  if (!v.is_object()) io::file_error(path, where + "header entry is not an object");
+  const auto field = [&](const char* key) -> const json& {
+    const auto it = v.find(key);
+    if (it == v.end()) io::file_error(path, where + "missing '" + key + "'");
+    return *it;
+  };
+
+  Tensor t;
+  const json& dtype = field("dtype");
+  if (!dtype.is_string()) io::file_error(path, where + "'dtype' is not a string");
+  t.dtype = dtype.get<std::string>();
+  const uint64_t itemsize = dtype_size(t.dtype);
+  if (itemsize == 0)
+    io::file_error(path, where + "unknown dtype '" + t.dtype + "' (known: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL)");
+
+  const json& shape = field("shape");
+  if (!shape.is_array()) io::file_error(path, where + "'shape' is not an array");
+  for (const json& d : shape) {
+    uint64_t dim = 0;
+    if (d.is_number_integer() && !d.is_number_unsigned())
+      io::file_error(path, where + "negative dimension " + describe(d) + " in 'shape'");
+    if (!as_u64(d, dim) || dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      io::file_error(path, where + "'shape' entry " + describe(d) + " is not a non-negative integer");
+    t.shape.push_back(static_cast<int64_t>(dim));
+  }
+
+  const json& offsets = field("data_offsets");
+  if (!offsets.is_array() || offsets.size() != 2 || !as_u64(offsets[0], t.begin) || !as_u64(offsets[1], t.end))
+    io::file_error(path, where + "'data_offsets' must be [begin, end] with non-negative integers, got " +
+                             describe_offsets(offsets));
+  if (t.begin > t.end)
+    io::file_error(path, where + "data_offsets begin " + std::to_string(t.begin) + " > end " + std::to_string(t.end));
+
+  uint64_t numel = 1, bytes = 0;
+  for (int64_t d : t.shape)
+    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel))
+      io::file_error(path, where + "shape " + shape_text(t.shape) + " overflows the element count");
+  if (__builtin_mul_overflow(numel, itemsize, &bytes))
+    io::file_error(path, where + "shape " + shape_text(t.shape) + " overflows the byte count");
+  if (bytes != t.end - t.begin)
+    io::file_error(path, where + "shape " + shape_text(t.shape) + " " + t.dtype + " needs " + std::to_string(bytes) +
+                             " bytes but data_offsets span " + std::to_string(t.end - t.begin) + " bytes");
+  if (t.end > data_size)
+    io::file_error(path, where + "data_offsets end " + std::to_string(t.end) +
+                             " is past the end of the data section (" + std::to_string(data_size) +
+                             " bytes; truncated file?)");
+  return t;
+}
+
+}  // namespace
+
+File read(const std::string& path) {
+  const uint64_t size = io::file_size(path);
+  if (size == 0) io::file_error(path, "empty file (a safetensors file starts with an 8-byte header length)");
+  if (size < 8)
+    io::file_error(path, "too short: " + std::to_string(size) +
+                             " bytes (a safetensors file starts with an 8-byte header length)");
+  std::ifstream in = io::open_for_read(path);
+  unsigned char len_bytes[8];
+  io::read_exact(in, path, len_bytes, 8);
+  const uint64_t header_len = io::load_le_u64(len_bytes);
+  if (header_len > kMaxHeaderBytes)
+    io::file_error(path, "header length " + std::to_string(header_len) + " is over the 100 MB limit (corrupt file?)");
+  if (header_len > size - 8)
+    io::file_error(path, "header length " + std::to_string(header_len) + " runs past the end of the file (" +
+                             std::to_string(size - 8) + " bytes follow)");
+
+  std::string text(header_len, '\0');
+  io::read_exact(in, path, text.data(), header_len);
+  // nlohmann stops at a NUL as if the input ended, which would accept "{}\0garbage"; the format says JSON only.
+  if (const size_t nul = text.find('\0'); nul != std::string::npos)
+    io::file_error(path, "header is not valid JSON: NUL byte at offset " + std::to_string(nul));
+  json header;
+  try {
+    header = json::parse(text);
+  } catch (const json::exception& e) {
+    io::file_error(path, std::string("header is not valid JSON: ") + e.what());
+  }
+  if (!header.is_object())
+    io::file_error(path, std::string("header JSON is not an object (it is ") + header.type_name() + ")");
+
+  File f;
+  f.path = path;
+  const uint64_t data_size = size - 8 - header_len;
+  for (const auto& [name, value] : header.items()) {
+    if (name == "__metadata__") {
+      // Free-form string annotations ({"format": "pt"}); checked for type, otherwise unused.
+      if (!value.is_object()) io::file_error(path, "'__metadata__' is not an object");
+      for (const auto& [key, v] : value.items())
+        if (!v.is_string()) io::file_error(path, "'__metadata__' value for '" + key + "' is not a string");
+      continue;
+    }
+    f.tensors.emplace(name, parse_entry(path, name, value, data_size));
+  }
+
+  // Every tensor's bytes were proved to lie inside data_size, so this is the only large allocation.
+  f.data.resize(data_size);
+  io::read_exact(in, path, f.data.data(), data_size);
+  return f;
+}
+
+std::vector<float> File::to_f32(const std::string& name) const {
+  const auto it = tensors.find(name);
+  if (it == tensors.end()) invalid(path + ": no tensor named '" + name + "'");
+  const Tensor& t = it->second;
+  const uint64_t bytes = t.end - t.begin;
+  const unsigned char* src = bytes ? data.data() + t.begin : nullptr;  // data may be empty (null)
+  std::vector<float> out;
+  if (t.dtype == "F32") {
+    out.resize(bytes / 4);
+    if (bytes) std::memcpy(out.data(), src, bytes);
+  } else if (t.dtype == "F16" || t.dtype == "BF16") {
+    const bool bf16 = t.dtype == "BF16";
+    out.resize(bytes / 2);
+    for (size_t i = 0; i < out.size(); ++i) {
+      uint16_t h;
+      std::memcpy(&h, src + 2 * i, 2);
+      out[i] = bf16 ? io::bf16_to_f32(h) : io::f16_to_f32(h);
+    }
+  } else {
+    io::file_error(path, "tensor '" + name + "' has dtype " + t.dtype + "; only F32, F16 and BF16 load as float32");
+  }
+  return out;
+}
+
+void write_f32(const std::string& path,
+               const std::vector<std::pair<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>>& tensors) {
+  json header = json::object();
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    const auto& [shape, values] = tensor;
+    const std::string where = "safetensors::write_f32(" + path + "): tensor '" + name + "': ";
+    if (name.empty() || name == "__metadata__") invalid(where + "reserved or empty name");
+    if (header.contains(name)) invalid(where + "duplicate name");
+    uint64_t numel = 1;
+    for (int64_t d : shape) {
+      if (d < 0) invalid(where + "negative dimension in shape " + shape_text(shape));
+      if (__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel)) invalid(where + "shape overflows");
+    }
+    if (numel != values.size())
+      invalid(where + "shape " + shape_text(shape) + " has " + std::to_string(numel) + " elements but " +
+              std::to_string(values.size()) + " values were given");
+    const uint64_t end = offset + 4 * numel;
+    header[name] = {{"dtype", "F32"}, {"shape", shape}, {"data_offsets", json::array({offset, end})}};
+    offset = end;
+  }
+  std::string text = header.dump();
+  // The format pads the header with spaces so the data section starts 8-byte aligned.
+  text.append((8 - text.size() % 8) % 8, ' ');
+
+  io::write_atomically(path, [&](std::ostream& out) {
+    char len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((static_cast<uint64_t>(text.size()) >> (8 * i)) & 0xFF);
+    out.write(len, 8);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    // Tensors in the order given, which is the order the offsets above were assigned in.
+    for (const auto& [name, tensor] : tensors) {
+      const std::vector<float>& values = tensor.second;
+      out.write(reinterpret_cast<const char*>(values.data()), static_cast<std::streamsize>(values.size() * 4));
+    }
+  });
+}
+
+}  // namespace gpt2attn::safetensors

@@ -1,0 +1,488 @@
+// tests/test_safetensors.cpp: the safetensors reader/writer and load_safetensors_layer: both namings (with the
+// Conv1D transpose checked element by element), f16/bf16 widening, and one test per corruption class.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "engine/file_io.hpp"
+#include "engine/safetensors.hpp"
+#include "gpt2attn/weights.hpp"
+#include "tests/file_test_util.hpp"
+
+namespace gpt2attn {
+namespace {
+
+using nlohmann::json;
+using testutil::le_bytes;
+using testutil::ThrowsError;
+using testutil::write_bytes;
+
+class Safetensors : public testutil::TempDirTest {
+ protected:
+  // Writes `bytes` to a fresh file and returns its path.
+  std::string file(const std::string& bytes) {
+    const std::string p = path("f" + std::to_string(n_++) + ".safetensors");
+    write_bytes(p, bytes);
+    return p;
+  }
+  int n_ = 0;
+};
+
+struct Entry {
+  std::string name, dtype;
+  std::vector<int64_t> shape;
+  std::string bytes;
+};
+
+// 8-byte little-endian header length, the header text, then the data section.
+std::string st_raw(const std::string& header, const std::string& data) {
+  return le_bytes(std::vector<uint64_t>{header.size()}) + header + data;
+}
+
+// A well-formed file holding `entries` back to back, with optional __metadata__.
+std::string st_file(const std::vector<Entry>& entries, const json& metadata = nullptr) {
+  json h = json::object();
+  std::string data;
+  for (const Entry& e : entries) {
+    h[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {data.size(), data.size() + e.bytes.size()}}};
+    data += e.bytes;
+  }
+  if (!metadata.is_null()) h["__metadata__"] = metadata;
+  return st_raw(h.dump(), data);
+}
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// Distinct values base, base + 1, ... (exact in f32, f16 and bf16 while below 256).
+std::vector<float> ramp(int64_t n, float base) {
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = base + static_cast<float>(i);
+  return v;
+}
+
+Entry f32(const std::string& name, const std::vector<int64_t>& shape, float base = 0.0f) {
+  return {name, "F32", shape, le_bytes(ramp(numel(shape), base))};
+}
+
+// bf16 is the high half of an f32; every value used here is exact in bf16, so truncation is exact.
+Entry bf16(const std::string& name, const std::vector<int64_t>& shape, float base = 0.0f) {
+  std::vector<uint16_t> h;
+  for (float v : ramp(numel(shape), base)) h.push_back(static_cast<uint16_t>(std::bit_cast<uint32_t>(v) >> 16));
+  return {name, "BF16", shape, le_bytes(h)};
+}
+
+// f32 -> f16 for the small integers ramp() makes (|v| < 2048 and integral: exact, normal or zero).
+uint16_t to_f16(float v) {
+  if (v == 0.0f) return 0;
+  const uint32_t b = std::bit_cast<uint32_t>(v);
+  const uint32_t sign = (b >> 16) & 0x8000u, exp = ((b >> 23) & 0xFFu) - 112u, man = (b >> 13) & 0x3FFu;
+  return static_cast<uint16_t>(sign | (exp << 10) | man);
+}
+
+Entry f16(const std::string& name, const std::vector<int64_t>& shape, float base = 0.0f) {
+  std::vector<uint16_t> h;
+  for (float v : ramp(numel(shape), base)) h.push_back(to_f16(v));
+  return {name, "F16", shape, le_bytes(h)};
+}
+
+// ---- the reader and writer ----
+
+TEST_F(Safetensors, WriteThenReadRoundTrips) {
+  const std::vector<std::pair<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>> tensors = {
+      {"scalar", {{}, {3.25f}}},
+      {"rank4", {{2, 3, 4, 5}, ramp(120, -60.5f)}},
+      {"empty", {{0, 7}, {}}},
+      {"vec", {{3}, {1.0f / 3.0f, -0.0f, 1e-40f}}},
+  };
+  const std::string p = path("w.safetensors");
+  safetensors::write_f32(p, tensors);
+  EXPECT_EQ(listing(), std::vector<std::string>{"w.safetensors"});
+
+  const std::string bytes = testutil::read_bytes(p);
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, bytes.data(), 8);
+  EXPECT_EQ(header_len % 8, 0u);
+  EXPECT_EQ(bytes.size(), 8 + header_len + 4 * (1 + 120 + 0 + 3));
+
+  const safetensors::File f = safetensors::read(p);
+  EXPECT_EQ(f.path, p);
+  EXPECT_EQ(f.tensors.size(), tensors.size());
+  for (const auto& [name, t] : tensors) {
+    ASSERT_TRUE(f.has(name)) << name;
+    EXPECT_EQ(f.tensors.at(name).dtype, "F32");
+    EXPECT_EQ(f.tensors.at(name).shape, t.first) << name;
+    const std::vector<float> got = f.to_f32(name);
+    ASSERT_EQ(got.size(), t.second.size()) << name;
+    EXPECT_TRUE(got.empty() || std::memcmp(got.data(), t.second.data(), got.size() * 4) == 0) << name;
+  }
+}
+
+TEST_F(Safetensors, WriteRejectsCallerMistakesAndFailsCleanly) {
+  using Tensors = std::vector<std::pair<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>>;
+  const std::string p = path("w.safetensors");
+  EXPECT_TRUE(ThrowsError([&] { safetensors::write_f32(p, Tensors{{"a", {{2, 2}, {1, 2, 3}}}}); },
+                          ErrorCode::invalid_argument, "3 values"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::write_f32(p, Tensors{{"a", {{1}, {1}}}, {"a", {{1}, {2}}}}); },
+                          ErrorCode::invalid_argument, "duplicate"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::write_f32(p, Tensors{{"a", {{-1}, {}}}}); },
+                          ErrorCode::invalid_argument, "negative"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::write_f32(p, Tensors{{"__metadata__", {{1}, {1}}}}); },
+                          ErrorCode::invalid_argument, "reserved"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::write_f32(path("no_dir/w.safetensors"), Tensors{{"a", {{1}, {1}}}}); },
+                          ErrorCode::bad_file, "no_dir/w.safetensors"));
+  EXPECT_TRUE(listing().empty());
+}
+
+TEST_F(Safetensors, ReadsF16AndBf16Tensors) {
+  // f16 bits: 1, -2, smallest subnormal, largest finite, inf, nan; bf16 bits: 1, -3, inf, smallest subnormal.
+  const std::vector<uint16_t> h = {0x3C00, 0xC000, 0x0001, 0x7BFF, 0x7C00, 0x7E00};
+  const std::vector<uint16_t> b = {0x3F80, 0xC040, 0x7F80, 0x0001};
+  const std::string p = file(st_file({{"h", "F16", {2, 3}, le_bytes(h)}, {"b", "BF16", {4}, le_bytes(b)}}));
+  const safetensors::File f = safetensors::read(p);
+  const std::vector<float> hf = f.to_f32("h"), bf = f.to_f32("b");
+  ASSERT_EQ(hf.size(), 6u);
+  EXPECT_EQ(hf[0], 1.0f);
+  EXPECT_EQ(hf[1], -2.0f);
+  EXPECT_EQ(hf[2], std::ldexp(1.0f, -24));
+  EXPECT_EQ(hf[3], 65504.0f);
+  EXPECT_EQ(hf[4], std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(hf[5]));
+  ASSERT_EQ(bf.size(), 4u);
+  EXPECT_EQ(bf[0], 1.0f);
+  EXPECT_EQ(bf[1], -3.0f);
+  EXPECT_EQ(bf[2], std::numeric_limits<float>::infinity());
+  EXPECT_EQ(std::bit_cast<uint32_t>(bf[3]), 0x00010000u);
+}
+
+#ifdef __FLT16_MAX__
+// Every one of the 65536 f16 patterns against the compiler's own conversion.
+TEST(HalfConversion, MatchesCompilerForEveryF16Pattern) {
+  int failures = 0;
+  for (uint32_t bits = 0; bits <= 0xFFFF && failures < 5; ++bits) {
+    const auto u = static_cast<uint16_t>(bits);
+    const float want = static_cast<float>(std::bit_cast<_Float16>(u));
+    const float got = io::f16_to_f32(u);
+    const bool same = std::isnan(want) ? std::isnan(got) : std::bit_cast<uint32_t>(got) == std::bit_cast<uint32_t>(want);
+    if (!same) {
+      ++failures;
+      ADD_FAILURE() << "f16 0x" << std::hex << bits << ": expected " << want << ", got " << got;
+    }
+  }
+}
+#endif
+
+TEST_F(Safetensors, ToF32RefusesOtherDtypesAndUnknownNames) {
+  const std::string p = file(st_file({{"ids", "I32", {2}, le_bytes(std::vector<int32_t>{1, 2})},
+                                      {"d", "F64", {1}, le_bytes(std::vector<double>{1.0})}}));
+  const safetensors::File f = safetensors::read(p);
+  EXPECT_TRUE(ThrowsError([&] { f.to_f32("ids"); }, ErrorCode::bad_file, "tensor 'ids' has dtype I32"));
+  EXPECT_TRUE(ThrowsError([&] { f.to_f32("d"); }, ErrorCode::bad_file, "F64"));
+  EXPECT_TRUE(ThrowsError([&] { f.to_f32("nope"); }, ErrorCode::invalid_argument, "'nope'"));
+}
+
+TEST_F(Safetensors, SkipsMetadataAndAcceptsEveryKnownDtype) {
+  std::vector<Entry> entries;
+  const std::pair<const char*, int> dtypes[] = {{"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"I64", 8},
+                                                {"I32", 4}, {"I16", 2}, {"I8", 1},  {"U8", 1},   {"BOOL", 1}};
+  for (const auto& [dtype, size] : dtypes) entries.push_back({dtype, dtype, {3}, std::string(3 * size, '\0')});
+  const safetensors::File f = safetensors::read(file(st_file(entries, {{"format", "pt"}, {"note", "x"}})));
+  EXPECT_EQ(f.tensors.size(), 10u);
+  EXPECT_FALSE(f.has("__metadata__"));
+  EXPECT_EQ(f.tensors.at("BOOL").dtype, "BOOL");
+}
+
+// ---- the corrupt set: each is bad_file with a specific word ----
+
+TEST_F(Safetensors, RejectsEmptyAndShortFiles) {
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file("")); }, ErrorCode::bad_file, "empty"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file("\x02\0\0\0\0")); }, ErrorCode::bad_file, "too short"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(path("missing.safetensors")); }, ErrorCode::bad_file, "cannot open"));
+}
+
+TEST_F(Safetensors, RejectsBadHeaderLengths) {
+  const std::string huge = le_bytes(std::vector<uint64_t>{uint64_t{1} << 60}) + "{}";
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(huge)); }, ErrorCode::bad_file, "limit"));
+  const std::string past = le_bytes(std::vector<uint64_t>{1000}) + "{}";
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(past)); }, ErrorCode::bad_file, "past the end of the file"));
+}
+
+TEST_F(Safetensors, RejectsHeaderThatIsNotAJsonObject) {
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(st_raw("{not json", ""))); }, ErrorCode::bad_file,
+                          "not valid JSON"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(st_raw("", ""))); }, ErrorCode::bad_file, "not valid JSON"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(st_raw(std::string("{}\0", 3), ""))); }, ErrorCode::bad_file,
+                          "not valid JSON"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(st_raw("[1, 2]", ""))); }, ErrorCode::bad_file,
+                          "not an object"));
+}
+
+// One tensor "t" with the given header entry over 16 data bytes.
+std::string one_entry(const std::string& entry_json) { return st_raw("{\"t\": " + entry_json + "}", std::string(16, '\0')); }
+
+TEST_F(Safetensors, RejectsMalformedEntries) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"5", "not an object"},
+      {R"({"shape": [4], "data_offsets": [0, 16]})", "missing 'dtype'"},
+      {R"({"dtype": "F32", "data_offsets": [0, 16]})", "missing 'shape'"},
+      {R"({"dtype": "F32", "shape": [4]})", "missing 'data_offsets'"},
+      {R"({"dtype": 4, "shape": [4], "data_offsets": [0, 16]})", "'dtype' is not a string"},
+      {R"({"dtype": "Q4_K", "shape": [4], "data_offsets": [0, 16]})", "unknown dtype 'Q4_K'"},
+      {R"({"dtype": "F32", "shape": 4, "data_offsets": [0, 16]})", "not an array"},
+      {R"({"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]})", "negative"},
+      {R"({"dtype": "F32", "shape": [2.5], "data_offsets": [0, 16]})", "not a non-negative integer"},
+      {R"({"dtype": "F32", "shape": [1e30], "data_offsets": [0, 16]})", "not a non-negative integer"},
+      {R"({"dtype": "F32", "shape": [4], "data_offsets": [0]})", "data_offsets"},
+      {R"({"dtype": "F32", "shape": [4], "data_offsets": [-4, 12]})", "non-negative"},
+      {R"({"dtype": "F32", "shape": [4], "data_offsets": "0-16"})", "data_offsets"},
+  };
+  for (const auto& [entry, word] : cases) {
+    EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(one_entry(entry))); }, ErrorCode::bad_file, word)) << entry;
+    EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(one_entry(entry))); }, ErrorCode::bad_file, "tensor 't'"))
+        << entry;
+  }
+}
+
+TEST_F(Safetensors, RejectsInconsistentOffsetsAndSizes) {
+  const std::pair<const char*, const char*> cases[] = {
+      {R"({"dtype": "F32", "shape": [2], "data_offsets": [16, 24]})", "past the end of the data"},
+      {R"({"dtype": "F32", "shape": [1], "data_offsets": [8, 4]})", "begin 8 > end 4"},
+      {R"({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]})", "needs 12 bytes but data_offsets span 8"},
+      {R"({"dtype": "F16", "shape": [4], "data_offsets": [0, 16]})", "needs 8 bytes"},
+      {R"({"dtype": "F32", "shape": [1099511627776, 1099511627776], "data_offsets": [0, 16]})",
+       "overflows the element count"},
+      {R"({"dtype": "F64", "shape": [2147483648, 2147483648], "data_offsets": [0, 16]})",
+       "overflows the byte count"},
+  };
+  for (const auto& [entry, word] : cases)
+    EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(one_entry(entry))); }, ErrorCode::bad_file, word)) << entry;
+}
+
+TEST_F(Safetensors, RejectsTruncatedDataSection) {
+  const std::string good = st_file({f32("a", {4}), f32("b", {2, 2})});
+  ASSERT_NO_THROW(safetensors::read(file(good)));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(good.substr(0, good.size() - 4))); }, ErrorCode::bad_file,
+                          "truncated"));
+}
+
+TEST_F(Safetensors, RejectsBadMetadata) {
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(st_file({f32("a", {1})}, {{"format", 1}}))); },
+                          ErrorCode::bad_file, "__metadata__"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(st_raw(R"({"__metadata__": [1]})", ""))); },
+                          ErrorCode::bad_file, "__metadata__"));
+}
+
+// ---- load_safetensors_layer ----
+
+TEST_F(Safetensors, LoadsTorchFusedLayerUnderAPrefix) {
+  const int64_t E = 4, d_in = 3;
+  const std::string p = file(st_file({
+      f32("layer0.in_proj_weight", {3 * E, d_in}, 0.0f),
+      f32("layer0.in_proj_bias", {3 * E}, 100.0f),
+      f32("layer0.out_proj.weight", {E, E}, 200.0f),
+      f32("layer0.out_proj.bias", {E}, 300.0f),
+      f32("layer0.norm.weight", {E}, -1.0f),               // not part of the layer
+      f32("layer1.in_proj_weight", {3 * E, d_in}, 50.0f),  // another layer
+      f32("layer1.out_proj.weight", {E, E}, 60.0f),
+  }));
+  for (const char* prefix : {"layer0.", "layer0"}) {
+    const LoadedLayer l = load_safetensors_layer(p, prefix);
+    EXPECT_EQ(l.naming, "torch");
+    EXPECT_EQ(l.d_model, E);
+    EXPECT_EQ(l.d_in, d_in);
+    EXPECT_EQ(l.kdim, d_in);
+    EXPECT_EQ(l.vdim, d_in);
+    EXPECT_TRUE(l.qkv_bias);
+    EXPECT_TRUE(l.out_bias);
+    const Weights& w = l.weights;
+    EXPECT_EQ(w.w_q, ramp(E * d_in, 0.0f)) << prefix;
+    EXPECT_EQ(w.w_k, ramp(E * d_in, static_cast<float>(E * d_in))) << prefix;
+    EXPECT_EQ(w.w_v, ramp(E * d_in, static_cast<float>(2 * E * d_in))) << prefix;
+    EXPECT_EQ(w.b_q, ramp(E, 100.0f));
+    EXPECT_EQ(w.b_k, ramp(E, 104.0f));
+    EXPECT_EQ(w.b_v, ramp(E, 108.0f));
+    EXPECT_EQ(w.w_o, ramp(E * E, 200.0f));
+    EXPECT_EQ(w.b_o, ramp(E, 300.0f));
+  }
+  const LoadedLayer other = load_safetensors_layer(p, "layer1");
+  EXPECT_EQ(other.weights.w_q, ramp(E * d_in, 50.0f));
+  EXPECT_FALSE(other.qkv_bias);
+  EXPECT_FALSE(other.out_bias);
+  EXPECT_TRUE(other.weights.b_q.empty() && other.weights.b_k.empty() && other.weights.b_v.empty());
+  EXPECT_TRUE(other.weights.b_o.empty());
+}
+
+TEST_F(Safetensors, LoadsTorchSeparateProjectionsWithOtherWidths) {
+  const int64_t E = 4, d_in = 6, kdim = 5, vdim = 7;
+  const std::string p = file(st_file({
+      f32("q_proj_weight", {E, d_in}, 0.0f),
+      f32("k_proj_weight", {E, kdim}, 30.0f),
+      f32("v_proj_weight", {E, vdim}, 60.0f),
+      f32("out_proj.weight", {E, E}, 90.0f),
+  }));
+  const LoadedLayer l = load_safetensors_layer(p);
+  EXPECT_EQ(l.naming, "torch");
+  EXPECT_EQ(l.d_model, E);
+  EXPECT_EQ(l.d_in, d_in);
+  EXPECT_EQ(l.kdim, kdim);
+  EXPECT_EQ(l.vdim, vdim);
+  EXPECT_FALSE(l.qkv_bias);
+  EXPECT_FALSE(l.out_bias);
+  EXPECT_EQ(l.weights.w_q, ramp(E * d_in, 0.0f));
+  EXPECT_EQ(l.weights.w_k, ramp(E * kdim, 30.0f));
+  EXPECT_EQ(l.weights.w_v, ramp(E * vdim, 60.0f));
+  EXPECT_EQ(l.weights.w_o, ramp(E * E, 90.0f));
+  EXPECT_TRUE(l.weights.b_q.empty() && l.weights.b_o.empty());
+
+  // Separate weights still take their biases from the one in_proj_bias (3E), as torch stores them.
+  const std::string pb = file(st_file({f32("q_proj_weight", {E, d_in}), f32("k_proj_weight", {E, kdim}),
+                                       f32("v_proj_weight", {E, vdim}), f32("in_proj_bias", {3 * E}, 10.0f),
+                                       f32("out_proj.weight", {E, E})}));
+  const LoadedLayer lb = load_safetensors_layer(pb);
+  EXPECT_TRUE(lb.qkv_bias);
+  EXPECT_EQ(lb.weights.b_k, ramp(E, 14.0f));
+}
+
+TEST_F(Safetensors, LoadsTorchLayerStoredInBf16) {
+  const int64_t E = 2;
+  const std::string p = file(st_file({bf16("in_proj_weight", {3 * E, E}, -6.0f), bf16("out_proj.weight", {E, E}, 1.0f),
+                                      bf16("out_proj.bias", {E}, -100.0f)}));
+  const LoadedLayer l = load_safetensors_layer(p);
+  EXPECT_EQ(l.weights.w_q, ramp(E * E, -6.0f));
+  EXPECT_EQ(l.weights.w_v, ramp(E * E, 2.0f));
+  EXPECT_EQ(l.weights.w_o, ramp(E * E, 1.0f));
+  EXPECT_EQ(l.weights.b_o, ramp(E, -100.0f));
+}
+
+// W[i][j] = 100 i + j (Conv1D layout, (in, out)); the loader must produce torch layout [out][in].
+void expect_hf_layer(const LoadedLayer& l, int64_t E, int64_t d_in, float c_attn_base, float c_proj_base) {
+  EXPECT_EQ(l.naming, "hf-gpt2");
+  EXPECT_EQ(l.d_model, E);
+  EXPECT_EQ(l.d_in, d_in);
+  EXPECT_EQ(l.kdim, d_in);
+  EXPECT_EQ(l.vdim, d_in);
+  const Weights& w = l.weights;
+  ASSERT_EQ(w.w_q.size(), static_cast<size_t>(E * d_in));
+  ASSERT_EQ(w.w_o.size(), static_cast<size_t>(E * E));
+  const auto W = [&](int64_t i, int64_t j) { return c_attn_base + static_cast<float>(i * 3 * E + j); };
+  const auto P = [&](int64_t i, int64_t o) { return c_proj_base + static_cast<float>(i * E + o); };
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = 0; i < d_in; ++i) {
+      EXPECT_EQ(w.w_q[e * d_in + i], W(i, e)) << "w_q e=" << e << " i=" << i;
+      EXPECT_EQ(w.w_k[e * d_in + i], W(i, E + e)) << "w_k e=" << e << " i=" << i;
+      EXPECT_EQ(w.w_v[e * d_in + i], W(i, 2 * E + e)) << "w_v e=" << e << " i=" << i;
+    }
+  for (int64_t o = 0; o < E; ++o)
+    for (int64_t i = 0; i < E; ++i) EXPECT_EQ(w.w_o[o * E + i], P(i, o)) << "w_o o=" << o << " i=" << i;
+}
+
+TEST_F(Safetensors, LoadsHfGpt2LayerWithConv1dTranspose) {
+  const int64_t E = 4, d_in = 3;
+  const std::string p = file(st_file(
+      {
+          f32("h.3.attn.c_attn.weight", {d_in, 3 * E}, 0.0f),
+          f32("h.3.attn.c_attn.bias", {3 * E}, 1000.0f),
+          f32("h.3.attn.c_proj.weight", {E, E}, 2000.0f),
+          f32("h.3.attn.c_proj.bias", {E}, 3000.0f),
+          {"h.3.attn.bias", "BOOL", {1, 1, 4, 4}, std::string(16, '\1')},  // the checkpoint's causal buffer
+          f32("h.3.ln_1.weight", {E}),
+          f32("h.2.attn.c_attn.weight", {d_in, 3 * E}, 500.0f),
+      },
+      {{"format", "pt"}}));
+  for (const char* prefix : {"h.3.attn.", "h.3.attn"}) {
+    const LoadedLayer l = load_safetensors_layer(p, prefix);
+    expect_hf_layer(l, E, d_in, 0.0f, 2000.0f);
+    EXPECT_TRUE(l.qkv_bias);
+    EXPECT_TRUE(l.out_bias);
+    EXPECT_EQ(l.weights.b_q, ramp(E, 1000.0f));
+    EXPECT_EQ(l.weights.b_k, ramp(E, 1004.0f));
+    EXPECT_EQ(l.weights.b_v, ramp(E, 1008.0f));
+    EXPECT_EQ(l.weights.b_o, ramp(E, 3000.0f));
+  }
+}
+
+TEST_F(Safetensors, LoadsHfGpt2LayerStoredInF16WithoutBiases) {
+  const int64_t E = 2, d_in = 2;
+  const std::string p = file(st_file({f16("c_attn.weight", {d_in, 3 * E}, -5.0f), f16("c_proj.weight", {E, E}, 7.0f)}));
+  const LoadedLayer l = load_safetensors_layer(p);
+  expect_hf_layer(l, E, d_in, -5.0f, 7.0f);
+  EXPECT_FALSE(l.qkv_bias);
+  EXPECT_FALSE(l.out_bias);
+  EXPECT_TRUE(l.weights.b_q.empty() && l.weights.b_o.empty());
+}
+
+TEST_F(Safetensors, ApplyLoadedShapesCompletesTheConfig) {
+  const int64_t E = 4;
+  const std::string p = file(st_file({f32("q_proj_weight", {E, 6}), f32("k_proj_weight", {E, 5}),
+                                      f32("v_proj_weight", {E, 7}), f32("out_proj.weight", {E, E})}));
+  Config c;
+  c.num_heads = 2;
+  c.causal = true;
+  c.context_length = 77;
+  const Config r = apply_loaded_shapes(c, load_safetensors_layer(p));
+  EXPECT_EQ(r.d_model, E);
+  EXPECT_EQ(r.d_in, 6);
+  EXPECT_EQ(r.kdim, 5);
+  EXPECT_EQ(r.vdim, 7);
+  EXPECT_FALSE(r.qkv_bias);
+  EXPECT_FALSE(r.out_bias);
+  EXPECT_EQ(r.num_heads, 2);
+  EXPECT_TRUE(r.causal);
+  EXPECT_EQ(r.context_length, 77);
+}
+
+TEST_F(Safetensors, WrongPrefixListsTheNamesPresent) {
+  const std::string p = file(st_file({f32("h.3.attn.c_attn.weight", {4, 12}), f32("h.3.attn.c_proj.weight", {4, 4}),
+                                      f32("h.3.ln_1.weight", {4})}));
+  EXPECT_TRUE(ThrowsError([&] { load_safetensors_layer(p, "h.7.attn."); }, ErrorCode::bad_file, "no attention layer"));
+  EXPECT_TRUE(ThrowsError([&] { load_safetensors_layer(p, "h.7.attn."); }, ErrorCode::bad_file,
+                          "h.3.attn.c_attn.weight"));
+  EXPECT_TRUE(ThrowsError([&] { load_safetensors_layer(p); }, ErrorCode::bad_file, "c_attn.weight"));
+  EXPECT_TRUE(ThrowsError([&] { load_safetensors_layer(file(st_raw("{}", ""))); }, ErrorCode::bad_file, "no tensors"));
+}
+
+TEST_F(Safetensors, RejectsLayerShapesThatDisagree) {
+  const int64_t E = 4;
+  struct Case {
+    std::vector<Entry> entries;
+    const char* word;
+  };
+  const std::vector<Case> cases = {
+      {{f32("in_proj_weight", {10, E}), f32("out_proj.weight", {E, E})}, "not divisible by 3"},
+      {{f32("in_proj_weight", {3, E, E}), f32("out_proj.weight", {E, E})}, "rank 2"},
+      {{f32("in_proj_weight", {3 * E, E}), f32("out_proj.weight", {E, E + 1})}, "'out_proj.weight' has shape [4, 5], expected [4, 4]"},
+      {{f32("in_proj_weight", {3 * E, E})}, "missing tensor 'out_proj.weight'"},
+      {{f32("out_proj.weight", {E, E})}, "missing tensor 'in_proj_weight'"},
+      {{f32("in_proj_weight", {3 * E, E}), f32("in_proj_bias", {11}), f32("out_proj.weight", {E, E})}, "in_proj_bias"},
+      {{f32("in_proj_weight", {3 * E, E}), f32("out_proj.weight", {E, E}), f32("out_proj.bias", {3})}, "out_proj.bias"},
+      {{f32("q_proj_weight", {E, 6}), f32("k_proj_weight", {3, 5}), f32("v_proj_weight", {E, 7}),
+        f32("out_proj.weight", {E, E})},
+       "'k_proj_weight' has shape [3, 5], expected [4, 5]"},
+      {{f32("q_proj_weight", {E, 6}), f32("k_proj_weight", {E, 5}), f32("out_proj.weight", {E, E})},
+       "missing tensor 'v_proj_weight'"},
+      {{f32("in_proj_weight", {3 * E, E}), f32("q_proj_weight", {E, E}), f32("out_proj.weight", {E, E})}, "ambiguous"},
+      {{f32("in_proj_weight", {3 * E, E}), f32("out_proj.weight", {E, E}), f32("bias_k", {1, 1, E})}, "add_bias_kv"},
+      {{f32("c_attn.weight", {E, 10}), f32("c_proj.weight", {E, E})}, "not divisible by 3"},
+      {{f32("c_attn.weight", {E, 3 * E}), f32("c_proj.weight", {E, 3})}, "'c_proj.weight' has shape [4, 3]"},
+      {{f32("c_attn.weight", {E, 3 * E}), f32("c_attn.bias", {E}), f32("c_proj.weight", {E, E})}, "c_attn.bias"},
+      {{f32("c_attn.weight", {E, 3 * E}), f32("c_proj.weight", {E, E}), f32("c_proj.bias", {2 * E})}, "c_proj.bias"},
+      {{f32("c_attn.weight", {E, 3 * E}), f32("c_proj.weight", {E, E}), f32("out_proj.weight", {E, E})}, "both"},
+      {{f32("c_attn.weight", {0, 3 * E}), f32("c_proj.weight", {E, E})}, "non-empty"},
+      {{{"in_proj_weight", "I64", {3 * E, E}, std::string(3 * E * E * 8, '\0')}, f32("out_proj.weight", {E, E})},
+       "dtype I64"},
+  };
+  for (const Case& c : cases) {
+    const std::string p = file(st_file(c.entries));
+    EXPECT_TRUE(ThrowsError([&] { load_safetensors_layer(p); }, ErrorCode::bad_file, c.word)) << c.word;
+  }
+}
+
+}  // namespace
+}  // namespace gpt2attn
