@@ -29,18 +29,19 @@ struct Vec {
   static B set1(float x) { return B(x); }
   static B fma(B a, B b, B c) { return xsimd::fma(a, b, c); }
   static B max(B a, B b) { return xsimd::max(a, b); }
-  // 2^x, exactly 0 below -126 (so a masked -inf score contributes nothing). Range reduction
-  // x = n + f, |f| <= 1/2, then 2^f by its Taylor series to degree 6 (relative error < 1.3e-7, about one
-  // float ulp), and 2^n built in the exponent bits.
+  // 2^x, exactly 0 below -126 (so a masked -inf score contributes nothing) and NaN for NaN (bad input
+  // must not pass for a masked row). Range reduction x = n + f, |f| <= 1/2, then 2^f by its Taylor series
+  // to degree 6 (relative error < 1.3e-7, about one float ulp), and 2^n built in the exponent bits.
   static B exp2(B x) {
     using I = xsimd::batch<int32_t, Arch>;
-    const B xc = xsimd::max(x, B(-126.0f));
+    const auto underflow = x < B(-126.0f);  // false for NaN, which then flows through f and p
+    const B xc = xsimd::select(underflow, B(-126.0f), x);
     const I n = xsimd::nearbyint_as_int(xc);
     const B f = xc - xsimd::to_float(n);
     B p = B(kExp2Taylor[6]);
     for (int k = 5; k >= 0; --k) p = xsimd::fma(p, f, B(kExp2Taylor[k]));
     const B two_n = xsimd::bitwise_cast<B>((n + I(127)) << 23);
-    return xsimd::select(x >= B(-126.0f), p * two_n, B(0.0f));
+    return xsimd::select(underflow, B(0.0f), p * two_n);
   }
   // Where m == -inf (every key masked so far) substitute 0, so exp(s - m) stays 0 instead of NaN.
   static B finite_or_zero(B m) { return xsimd::select(m == B(-INFINITY), B(0.0f), m); }
@@ -56,7 +57,7 @@ struct Vec<ScalarArch> {
   static B set1(float x) { return x; }
   static B fma(B a, B b, B c) { return std::fma(a, b, c); }
   static B max(B a, B b) { return a > b ? a : b; }
-  static B exp2(B x) { return x >= -126.0f ? std::exp2(x) : 0.0f; }
+  static B exp2(B x) { return x < -126.0f ? 0.0f : std::exp2(x); }
   static B finite_or_zero(B m) { return m == -INFINITY ? 0.0f : m; }
 };
 
