@@ -1,0 +1,394 @@
+// bench/bench_gpt2attn.cpp: Google Benchmark suite for causal prefill (B = 1): the whole layer
+// (CausalSelfAttention: QKV projection, attention, output projection) and the attention core alone (the
+// tiled kernel driven over (H, query tiles) as engine/attention.cpp drives it), each reported as GFLOP/s and
+// as a fraction of the FMA peak measured in the same run. It does not check results: the tests do.
+//
+// Cases (names are what --benchmark_filter matches):
+//   Layer/<preset>/T:<T>/threads:<n>     GPT-2 presets x T in {128, 512, 1024, 2048} x {1, 2} threads
+//   Core/<preset>/T:<T>/threads:<n>      same grid, attention core alone
+//   Layer/gpt3-175b/T:128/threads:2      the largest preset (~5 GB of weights in memory)
+//   Isa/core/gpt2-small/<isa>/T:<T>/...  avx512 vs avx2 at T = 1024 and 256, scalar at T = 256 only
+//   ThreadScaling/<layer|core>/...       1 and 2 threads timed alternately inside one benchmark
+//   Tiles/<isa>/BQ:../BK:../D:<D>/...    the compiled tile shape at D = 64 and 128 (tiles.hpp cites this)
+//
+// FLOPs, causal work counted once:  layer  2*T*E*3E + 2*T*E*E + 4*E*T(T+1)/2,  core  4*E*T(T+1)/2.
+#include <benchmark/benchmark.h>
+#include <omp.h>
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bench/fma_peak.hpp"
+#include "gpt2attn/attention.hpp"
+#include "gpt2attn/config.hpp"
+#include "gpt2attn/weights.hpp"
+#include "kernels/attention_f32.hpp"
+
+namespace {
+
+namespace ga = gpt2attn;
+namespace gk = gpt2attn::kernels;
+using Clock = std::chrono::steady_clock;
+
+const std::vector<std::string> kGpt2Presets = {"gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"};
+const std::vector<int64_t> kSeqs = {128, 512, 1024, 2048};
+const std::vector<int> kThreads = {1, 2};  // this machine's two cores
+
+// Measured once at start-up: threads -> GFLOP/s, for the best ISA (the machine's peak; 0 on a CPU without
+// AVX2, where no peak_frac is reported) and per vector ISA.
+std::map<int, double> g_machine_peak;
+std::map<std::pair<ga::Isa, int>, double> g_isa_peak;
+
+double layer_flops(double E, double T) { return 2 * T * E * 3 * E + 2 * T * E * E + 4 * E * T * (T + 1) / 2; }
+double core_flops(double E, double T) { return 4 * E * T * (T + 1) / 2; }
+
+// CPU seconds used by the whole process so far (all threads).
+double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+// Wall and process CPU time of a timed loop.
+struct Span {
+  Clock::time_point wall0 = Clock::now();
+  double cpu0 = process_cpu_seconds();
+  double wall() const { return std::chrono::duration<double>(Clock::now() - wall0).count(); }
+  double cpu() const { return process_cpu_seconds() - cpu0; }
+};
+
+// Sets GFLOP/s from the wall time of the timed loop, and peak_frac against the machine's FMA peak; for a
+// forced weaker ISA also isa_peak_frac against that ISA's own peak. cpu_util = process CPU time / (wall x
+// threads): OpenMP threads spin between regions, so it stays near 1 while every thread has a core of its
+// own, and falls towards 1/threads when another process shares the cores (then the case is not worth quoting).
+void report(benchmark::State& state, double flops, const Span& span, int threads, ga::Isa isa = ga::Isa::best) {
+  const double seconds = span.wall();
+  state.counters["cpu_util"] = span.cpu() / (seconds * threads);
+  const double gflops = flops * static_cast<double>(state.iterations()) / seconds * 1e-9;
+  state.counters["GFLOP/s"] = gflops;
+  if (g_machine_peak.at(threads) > 0) state.counters["peak_frac"] = gflops / g_machine_peak.at(threads);
+  if (isa != ga::Isa::best && isa != ga::best_supported_isa()) {
+    const auto it = g_isa_peak.find({isa, threads});
+    if (it != g_isa_peak.end()) state.counters["isa_peak_frac"] = gflops / it->second;
+  }
+}
+
+std::vector<float> random_floats(size_t n, uint32_t seed) {
+  std::vector<float> v(n);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (float& f : v) f = nd(rng);
+  return v;
+}
+
+struct FreeDeleter {
+  void operator()(float* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<float[], FreeDeleter>;
+Buffer aligned_floats(size_t n) {  // 64-byte aligned, like the engine's workspace
+  const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
+  return Buffer(static_cast<float*>(std::aligned_alloc(64, bytes)));
+}
+
+// ---- the whole layer ----------------------------------------------------------------------------------
+
+// One layer at a time is kept (gpt3-175b alone is ~5 GB); cases sharing (preset, T, isa) run back to back.
+struct LayerFixture {
+  std::string preset;
+  int64_t T = 0;
+  ga::Isa isa = ga::Isa::best;
+  ga::Config cfg;
+  std::unique_ptr<ga::CausalSelfAttention> layer;
+  std::vector<float> x, y;  // (T, E) each
+  std::set<int> warmed;     // thread counts whose oneDNN primitives and workspace exist
+};
+std::unique_ptr<LayerFixture> g_layer;
+
+LayerFixture& layer_for(const std::string& preset, int64_t T, ga::Isa isa, int threads) {
+  if (!g_layer || g_layer->preset != preset || g_layer->T != T || g_layer->isa != isa) {
+    g_layer.reset();  // free the previous layer before building the next
+    auto f = std::make_unique<LayerFixture>();
+    f->preset = preset, f->T = T, f->isa = isa;
+    f->cfg = ga::preset(preset);
+    f->cfg.context_length = std::max(f->cfg.context_length, T);
+    {
+      const ga::Weights w = ga::Weights::random(f->cfg, 1234);  // copied by the layer; freed at scope end
+      ga::EngineOptions opts;
+      opts.isa = isa;
+      f->layer = std::make_unique<ga::CausalSelfAttention>(f->cfg, w, opts);
+    }
+    f->x = random_floats(static_cast<size_t>(T * f->cfg.query_width()), 42);
+    f->y.resize(static_cast<size_t>(T * f->cfg.d_model));
+    g_layer = std::move(f);
+  }
+  LayerFixture& f = *g_layer;
+  if (!f.warmed.count(threads)) {
+    ga::RunOptions run;
+    run.threads = threads;
+    f.layer->forward(f.x.data(), 1, T, f.y.data(), run);  // creates primitives, grows the workspace
+    f.warmed.insert(threads);
+  }
+  return f;
+}
+
+void bm_layer(benchmark::State& state, const std::string& preset, int64_t T, int threads) {
+  LayerFixture& f = layer_for(preset, T, ga::Isa::best, threads);
+  ga::RunOptions run;
+  run.threads = threads;
+  const Span span;
+  for (auto _ : state) {
+    f.layer->forward(f.x.data(), 1, T, f.y.data(), run);
+    benchmark::ClobberMemory();
+  }
+  report(state, layer_flops(static_cast<double>(f.cfg.d_model), static_cast<double>(T)), span, threads);
+  state.SetLabel(ga::to_string(f.layer->layer().isa()));
+}
+
+// ---- the attention core alone --------------------------------------------------------------------------
+
+const gk::AttentionKernel& kernel_for(ga::Isa isa) {
+  if (isa == ga::Isa::best) isa = ga::best_supported_isa();
+  switch (isa) {
+    case ga::Isa::avx512: return gk::attention_f32_avx512();
+    case ga::Isa::avx2: return gk::attention_f32_avx2();
+    default: return gk::attention_f32_scalar();
+  }
+}
+
+// Q, K, V as the engine's fused projection leaves them: one (T, 3E) buffer, [Q | K | V] per token, head h at
+// column offset h*D of each third; the output (T, E) with heads concatenated. The causal bias row is built
+// exactly as MultiHeadAttention::Impl builds `causal_row` for context_length = T.
+struct Core {
+  int64_t H, D, E, T;
+  const gk::AttentionKernel* kernel;
+  Buffer qkv, ctx, scratch;
+  int64_t scratch_stride;
+  std::vector<float> causal_row;
+  int64_t causal_center;
+
+  Core(int64_t H_, int64_t D_, int64_t T_, ga::Isa isa, int max_threads)
+      : H(H_), D(D_), E(H_ * D_), T(T_), kernel(&kernel_for(isa)) {
+    const std::vector<float> r = random_floats(static_cast<size_t>(T * 3 * E), 7);
+    qkv = aligned_floats(r.size());
+    std::copy(r.begin(), r.end(), qkv.get());
+    ctx = aligned_floats(static_cast<size_t>(T * E));
+    scratch_stride = (static_cast<int64_t>(kernel->scratch_floats(D)) + 15) / 16 * 16;
+    scratch = aligned_floats(static_cast<size_t>(max_threads * scratch_stride));
+    causal_center = T - 1;
+    causal_row.resize(static_cast<size_t>(causal_center + T + gk::kMaxQueryTile));
+    for (int64_t i = 0; i < static_cast<int64_t>(causal_row.size()); ++i) {
+      causal_row[i] = i - causal_center >= 0 ? 0.0f : -INFINITY;
+    }
+  }
+
+  // engine/attention.cpp's attend() for B = 1, causal, no mask, no dropout: (H, query tiles) items, longest
+  // (last) tiles first, taken dynamically.
+  void run(int threads) {
+    gk::AttentionArgs base;
+    base.ldq = base.ldk = base.ldv = 3 * E;
+    base.ldo = E;
+    base.T = T, base.Tk = T, base.D = D;
+    base.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+    base.causal = true;
+    base.causal_offset = 0;
+    base.causal_bias = causal_row.data() + causal_center;
+    const int64_t BQ = kernel->tiles.query_tile;
+    const int64_t tiles = (T + BQ - 1) / BQ, items = H * tiles;
+    const float* qp = qkv.get();
+    float* out = ctx.get();
+#pragma omp parallel num_threads(threads)
+    {
+      float* s = scratch.get() + omp_get_thread_num() * scratch_stride;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t it = 0; it < items; ++it) {
+        const int64_t tile = tiles - 1 - it / H, h = it % H;
+        gk::AttentionArgs a = base;
+        a.q = qp + h * D;
+        a.k = qp + E + h * D;
+        a.v = qp + 2 * E + h * D;
+        a.out = out + h * D;
+        kernel->run(a, tile * BQ, std::min(T, (tile + 1) * BQ), s);
+      }
+    }
+  }
+};
+
+std::unique_ptr<Core> g_core;
+Core& core_for(int64_t H, int64_t D, int64_t T, ga::Isa isa) {
+  if (!g_core || g_core->H != H || g_core->D != D || g_core->T != T || g_core->kernel != &kernel_for(isa)) {
+    g_core.reset();
+    g_core = std::make_unique<Core>(H, D, T, isa, std::max(omp_get_num_procs(), 2));
+    g_core->run(1);  // first touch of the buffers
+  }
+  return *g_core;
+}
+
+void bm_core(benchmark::State& state, int64_t H, int64_t D, int64_t T, int threads, ga::Isa isa) {
+  Core& c = core_for(H, D, T, isa);
+  c.run(threads);  // warm caches and the thread team at this size
+  const Span span;
+  for (auto _ : state) {
+    c.run(threads);
+    benchmark::ClobberMemory();
+  }
+  report(state, core_flops(static_cast<double>(c.E), static_cast<double>(T)), span, threads, isa);
+  state.SetLabel(c.kernel->isa);
+}
+
+// ---- thread scaling: 1 and 2 threads alternate inside each iteration, so both see the same clock --------
+
+template <class RunWith>
+void scaling(benchmark::State& state, double flops, RunWith&& run_with) {
+  double t1 = 0, t2 = 0, cpu2 = 0;
+  for (auto _ : state) {
+    const Span one;
+    run_with(1);
+    t1 += one.wall();
+    const Span two;
+    run_with(2);
+    t2 += two.wall();
+    cpu2 += two.cpu();
+  }
+  const double n = static_cast<double>(state.iterations());
+  state.counters["cpu_util_2t"] = cpu2 / (t2 * 2);
+  state.counters["ms_1t"] = t1 / n * 1e3;
+  state.counters["ms_2t"] = t2 / n * 1e3;
+  state.counters["speedup"] = t1 / t2;
+  state.counters["efficiency"] = t1 / t2 / 2;
+  state.counters["peak_frac_1t"] = flops * n / t1 * 1e-9 / g_machine_peak.at(1);
+  state.counters["peak_frac_2t"] = flops * n / t2 * 1e-9 / g_machine_peak.at(2);
+}
+
+void bm_scaling_layer(benchmark::State& state, const std::string& preset, int64_t T) {
+  LayerFixture& f = layer_for(preset, T, ga::Isa::best, 1);
+  layer_for(preset, T, ga::Isa::best, 2);
+  scaling(state, layer_flops(static_cast<double>(f.cfg.d_model), static_cast<double>(T)), [&](int threads) {
+    ga::RunOptions run;
+    run.threads = threads;
+    f.layer->forward(f.x.data(), 1, T, f.y.data(), run);
+    benchmark::ClobberMemory();
+  });
+}
+
+void bm_scaling_core(benchmark::State& state, int64_t H, int64_t D, int64_t T) {
+  Core& c = core_for(H, D, T, ga::Isa::best);
+  scaling(state, core_flops(static_cast<double>(c.E), static_cast<double>(T)), [&](int threads) {
+    c.run(threads);
+    benchmark::ClobberMemory();
+  });
+}
+
+// ---- registration --------------------------------------------------------------------------------------
+
+// Three repetitions of >= 0.25 s each, medians reported (with mean/stddev/cv): the full suite stays at a few
+// minutes on two cores.
+benchmark::internal::Benchmark* standard(benchmark::internal::Benchmark* b) {
+  return b->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.25)->Repetitions(3)->ReportAggregatesOnly(true);
+}
+
+std::string ts(int64_t v) { return std::to_string(v); }
+
+void register_all() {
+  for (const auto& p : kGpt2Presets)
+    for (int64_t T : kSeqs)
+      for (int n : kThreads)
+        standard(benchmark::RegisterBenchmark(("Layer/" + p + "/T:" + ts(T) + "/threads:" + ts(n)).c_str(),
+                                              [p, T, n](benchmark::State& s) { bm_layer(s, p, T, n); }));
+  for (const auto& p : kGpt2Presets) {
+    const ga::Config c = ga::preset(p);
+    const int64_t H = c.num_heads, D = c.head_dim();
+    for (int64_t T : kSeqs)
+      for (int n : kThreads)
+        standard(benchmark::RegisterBenchmark(
+            ("Core/" + p + "/T:" + ts(T) + "/threads:" + ts(n)).c_str(),
+            [H, D, T, n](benchmark::State& s) { bm_core(s, H, D, T, n, ga::Isa::best); }));
+  }
+
+  // ~1 s per forward: one iteration per repetition is plenty.
+  benchmark::RegisterBenchmark("Layer/gpt3-175b/T:128/threads:2",
+                               [](benchmark::State& s) { bm_layer(s, "gpt3-175b", 128, 2); })
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime()
+      ->Iterations(1)
+      ->Repetitions(3)
+      ->ReportAggregatesOnly(true);
+
+  const ga::Config small = ga::preset("gpt2-small");
+  const int64_t sH = small.num_heads, sD = small.head_dim();
+  struct IsaCase {
+    ga::Isa isa;
+    int64_t T;
+  };
+  for (const IsaCase ic : {IsaCase{ga::Isa::avx512, 1024}, IsaCase{ga::Isa::avx2, 1024}, IsaCase{ga::Isa::avx512, 256},
+                           IsaCase{ga::Isa::avx2, 256}, IsaCase{ga::Isa::scalar, 256}}) {
+    if (!ga::isa_supported(ic.isa)) continue;
+    const ga::Isa isa = ic.isa;
+    const int64_t T = ic.T;
+    standard(benchmark::RegisterBenchmark(
+        (std::string("Isa/core/gpt2-small/") + ga::to_string(isa) + "/T:" + ts(T) + "/threads:2").c_str(),
+        [=](benchmark::State& s) { bm_core(s, sH, sD, T, 2, isa); }));
+  }
+
+  standard(benchmark::RegisterBenchmark("ThreadScaling/layer/gpt2-small/T:1024",
+                                        [](benchmark::State& s) { bm_scaling_layer(s, "gpt2-small", 1024); }));
+  standard(benchmark::RegisterBenchmark("ThreadScaling/core/gpt2-small/T:1024",
+                                        [=](benchmark::State& s) { bm_scaling_core(s, sH, sD, 1024); }));
+
+  // Tile shapes are compile-time (kernels/tiles.hpp): each ISA's compiled shape at head sizes 64 and 128
+  // (H = 12), the figure that justifies it; variants the lead adds get their own Tiles/ names.
+  for (ga::Isa isa : {ga::Isa::avx512, ga::Isa::avx2}) {
+    if (!ga::isa_supported(isa)) continue;
+    const gk::TileShape t = kernel_for(isa).tiles;
+    for (int64_t D : {64, 128})
+      for (int n : kThreads)
+        standard(benchmark::RegisterBenchmark((std::string("Tiles/") + ga::to_string(isa) + "/BQ:" + ts(t.query_tile) +
+                                               "/BK:" + ts(t.key_tile) + "/D:" + ts(D) + "/T:1024/threads:" + ts(n))
+                                                  .c_str(),
+                                              [=](benchmark::State& s) { bm_core(s, 12, D, 1024, n, isa); }));
+  }
+}
+
+void measure_peaks(const char* when) {
+  const ga::Isa best = ga::best_supported_isa();
+  for (int n : kThreads) {
+    for (ga::Isa isa : {ga::Isa::avx512, ga::Isa::avx2})
+      if (ga::isa_supported(isa)) g_isa_peak[{isa, n}] = gpt2attn::bench::measured_fma_peak_gflops(n, isa);
+    g_machine_peak[n] = g_isa_peak.count({best, n}) ? g_isa_peak[{best, n}] : 0.0;
+  }
+  for (const auto& [key, gflops] : g_isa_peak)
+    std::fprintf(stderr, "fma peak (%s): %s, %d thread(s): %.1f GFLOP/s\n", when, ga::to_string(key.first), key.second,
+                 gflops);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  measure_peaks("start");
+  benchmark::AddCustomContext("gpt2attn_isa", ga::to_string(ga::best_supported_isa()));
+  for (const auto& [n, gflops] : g_machine_peak)
+    benchmark::AddCustomContext("fma_peak_gflops_threads_" + std::to_string(n), std::to_string(gflops));
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  // Measured again at the end: a drop means other load (or the clock) moved during the run, and peak_frac
+  // and the timings of that stretch are suspect.
+  const auto start = g_machine_peak;
+  measure_peaks("end");
+  for (const auto& [n, gflops] : start)
+    if (g_machine_peak[n] < 0.9 * gflops)
+      std::fprintf(stderr, "WARNING: the %d-thread FMA peak fell from %.1f to %.1f GFLOP/s during the run: other load?\n",
+                   n, gflops, g_machine_peak[n]);
+  return 0;
+}

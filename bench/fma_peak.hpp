@@ -1,0 +1,31 @@
+// bench/fma_peak.hpp: the machine's measured fp32 FMA peak, the denominator of every benchmark's peak_frac.
+// Measured in the same run as the benchmarks (clock, turbo and AVX-512 licence as they are now); not a
+// datasheet figure and not a model of the attention kernel.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "gpt2attn/attention.hpp"
+
+namespace gpt2attn::bench {
+
+// GFLOP/s (an FMA counts 2 FLOPs per lane) of `threads` OpenMP threads together, each running independent
+// FMA chains for ~50 ms; the best of 10 trials (other load only lowers a trial). Defined in
+// fma_peak_<isa>.cpp, compiled with that ISA's flags: call only where the CPU supports the ISA.
+double fma_peak_gflops_avx512(int threads);
+double fma_peak_gflops_avx2(int threads);
+
+// The peak for an instruction set (best = the strongest this CPU runs). Scalar has no FMA instruction in
+// the baseline x86-64 flags the scalar kernel is built with, so it has no peak of its own: that is refused.
+inline double measured_fma_peak_gflops(int threads, Isa isa) {
+  if (isa == Isa::best) isa = best_supported_isa();
+  if (!isa_supported(isa)) throw std::invalid_argument(std::string("fma peak: this CPU lacks ") + to_string(isa));
+  switch (isa) {
+    case Isa::avx512: return fma_peak_gflops_avx512(threads);
+    case Isa::avx2: return fma_peak_gflops_avx2(threads);
+    default: throw std::invalid_argument(std::string("fma peak: no vector FMA for ") + to_string(isa));
+  }
+}
+
+}  // namespace gpt2attn::bench

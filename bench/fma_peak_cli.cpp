@@ -1,0 +1,48 @@
+// bench/fma_peak_cli.cpp: prints the measured fp32 FMA peak as JSON lines, one per thread count, for scripts
+// (peer_torch.py) that need the peak_frac denominator:  {"threads": n, "gflops": x, "isa": "avx512"}.
+// Usage: fma_peak_cli [--threads N]... [--isa best|avx512|avx2]   (default: 1 .. number of processors)
+#include <omp.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "bench/fma_peak.hpp"
+
+int main(int argc, char** argv) {
+  namespace ga = gpt2attn;
+  std::vector<int> threads;
+  ga::Isa isa = ga::Isa::best;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if ((a == "--threads" || a == "--isa") && i + 1 < argc) {
+        const std::string v = argv[++i];
+        if (a == "--isa") {
+          isa = ga::isa_from_string(v);
+        } else {
+          const int n = std::atoi(v.c_str());
+          if (n < 1) throw std::invalid_argument("--threads must be >= 1, got " + v);
+          threads.push_back(n);
+        }
+      } else {
+        throw std::invalid_argument("unknown argument '" + a + "' (usage: fma_peak_cli [--threads N]... [--isa ISA])");
+      }
+    }
+    if (threads.empty())
+      for (int n = 1; n <= omp_get_num_procs(); ++n) threads.push_back(n);
+    if (isa == ga::Isa::best) isa = ga::best_supported_isa();
+    for (int n : threads) {
+      const double g = gpt2attn::bench::measured_fma_peak_gflops(n, isa);
+      std::printf("{\"threads\": %d, \"gflops\": %.3f, \"isa\": \"%s\"}\n", n, g, ga::to_string(isa));
+      std::fflush(stdout);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fma_peak_cli: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

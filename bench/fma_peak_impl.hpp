@@ -1,0 +1,75 @@
+// bench/fma_peak_impl.hpp: the FMA peak loop, written once over xsimd::batch<float, Arch>. Included only by
+// the per-ISA files (fma_peak_<isa>.cpp); internal linkage keeps ISA-flagged code out of other TUs.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+#include <xsimd/xsimd.hpp>
+
+namespace gpt2attn::bench {
+namespace {
+
+// A independent chains acc = acc * b + c. A must cover FMA latency x FMA ports (4 cycles x 2 on Sapphire
+// Rapids = 8 in flight) and, with b and c, fit the register file (AVX-512: 16 + 2 of 32 zmm;
+// AVX2: 12 + 2 of 16 ymm) so the loop is nothing but FMAs. b < 1 keeps the values finite and normal.
+template <class Arch, int A>
+float fma_chains(long iters, float seed) {
+  using B = xsimd::batch<float, Arch>;
+  B acc[A];
+  for (int i = 0; i < A; ++i) acc[i] = B(seed + static_cast<float>(i));
+  const B b(0.999999f), c(1e-3f);
+  // Without -ffast-math the compiler may not reassociate or fold the chains; the sum below keeps them live.
+  for (long n = 0; n < iters; ++n)
+    for (int i = 0; i < A; ++i) acc[i] = xsimd::fma(acc[i], b, c);
+  B sum = acc[0];
+  for (int i = 1; i < A; ++i) sum += acc[i];
+  return xsimd::hadd(sum);
+}
+
+using Clock = std::chrono::steady_clock;
+
+template <class Arch, int A>
+double fma_peak_gflops(int threads) {
+  using B = xsimd::batch<float, Arch>;
+  const double flops_per_iter = 2.0 * A * B::size;
+  volatile float sink = 0;
+  // Calibrate the iteration count to ~50 ms on one thread (also wakes the cores and settles the clock).
+  long iters = 1 << 20;
+  for (;;) {
+    const auto t0 = Clock::now();
+    sink = sink + fma_chains<Arch, A>(iters, 1.0f);
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (s > 0.01) {
+      iters = static_cast<long>(iters * 0.05 / s);
+      break;
+    }
+    iters *= 4;
+  }
+  // The rate of the team: all FLOPs over the span from the first thread's start to the last one's end, so
+  // threads that were time-sliced rather than run side by side are not counted as parallel.
+  double best = 0;
+  for (int trial = 0; trial < 10; ++trial) {
+    std::vector<Clock::time_point> start(static_cast<size_t>(threads)), end(start);
+#pragma omp parallel num_threads(threads)
+    {
+      const auto t = static_cast<size_t>(omp_get_thread_num());
+#pragma omp barrier
+      start[t] = Clock::now();
+      const float r = fma_chains<Arch, A>(iters, static_cast<float>(t));
+      end[t] = Clock::now();
+      sink = sink + r;
+    }
+    const double s =
+        std::chrono::duration<double>(*std::max_element(end.begin(), end.end()) -
+                                      *std::min_element(start.begin(), start.end()))
+            .count();
+    best = std::max(best, flops_per_iter * static_cast<double>(iters) * threads / s * 1e-9);
+  }
+  return best;
+}
+
+}  // namespace
+}  // namespace gpt2attn::bench
