@@ -68,5 +68,13 @@ const kernels::AttentionKernel& attention_kernel(Isa resolved) {
   }
 }
 
+const kernels::DecodeKernel& decode_kernel(Isa resolved) {
+  switch (resolved) {
+    case Isa::avx512: return kernels::decode_attention_f32_avx512();
+    case Isa::avx2: return kernels::decode_attention_f32_avx2();
+    default: return kernels::decode_attention_f32_scalar();
+  }
+}
+
 }  // namespace detail
 }  // namespace gpt2attn

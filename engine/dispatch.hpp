@@ -4,6 +4,7 @@
 
 #include "gpt2attn/attention.hpp"
 #include "kernels/attention_f32.hpp"
+#include "kernels/decode_attention_f32.hpp"
 
 namespace gpt2attn::detail {
 
@@ -11,5 +12,6 @@ namespace gpt2attn::detail {
 // kernel. Asking for an ISA this CPU lacks is an invalid_argument error naming the ISA.
 Isa resolve_isa(Isa requested);
 const kernels::AttentionKernel& attention_kernel(Isa resolved);
+const kernels::DecodeKernel& decode_kernel(Isa resolved);
 
 }  // namespace gpt2attn::detail

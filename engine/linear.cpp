@@ -3,6 +3,8 @@
 
 #include <omp.h>
 
+#include <atomic>
+
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn::detail {
@@ -21,20 +23,22 @@ dnnl::engine& cpu_engine() {
   return eng;
 }
 
-// One primitive for one (M, lda, ldc, threads), with its memory objects and scratchpad kept so that a
-// call only swaps data handles.
-struct Linear::Entry {
-  int64_t M, lda, ldc;
-  int threads;
+// One primitive for one (Linear, M, lda, ldc, threads), with its memory objects and scratchpad kept so that
+// a call only swaps data handles.
+struct ExecContext::Entry {
   dnnl::matmul prim;
   dnnl::stream stream;
   memory src, dst, scratch;
   std::vector<memory> keep_alive;       // the memory objects c_args points into
   std::vector<dnnl_exec_arg_t> c_args;  // built once: the C++ execute() would build a vector per call
-  std::string impl;
 };
 
-Linear::Linear(const float* w, const float* bias, int64_t N, int64_t K) : N_(N), K_(K), has_bias_(bias != nullptr) {
+namespace {
+std::atomic<uint64_t> next_linear_id{1};
+}
+
+Linear::Linear(const float* w, const float* bias, int64_t N, int64_t K)
+    : id_(next_linear_id.fetch_add(1)), N_(N), K_(K), has_bias_(bias != nullptr) {
   try {
     auto& eng = cpu_engine();
     // Let oneDNN choose the weights' blocked layout for a representative M; every later primitive is
@@ -45,6 +49,7 @@ Linear::Linear(const float* w, const float* bias, int64_t N, int64_t K) : N_(N),
     auto pd = has_bias_ ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_any, w_any, b_desc, dst_any), eng)
                         : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_any, w_any, dst_any), eng);
     weights_desc_ = pd.weights_desc();
+    impl_ = pd.impl_info_str();
     weights_ = memory(weights_desc_, eng);
     // Our (N, K) row-major weights are the (K, N) matrix oneDNN wants, in column-major order ("ba").
     memory user_w({{K, N}, dt::f32, tag::ba}, eng, const_cast<float*>(w));
@@ -65,10 +70,21 @@ Linear::Linear(Linear&&) noexcept = default;
 Linear& Linear::operator=(Linear&&) noexcept = default;
 Linear::~Linear() = default;
 
-Linear::Entry& Linear::entry(int64_t M, int64_t lda, int64_t ldc, int threads) {
-  for (auto& e : entries_) {
-    if (e->M == M && e->lda == lda && e->ldc == ldc && e->threads == threads) return *e;
+ExecContext::ExecContext() = default;
+ExecContext::~ExecContext() = default;
+
+size_t ExecContext::KeyHash::operator()(const Key& k) const {
+  size_t h = std::hash<uint64_t>()(k.linear);
+  for (int64_t v : {k.M, k.lda, k.ldc, static_cast<int64_t>(k.threads), static_cast<int64_t>(k.slot)}) {
+    h = h * 0x9e3779b97f4a7c15ull + std::hash<int64_t>()(v);
   }
+  return h;
+}
+
+ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads) const {
+  const ExecContext::Key key{id_, M, lda, ldc, threads, omp_in_parallel() ? omp_get_thread_num() : 0};
+  std::lock_guard<std::mutex> lock(ctx.mu_);
+  if (auto it = ctx.entries_.find(key); it != ctx.entries_.end()) return *it->second;
   try {
     auto& eng = cpu_engine();
     const memory::desc src({M, K_}, dt::f32, memory::dims{lda, 1}), dst({M, N_}, dt::f32, memory::dims{ldc, 1});
@@ -79,8 +95,7 @@ Linear::Entry& Linear::entry(int64_t M, int64_t lda, int64_t ldc, int threads) {
     auto pd = has_bias_
                   ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights_desc_, bias_.get_desc(), dst), attr, eng)
                   : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights_desc_, dst), attr, eng);
-    auto e = std::make_unique<Entry>();
-    e->M = M, e->lda = lda, e->ldc = ldc, e->threads = threads;
+    auto e = std::make_unique<ExecContext::Entry>();
     e->prim = dnnl::matmul(pd);
     e->stream = dnnl::stream(eng);
     e->src = memory(src, eng, DNNL_MEMORY_NONE);
@@ -93,19 +108,18 @@ Linear::Entry& Linear::entry(int64_t M, int64_t lda, int64_t ldc, int threads) {
       e->keep_alive.push_back(mem);
       e->c_args.push_back({arg, mem.get()});
     }
-    e->impl = pd.impl_info_str();
-    entries_.push_back(std::move(e));
-    return *entries_.back();
+    return *ctx.entries_.emplace(key, std::move(e)).first->second;
   } catch (const dnnl::error& e) {
     fail(ErrorCode::internal, "oneDNN: creating a matmul for M=" + std::to_string(M) + " failed: " + e.what());
   }
 }
 
-void Linear::prepare(int64_t M, int64_t lda, int64_t ldc, int threads) { last_ = &entry(M, lda, ldc, threads); }
+void Linear::prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads) const {
+  entry(ctx, M, lda, ldc, threads);
+}
 
-void Linear::run(const float* x, int64_t M, int64_t lda, float* y, int64_t ldc, int threads) {
-  Entry& e = entry(M, lda, ldc, threads);
-  last_ = &e;
+void Linear::run(ExecContext& ctx, const float* x, int64_t M, int64_t lda, float* y, int64_t ldc, int threads) const {
+  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads);
   e.src.set_data_handle(const_cast<float*>(x));
   e.dst.set_data_handle(y);
   ScopedOmpThreads scope(threads);
@@ -114,7 +128,5 @@ void Linear::run(const float* x, int64_t M, int64_t lda, float* y, int64_t ldc, 
   if (st != dnnl_success) fail(ErrorCode::internal, "oneDNN: matmul execution failed (status " + std::to_string(st) + ")");
   e.stream.wait();
 }
-
-std::string Linear::implementation() const { return last_ ? last_->impl : "onednn-matmul"; }
 
 }  // namespace gpt2attn::detail

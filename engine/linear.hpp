@@ -1,12 +1,15 @@
 // engine/linear.hpp: y = x W^T + b on oneDNN's matmul. Weights are reordered once, at construction, into
-// the blocked layout oneDNN prefers; each (M, strides, threads) gets its primitive once, then only execute().
+// the blocked layout oneDNN prefers; each (M, strides, threads) gets its primitive once per ExecContext,
+// then only execute().
 #pragma once
 
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace gpt2attn::detail {
@@ -24,6 +27,38 @@ class ScopedOmpThreads {
   int saved_;
 };
 
+class Linear;
+
+// The mutable half of the GEMMs: oneDNN primitives with their memory objects and scratchpads, one per
+// (Linear, M, lda, ldc, threads, slot), created on first use; slot is the calling thread's number inside an
+// OpenMP team, so the team's threads running GEMMs of one shape at once never share an entry. Each Workspace
+// owns one, so calls with distinct workspaces never share mutable oneDNN state, while the weights (Linear)
+// are shared read-only.
+class ExecContext {
+ public:
+  ExecContext();
+  ~ExecContext();
+  ExecContext(const ExecContext&) = delete;
+  ExecContext& operator=(const ExecContext&) = delete;
+
+ private:
+  friend class Linear;
+  struct Entry;
+  struct Key {
+    uint64_t linear;  // Linear::id_: unique for the process, so a Linear at a reused address never matches
+    int64_t M, lda, ldc;
+    int threads, slot;
+    bool operator==(const Key&) const = default;
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const;
+  };
+  std::mutex mu_;  // the team's threads look up and add entries concurrently
+  std::unordered_map<Key, std::unique_ptr<Entry>, KeyHash> entries_;
+};
+
+// y = x W^T + b. Immutable after construction: run() may be called from several threads at once, each with
+// its own ExecContext.
 class Linear {
  public:
   // w: (N, K) row-major (torch layout), bias: (N) or null. Both are copied.
@@ -33,24 +68,23 @@ class Linear {
   ~Linear();
 
   // x: (M, K) with row stride lda; y: (M, N) with row stride ldc. M >= 1.
-  // The first call for a given (M, lda, ldc, threads) creates its primitive; later calls allocate nothing.
-  void run(const float* x, int64_t M, int64_t lda, float* y, int64_t ldc, int threads);
-  void prepare(int64_t M, int64_t lda, int64_t ldc, int threads);  // creates without running
+  // The first call for a given (M, lda, ldc, threads) in `ctx` creates its primitive; later calls allocate nothing.
+  void run(ExecContext& ctx, const float* x, int64_t M, int64_t lda, float* y, int64_t ldc, int threads) const;
+  void prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads) const;  // creates without running
 
   int64_t N() const { return N_; }
   int64_t K() const { return K_; }
-  std::string implementation() const;  // oneDNN's name for the last primitive used, e.g. "brg:avx512_core"
+  const std::string& implementation() const { return impl_; }  // oneDNN's name, e.g. "brg:avx512_core"
 
  private:
-  struct Entry;
-  Entry& entry(int64_t M, int64_t lda, int64_t ldc, int threads);
+  ExecContext::Entry& entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads) const;
 
+  uint64_t id_;
   int64_t N_ = 0, K_ = 0;
   bool has_bias_ = false;
   dnnl::memory::desc weights_desc_;
   dnnl::memory weights_, bias_;
-  std::vector<std::unique_ptr<Entry>> entries_;
-  Entry* last_ = nullptr;
+  std::string impl_;
 };
 
 dnnl::engine& cpu_engine();

@@ -61,24 +61,6 @@ std::string expected_str(const char* symbols, std::initializer_list<int64_t> dim
   invalid(std::string(name) + ": expected shape " + expected + ", got " + v.shape_str());
 }
 
-// Scans a rank-3 f32 view through its strides; the message gives the first bad element's (b, t, e).
-void check_finite3(const TensorView& v, const char* name, const char* len_symbol) {
-  const auto* p = static_cast<const float*>(v.data);
-  const int64_t sB = v.strides[0], sT = v.strides[1], sE = v.strides[2];
-  for (int64_t b = 0; b < v.shape[0]; ++b) {
-    for (int64_t t = 0; t < v.shape[1]; ++t) {
-      for (int64_t e = 0; e < v.shape[2]; ++e) {
-        const float x = p[b * sB + t * sT + e * sE];
-        if (!std::isfinite(x)) {
-          const char* what = std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf");
-          invalid(std::string(name) + " contains " + what + " at (b, " + len_symbol + ", e) = (" + str(b) + ", " +
-                  str(t) + ", " + str(e) + ")");
-        }
-      }
-    }
-  }
-}
-
 // An additive mask may hold -inf (that is how it blocks) but not NaN, and not +inf: +inf would make the row's
 // softmax inf - inf = NaN, which no caller can mean.
 void check_additive_mask(const TensorView& v) {
@@ -109,6 +91,25 @@ void check_additive_mask(const TensorView& v) {
 }
 
 }  // namespace
+
+// Scans a rank-3 f32 view through its strides; the message gives the first bad element's (b, t, e).
+void check_finite(const TensorView& v, const char* name, const char* len_symbol) {
+  const auto* p = static_cast<const float*>(v.data);
+  const int64_t sB = v.strides[0], sT = v.strides[1], sE = v.strides[2];
+  for (int64_t b = 0; b < v.shape[0]; ++b) {
+    for (int64_t t = 0; t < v.shape[1]; ++t) {
+      for (int64_t e = 0; e < v.shape[2]; ++e) {
+        const float x = p[b * sB + t * sT + e * sE];
+        if (!std::isfinite(x)) {
+          const char* what = std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf");
+          invalid(std::string(name) + " contains " + what + " at (b, " + len_symbol + ", e) = (" + str(b) + ", " +
+                  str(t) + ", " + str(e) + ")");
+        }
+      }
+    }
+  }
+}
+
 
 Shape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run) {
   if (run.threads < 0) invalid("run.threads: expected >= 0 (0 = the layer's default), got " + str(run.threads));
@@ -220,10 +221,10 @@ Shape validate_inputs(const Config& config, const AttentionInputs& in, const Run
 
   // Last, because it reads every element: the shapes above guarantee the scans stay in bounds.
   if (run.check_finite) {
-    check_finite3(q, "query", "t");
+    check_finite(q, "query", "t");
     if (!s.self_attention) {
-      check_finite3(k, "key", "j");
-      check_finite3(v, "value", "j");
+      check_finite(k, "key", "j");
+      check_finite(v, "value", "j");
     }
     if (!m.empty() && in.mask_kind == MaskKind::additive) check_additive_mask(m);
   }

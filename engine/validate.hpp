@@ -31,4 +31,7 @@ struct Shape {
 //    ("query contains NaN at (b, t, e) = (0, 3, 17)"); -inf in an additive mask is allowed
 Shape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run);
 
+// Throws invalid_argument naming the first NaN/Inf of a rank-3 f32 view: "x contains NaN at (b, t, e) = ...".
+void check_finite(const TensorView& v, const char* name, const char* len_symbol);
+
 }  // namespace gpt2attn::detail

@@ -5,6 +5,8 @@
 // Layouts (one head h of one sequence b; all pointers already offset to that slice):
 //   q   (T, D)  row stride ldq    k (Tk, D) row stride ldk    v (Tk, D) row stride ldv
 //   out (T, D)  row stride ldo    (each row's D values contiguous)
+// or, for the paged KV cache, K and V in blocks of block_tokens rows (see PagedKv): key tiles are then cut
+// at block boundaries, so every tile is still one contiguous (nk, D) slab.
 //
 // Algorithm. Queries sit in SIMD lanes: a query tile of BQ rows is packed transposed, qt (D, BQ), so the
 // score tile s (BK, BQ) = K_tile . qt is a register-blocked outer-product GEMM (qt is pre-scaled by
@@ -38,10 +40,23 @@ struct MaskRef {
   int64_t stride_i = 0, stride_j = 0;
 };
 
+// K/V in the KV cache's blocks: key j of this head is the D floats at
+//   blocks[j / block_tokens] + k_offset + (j % block_tokens) * D, its value at ... + v_offset + ...
+struct PagedKv {
+  const float* const* blocks = nullptr;  // null = K/V are the contiguous k / v arrays
+  int64_t block_tokens = 0;
+  int64_t k_offset = 0, v_offset = 0;  // this head's K and V tiles inside a block, in floats
+
+  const float* key(int64_t j, int64_t D) const { return blocks[j / block_tokens] + k_offset + (j % block_tokens) * D; }
+  const float* value(int64_t j, int64_t D) const { return blocks[j / block_tokens] + v_offset + (j % block_tokens) * D; }
+  int64_t run_end(int64_t j) const { return (j / block_tokens + 1) * block_tokens; }  // first key of the next block
+};
+
 struct AttentionArgs {
   const float* q = nullptr;  // (T, D)
-  const float* k = nullptr;  // (Tk, D)
-  const float* v = nullptr;  // (Tk, D)
+  const float* k = nullptr;  // (Tk, D), unless paged
+  const float* v = nullptr;  // (Tk, D), unless paged
+  PagedKv paged;             // when paged.blocks is set, K/V rows are read from there (row stride D)
   float* out = nullptr;      // (T, D)
   int64_t ldq = 0, ldk = 0, ldv = 0, ldo = 0;
   int64_t T = 0, Tk = 0, D = 0;

@@ -115,18 +115,23 @@ struct AttentionF32 {
 
     // The last query of the tile sees keys up to i1 - 1 + offset; nothing beyond is touched.
     const int64_t kend = a.causal ? std::clamp<int64_t>(i1 + a.causal_offset, 0, a.Tk) : a.Tk;
-    for (int64_t j0 = 0; j0 < kend; j0 += BK) {
-      const int64_t nk = std::min<int64_t>(BK, kend - j0);
+    const bool paged = a.paged.blocks != nullptr;
+    const int64_t ldk = paged ? D : a.ldk, ldv = paged ? D : a.ldv;
+    int64_t nk = 0;
+    for (int64_t j0 = 0; j0 < kend; j0 += nk) {
+      // A key tile is BK keys, or fewer at the end and, when paged, at a block boundary.
+      nk = std::min<int64_t>(BK, (paged ? std::min(kend, a.paged.run_end(j0)) : kend) - j0);
+      const float* kt = paged ? a.paged.key(j0, D) : a.k + j0 * ldk;
+      const float* vt = paged ? a.paged.value(j0, D) : a.v + j0 * ldv;
 
       B mx[QV];
       for (int v = 0; v < QV; ++v) mx[v] = V::load(m + v * W);
       {
-        const float* k = a.k + j0 * a.ldk;
         int64_t j = 0;
-        for (; j + R <= nk; j += R) score_rows<R>(k + j * a.ldk, a.ldk, qt, D, s + j * BQ, mx);
+        for (; j + R <= nk; j += R) score_rows<R>(kt + j * ldk, ldk, qt, D, s + j * BQ, mx);
         if (j < nk) {
           with_rows<R - 1>(nk - j, [&](auto rr) {
-            score_rows<decltype(rr)::value>(k + j * a.ldk, a.ldk, qt, D, s + j * BQ, mx);
+            score_rows<decltype(rr)::value>(kt + j * ldk, ldk, qt, D, s + j * BQ, mx);
           });
         }
       }
@@ -193,12 +198,11 @@ struct AttentionF32 {
       }
 
       {
-        const float* vt = a.v + j0 * a.ldv;
         int64_t d = 0;
-        for (; d + R <= D; d += R) pv_rows<R>(vt + d, a.ldv, s, nk, alpha, acc + d * BQ);
+        for (; d + R <= D; d += R) pv_rows<R>(vt + d, ldv, s, nk, alpha, acc + d * BQ);
         if (d < D) {
           with_rows<R - 1>(D - d, [&](auto rr) {
-            pv_rows<decltype(rr)::value>(vt + d, a.ldv, s, nk, alpha, acc + d * BQ);
+            pv_rows<decltype(rr)::value>(vt + d, ldv, s, nk, alpha, acc + d * BQ);
           });
         }
       }

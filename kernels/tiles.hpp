@@ -24,4 +24,12 @@ inline constexpr Blocking kScalar{4, 4};
 // from L2 (2 MiB). Larger BK amortises the per-tile softmax bookkeeping but spills the score tile to L2.
 inline constexpr int kKeyTile = 64;
 
+// Decode (one query per sequence) splits a sequence's keys across threads (split-KV) so that every thread
+// gets about kDecodeItemsPerThread work items of similar size: when B*H is below that, or one sequence is
+// much longer than a thread's share. A split holds at least kDecodeMinSplitKeys keys: its fixed cost (the
+// query, the merge of D floats) stays under a few percent of streaming its keys and values.
+// Justified by `bench_gpt2attn --benchmark_filter=Decode`.
+inline constexpr int kDecodeItemsPerThread = 4;
+inline constexpr int kDecodeMinSplitKeys = 256;
+
 }  // namespace gpt2attn::kernels::tiles

@@ -29,6 +29,7 @@ struct Vec {
   static B set1(float x) { return B(x); }
   static B fma(B a, B b, B c) { return xsimd::fma(a, b, c); }
   static B max(B a, B b) { return xsimd::max(a, b); }
+  static float sum(B v) { return xsimd::hadd(v); }  // horizontal: the lanes added
   // 2^x, exactly 0 below -126 (so a masked -inf score contributes nothing) and NaN for NaN (bad input
   // must not pass for a masked row). Range reduction x = n + f, |f| <= 1/2, then 2^f by its Taylor series
   // to degree 6 (relative error < 1.3e-7, about one float ulp), and 2^n built in the exponent bits.
@@ -57,6 +58,7 @@ struct Vec<ScalarArch> {
   static B set1(float x) { return x; }
   static B fma(B a, B b, B c) { return std::fma(a, b, c); }
   static B max(B a, B b) { return a > b ? a : b; }
+  static float sum(B v) { return v; }
   static B exp2(B x) { return x < -126.0f ? 0.0f : std::exp2(x); }
   static B finite_or_zero(B m) { return m == -INFINITY ? 0.0f : m; }
 };

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "gpt2attn/config.hpp"
+#include "gpt2attn/kv_cache.hpp"
 #include "gpt2attn/tensor.hpp"
 #include "gpt2attn/weights.hpp"
 
@@ -42,6 +43,27 @@ struct RunOptions {
   bool check_finite = true;    // reject NaN/Inf inputs with an error naming the tensor and index
 };
 
+// Per-caller scratch memory and oneDNN execution state. A call given a Workspace touches no mutable state of
+// the layer, so several threads, each with its own Workspace, run calls in parallel on one shared layer (and
+// one shared KvCache). A call without one uses the layer's own workspace and is serialised by a mutex.
+// A Workspace grows when a call needs more than it holds; once it has seen or reserved the largest call,
+// later calls allocate nothing (the steady state of a server). One Workspace serves any number of layers;
+// using one Workspace from two threads at once is refused with an error.
+class Workspace {
+ public:
+  Workspace();
+  ~Workspace();
+  Workspace(Workspace&&) noexcept;
+  Workspace& operator=(Workspace&&) noexcept;
+  size_t bytes() const;  // scratch memory held now (oneDNN primitives not counted)
+
+  struct Impl;  // engine-internal (engine/workspace.hpp)
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 // Dropout contract (training only, p = config.dropout): attention weight (b, h, i, j) of a call is kept
 // iff dropout_uniform(seed, ((b*H + h)*T + i)*Tk + j) >= p, and kept weights are scaled by 1/(1-p).
 // The draw depends only on (seed, index), so results do not depend on threads, tiling or ISA.
@@ -65,11 +87,12 @@ class MultiHeadAttention {
   MultiHeadAttention& operator=(MultiHeadAttention&&) noexcept;
 
   // out: (B, T, E) contiguous f32, owned by the caller. Input is validated before anything is written;
-  // on error `out` is untouched. Not reentrant on one object: concurrent calls are serialised.
-  void forward(const AttentionInputs& in, float* out, const RunOptions& run = {});
+  // on error `out` is untouched. With ws == null calls on one object are serialised (see Workspace).
+  void forward(const AttentionInputs& in, float* out, const RunOptions& run = {}, Workspace* ws = nullptr);
 
-  // Reserves the workspace for (B, T, Tk) so that later calls up to that size allocate nothing.
-  void reserve(int64_t B, int64_t T, int64_t Tk);
+  // Reserves the layer's own workspace (or `ws`) for (B, T, Tk) so that later calls up to that size
+  // allocate nothing.
+  void reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws = nullptr);
   size_t workspace_bytes(int64_t B, int64_t T, int64_t Tk) const;
 
   const Config& config() const;
@@ -77,19 +100,47 @@ class MultiHeadAttention {
   std::string implementation() const;  // e.g. "tiled-online-softmax/avx512 + onednn-matmul"
   int default_threads() const;
 
+ struct Impl;  // engine-internal (engine/layer.hpp)
+
  private:
-  struct Impl;
+  friend class CausalSelfAttention;
   std::unique_ptr<Impl> impl_;
 };
 
 // GPT-2's attention block: fused QKV, causal mask registered for context_length, self-attention only.
 // A sequence longer than context_length is refused with an error.
+//
+// Serving with a KV cache (kv_cache.hpp): extend() runs a prompt or a chunk of one, decode() one new token
+// for each of B sequences. Inference only: RunOptions::training must be false. Every check (ids, lengths
+// against context_length, finiteness, pool capacity) happens before anything is written: on error the
+// cache and `out` are as they were.
 class CausalSelfAttention {
  public:
   CausalSelfAttention(Config config, const Weights& weights, const EngineOptions& options = {});
   // x: (B, T, d_in) contiguous f32, out: (B, T, E) contiguous f32.
-  void forward(const float* x, int64_t B, int64_t T, float* out, const RunOptions& run = {});
+  void forward(const float* x, int64_t B, int64_t T, float* out, const RunOptions& run = {}, Workspace* ws = nullptr);
+
+  // Prefill (empty sequence) or chunked prefill (a continuation): appends T new tokens to `seq` and computes
+  // their outputs. x: (T, d_in) contiguous f32, out: (T, E). The new tokens attend to every cached token and
+  // causally to each other (bottom-right alignment). K and V are projected straight into the cache's blocks.
+  void extend(KvCache& cache, SequenceId seq, const float* x, int64_t T, float* out, const RunOptions& run = {},
+              Workspace* ws = nullptr);
+
+  // One decode step: x (B, d_in) holds one new token for each of seqs[0..B) (distinct sequences of any
+  // cached lengths); out (B, E). The projections run as one GEMM over the B tokens; attention runs per
+  // sequence over its blocks, each sequence's keys split across threads when B*H is small or the context
+  // long (partial softmax states merged exactly).
+  void decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out,
+              const RunOptions& run = {}, Workspace* ws = nullptr);
+
+  // Grows `ws` (the layer's own when null) and creates the oneDNN primitives so that extend() of up to
+  // max_extend_tokens and decode() of up to max_decode_batch sequences, at `threads` (0 = default),
+  // allocate nothing afterwards. workspace_bytes() is the scratch memory that takes.
+  void reserve_serving(int64_t max_extend_tokens, int64_t max_decode_batch, int threads = 0, Workspace* ws = nullptr);
+  size_t serving_workspace_bytes(int64_t max_extend_tokens, int64_t max_decode_batch, int threads = 0) const;
+
   MultiHeadAttention& layer() { return mha_; }
+  const Config& config() const { return mha_.config(); }
 
  private:
   MultiHeadAttention mha_;

@@ -1,0 +1,212 @@
+// engine/kv_cache.cpp: the KV block pool: allocated once, blocks handed out and reference counted, sequences'
+// block tables, copy on write for forks, all-or-nothing reservation before any K/V is written.
+#include "engine/kv_cache.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "gpt2attn/error.hpp"
+
+namespace gpt2attn {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
+  cfg.validate();
+  H = cfg.num_heads, D = cfg.head_dim(), block_tokens = o.block_tokens;
+  if (block_tokens < 1) invalid("KvCacheOptions.block_tokens must be >= 1, got " + str(block_tokens));
+  if (block_tokens > cfg.context_length) {
+    invalid("KvCacheOptions.block_tokens=" + str(block_tokens) + " exceeds context_length=" + str(cfg.context_length));
+  }
+  if ((o.capacity_tokens > 0) == (o.capacity_bytes > 0)) {
+    invalid("KvCacheOptions: set exactly one of capacity_tokens (" + str(o.capacity_tokens) + ") and capacity_bytes (" +
+            std::to_string(o.capacity_bytes) + ")");
+  }
+  if (o.capacity_tokens < 0) invalid("KvCacheOptions.capacity_tokens must be >= 0, got " + str(o.capacity_tokens));
+  block_floats = static_cast<size_t>(2 * H * block_tokens * D);
+  const size_t block_bytes = block_floats * sizeof(float);
+  nblocks = o.capacity_tokens > 0 ? ceil_div(o.capacity_tokens, block_tokens)
+                                  : static_cast<int64_t>(o.capacity_bytes / block_bytes);
+  if (nblocks < 1) {
+    invalid("KvCacheOptions.capacity_bytes=" + std::to_string(o.capacity_bytes) + " holds no block (one block is " +
+            std::to_string(block_bytes) + " bytes)");
+  }
+  if (nblocks > INT32_MAX) invalid("KvCacheOptions: capacity of " + str(nblocks) + " blocks exceeds 2^31 - 1");
+  max_blocks_per_seq = ceil_div(cfg.context_length, block_tokens);
+
+  const size_t bytes = static_cast<size_t>(nblocks) * block_bytes;
+  if (bytes / block_bytes != static_cast<size_t>(nblocks)) invalid("KvCacheOptions: capacity overflows size_t");
+  pool.reset(static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
+  if (!pool) fail(ErrorCode::out_of_memory, "KvCache: cannot allocate the pool of " + std::to_string(bytes) + " bytes");
+  refcount.assign(static_cast<size_t>(nblocks), 0);
+  free_list.reserve(static_cast<size_t>(nblocks));
+  for (int64_t b = nblocks - 1; b >= 0; --b) free_list.push_back(static_cast<int32_t>(b));
+}
+
+KvCache::Impl::Sequence& KvCache::Impl::find(SequenceId id) {
+  auto it = seqs.find(id);
+  if (it == seqs.end()) invalid("KvCache: unknown sequence id " + str(id) + " (never created, or released)");
+  return it->second;
+}
+
+int32_t KvCache::Impl::take_block() {
+  const int32_t b = free_list.back();
+  free_list.pop_back();
+  refcount[b] = 1;
+  return b;
+}
+
+void KvCache::Impl::drop_block(int32_t b) {
+  if (--refcount[b] == 0) free_list.push_back(b);
+}
+
+void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t tokens, int64_t max_length,
+                                 const float** tables, int64_t table_stride, int64_t* lengths) {
+  std::lock_guard<std::mutex> lock(mu);
+  // Pass 1: checks and the block count, changing nothing.
+  int64_t needed = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    Sequence& s = find(ids[i]);
+    for (int64_t j = 0; j < i; ++j) {
+      if (ids[j] == ids[i]) invalid("sequence id " + str(ids[i]) + " appears twice in one call (at " + str(j) + " and " + str(i) + ")");
+    }
+    if (s.busy) invalid("sequence " + str(ids[i]) + " is in use by another call");
+    if (s.length + tokens > max_length) {
+      invalid("sequence " + str(ids[i]) + ": length " + str(s.length) + " + " + str(tokens) +
+              " new tokens exceeds context_length=" + str(max_length));
+    }
+    const int64_t have = static_cast<int64_t>(s.blocks.size());
+    const int64_t want = ceil_div(s.length + tokens, block_tokens);
+    needed += std::max<int64_t>(0, want - have);
+    // Blocks that this append writes into and that another sequence also holds are copied first.
+    for (int64_t b = s.length / block_tokens; b < std::min(have, want); ++b) needed += refcount[s.blocks[b]] > 1;
+  }
+  if (needed > static_cast<int64_t>(free_list.size())) {
+    fail(ErrorCode::out_of_memory, "KV pool exhausted: this call needs " + str(needed) + " more blocks of " +
+                                       str(block_tokens) + " tokens, " + str(static_cast<int64_t>(free_list.size())) +
+                                       " of " + str(nblocks) + " are free; nothing was written");
+  }
+  // Pass 2: cannot fail.
+  for (int64_t i = 0; i < n; ++i) {
+    Sequence& s = seqs.find(ids[i])->second;
+    const int64_t want = ceil_div(s.length + tokens, block_tokens);
+    for (int64_t b = s.length / block_tokens; b < std::min<int64_t>(static_cast<int64_t>(s.blocks.size()), want); ++b) {
+      if (refcount[s.blocks[b]] > 1) {
+        const int32_t copy = take_block();
+        std::memcpy(block(copy), block(s.blocks[b]), block_floats * sizeof(float));
+        drop_block(s.blocks[b]);
+        s.blocks[b] = copy;
+      }
+    }
+    while (static_cast<int64_t>(s.blocks.size()) < want) s.blocks.push_back(take_block());
+    s.busy = true;
+    lengths[i] = s.length;
+    for (int64_t b = 0; b < want; ++b) tables[i * table_stride + b] = block(s.blocks[b]);
+  }
+}
+
+void KvCache::Impl::end_append(const SequenceId* ids, int64_t n, int64_t tokens, bool success) noexcept {
+  std::lock_guard<std::mutex> lock(mu);
+  for (int64_t i = 0; i < n; ++i) {
+    auto it = seqs.find(ids[i]);
+    if (it == seqs.end()) continue;
+    if (success) it->second.length += tokens;
+    it->second.busy = false;
+  }
+}
+
+KvCache::KvCache(const Config& config, const KvCacheOptions& options)
+    : impl_(std::make_unique<Impl>(config, options)) {}
+KvCache::~KvCache() = default;
+KvCache::KvCache(KvCache&&) noexcept = default;
+KvCache& KvCache::operator=(KvCache&&) noexcept = default;
+
+SequenceId KvCache::create() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const SequenceId id = impl_->next_id++;
+  Impl::Sequence& s = impl_->seqs[id];
+  s.blocks.reserve(static_cast<size_t>(impl_->max_blocks_per_seq));
+  return id;
+}
+
+SequenceId KvCache::fork(SequenceId parent) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl::Sequence& p = impl_->find(parent);
+  if (p.busy) invalid("KvCache::fork: sequence " + str(parent) + " is in use by another call");
+  // Only the blocks holding tokens are shared; a block reserved past the length stays the parent's.
+  const int64_t used = ceil_div(p.length, impl_->block_tokens);
+  std::vector<int32_t> blocks;
+  blocks.reserve(static_cast<size_t>(impl_->max_blocks_per_seq));
+  blocks.assign(p.blocks.begin(), p.blocks.begin() + used);
+  for (int32_t b : blocks) ++impl_->refcount[b];
+  const SequenceId id = impl_->next_id++;
+  Impl::Sequence& c = impl_->seqs[id];
+  c.blocks = std::move(blocks);
+  c.length = p.length;
+  return id;
+}
+
+void KvCache::release(SequenceId seq) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl::Sequence& s = impl_->find(seq);
+  if (s.busy) invalid("KvCache::release: sequence " + str(seq) + " is in use by another call");
+  for (int32_t b : s.blocks) impl_->drop_block(b);
+  impl_->seqs.erase(seq);
+}
+
+bool KvCache::contains(SequenceId seq) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->seqs.count(seq) != 0;
+}
+
+int64_t KvCache::length(SequenceId seq) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->find(seq).length;
+}
+
+int64_t KvCache::blocks_needed(SequenceId seq, int64_t tokens) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (tokens < 0) invalid("KvCache::blocks_needed: tokens must be >= 0, got " + str(tokens));
+  const Impl::Sequence& s = impl_->find(seq);
+  const int64_t have = static_cast<int64_t>(s.blocks.size());
+  const int64_t want = ceil_div(s.length + tokens, impl_->block_tokens);
+  int64_t needed = std::max<int64_t>(0, want - have);
+  for (int64_t b = s.length / impl_->block_tokens; b < std::min(have, want); ++b) needed += impl_->refcount[s.blocks[b]] > 1;
+  return needed;
+}
+
+int64_t KvCache::block_tokens() const { return impl_->block_tokens; }
+int64_t KvCache::total_blocks() const { return impl_->nblocks; }
+int64_t KvCache::free_blocks() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return static_cast<int64_t>(impl_->free_list.size());
+}
+int64_t KvCache::num_sequences() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return static_cast<int64_t>(impl_->seqs.size());
+}
+size_t KvCache::block_bytes() const { return impl_->block_floats * sizeof(float); }
+size_t KvCache::capacity_bytes() const { return static_cast<size_t>(impl_->nblocks) * block_bytes(); }
+const Config& KvCache::config() const { return impl_->cfg; }
+
+namespace {
+const float* cached_row(KvCache::Impl& c, SequenceId seq, int64_t h, int64_t t, bool value) {
+  std::lock_guard<std::mutex> lock(c.mu);
+  const KvCache::Impl::Sequence& s = c.find(seq);
+  if (h < 0 || h >= c.H) invalid("KvCache: head " + str(h) + " out of range [0, " + str(c.H) + ")");
+  if (t < 0 || t >= s.length) invalid("KvCache: token " + str(t) + " out of range [0, " + str(s.length) + ")");
+  const float* b = c.block(s.blocks[t / c.block_tokens]);
+  return b + (value ? c.v_offset(h) : c.k_offset(h)) + (t % c.block_tokens) * c.D;
+}
+}  // namespace
+
+const float* KvCache::key(SequenceId seq, int64_t h, int64_t t) const { return cached_row(*impl_, seq, h, t, false); }
+const float* KvCache::value(SequenceId seq, int64_t h, int64_t t) const { return cached_row(*impl_, seq, h, t, true); }
+
+}  // namespace gpt2attn

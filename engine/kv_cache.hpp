@@ -1,0 +1,59 @@
+// engine/kv_cache.hpp: KvCache's internals: the block pool, reference counts, sequences' block tables, and the
+// two calls a layer makes around an append (begin_append reserves and leases, end_append commits). Holds no
+// attention code: the layer (engine/serving.cpp) writes K/V into the blocks and the kernels read them.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "gpt2attn/kv_cache.hpp"
+
+namespace gpt2attn {
+
+struct KvCache::Impl {
+  struct FreeDeleter {
+    void operator()(float* p) const { std::free(p); }
+  };
+  struct Sequence {
+    std::vector<int32_t> blocks;  // block table; capacity reserved for context_length at create()
+    int64_t length = 0;           // cached tokens
+    bool busy = false;            // leased by a running extend/decode
+  };
+
+  Config cfg;
+  int64_t H = 0, D = 0, block_tokens = 0, max_blocks_per_seq = 0;
+  size_t block_floats = 0;  // 2 * H * block_tokens * D
+  int64_t nblocks = 0;
+  std::unique_ptr<float, FreeDeleter> pool;  // nblocks x block_floats, 64-byte aligned
+  std::vector<int32_t> refcount;             // sequences holding each block; 0 = free
+  std::vector<int32_t> free_list;            // a stack of free block indices
+  std::unordered_map<SequenceId, Sequence> seqs;
+  SequenceId next_id = 1;
+  mutable std::mutex mu;
+
+  Impl(const Config& c, const KvCacheOptions& o);
+
+  float* block(int32_t b) const { return pool.get() + static_cast<size_t>(b) * block_floats; }
+  int64_t k_offset(int64_t h) const { return h * block_tokens * D; }        // head h's K tile in a block
+  int64_t v_offset(int64_t h) const { return (H + h) * block_tokens * D; }  // head h's V tile in a block
+
+  // For an append of `tokens` to each of seqs[0..n): checks every id (known, not busy, not repeated) and the
+  // lengths against `max_length`, then takes the blocks all of them need (new blocks and copy-on-write copies
+  // of shared blocks about to be written) or throws out_of_memory with nothing changed. On success the
+  // sequences are marked busy, lengths[i] = cached tokens before the append, and tables + i * table_stride
+  // holds the block pointers covering [0, lengths[i] + tokens).
+  void begin_append(const SequenceId* seqs, int64_t n, int64_t tokens, int64_t max_length, const float** tables,
+                    int64_t table_stride, int64_t* lengths);
+  // Ends the lease: on success the lengths grow by `tokens`; either way the sequences are free again.
+  void end_append(const SequenceId* seqs, int64_t n, int64_t tokens, bool success) noexcept;
+
+  Sequence& find(SequenceId id);  // throws invalid_argument for an unknown or released id; caller holds mu
+  int32_t take_block();           // caller holds mu and has checked free_list is not empty
+  void drop_block(int32_t b);     // caller holds mu
+};
+
+}  // namespace gpt2attn

@@ -1,0 +1,107 @@
+// engine/layer.hpp: MultiHeadAttention's state, shared by the batch forward (engine/attention.cpp) and the
+// KV-cache serving calls (engine/serving.cpp). Everything here is immutable after construction except the
+// layer's own Workspace, guarded by `mu`.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "engine/linear.hpp"
+#include "engine/validate.hpp"
+#include "engine/workspace.hpp"
+#include "gpt2attn/attention.hpp"
+#include "kernels/attention_f32.hpp"
+#include "kernels/decode_attention_f32.hpp"
+
+namespace gpt2attn {
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Hands out 64-byte aligned regions of a workspace, in floats; used twice per call, once to size and once
+// to place, so the size and the layout can never disagree.
+class WorkspacePlan {
+ public:
+  int64_t region(int64_t floats) {
+    const int64_t start = at_;
+    at_ += round_up(floats, 16);
+    return start;
+  }
+  int64_t total() const { return at_; }
+
+ private:
+  int64_t at_ = 0;
+};
+
+struct MultiHeadAttention::Impl {
+  Config cfg;
+  Isa isa;
+  const kernels::AttentionKernel* kernel;
+  const kernels::DecodeKernel* decode_kernel;
+  int default_threads;
+
+  // One (D, width) projection per head and per Q/K/V, so that each GEMM writes its head's (T, D) rows
+  // contiguously: Q, K and V land head-major, [B][H][T][D], or in the KV cache's blocks, exactly where
+  // attention reads them. Self-attention feeds the query to all three; cross-attention feeds query, key, value.
+  std::vector<detail::Linear> proj_q, proj_k, proj_v;
+  detail::Linear out;
+  // Decode's fused (3E, d_in) projection: one GEMM over the B new tokens reads the weights once per step.
+  // Built only for causal self-attention layers (the ones that can serve a KV cache): a second copy of the
+  // QKV weights in exchange for one GEMM instead of 3H small ones per step.
+  std::unique_ptr<detail::Linear> qkv;
+
+  // The registered causal mask: the triangular (context x context) buffer of the seeds is Toeplitz, so
+  // one row of it holds every entry: causal_row[center + c] = 0 if c = i + offset - j >= 0 else -inf.
+  std::vector<float> causal_row;
+  int64_t causal_center = 0;
+
+  Workspace own_ws;  // for calls that bring no Workspace; serialised by mu
+  std::mutex mu;
+
+  Impl(const Config& c, const Weights& w, const EngineOptions& o);
+
+  int threads_for(const RunOptions& run) const { return run.threads > 0 ? run.threads : default_threads; }
+  int64_t scratch_stride() const;  // floats of kernel scratch per thread (prefill and decode kernels)
+  kernels::AttentionArgs base_args(int64_t T, int64_t Tk) const;
+
+  // The batch forward (attention.cpp).
+  void forward(const AttentionInputs& in, float* out, const RunOptions& run, Workspace::Impl& ws);
+  int64_t forward_plan(const detail::Shape& s, bool pack_q, bool pack_k, bool pack_v, int threads, int64_t* regions) const;
+
+  // Serving with a KV cache (serving.cpp).
+  void extend(KvCache& cache, SequenceId seq, const float* x, int64_t T, float* out, const RunOptions& run,
+              Workspace::Impl& ws);
+  void decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out, const RunOptions& run,
+              Workspace::Impl& ws);
+  int64_t extend_floats(int64_t T, int threads) const;
+  int64_t decode_floats(int64_t B, int threads) const;
+
+  // Runs the tiled kernel over (BH slices) x (query tiles of T rows), longest (latest) tiles first so the
+  // causal triangle's uneven work balances; setup(args, bh) points args at slice bh's Q, K/V and output.
+  template <class Setup>
+  void run_query_tiles(int64_t BH, int64_t T, const kernels::AttentionArgs& base, float* scratch_base, int threads,
+                       Setup&& setup) const;
+};
+
+template <class Setup>
+void MultiHeadAttention::Impl::run_query_tiles(int64_t BH, int64_t T, const kernels::AttentionArgs& base,
+                                               float* scratch_base, int threads, Setup&& setup) const {
+  const int64_t BQ = kernel->tiles.query_tile;
+  const int64_t tiles = (T + BQ - 1) / BQ, items = BH * tiles;
+  const int64_t stride = scratch_stride();
+  const kernels::AttentionKernel* kern = kernel;
+#pragma omp parallel num_threads(threads)
+  {
+    float* scratch = scratch_base + omp_get_thread_num() * stride;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t tile = tiles - 1 - it / BH, bh = it % BH;
+      kernels::AttentionArgs a = base;
+      setup(a, bh);
+      kern->run(a, tile * BQ, std::min(T, (tile + 1) * BQ), scratch);
+    }
+  }
+}
+
+}  // namespace gpt2attn

@@ -1,0 +1,318 @@
+// engine/serving.cpp: CausalSelfAttention with a paged KV cache: extend() (prefill or chunked prefill of one
+// sequence, K/V projected straight into the cache's blocks) and decode() (one token for each of B sequences:
+// one fused QKV GEMM, K/V rows stored into the blocks, split-KV attention, the output GEMM). Validation and
+// the pool reservation come first, so a failed call leaves the cache and `out` as they were.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "engine/kv_cache.hpp"
+#include "engine/layer.hpp"
+#include "gpt2attn/error.hpp"
+#include "kernels/tiles.hpp"
+
+namespace gpt2attn {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Pointers and int64s stored in the float workspace take this many floats each.
+constexpr int64_t kFloatsPerWord = sizeof(int64_t) / sizeof(float);
+static_assert(sizeof(const float*) == sizeof(int64_t));
+
+// The cache must have been built for this layer's heads and widths.
+void check_cache(const Config& layer, const KvCache& cache, const RunOptions& run, const char* call) {
+  const Config& c = cache.config();
+  if (c.d_model != layer.d_model || c.num_heads != layer.num_heads) {
+    invalid(std::string(call) + ": the KV cache was built for E=" + str(c.d_model) + ", H=" + str(c.num_heads) +
+            " but the layer has E=" + str(layer.d_model) + ", H=" + str(layer.num_heads));
+  }
+  if (run.training) invalid(std::string(call) + ": the KV cache is for inference; RunOptions.training must be false");
+  if (run.threads < 0) invalid(std::string(call) + ": threads must be >= 0, got " + std::to_string(run.threads));
+}
+
+int64_t max_length(const Config& layer, const KvCache& cache) {
+  return std::min(layer.context_length, cache.config().context_length);
+}
+
+// Runs f(item) for items [0, n) across the team, one item per thread at a time, and rethrows the first
+// exception (oneDNN can fail) after the loop, outside the parallel region.
+template <class F>
+void parallel_items(int64_t n, int threads, F&& f) {
+  std::exception_ptr error;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t item = 0; item < n; ++item) {
+    try {
+      f(item);
+    } catch (...) {
+#pragma omp critical(gpt2attn_serving_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// Ends the pool lease when the call leaves: committed only if the call got to the end.
+class AppendLease {
+ public:
+  AppendLease(KvCache::Impl& kv, const SequenceId* seqs, int64_t n, int64_t tokens)
+      : kv_(kv), seqs_(seqs), n_(n), tokens_(tokens) {}
+  ~AppendLease() { kv_.end_append(seqs_, n_, tokens_, committed_); }
+  void commit() { committed_ = true; }
+
+ private:
+  KvCache::Impl& kv_;
+  const SequenceId* seqs_;
+  int64_t n_, tokens_;
+  bool committed_ = false;
+};
+
+// Workspace regions of extend() (floats, 64-byte aligned):
+//   q (H, T, D) | ctx (T, E) | tables (max blocks, pointers) | length (1 int64) | scratch (threads x stride)
+struct ExtendPlan {
+  int64_t q, ctx, tables, length, scratch, total;
+};
+ExtendPlan extend_plan(const Config& c, int64_t T, int threads, int64_t scratch_stride) {
+  const int64_t max_blocks = c.context_length;  // block_tokens >= 1: a table never has more entries
+  WorkspacePlan p;
+  ExtendPlan r;
+  r.q = p.region(T * c.d_model);
+  r.ctx = p.region(T * c.d_model);
+  r.tables = p.region(max_blocks * kFloatsPerWord);
+  r.length = p.region(kFloatsPerWord);
+  r.scratch = p.region(threads * scratch_stride);
+  r.total = p.total();
+  return r;
+}
+
+// Workspace regions of decode():
+//   stage (B, 3E): the fused projection's output | ctx (B, E) | tables (B x max blocks, pointers)
+//   lengths (B int64) | item_base (B + 1 int64) | partials: m, l (items), acc (items, D) | scratch
+// Split-KV items are bounded: items <= H * (B + kDecodeItemsPerThread * threads) (see decode()).
+struct DecodePlan {
+  int64_t stage, ctx, tables, lengths, item_base, m, l, acc, scratch, total, max_items;
+};
+DecodePlan decode_plan(const Config& c, int64_t B, int threads, int64_t scratch_stride) {
+  const int64_t E = c.d_model, H = c.num_heads, D = c.head_dim();
+  DecodePlan r;
+  r.max_items = H * (B + kernels::tiles::kDecodeItemsPerThread * threads);
+  WorkspacePlan p;
+  r.stage = p.region(B * 3 * E);
+  r.ctx = p.region(B * E);
+  r.tables = p.region(B * c.context_length * kFloatsPerWord);
+  r.lengths = p.region(B * kFloatsPerWord);
+  r.item_base = p.region((B + 1) * kFloatsPerWord);
+  r.m = p.region(r.max_items);
+  r.l = p.region(r.max_items);
+  r.acc = p.region(r.max_items * D);
+  r.scratch = p.region(threads * scratch_stride);
+  r.total = p.total();
+  return r;
+}
+
+}  // namespace
+
+int64_t MultiHeadAttention::Impl::extend_floats(int64_t T, int threads) const {
+  return extend_plan(cfg, T, threads, scratch_stride()).total;
+}
+int64_t MultiHeadAttention::Impl::decode_floats(int64_t B, int threads) const {
+  return decode_plan(cfg, B, threads, scratch_stride()).total;
+}
+
+void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const float* x, int64_t T, float* out_data,
+                                      const RunOptions& run, Workspace::Impl& ws) {
+  check_cache(cfg, cache, run, "extend");
+  if (T < 1) invalid("extend: T must be >= 1, got " + str(T));
+  if (!x) invalid("extend: x is a null pointer");
+  if (!out_data) invalid("extend: out is a null pointer");
+  const int64_t d_in = cfg.query_width(), E = cfg.d_model, H = cfg.num_heads, D = cfg.head_dim();
+  if (T > cfg.context_length) {
+    invalid("extend: T=" + str(T) + " new tokens exceed context_length=" + str(cfg.context_length));
+  }
+  if (run.check_finite) detail::check_finite(TensorView::f32(x, {1, T, d_in}), "x", "t");
+  const int threads = threads_for(run);
+  KvCache::Impl& kv = cache.impl();
+
+  const ExtendPlan r = extend_plan(cfg, T, threads, scratch_stride());
+  float* w = ws.reserve(static_cast<size_t>(r.total));
+  const float** tables = reinterpret_cast<const float**>(w + r.tables);
+  int64_t& P = *reinterpret_cast<int64_t*>(w + r.length);  // tokens cached before this call
+  kv.begin_append(&seq, 1, T, max_length(cfg, cache), tables, 0, &P);
+  AppendLease lease(kv, &seq, 1, T);
+
+  // Projections: Q per head into (H, T, D); K and V per head and per block the new tokens touch, each GEMM
+  // writing its rows straight into the block: no K/V copy after the GEMM.
+  const int64_t bt = kv.block_tokens, first_block = P / bt;
+  const int64_t segments = ceil_div(P + T, bt) - first_block;
+  float* q = w + r.q;
+  parallel_items(H + 2 * H * segments, threads, [&](int64_t item) {
+    if (item < H) {
+      proj_q[item].run(ws.exec, x, T, d_in, q + item * T * D, D, 1);
+      return;
+    }
+    item -= H;
+    const bool is_v = item >= H * segments;
+    const int64_t h = (item % (H * segments)) / segments, blk = first_block + item % segments;
+    const int64_t t0 = std::max(P, blk * bt) - P, t1 = std::min(P + T, (blk + 1) * bt) - P;  // new-token rows
+    float* dst = const_cast<float*>(tables[blk]) + (is_v ? kv.v_offset(h) : kv.k_offset(h)) + ((P + t0) % bt) * D;
+    (is_v ? proj_v : proj_k)[h].run(ws.exec, x + t0 * d_in, t1 - t0, d_in, dst, D, 1);
+  });
+
+  // Attention of the T new queries over all P + T cached keys (bottom-right causal), read from the blocks.
+  kernels::AttentionArgs base = base_args(T, P + T);
+  base.paged.blocks = tables;
+  base.paged.block_tokens = bt;
+  float* ctx = w + r.ctx;
+  run_query_tiles(H, T, base, w + r.scratch, threads, [&](kernels::AttentionArgs& a, int64_t h) {
+    a.q = q + h * T * D;
+    a.out = ctx + h * D;
+    a.paged.k_offset = kv.k_offset(h);
+    a.paged.v_offset = kv.v_offset(h);
+  });
+  out.run(ws.exec, ctx, T, E, out_data, E, threads);
+  lease.commit();
+}
+
+void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x,
+                                      float* out_data, const RunOptions& run, Workspace::Impl& ws) {
+  check_cache(cfg, cache, run, "decode");
+  if (B < 1) invalid("decode: B must be >= 1, got " + str(B));
+  if (!seqs) invalid("decode: seqs is a null pointer");
+  if (!x) invalid("decode: x is a null pointer");
+  if (!out_data) invalid("decode: out is a null pointer");
+  const int64_t d_in = cfg.query_width(), E = cfg.d_model, H = cfg.num_heads, D = cfg.head_dim();
+  if (run.check_finite) detail::check_finite(TensorView::f32(x, {B, 1, d_in}), "x", "t");
+  const int threads = threads_for(run);
+  KvCache::Impl& kv = cache.impl();
+
+  const DecodePlan r = decode_plan(cfg, B, threads, scratch_stride());
+  float* w = ws.reserve(static_cast<size_t>(r.total));
+  const float** tables = reinterpret_cast<const float**>(w + r.tables);
+  int64_t* lengths = reinterpret_cast<int64_t*>(w + r.lengths);  // tokens cached before this step
+  const int64_t limit = max_length(cfg, cache), stride = ceil_div(limit, kv.block_tokens);  // <= context_length
+  kv.begin_append(seqs, B, 1, limit, tables, stride, lengths);
+  AppendLease lease(kv, seqs, B, 1);
+
+  // One GEMM projects the B new tokens: stage (B, 3E) = [q | k | v] per row.
+  float* stage = w + r.stage;
+  qkv->run(ws.exec, x, B, d_in, stage, 3 * E, threads);
+
+  // Split-KV plan: sequence b's n_b = lengths[b] + 1 keys go in splits_b chunks of about split_len keys,
+  // split_len = max(kDecodeMinSplitKeys, (keys of all items) / (kDecodeItemsPerThread * threads)), so there
+  // are at most H * (B + kDecodeItemsPerThread * threads) items (the bound decode_plan sizes).
+  int64_t total_keys = 0;
+  for (int64_t b = 0; b < B; ++b) total_keys += lengths[b] + 1;
+  const int64_t split_len = std::max<int64_t>(kernels::tiles::kDecodeMinSplitKeys,
+                                              ceil_div(total_keys, kernels::tiles::kDecodeItemsPerThread * threads));
+  int64_t* item_base = reinterpret_cast<int64_t*>(w + r.item_base);  // first item of sequence b
+  item_base[0] = 0;
+  for (int64_t b = 0; b < B; ++b) item_base[b + 1] = item_base[b] + H * ceil_div(lengths[b] + 1, split_len);
+  const int64_t items = item_base[B];
+
+  const int64_t bt = kv.block_tokens;
+  float *pm = w + r.m, *pl = w + r.l, *pacc = w + r.acc, *ctx = w + r.ctx;
+  const kernels::DecodeKernel* kern = decode_kernel;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const int64_t sstride = scratch_stride();
+  float* scratch_base = w + r.scratch;
+#pragma omp parallel num_threads(threads)
+  {
+    // The new token's K and V rows go to position lengths[b] of each head's tile in its block.
+#pragma omp for
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, h = bh % H, t = lengths[b];
+      float* block = const_cast<float*>(tables[b * stride + t / bt]);
+      std::memcpy(block + kv.k_offset(h) + (t % bt) * D, stage + b * 3 * E + E + h * D, D * sizeof(float));
+      std::memcpy(block + kv.v_offset(h) + (t % bt) * D, stage + b * 3 * E + 2 * E + h * D, D * sizeof(float));
+    }
+    // (implicit barrier: every row is stored before any attention reads it)
+    float* scratch = scratch_base + omp_get_thread_num() * sstride;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t b = std::upper_bound(item_base, item_base + B + 1, it) - item_base - 1;
+      const int64_t n = lengths[b] + 1, splits = (item_base[b + 1] - item_base[b]) / H;
+      const int64_t h = (it - item_base[b]) / splits, s = (it - item_base[b]) % splits;
+      const int64_t chunk = ceil_div(n, splits);  // even chunks: no split much shorter than the others
+      kernels::DecodeArgs a;
+      a.q = stage + b * 3 * E + h * D;
+      a.kv.blocks = tables + b * stride;
+      a.kv.block_tokens = bt;
+      a.kv.k_offset = kv.k_offset(h);
+      a.kv.v_offset = kv.v_offset(h);
+      a.D = D;
+      a.scale = scale;
+      const int64_t j0 = s * chunk, j1 = std::min(n, j0 + chunk);
+      kern->run(a, j0, j1, scratch, pm + it, pl + it, pacc + it * D);
+    }
+#pragma omp for
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, h = bh % H, splits = (item_base[b + 1] - item_base[b]) / H;
+      const int64_t first = item_base[b] + h * splits;
+      kernels::merge_softmax_partials(pm + first, pl + first, pacc + first * D, D, splits, D, ctx + b * E + h * D);
+    }
+  }
+  out.run(ws.exec, ctx, B, E, out_data, E, threads);
+  lease.commit();
+}
+
+// --- the public calls: pick the workspace, then the Impl does the work ---
+
+namespace {
+template <class F>
+void with_workspace(MultiHeadAttention::Impl& L, Workspace* ws, F&& f) {
+  if (ws) {
+    detail::WorkspaceLease lease(ws->impl());
+    f(ws->impl());
+  } else {
+    std::lock_guard<std::mutex> lock(L.mu);
+    f(L.own_ws.impl());
+  }
+}
+}  // namespace
+
+void CausalSelfAttention::extend(KvCache& cache, SequenceId seq, const float* x, int64_t T, float* out,
+                                 const RunOptions& run, Workspace* ws) {
+  with_workspace(*mha_.impl_, ws, [&](Workspace::Impl& w) { mha_.impl_->extend(cache, seq, x, T, out, run, w); });
+}
+
+void CausalSelfAttention::decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out,
+                                 const RunOptions& run, Workspace* ws) {
+  with_workspace(*mha_.impl_, ws, [&](Workspace::Impl& w) { mha_.impl_->decode(cache, seqs, B, x, out, run, w); });
+}
+
+size_t CausalSelfAttention::serving_workspace_bytes(int64_t max_extend_tokens, int64_t max_decode_batch,
+                                                    int threads) const {
+  const MultiHeadAttention::Impl& L = *mha_.impl_;
+  if (max_extend_tokens < 0 || max_decode_batch < 0 || threads < 0) {
+    invalid("serving_workspace_bytes: sizes and threads must be >= 0");
+  }
+  const int t = threads > 0 ? threads : L.default_threads;
+  const int64_t floats = std::max(max_extend_tokens ? L.extend_floats(max_extend_tokens, t) : 0,
+                                  max_decode_batch ? L.decode_floats(max_decode_batch, t) : 0);
+  return static_cast<size_t>(floats) * sizeof(float);
+}
+
+void CausalSelfAttention::reserve_serving(int64_t max_extend_tokens, int64_t max_decode_batch, int threads,
+                                          Workspace* ws) {
+  const size_t floats = serving_workspace_bytes(max_extend_tokens, max_decode_batch, threads) / sizeof(float);
+  MultiHeadAttention::Impl& L = *mha_.impl_;
+  const int t = threads > 0 ? threads : L.default_threads;
+  const int64_t d_in = L.cfg.query_width(), E = L.cfg.d_model;
+  with_workspace(L, ws, [&](Workspace::Impl& w) {
+    w.reserve(floats);
+    // A server's batch changes every step as sequences come and go: every B up to the maximum gets its
+    // primitives now, so no decode step creates one.
+    for (int64_t B = 1; B <= max_decode_batch; ++B) {
+      L.qkv->prepare(w.exec, B, d_in, 3 * E, t);
+      L.out.prepare(w.exec, B, E, E, t);
+    }
+  });
+}
+
+}  // namespace gpt2attn

@@ -1,0 +1,74 @@
+// gpt2attn/kv_cache.hpp: the paged K/V cache an inference server keeps per attention layer: a pool of
+// fixed-size blocks allocated once, and sequences that own block tables into it (vLLM's paged attention,
+// on a CPU). The layer (CausalSelfAttention::extend / decode in attention.hpp) writes and reads it; this
+// class only manages blocks and sequences and never computes attention.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "gpt2attn/config.hpp"
+
+namespace gpt2attn {
+
+// A sequence's handle. Ids are never reused within one KvCache, so a released id stays invalid.
+using SequenceId = int64_t;
+
+struct KvCacheOptions {
+  int64_t block_tokens = 64;    // tokens per block; 64 = the kernels' key tile (kernels/tiles.hpp), so a key
+                                // tile never straddles two blocks
+  int64_t capacity_tokens = 0;  // pool size in tokens, rounded up to whole blocks ...
+  size_t capacity_bytes = 0;    // ... or in bytes, rounded down to whole blocks. Exactly one is set.
+};
+
+// Block layout (floats), the "KV-friendly layout" the kernels read with no copy:
+//   K [H][block_tokens][D], then V [H][block_tokens][D]
+// so one head's keys inside a block are one contiguous (block_tokens, D) tile, each token's D values
+// contiguous. A block's address never changes, so block tables hold plain pointers.
+//
+// Thread safety: every method may be called from any thread. Block bookkeeping is guarded by one mutex held
+// only for O(blocks) bookkeeping, never while attention runs. Distinct sequences may be extended or
+// decoded concurrently; one sequence must not be used by two calls at once (the layer checks and refuses).
+//
+// Forks share blocks: a fork's blocks are the parent's, reference counted; a full shared block is never
+// written again, and the first append into a shared partially filled block copies it (copy on write).
+class KvCache {
+ public:
+  // Allocates the whole pool now (Error out_of_memory if that fails); nothing is allocated later except
+  // each sequence's block table, which grows to at most ceil(context_length / block_tokens) entries and is
+  // reserved at create(). The pool serves layers whose config has the same num_heads and d_model.
+  KvCache(const Config& config, const KvCacheOptions& options);
+  ~KvCache();
+  KvCache(KvCache&&) noexcept;
+  KvCache& operator=(KvCache&&) noexcept;
+
+  SequenceId create();                   // an empty sequence; it takes no block until tokens are appended
+  SequenceId fork(SequenceId parent);    // a new sequence sharing the parent's tokens (and blocks)
+  void release(SequenceId seq);          // returns the blocks no other sequence shares; the id becomes invalid
+  bool contains(SequenceId seq) const;
+  int64_t length(SequenceId seq) const;  // cached tokens
+
+  // Blocks an append of `tokens` to `seq` would take from the pool now (new blocks + a copy-on-write copy).
+  int64_t blocks_needed(SequenceId seq, int64_t tokens) const;
+
+  int64_t block_tokens() const;
+  int64_t total_blocks() const;
+  int64_t free_blocks() const;
+  int64_t num_sequences() const;
+  size_t block_bytes() const;     // 2 * H * block_tokens * D * sizeof(float)
+  size_t capacity_bytes() const;  // total_blocks() * block_bytes()
+  const Config& config() const;
+
+  // Cached key / value of token t (0 <= t < length) and head h: D contiguous floats. For tests and tools.
+  const float* key(SequenceId seq, int64_t h, int64_t t) const;
+  const float* value(SequenceId seq, int64_t h, int64_t t) const;
+
+  struct Impl;  // engine-internal (engine/kv_cache.hpp)
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gpt2attn

@@ -1,0 +1,6 @@
+// kernels/decode_attention_f32_avx512.cpp: the AVX512 instantiation of the one-query decode kernel.
+#include "kernels/decode_attention_f32_impl.hpp"
+
+namespace gpt2attn::kernels {
+const DecodeKernel& decode_attention_f32_avx512() { return make_decode_kernel<xsimd::avx512f>("avx512"); }
+}  // namespace gpt2attn::kernels

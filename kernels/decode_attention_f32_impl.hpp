@@ -1,0 +1,114 @@
+// kernels/decode_attention_f32_impl.hpp: the one-query attention of decode_attention_f32.hpp, written once over
+// Vec<Arch>. Included only by the per-ISA instantiation files (internal linkage, like attention_f32_impl.hpp).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/decode_attention_f32.hpp"
+#include "kernels/vec.hpp"
+
+namespace gpt2attn::kernels {
+namespace {
+
+template <class Arch>
+struct DecodeAttentionF32 {
+  using V = Vec<Arch>;
+  using B = typename V::B;
+  static constexpr int W = V::W;
+  static constexpr int kKeys = 4;  // keys scored at once: 4 independent FMA chains over D
+
+  // Scratch: qs (D, padded to W) | s (block_tokens, padded to W).
+  static int64_t padded(int64_t n) { return (n + W - 1) / W * W; }
+  static size_t scratch_floats(int64_t D, int64_t block_tokens) {
+    return static_cast<size_t>(padded(D) + padded(block_tokens));
+  }
+
+  // s[r] = qs . k_r for RR consecutive keys (rows D apart).
+  template <int RR>
+  static void dots(const float* qs, const float* k, int64_t D, float* s) {
+    B acc[RR];
+    for (int r = 0; r < RR; ++r) acc[r] = V::set1(0.0f);
+    int64_t d = 0;
+    for (; d + W <= D; d += W) {
+      const B q = V::load(qs + d);
+      for (int r = 0; r < RR; ++r) acc[r] = V::fma(q, V::load(k + r * D + d), acc[r]);
+    }
+    for (int r = 0; r < RR; ++r) {
+      float t = V::sum(acc[r]);
+      for (int64_t e = d; e < D; ++e) t += qs[e] * k[r * D + e];
+      s[r] = t;
+    }
+  }
+
+  // acc[d..d+N*W) = alpha * acc + sum_j p_j v_j[d..d+N*W) for nk keys (rows D apart).
+  template <int N>
+  static void pv(const float* v, int64_t D, const float* p, int64_t nk, float alpha, float* acc) {
+    B c[N];
+    for (int n = 0; n < N; ++n) c[n] = V::load(acc + n * W) * V::set1(alpha);
+    for (int64_t j = 0; j < nk; ++j) {
+      const B pj = V::set1(p[j]);
+      for (int n = 0; n < N; ++n) c[n] = V::fma(pj, V::load(v + j * D + n * W), c[n]);
+    }
+    for (int n = 0; n < N; ++n) V::store(acc + n * W, c[n]);
+  }
+
+  static void run(const DecodeArgs& a, int64_t j_begin, int64_t j_end, float* scratch, float* m_out, float* l_out,
+                  float* acc) {
+    const int64_t D = a.D;
+    float* qs = scratch;
+    float* s = scratch + padded(D);
+    // Scores in log2 units, so the softmax runs on exp2 (as in the tiled kernel).
+    const float qscale = a.scale * 1.4426950408889634f;
+    for (int64_t d = 0; d < D; ++d) qs[d] = a.q[d] * qscale;
+    std::fill(acc, acc + D, 0.0f);
+    float m = -INFINITY, l = 0.0f;
+
+    int64_t nk = 0;
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += nk) {
+      nk = std::min(j_end, a.kv.run_end(j0)) - j0;  // keys left in this block
+      const float* k = a.kv.key(j0, D);
+      const float* v = a.kv.value(j0, D);
+
+      int64_t j = 0;
+      for (; j + kKeys <= nk; j += kKeys) dots<kKeys>(qs, k + j * D, D, s + j);
+      for (; j < nk; ++j) dots<1>(qs, k + j * D, D, s + j);
+      float m_new = m;
+      for (j = 0; j < nk; ++j) m_new = std::max(m_new, s[j]);
+      for (j = nk; j < padded(nk); ++j) s[j] = -INFINITY;  // pad lanes: exp2 gives 0
+
+      // p_j = 2^(s_j - m_new) in place, l = alpha * l + sum_j p_j.
+      const float m_safe = m_new == -INFINITY ? 0.0f : m_new;
+      B sum = V::set1(0.0f);
+      for (j = 0; j < nk; j += W) {
+        const B p = V::exp2(V::load(s + j) - V::set1(m_safe));
+        V::store(s + j, p);
+        sum = sum + p;
+      }
+      const float alpha = std::exp2(m - m_safe);
+      l = l * alpha + V::sum(sum);
+      m = m_new;
+
+      int64_t d = 0;
+      for (; d + 4 * W <= D; d += 4 * W) pv<4>(v + d, D, s, nk, alpha, acc + d);
+      for (; d + W <= D; d += W) pv<1>(v + d, D, s, nk, alpha, acc + d);
+      for (; d < D; ++d) {
+        float c = acc[d] * alpha;
+        for (j = 0; j < nk; ++j) c += s[j] * v[j * D + d];
+        acc[d] = c;
+      }
+    }
+    *m_out = m;
+    *l_out = l;
+  }
+};
+
+template <class Arch>
+const DecodeKernel& make_decode_kernel(const char* isa) {
+  using K = DecodeAttentionF32<Arch>;
+  static const DecodeKernel kernel{isa, &K::scratch_floats, &K::run};
+  return kernel;
+}
+
+}  // namespace
+}  // namespace gpt2attn::kernels
