@@ -7,6 +7,7 @@
 #include <string>
 
 #include "gpt2attn/error.hpp"
+#include "kernels/tiles.hpp"
 
 namespace gpt2attn {
 namespace {
@@ -19,7 +20,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
   cfg.validate();
-  H = cfg.num_heads, D = cfg.head_dim(), block_tokens = o.block_tokens;
+  H = cfg.num_heads, D = cfg.head_dim();
+  block_tokens = o.block_tokens == 0 ? std::min<int64_t>(kernels::tiles::kKeyTile, cfg.context_length) : o.block_tokens;
   if (block_tokens < 1) invalid("KvCacheOptions.block_tokens must be >= 1, got " + str(block_tokens));
   if (block_tokens > cfg.context_length) {
     invalid("KvCacheOptions.block_tokens=" + str(block_tokens) + " exceeds context_length=" + str(cfg.context_length));
@@ -88,7 +90,7 @@ void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t token
     for (int64_t b = s.length / block_tokens; b < std::min(have, want); ++b) needed += refcount[s.blocks[b]] > 1;
   }
   if (needed > static_cast<int64_t>(free_list.size())) {
-    fail(ErrorCode::out_of_memory, "KV pool exhausted: this call needs " + str(needed) + " more blocks of " +
+    fail(ErrorCode::out_of_memory, "KV pool exhausted: this call needs " + str(needed) + " free block(s) of " +
                                        str(block_tokens) + " tokens, " + str(static_cast<int64_t>(free_list.size())) +
                                        " of " + str(nblocks) + " are free; nothing was written");
   }

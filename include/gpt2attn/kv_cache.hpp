@@ -16,8 +16,8 @@ namespace gpt2attn {
 using SequenceId = int64_t;
 
 struct KvCacheOptions {
-  int64_t block_tokens = 64;    // tokens per block; 64 = the kernels' key tile (kernels/tiles.hpp), so a key
-                                // tile never straddles two blocks
+  int64_t block_tokens = 0;     // tokens per block; 0 = min(64, context_length). 64 is the kernels' key tile
+                                // (kernels/tiles.hpp), so a key tile never straddles two blocks
   int64_t capacity_tokens = 0;  // pool size in tokens, rounded up to whole blocks ...
   size_t capacity_bytes = 0;    // ... or in bytes, rounded down to whole blocks. Exactly one is set.
 };

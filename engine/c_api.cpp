@@ -1,0 +1,391 @@
+// engine/c_api.cpp: the C API (include/gpt2attn/gpt2attn.h) over the C++ classes: null checks, status codes,
+// the thread-local last-error message. It computes nothing itself and lets no exception out.
+#include "gpt2attn/gpt2attn.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <new>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "gpt2attn/gpt2attn.hpp"
+
+namespace ga = gpt2attn;
+
+// The handles are the C++ objects plus what a C caller needs to borrow as a stable `const char*`.
+struct gpt2attn_layer {
+  ga::CausalSelfAttention attn;
+  std::string isa;             // to_string(attn.layer().isa())
+  std::string implementation;  // attn.layer().implementation(), computed once so describe() cannot fail
+};
+struct gpt2attn_kv_cache {
+  ga::KvCache cache;
+};
+struct gpt2attn_workspace {
+  ga::Workspace ws;
+};
+
+// Sequence ids pass straight through, arrays included (decode's seqs).
+static_assert(std::is_same_v<gpt2attn_seq_t, ga::SequenceId>);
+static_assert(GPT2ATTN_ERR_INVALID_ARGUMENT == static_cast<int>(ga::ErrorCode::invalid_argument) &&
+              GPT2ATTN_ERR_BAD_FILE == static_cast<int>(ga::ErrorCode::bad_file) &&
+              GPT2ATTN_ERR_OUT_OF_MEMORY == static_cast<int>(ga::ErrorCode::out_of_memory) &&
+              GPT2ATTN_ERR_INTERNAL == static_cast<int>(ga::ErrorCode::internal));
+
+namespace {
+
+// A fixed buffer, not a std::string: recording an out-of-memory error must not need memory.
+thread_local char t_last_error[1024] = "";
+
+gpt2attn_status_t record(gpt2attn_status_t status, const char* fn, const char* what) noexcept {
+  std::snprintf(t_last_error, sizeof t_last_error, "%s: %s", fn, what);
+  return status;
+}
+
+gpt2attn_status_t status_of(ga::ErrorCode code) noexcept {
+  switch (code) {
+    case ga::ErrorCode::invalid_argument: return GPT2ATTN_ERR_INVALID_ARGUMENT;
+    case ga::ErrorCode::bad_file: return GPT2ATTN_ERR_BAD_FILE;
+    case ga::ErrorCode::out_of_memory: return GPT2ATTN_ERR_OUT_OF_MEMORY;
+    case ga::ErrorCode::internal: return GPT2ATTN_ERR_INTERNAL;
+  }
+  return GPT2ATTN_ERR_INTERNAL;
+}
+
+// Runs body and turns whatever it throws into a status and a message prefixed with the C function's name.
+template <class Body>
+gpt2attn_status_t guarded(const char* fn, Body&& body) noexcept {
+  try {
+    body();
+    return GPT2ATTN_OK;
+  } catch (const ga::Error& e) {
+    return record(status_of(e.code()), fn, e.what());
+  } catch (const std::bad_alloc&) {
+    return record(GPT2ATTN_ERR_OUT_OF_MEMORY, fn, "out of memory");
+  } catch (const std::exception& e) {
+    return record(GPT2ATTN_ERR_INTERNAL, fn, e.what());
+  } catch (...) {
+    return record(GPT2ATTN_ERR_INTERNAL, fn, "unknown exception");
+  }
+}
+
+// Null handles and pointers are the caller's mistake: an error naming the argument, never a crash.
+template <class T>
+T& deref(T* p, const char* name) {
+  if (p == nullptr) ga::invalid(std::string(name) + " is NULL");
+  return *p;
+}
+void require(const void* p, const char* name) {
+  if (p == nullptr) ga::invalid(std::string(name) + " is NULL");
+}
+
+ga::RunOptions run_options(int threads) {
+  if (threads < 0) ga::invalid("threads must be >= 0 (0 = the layer's default), got " + std::to_string(threads));
+  ga::RunOptions run;
+  run.threads = threads;
+  return run;
+}
+
+ga::Config to_cpp(const gpt2attn_config_t& c) {
+  ga::Config cfg;
+  cfg.d_model = c.d_model;
+  cfg.num_heads = c.num_heads;
+  cfg.d_in = c.d_in;
+  cfg.context_length = c.context_length;
+  cfg.qkv_bias = c.qkv_bias != 0;
+  cfg.out_bias = c.out_bias != 0;
+  cfg.causal = true;
+  return cfg;
+}
+
+gpt2attn_config_t to_c(const ga::Config& cfg) {
+  gpt2attn_config_t c{};
+  c.d_model = cfg.d_model;
+  c.num_heads = cfg.num_heads;
+  c.d_in = cfg.query_width();
+  c.context_length = cfg.context_length;
+  c.qkv_bias = cfg.qkv_bias ? 1 : 0;
+  c.out_bias = cfg.out_bias ? 1 : 0;
+  return c;
+}
+
+// Builds the handle completely before publishing it, so *out is written only on success.
+void make_layer(const ga::Config& cfg, const ga::Weights& w, gpt2attn_layer_t** out) {
+  auto* layer = new gpt2attn_layer{ga::CausalSelfAttention(cfg, w), {}, {}};
+  try {
+    layer->isa = ga::to_string(layer->attn.layer().isa());
+    layer->implementation = layer->attn.layer().implementation();
+  } catch (...) {
+    delete layer;
+    throw;
+  }
+  *out = layer;
+}
+
+}  // namespace
+
+extern "C" {
+
+// ---- library ------------------------------------------------------------------------------------------------
+
+const char* gpt2attn_last_error(void) { return t_last_error; }
+
+#define GPT2ATTN_STR2(x) #x
+#define GPT2ATTN_STR(x) GPT2ATTN_STR2(x)
+const char* gpt2attn_version(void) {
+  return GPT2ATTN_STR(GPT2ATTN_VERSION_MAJOR) "." GPT2ATTN_STR(GPT2ATTN_VERSION_MINOR) "." GPT2ATTN_STR(
+      GPT2ATTN_VERSION_PATCH);
+}
+
+const char* gpt2attn_status_string(gpt2attn_status_t status) {
+  switch (status) {
+    case GPT2ATTN_OK: return "ok";
+    case GPT2ATTN_ERR_INVALID_ARGUMENT: return "invalid argument";
+    case GPT2ATTN_ERR_BAD_FILE: return "bad file";
+    case GPT2ATTN_ERR_OUT_OF_MEMORY: return "out of memory";
+    case GPT2ATTN_ERR_INTERNAL: return "internal";
+  }
+  return "unknown";
+}
+
+const char* gpt2attn_best_isa(void) {
+  try {
+    return ga::to_string(ga::best_supported_isa());
+  } catch (...) {
+    return "scalar";  // the scalar kernels always exist
+  }
+}
+
+gpt2attn_status_t gpt2attn_config_preset(const char* name, gpt2attn_config_t* out) {
+  return guarded(__func__, [&] {
+    require(name, "name");
+    require(out, "out");
+    *out = to_c(ga::preset(name));
+  });
+}
+
+// ---- layer --------------------------------------------------------------------------------------------------
+
+gpt2attn_status_t gpt2attn_layer_create_random(const gpt2attn_config_t* config, uint64_t seed,
+                                               gpt2attn_layer_t** out) {
+  return guarded(__func__, [&] {
+    const ga::Config cfg = to_cpp(deref(config, "config"));
+    require(out, "out");
+    make_layer(cfg, ga::Weights::random(cfg, seed), out);
+  });
+}
+
+gpt2attn_status_t gpt2attn_layer_create(const gpt2attn_config_t* config, const float* in_proj_weight,
+                                        const float* in_proj_bias, const float* out_proj_weight,
+                                        const float* out_proj_bias, gpt2attn_layer_t** out) {
+  return guarded(__func__, [&] {
+    const ga::Config cfg = to_cpp(deref(config, "config"));
+    require(in_proj_weight, "in_proj_weight");
+    require(out_proj_weight, "out_proj_weight");
+    require(out, "out");
+    // The bias pointers must agree with the flags: a silently ignored bias would be a wrong model.
+    if (cfg.qkv_bias != (in_proj_bias != nullptr)) {
+      ga::invalid(cfg.qkv_bias ? "in_proj_bias is NULL but config.qkv_bias is set"
+                               : "in_proj_bias given but config.qkv_bias is 0");
+    }
+    if (cfg.out_bias != (out_proj_bias != nullptr)) {
+      ga::invalid(cfg.out_bias ? "out_proj_bias is NULL but config.out_bias is set"
+                               : "out_proj_bias given but config.out_bias is 0");
+    }
+    cfg.validate();  // sizes below are computed from E and d_in: check them first
+    const size_t E = static_cast<size_t>(cfg.d_model), d_in = static_cast<size_t>(cfg.query_width());
+    // in_proj_weight is torch's [W_q; W_k; W_v] stacked along rows, in_proj_bias likewise.
+    ga::Weights w;
+    w.w_q.assign(in_proj_weight, in_proj_weight + E * d_in);
+    w.w_k.assign(in_proj_weight + E * d_in, in_proj_weight + 2 * E * d_in);
+    w.w_v.assign(in_proj_weight + 2 * E * d_in, in_proj_weight + 3 * E * d_in);
+    if (in_proj_bias) {
+      w.b_q.assign(in_proj_bias, in_proj_bias + E);
+      w.b_k.assign(in_proj_bias + E, in_proj_bias + 2 * E);
+      w.b_v.assign(in_proj_bias + 2 * E, in_proj_bias + 3 * E);
+    }
+    w.w_o.assign(out_proj_weight, out_proj_weight + E * E);
+    if (out_proj_bias) w.b_o.assign(out_proj_bias, out_proj_bias + E);
+    make_layer(cfg, w, out);
+  });
+}
+
+gpt2attn_status_t gpt2attn_layer_load_safetensors(const char* path, const char* prefix, int64_t num_heads,
+                                                  int64_t context_length, gpt2attn_layer_t** out) {
+  return guarded(__func__, [&] {
+    require(path, "path");
+    require(out, "out");
+    const ga::LoadedLayer loaded = ga::load_safetensors_layer(path, prefix ? prefix : "");
+    ga::Config cfg;
+    cfg.num_heads = num_heads;
+    cfg.context_length = context_length;
+    cfg.causal = true;
+    cfg = ga::apply_loaded_shapes(cfg, loaded);
+    make_layer(cfg, loaded.weights, out);
+  });
+}
+
+void gpt2attn_layer_destroy(gpt2attn_layer_t* layer) { delete layer; }
+
+gpt2attn_status_t gpt2attn_layer_config(const gpt2attn_layer_t* layer, gpt2attn_config_t* out) {
+  return guarded(__func__, [&] {
+    const auto& l = deref(layer, "layer");
+    require(out, "out");
+    *out = to_c(l.attn.config());
+  });
+}
+
+gpt2attn_status_t gpt2attn_layer_describe(const gpt2attn_layer_t* layer, const char** isa,
+                                          const char** implementation) {
+  return guarded(__func__, [&] {
+    const auto& l = deref(layer, "layer");
+    if (isa) *isa = l.isa.c_str();
+    if (implementation) *implementation = l.implementation.c_str();
+  });
+}
+
+// ---- KV cache and sequences ---------------------------------------------------------------------------------
+
+gpt2attn_status_t gpt2attn_kv_cache_create(const gpt2attn_layer_t* layer, int64_t block_tokens,
+                                           int64_t capacity_tokens, gpt2attn_kv_cache_t** out) {
+  return guarded(__func__, [&] {
+    const auto& l = deref(layer, "layer");
+    require(out, "out");
+    if (capacity_tokens <= 0) ga::invalid("capacity_tokens must be > 0, got " + std::to_string(capacity_tokens));
+    ga::KvCacheOptions o;
+    o.block_tokens = block_tokens;  // 0 = the library's default, min(64, context_length)
+    o.capacity_tokens = capacity_tokens;
+    *out = new gpt2attn_kv_cache{ga::KvCache(l.attn.config(), o)};
+  });
+}
+
+void gpt2attn_kv_cache_destroy(gpt2attn_kv_cache_t* cache) { delete cache; }
+
+gpt2attn_status_t gpt2attn_kv_cache_stats(const gpt2attn_kv_cache_t* cache, int64_t* block_tokens,
+                                          int64_t* total_blocks, int64_t* free_blocks, int64_t* num_sequences) {
+  return guarded(__func__, [&] {
+    const ga::KvCache& c = deref(cache, "cache").cache;
+    // Read everything first so a failure leaves every output untouched.
+    const int64_t bt = c.block_tokens(), total = c.total_blocks(), free = c.free_blocks(), n = c.num_sequences();
+    if (block_tokens) *block_tokens = bt;
+    if (total_blocks) *total_blocks = total;
+    if (free_blocks) *free_blocks = free;
+    if (num_sequences) *num_sequences = n;
+  });
+}
+
+gpt2attn_status_t gpt2attn_seq_create(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t* out) {
+  return guarded(__func__, [&] {
+    auto& c = deref(cache, "cache");
+    require(out, "out");
+    *out = c.cache.create();
+  });
+}
+
+gpt2attn_status_t gpt2attn_seq_fork(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t parent, gpt2attn_seq_t* out) {
+  return guarded(__func__, [&] {
+    auto& c = deref(cache, "cache");
+    require(out, "out");
+    *out = c.cache.fork(parent);
+  });
+}
+
+gpt2attn_status_t gpt2attn_seq_release(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq) {
+  return guarded(__func__, [&] { deref(cache, "cache").cache.release(seq); });
+}
+
+gpt2attn_status_t gpt2attn_seq_length(const gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq, int64_t* out) {
+  return guarded(__func__, [&] {
+    const auto& c = deref(cache, "cache");
+    require(out, "out");
+    *out = c.cache.length(seq);
+  });
+}
+
+gpt2attn_status_t gpt2attn_seq_blocks_needed(const gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq,
+                                             int64_t tokens, int64_t* out) {
+  return guarded(__func__, [&] {
+    const auto& c = deref(cache, "cache");
+    require(out, "out");
+    *out = c.cache.blocks_needed(seq, tokens);
+  });
+}
+
+// ---- workspace ----------------------------------------------------------------------------------------------
+
+gpt2attn_status_t gpt2attn_workspace_create(gpt2attn_workspace_t** out) {
+  return guarded(__func__, [&] {
+    require(out, "out");
+    *out = new gpt2attn_workspace{};
+  });
+}
+
+void gpt2attn_workspace_destroy(gpt2attn_workspace_t* ws) { delete ws; }
+
+gpt2attn_status_t gpt2attn_workspace_bytes(const gpt2attn_workspace_t* ws, size_t* out) {
+  return guarded(__func__, [&] {
+    const auto& w = deref(ws, "ws");
+    require(out, "out");
+    *out = w.ws.bytes();
+  });
+}
+
+// ---- compute ------------------------------------------------------------------------------------------------
+
+gpt2attn_status_t gpt2attn_layer_extend(gpt2attn_layer_t* layer, gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq,
+                                        const float* x, int64_t T, float* out, int threads,
+                                        gpt2attn_workspace_t* ws) {
+  return guarded(__func__, [&] {
+    auto& l = deref(layer, "layer");
+    auto& c = deref(cache, "cache");
+    require(x, "x");
+    require(out, "out");
+    l.attn.extend(c.cache, seq, x, T, out, run_options(threads), ws ? &ws->ws : nullptr);
+  });
+}
+
+gpt2attn_status_t gpt2attn_layer_decode(gpt2attn_layer_t* layer, gpt2attn_kv_cache_t* cache,
+                                        const gpt2attn_seq_t* seqs, int64_t B, const float* x, float* out,
+                                        int threads, gpt2attn_workspace_t* ws) {
+  return guarded(__func__, [&] {
+    auto& l = deref(layer, "layer");
+    auto& c = deref(cache, "cache");
+    require(seqs, "seqs");
+    require(x, "x");
+    require(out, "out");
+    l.attn.decode(c.cache, seqs, B, x, out, run_options(threads), ws ? &ws->ws : nullptr);
+  });
+}
+
+gpt2attn_status_t gpt2attn_layer_forward(gpt2attn_layer_t* layer, const float* x, int64_t B, int64_t T, float* out,
+                                         int threads, gpt2attn_workspace_t* ws) {
+  return guarded(__func__, [&] {
+    auto& l = deref(layer, "layer");
+    require(x, "x");
+    require(out, "out");
+    l.attn.forward(x, B, T, out, run_options(threads), ws ? &ws->ws : nullptr);
+  });
+}
+
+gpt2attn_status_t gpt2attn_layer_reserve(gpt2attn_layer_t* layer, int64_t max_extend_tokens,
+                                         int64_t max_decode_batch, int threads, gpt2attn_workspace_t* ws) {
+  return guarded(__func__, [&] {
+    auto& l = deref(layer, "layer");
+    run_options(threads);  // the same threads check as the compute calls
+    l.attn.reserve_serving(max_extend_tokens, max_decode_batch, threads, ws ? &ws->ws : nullptr);
+  });
+}
+
+gpt2attn_status_t gpt2attn_layer_reserve_bytes(const gpt2attn_layer_t* layer, int64_t max_extend_tokens,
+                                               int64_t max_decode_batch, int threads, size_t* out) {
+  return guarded(__func__, [&] {
+    const auto& l = deref(layer, "layer");
+    require(out, "out");
+    run_options(threads);
+    *out = l.attn.serving_workspace_bytes(max_extend_tokens, max_decode_batch, threads);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,150 @@
+/* gpt2attn/gpt2attn.h: the C API (C99 and later, and C++): opaque handles over CausalSelfAttention, KvCache and
+ * Workspace for serving GPT-2-style causal self-attention from C or through an FFI. Inference only.
+ *
+ * Status contract: every function that can fail returns gpt2attn_status_t, and gpt2attn_last_error() then holds
+ * a one-line message naming the function and the argument, sequence, field or file. A failed call wrote nothing
+ * (outputs, the cache, *out are as they were; GPT2ATTN_ERR_INTERNAL alone promises nothing about outputs). No C++
+ * exception crosses this boundary and the library never exits or aborts. A null handle or pointer is
+ * GPT2ATTN_ERR_INVALID_ARGUMENT, never a crash.
+ *
+ * Shapes use one vocabulary: B batch (sequences in a decode step), T tokens, E model width (d_model),
+ * H heads, D = E / H head size, d_in input width (E unless the weights say otherwise). Every array is
+ * row-major, contiguous, float32, owned by the caller.
+ *
+ * Threads: each compute call takes `threads` (0 = the layer's default, omp_get_max_threads() when the
+ * layer was created). The kernel instruction set is chosen once per layer; GPT2ATTN_ISA=scalar|avx2|avx512
+ * in the environment forces a weaker one.
+ *
+ * Concurrency: handles may be shared between threads. Calls that pass their own workspace run in parallel
+ * on one layer and one cache, provided each workspace and each sequence is used by one call at a time;
+ * calls with a NULL workspace on one layer are serialised. */
+#ifndef GPT2ATTN_GPT2ATTN_H
+#define GPT2ATTN_GPT2ATTN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Kept equal to project(VERSION) in CMakeLists.txt (checked at configure time). */
+#define GPT2ATTN_VERSION_MAJOR 0
+#define GPT2ATTN_VERSION_MINOR 1
+#define GPT2ATTN_VERSION_PATCH 0
+
+/* The same numbers as gpt2attn::ErrorCode; 0 is success. */
+typedef enum gpt2attn_status {
+  GPT2ATTN_OK = 0,
+  GPT2ATTN_ERR_INVALID_ARGUMENT = 1, /* a handle, pointer, id, shape or size the caller passed is wrong */
+  GPT2ATTN_ERR_BAD_FILE = 2,         /* a weights file is missing, truncated, corrupt or inconsistent */
+  GPT2ATTN_ERR_OUT_OF_MEMORY = 3,    /* an allocation failed or the KV pool has no free block; nothing written */
+  GPT2ATTN_ERR_INTERNAL = 4          /* a bug or an unexpected failure inside a dependency */
+} gpt2attn_status_t;
+
+typedef struct gpt2attn_layer gpt2attn_layer_t;         /* one causal self-attention layer (weights + kernels) */
+typedef struct gpt2attn_kv_cache gpt2attn_kv_cache_t;   /* a paged K/V pool and the sequences living in it */
+typedef struct gpt2attn_workspace gpt2attn_workspace_t; /* per-thread scratch memory for compute calls */
+typedef int64_t gpt2attn_seq_t;                         /* a sequence id; never reused within one cache */
+
+/* The layer's sizes. Always causal self-attention, inference only (no dropout). */
+typedef struct gpt2attn_config {
+  int64_t d_model;        /* E */
+  int64_t num_heads;      /* H; must divide E */
+  int64_t d_in;           /* input width; 0 means E */
+  int64_t context_length; /* longest sequence (cached + new tokens) accepted */
+  int32_t qkv_bias;       /* nonzero: biases on the Q/K/V projections */
+  int32_t out_bias;       /* nonzero: bias on the output projection */
+} gpt2attn_config_t;
+
+/* ---- library ---------------------------------------------------------------------------------------------- */
+
+/* The message of this thread's last failed call ("" if none); valid until this thread's next failing call. */
+const char* gpt2attn_last_error(void);
+/* "MAJOR.MINOR.PATCH" of the linked library. */
+const char* gpt2attn_version(void);
+/* A static name for a status: "ok", "invalid argument", "bad file", "out of memory", "internal", "unknown". */
+const char* gpt2attn_status_string(gpt2attn_status_t status);
+/* The strongest kernel instruction set this CPU runs: "avx512", "avx2" or "scalar" (static string). */
+const char* gpt2attn_best_isa(void);
+/* *out = a preset's sizes: "gpt2-small" (E=768, H=12), "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-*". */
+gpt2attn_status_t gpt2attn_config_preset(const char* name, gpt2attn_config_t* out);
+
+/* ---- layer ------------------------------------------------------------------------------------------------ */
+
+/* A layer with random weights (uniform +-1/sqrt(fan_in), reproducible from seed) for `config`. */
+gpt2attn_status_t gpt2attn_layer_create_random(const gpt2attn_config_t* config, uint64_t seed,
+                                               gpt2attn_layer_t** out);
+/* From torch MHA arrays (copied): in_proj_weight (3E, d_in), in_proj_bias (3E) or NULL iff !qkv_bias, out_proj_*. */
+gpt2attn_status_t gpt2attn_layer_create(const gpt2attn_config_t* config, const float* in_proj_weight,
+                                        const float* in_proj_bias, const float* out_proj_weight,
+                                        const float* out_proj_bias, gpt2attn_layer_t** out);
+/* From safetensors (torch or HF GPT-2 names after prefix, e.g. "h.3.attn."; NULL = ""); E, d_in from shapes. */
+gpt2attn_status_t gpt2attn_layer_load_safetensors(const char* path, const char* prefix, int64_t num_heads,
+                                                  int64_t context_length, gpt2attn_layer_t** out);
+/* Frees the layer; NULL is a no-op. Caches and workspaces used with it stay valid. */
+void gpt2attn_layer_destroy(gpt2attn_layer_t* layer);
+
+/* *out = the layer's sizes (E, H, d_in, context_length, biases). */
+gpt2attn_status_t gpt2attn_layer_config(const gpt2attn_layer_t* layer, gpt2attn_config_t* out);
+/* *isa ("avx512"...) and *implementation (kernels + GEMMs), each optional; strings live as long as the layer. */
+gpt2attn_status_t gpt2attn_layer_describe(const gpt2attn_layer_t* layer, const char** isa,
+                                          const char** implementation);
+
+/* ---- KV cache and sequences ------------------------------------------------------------------------------- */
+
+/* A pool for this E and H, allocated now: capacity_tokens in blocks of block_tokens (0: 64 or context_length). */
+gpt2attn_status_t gpt2attn_kv_cache_create(const gpt2attn_layer_t* layer, int64_t block_tokens,
+                                           int64_t capacity_tokens, gpt2attn_kv_cache_t** out);
+/* Frees the pool and every sequence in it; NULL is a no-op. */
+void gpt2attn_kv_cache_destroy(gpt2attn_kv_cache_t* cache);
+/* Pool state; any out pointer may be NULL. Room left: free_blocks * block_tokens tokens. */
+gpt2attn_status_t gpt2attn_kv_cache_stats(const gpt2attn_kv_cache_t* cache, int64_t* block_tokens,
+                                          int64_t* total_blocks, int64_t* free_blocks, int64_t* num_sequences);
+
+/* A new empty sequence (takes no block until tokens are appended). */
+gpt2attn_status_t gpt2attn_seq_create(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t* out);
+/* A new sequence sharing parent's cached tokens (blocks shared, copied on first write). */
+gpt2attn_status_t gpt2attn_seq_fork(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t parent, gpt2attn_seq_t* out);
+/* Returns the sequence's unshared blocks to the pool; the id becomes invalid. */
+gpt2attn_status_t gpt2attn_seq_release(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq);
+/* *out = cached tokens of seq. */
+gpt2attn_status_t gpt2attn_seq_length(const gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq, int64_t* out);
+/* *out = blocks appending `tokens` to seq would take from the pool now (for admission control). */
+gpt2attn_status_t gpt2attn_seq_blocks_needed(const gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq,
+                                             int64_t tokens, int64_t* out);
+
+/* ---- workspace -------------------------------------------------------------------------------------------- */
+
+/* Scratch memory for compute calls: one per concurrently calling thread; grows on demand. */
+gpt2attn_status_t gpt2attn_workspace_create(gpt2attn_workspace_t** out);
+/* Frees it; NULL is a no-op. */
+void gpt2attn_workspace_destroy(gpt2attn_workspace_t* ws);
+/* *out = scratch bytes held now. */
+gpt2attn_status_t gpt2attn_workspace_bytes(const gpt2attn_workspace_t* ws, size_t* out);
+
+/* ---- compute (ws may be NULL: the layer's own workspace, calls serialised) ---------------------------------- */
+
+/* Prefill / chunked prefill: appends T tokens to seq, x (T, d_in) -> out (T, E); length + T <= context_length. */
+gpt2attn_status_t gpt2attn_layer_extend(gpt2attn_layer_t* layer, gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq,
+                                        const float* x, int64_t T, float* out, int threads,
+                                        gpt2attn_workspace_t* ws);
+/* One decode step for B distinct sequences: seqs (B), x (B, d_in) one new token each -> out (B, E). */
+gpt2attn_status_t gpt2attn_layer_decode(gpt2attn_layer_t* layer, gpt2attn_kv_cache_t* cache,
+                                        const gpt2attn_seq_t* seqs, int64_t B, const float* x, float* out,
+                                        int threads, gpt2attn_workspace_t* ws);
+/* Causal self-attention without a cache: x (B, T, d_in) -> out (B, T, E). */
+gpt2attn_status_t gpt2attn_layer_forward(gpt2attn_layer_t* layer, const float* x, int64_t B, int64_t T, float* out,
+                                         int threads, gpt2attn_workspace_t* ws);
+/* Grows ws (NULL: the layer's own) so extend <= max_extend_tokens, decode <= max_decode_batch never allocate. */
+gpt2attn_status_t gpt2attn_layer_reserve(gpt2attn_layer_t* layer, int64_t max_extend_tokens,
+                                         int64_t max_decode_batch, int threads, gpt2attn_workspace_t* ws);
+/* *out = the scratch bytes gpt2attn_layer_reserve would hold for these sizes. */
+gpt2attn_status_t gpt2attn_layer_reserve_bytes(const gpt2attn_layer_t* layer, int64_t max_extend_tokens,
+                                               int64_t max_decode_batch, int threads, size_t* out);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* GPT2ATTN_GPT2ATTN_H */

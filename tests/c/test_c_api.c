@@ -1,0 +1,392 @@
+/* tests/c/test_c_api.c: the C API exercised from C (compiled as C11): prefill and batched decode through a paged
+ * KV cache checked against the layer's own full forward, and the error contract (status, message, no writes). */
+#include <gpt2attn/gpt2attn.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* E = 64, H = 4: small enough to run in milliseconds, D = 16 still a real head. Blocks of 4 tokens make the
+ * prompts (7 and 5 tokens) and the decode steps cross block boundaries; context 16 keeps the limit reachable. */
+#define E 64
+#define H 4
+#define CTX 16
+#define BLOCK 4
+#define PROMPT_A 7
+#define PROMPT_B 5
+#define STEPS 4
+#define LEN_A (PROMPT_A + STEPS)
+#define LEN_B (PROMPT_B + STEPS)
+#define SENTINEL 12345.0f
+
+static int g_passed, g_failed;
+
+#define CHECK(cond, ...)                                          \
+  do {                                                            \
+    if (cond) {                                                   \
+      ++g_passed;                                                 \
+    } else {                                                      \
+      ++g_failed;                                                 \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);        \
+      fprintf(stderr, __VA_ARGS__);                               \
+      fputc('\n', stderr);                                        \
+    }                                                             \
+  } while (0)
+
+/* A call that must succeed; on failure prints the library's message. */
+#define CHECK_OK(call)                                                                               \
+  do {                                                                                               \
+    gpt2attn_status_t st_ = (call);                                                                  \
+    CHECK(st_ == GPT2ATTN_OK, "%s -> %s: %s", #call, gpt2attn_status_string(st_), gpt2attn_last_error()); \
+  } while (0)
+
+/* A call that must fail with `status` and a last-error message containing `needle`. */
+#define CHECK_ERR(call, status, needle)                                                                     \
+  do {                                                                                                      \
+    gpt2attn_status_t st_ = (call);                                                                         \
+    CHECK(st_ == (status), "%s -> %s, expected %s (%s)", #call, gpt2attn_status_string(st_),               \
+          gpt2attn_status_string(status), gpt2attn_last_error());                                          \
+    CHECK(st_ == GPT2ATTN_OK || strstr(gpt2attn_last_error(), (needle)) != NULL,                            \
+          "%s: message \"%s\" does not mention \"%s\"", #call, gpt2attn_last_error(), (needle));            \
+  } while (0)
+
+/* Deterministic inputs in [-1, 1) without depending on the C library's rand(). */
+static void fill(float* x, size_t n, uint32_t seed) {
+  uint32_t s = seed * 2654435761u + 1u;
+  for (size_t i = 0; i < n; ++i) {
+    s = s * 1664525u + 1013904223u;
+    x[i] = (float)(s >> 8) / (float)(1u << 24) * 2.0f - 1.0f;
+  }
+}
+
+/* The tolerance of the brief: |got - expected| <= 1e-4 + 1e-4 |expected|; reports the first bad element. */
+static void check_rows(const char* what, const float* got, const float* expected, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const double err = fabs((double)got[i] - (double)expected[i]);
+    if (!(err <= 1e-4 + 1e-4 * fabs((double)expected[i]))) {
+      CHECK(0, "%s: element %zu got %.7g expected %.7g (error %.3g)", what, i, got[i], expected[i], err);
+      return;
+    }
+  }
+  CHECK(1, "%s", what);
+}
+
+static int untouched(const float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (out[i] != SENTINEL) return 0;
+  }
+  return 1;
+}
+
+static void set_sentinel(float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = SENTINEL;
+}
+
+static int64_t seq_len(const gpt2attn_kv_cache_t* cache, gpt2attn_seq_t s) {
+  int64_t n = -1;
+  if (gpt2attn_seq_length(cache, s, &n) != GPT2ATTN_OK) return -1;
+  return n;
+}
+
+/* Library-level queries: version, isa, presets. */
+static void test_library(gpt2attn_layer_t* layer) {
+  char expected[32];
+  snprintf(expected, sizeof expected, "%d.%d.%d", GPT2ATTN_VERSION_MAJOR, GPT2ATTN_VERSION_MINOR,
+           GPT2ATTN_VERSION_PATCH);
+  CHECK(strcmp(gpt2attn_version(), expected) == 0, "version %s, header says %s", gpt2attn_version(), expected);
+
+  const char* best = gpt2attn_best_isa();
+  CHECK(!strcmp(best, "avx512") || !strcmp(best, "avx2") || !strcmp(best, "scalar"), "best isa \"%s\"", best);
+  const char* isa = NULL;
+  const char* impl = NULL;
+  CHECK_OK(gpt2attn_layer_describe(layer, &isa, &impl));
+  CHECK(isa && impl && strstr(impl, isa) != NULL, "isa \"%s\" implementation \"%s\"", isa ? isa : "(null)",
+        impl ? impl : "(null)");
+  printf("library %s, layer isa %s (%s)\n", gpt2attn_version(), isa ? isa : "?", impl ? impl : "?");
+
+  gpt2attn_config_t c;
+  CHECK_OK(gpt2attn_config_preset("gpt2-small", &c));
+  CHECK(c.d_model == 768 && c.num_heads == 12 && c.d_in == 768 && c.context_length == 1024 && c.qkv_bias &&
+            c.out_bias,
+        "gpt2-small preset");
+  CHECK_ERR(gpt2attn_config_preset("gpt2-tiny", &c), GPT2ATTN_ERR_INVALID_ARGUMENT, "gpt2-tiny");
+
+  CHECK_OK(gpt2attn_layer_config(layer, &c));
+  CHECK(c.d_model == E && c.num_heads == H && c.d_in == E && c.context_length == CTX, "layer config");
+
+  /* block_tokens 0 = the default 64-token block, capped at this short context. */
+  gpt2attn_kv_cache_t* cache = NULL;
+  int64_t bt = 0, total = 0;
+  CHECK_OK(gpt2attn_kv_cache_create(layer, 0, 40, &cache));
+  CHECK_OK(gpt2attn_kv_cache_stats(cache, &bt, &total, NULL, NULL));
+  CHECK(bt == CTX && total == 3, "default blocks: %lld blocks of %lld tokens", (long long)total, (long long)bt);
+  gpt2attn_kv_cache_destroy(cache);
+  CHECK_ERR(gpt2attn_kv_cache_create(layer, BLOCK, 0, &cache), GPT2ATTN_ERR_INVALID_ARGUMENT, "capacity_tokens");
+}
+
+/* Prefill A (7 tokens) and B (5 tokens), decode 4 steps of both at once, compare every output row with one
+ * forward over the whole sequence; then a fork continues A. Returns A's and B's references for later tests. */
+static void test_prefill_decode(gpt2attn_layer_t* layer, const float* xa, const float* xb, float* ref_a,
+                                float* ref_b) {
+  gpt2attn_kv_cache_t* cache = NULL;
+  gpt2attn_workspace_t* ws = NULL;
+  CHECK_OK(gpt2attn_kv_cache_create(layer, BLOCK, 64, &cache));
+  CHECK_OK(gpt2attn_workspace_create(&ws));
+  if (!cache || !ws) return;
+  CHECK_OK(gpt2attn_layer_reserve(layer, 8, 2, 2, ws));
+
+  /* The references: the layer's own cacheless forward over prompt + decoded tokens. */
+  CHECK_OK(gpt2attn_layer_forward(layer, xa, 1, LEN_A, ref_a, 2, NULL));
+  CHECK_OK(gpt2attn_layer_forward(layer, xb, 1, LEN_B, ref_b, 2, NULL));
+
+  gpt2attn_seq_t a = -1, b = -1;
+  CHECK_OK(gpt2attn_seq_create(cache, &a));
+  CHECK_OK(gpt2attn_seq_create(cache, &b));
+  CHECK(a != b, "distinct sequence ids");
+
+  float ya[PROMPT_A * E], yb[PROMPT_B * E];
+  CHECK_OK(gpt2attn_layer_extend(layer, cache, a, xa, PROMPT_A, ya, 2, ws));
+  CHECK_OK(gpt2attn_layer_extend(layer, cache, b, xb, PROMPT_B, yb, 2, ws));
+  check_rows("prefill A vs forward", ya, ref_a, PROMPT_A * E);
+  check_rows("prefill B vs forward", yb, ref_b, PROMPT_B * E);
+
+  const gpt2attn_seq_t seqs[2] = {a, b};
+  for (int s = 0; s < STEPS; ++s) {
+    float x[2 * E], y[2 * E];
+    memcpy(x, xa + (PROMPT_A + s) * E, sizeof(float) * E);
+    memcpy(x + E, xb + (PROMPT_B + s) * E, sizeof(float) * E);
+    CHECK_OK(gpt2attn_layer_decode(layer, cache, seqs, 2, x, y, 2, ws));
+    char what[64];
+    snprintf(what, sizeof what, "decode step %d, A vs forward", s);
+    check_rows(what, y, ref_a + (PROMPT_A + s) * E, E);
+    snprintf(what, sizeof what, "decode step %d, B vs forward", s);
+    check_rows(what, y + E, ref_b + (PROMPT_B + s) * E, E);
+  }
+  CHECK(seq_len(cache, a) == LEN_A && seq_len(cache, b) == LEN_B, "lengths after decode: %lld %lld",
+        (long long)seq_len(cache, a), (long long)seq_len(cache, b));
+
+  /* A fork shares A's 11 tokens (its last block is partly filled, so the first append copies it); one more
+   * token on the fork must match a forward over A's tokens + that token, and A itself must be unchanged. */
+  gpt2attn_seq_t f = -1;
+  CHECK_OK(gpt2attn_seq_fork(cache, a, &f));
+  CHECK(seq_len(cache, f) == LEN_A, "fork length %lld", (long long)seq_len(cache, f));
+  float xf[(LEN_A + 1) * E], ref_f[(LEN_A + 1) * E], yf[E];
+  memcpy(xf, xa, sizeof(float) * LEN_A * E);
+  fill(xf + LEN_A * E, E, 99);
+  CHECK_OK(gpt2attn_layer_forward(layer, xf, 1, LEN_A + 1, ref_f, 0, ws));
+  CHECK_OK(gpt2attn_layer_decode(layer, cache, &f, 1, xf + LEN_A * E, yf, 0, ws));
+  check_rows("decode on a fork vs forward", yf, ref_f + LEN_A * E, E);
+  CHECK(seq_len(cache, a) == LEN_A && seq_len(cache, f) == LEN_A + 1, "lengths after fork decode");
+
+  size_t ws_bytes = 0;
+  CHECK_OK(gpt2attn_workspace_bytes(ws, &ws_bytes));
+  CHECK(ws_bytes > 0, "workspace holds memory after use");
+
+  CHECK_OK(gpt2attn_seq_release(cache, f));
+  CHECK_OK(gpt2attn_seq_release(cache, a));
+  CHECK_OK(gpt2attn_seq_release(cache, b));
+  int64_t total = 0, free_blocks = 0, nseq = -1;
+  CHECK_OK(gpt2attn_kv_cache_stats(cache, NULL, &total, &free_blocks, &nseq));
+  CHECK(total == 16 && free_blocks == 16 && nseq == 0, "after release: %lld/%lld blocks free, %lld sequences",
+        (long long)free_blocks, (long long)total, (long long)nseq);
+  gpt2attn_workspace_destroy(ws);
+  gpt2attn_kv_cache_destroy(cache);
+}
+
+/* Null handles and pointers, unknown and released ids, bad threads, a bad file: status + message, no write. */
+static void test_argument_errors(gpt2attn_layer_t* layer, const float* xa) {
+  gpt2attn_kv_cache_t* cache = NULL;
+  CHECK_OK(gpt2attn_kv_cache_create(layer, BLOCK, 64, &cache));
+  gpt2attn_seq_t s = -1;
+  CHECK_OK(gpt2attn_seq_create(cache, &s));
+  float y[PROMPT_A * E];
+
+  set_sentinel(y, PROMPT_A * E);
+  CHECK_ERR(gpt2attn_layer_forward(NULL, xa, 1, 2, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "layer");
+  CHECK_ERR(gpt2attn_layer_extend(layer, NULL, s, xa, 2, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "cache");
+  CHECK_ERR(gpt2attn_layer_extend(layer, cache, s, NULL, 2, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "x");
+  CHECK_ERR(gpt2attn_layer_decode(layer, cache, NULL, 1, xa, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "seqs");
+  CHECK_ERR(gpt2attn_layer_forward(layer, xa, 1, 2, NULL, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "out");
+  CHECK_ERR(gpt2attn_seq_create(NULL, &s), GPT2ATTN_ERR_INVALID_ARGUMENT, "cache");
+  CHECK_ERR(gpt2attn_layer_describe(NULL, NULL, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "layer");
+  CHECK_ERR(gpt2attn_kv_cache_create(NULL, BLOCK, 64, &cache), GPT2ATTN_ERR_INVALID_ARGUMENT, "layer");
+  CHECK_ERR(gpt2attn_layer_create_random(NULL, 1, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "config");
+  CHECK_ERR(gpt2attn_layer_forward(layer, xa, 1, 2, y, -1, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "threads");
+  CHECK(untouched(y, PROMPT_A * E), "outputs untouched by failed calls");
+  gpt2attn_layer_destroy(NULL); /* no-ops, must not crash */
+  gpt2attn_kv_cache_destroy(NULL);
+  gpt2attn_workspace_destroy(NULL);
+
+  /* The message is per thread and prefixed with the function that failed. */
+  CHECK(strncmp(gpt2attn_last_error(), "gpt2attn_layer_forward", 22) == 0, "message names the function: \"%s\"",
+        gpt2attn_last_error());
+
+  /* Unknown and released sequence ids: refused, naming the id; the cache is unchanged. */
+  const gpt2attn_seq_t unknown = 987654;
+  CHECK_ERR(gpt2attn_layer_decode(layer, cache, &unknown, 1, xa, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
+            "987654");
+  CHECK_ERR(gpt2attn_layer_extend(layer, cache, unknown, xa, 2, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
+            "987654");
+  int64_t n = 0;
+  CHECK_ERR(gpt2attn_seq_length(cache, unknown, &n), GPT2ATTN_ERR_INVALID_ARGUMENT, "987654");
+  CHECK_OK(gpt2attn_layer_extend(layer, cache, s, xa, 2, y, 0, NULL));
+  const gpt2attn_seq_t twice[2] = {s, s};
+  float y2[2 * E];
+  set_sentinel(y2, 2 * E);
+  CHECK(gpt2attn_layer_decode(layer, cache, twice, 2, xa, y2, 0, NULL) == GPT2ATTN_ERR_INVALID_ARGUMENT,
+        "one sequence twice in a decode batch is refused (%s)", gpt2attn_last_error());
+  CHECK(untouched(y2, 2 * E) && seq_len(cache, s) == 2, "duplicate decode wrote nothing");
+  CHECK_OK(gpt2attn_seq_release(cache, s));
+  char id[32];
+  snprintf(id, sizeof id, "%lld", (long long)s);
+  set_sentinel(y, E);
+  CHECK_ERR(gpt2attn_layer_decode(layer, cache, &s, 1, xa, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, id);
+  CHECK_ERR(gpt2attn_seq_release(cache, s), GPT2ATTN_ERR_INVALID_ARGUMENT, id);
+  CHECK(untouched(y, E), "decode of a released sequence wrote nothing");
+
+  /* A bad file is BAD_FILE naming the path; *out stays as it was. */
+  gpt2attn_layer_t* none = NULL;
+  CHECK_ERR(gpt2attn_layer_load_safetensors("/nonexistent/model.safetensors", "h.0.attn.", 12, 1024, &none),
+            GPT2ATTN_ERR_BAD_FILE, "/nonexistent/model.safetensors");
+  CHECK(none == NULL, "no handle on failure");
+  gpt2attn_kv_cache_destroy(cache);
+}
+
+/* A sequence may not grow past context_length, by extend or by decode; the refused call changes nothing. */
+static void test_context_limit(gpt2attn_layer_t* layer) {
+  gpt2attn_kv_cache_t* cache = NULL;
+  CHECK_OK(gpt2attn_kv_cache_create(layer, BLOCK, 64, &cache));
+  gpt2attn_seq_t s = -1;
+  CHECK_OK(gpt2attn_seq_create(cache, &s));
+  float x[(CTX + 1) * E], y[(CTX + 1) * E];
+  fill(x, (CTX + 1) * E, 7);
+  CHECK_ERR(gpt2attn_layer_extend(layer, cache, s, x, CTX + 1, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
+            "context_length");
+  CHECK_OK(gpt2attn_layer_extend(layer, cache, s, x, CTX - 2, y, 0, NULL));
+  set_sentinel(y, (CTX + 1) * E);
+  CHECK_ERR(gpt2attn_layer_extend(layer, cache, s, x, 3, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
+            "context_length");
+  CHECK(seq_len(cache, s) == CTX - 2 && untouched(y, (CTX + 1) * E), "refused extend changed nothing");
+  CHECK_OK(gpt2attn_layer_extend(layer, cache, s, x, 2, y, 0, NULL));
+  CHECK(seq_len(cache, s) == CTX, "filled to context_length");
+  set_sentinel(y, E);
+  CHECK_ERR(gpt2attn_layer_decode(layer, cache, &s, 1, x, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
+            "context_length");
+  CHECK(seq_len(cache, s) == CTX && untouched(y, E), "refused decode changed nothing");
+  gpt2attn_kv_cache_destroy(cache);
+}
+
+/* A pool of 4 blocks (16 tokens) holds A (7 tokens, 2 blocks) and B (5 tokens, 2 blocks) and nothing more:
+ * the step that needs a fifth block fails with OUT_OF_MEMORY, writes nothing, and B alone still decodes to
+ * the values the unconstrained run gave. Releasing A makes room again. */
+static void test_pool_exhaustion(gpt2attn_layer_t* layer, const float* xa, const float* xb, const float* ref_a,
+                                 const float* ref_b) {
+  gpt2attn_kv_cache_t* cache = NULL;
+  CHECK_OK(gpt2attn_kv_cache_create(layer, BLOCK, 4 * BLOCK, &cache));
+  if (!cache) return;
+  gpt2attn_seq_t a = -1, b = -1;
+  CHECK_OK(gpt2attn_seq_create(cache, &a));
+  CHECK_OK(gpt2attn_seq_create(cache, &b));
+  float y[PROMPT_A * E];
+  CHECK_OK(gpt2attn_layer_extend(layer, cache, a, xa, PROMPT_A, y, 0, NULL));
+  CHECK_OK(gpt2attn_layer_extend(layer, cache, b, xb, PROMPT_B, y, 0, NULL));
+  int64_t free_blocks = -1;
+  CHECK_OK(gpt2attn_kv_cache_stats(cache, NULL, NULL, &free_blocks, NULL));
+  CHECK(free_blocks == 0, "pool full after prefill: %lld free", (long long)free_blocks);
+
+  /* Step 0 fits (A goes to 8 tokens, B to 6, both inside their second block). */
+  const gpt2attn_seq_t seqs[2] = {a, b};
+  float x[2 * E], out[2 * E];
+  memcpy(x, xa + PROMPT_A * E, sizeof(float) * E);
+  memcpy(x + E, xb + PROMPT_B * E, sizeof(float) * E);
+  CHECK_OK(gpt2attn_layer_decode(layer, cache, seqs, 2, x, out, 0, NULL));
+  check_rows("full pool, step 0, A", out, ref_a + PROMPT_A * E, E);
+  check_rows("full pool, step 0, B", out + E, ref_b + PROMPT_B * E, E);
+
+  /* Step 1 needs a new block for A: refused as a whole. */
+  memcpy(x, xa + (PROMPT_A + 1) * E, sizeof(float) * E);
+  memcpy(x + E, xb + (PROMPT_B + 1) * E, sizeof(float) * E);
+  set_sentinel(out, 2 * E);
+  gpt2attn_status_t st = gpt2attn_layer_decode(layer, cache, seqs, 2, x, out, 0, NULL);
+  CHECK(st == GPT2ATTN_ERR_OUT_OF_MEMORY, "exhausted pool: %s (%s)", gpt2attn_status_string(st),
+        gpt2attn_last_error());
+  CHECK(strstr(gpt2attn_last_error(), "block") != NULL, "message names the pool's blocks: \"%s\"",
+        gpt2attn_last_error());
+  CHECK(untouched(out, 2 * E) && seq_len(cache, a) == PROMPT_A + 1 && seq_len(cache, b) == PROMPT_B + 1,
+        "refused decode changed nothing");
+
+  /* A new sequence cannot start either. */
+  gpt2attn_seq_t c = -1;
+  CHECK_OK(gpt2attn_seq_create(cache, &c));
+  CHECK(gpt2attn_layer_extend(layer, cache, c, xa, 1, y, 0, NULL) == GPT2ATTN_ERR_OUT_OF_MEMORY,
+        "extend into a full pool (%s)", gpt2attn_last_error());
+  CHECK(seq_len(cache, c) == 0, "refused extend appended nothing");
+
+  /* B alone still fits and gives the same values as the unconstrained run. */
+  CHECK_OK(gpt2attn_layer_decode(layer, cache, &b, 1, x + E, out, 0, NULL));
+  check_rows("B after the refused step", out, ref_b + (PROMPT_B + 1) * E, E);
+
+  /* Releasing A returns its 2 blocks; the new sequence now fits. */
+  CHECK_OK(gpt2attn_seq_release(cache, a));
+  CHECK_OK(gpt2attn_kv_cache_stats(cache, NULL, NULL, &free_blocks, NULL));
+  CHECK(free_blocks == 2, "release returned A's blocks: %lld free", (long long)free_blocks);
+  CHECK_OK(gpt2attn_layer_extend(layer, cache, c, xa, PROMPT_A, y, 0, NULL));
+  check_rows("new sequence after release", y, ref_a, PROMPT_A * E);
+  gpt2attn_kv_cache_destroy(cache);
+}
+
+/* Explicit torch-layout arrays: with Q = K = 0 every causal key gets the same weight, so with W_v = I,
+ * W_o = I and b_v = b_o = 0 row t of the output is the mean of x[0..t]; b_v then lands as a constant shift.
+ * This pins in_proj_weight's row order ([W_q; W_k; W_v]) and the bias slices. */
+static void test_explicit_weights(void) {
+  enum { e = 8, h = 2, t = 3 };
+  gpt2attn_config_t c = {e, h, 0, 8, 1, 1};
+  static float w_in[3 * e * e], b_in[3 * e], w_out[e * e], b_out[e];
+  for (int i = 0; i < e; ++i) {
+    w_in[(2 * e + i) * e + i] = 1.0f; /* W_v = I */
+    w_out[i * e + i] = 1.0f;
+    b_in[2 * e + i] = 0.5f; /* b_v */
+    b_out[i] = 0.25f;
+  }
+  gpt2attn_layer_t* layer = NULL;
+  CHECK_ERR(gpt2attn_layer_create(&c, w_in, NULL, w_out, b_out, &layer), GPT2ATTN_ERR_INVALID_ARGUMENT,
+            "in_proj_bias");
+  CHECK_OK(gpt2attn_layer_create(&c, w_in, b_in, w_out, b_out, &layer));
+  if (!layer) return;
+  float x[t * e], y[t * e], want[t * e];
+  fill(x, t * e, 3);
+  for (int r = 0; r < t; ++r) {
+    for (int i = 0; i < e; ++i) {
+      float sum = 0.0f;
+      for (int k = 0; k <= r; ++k) sum += x[k * e + i];
+      want[r * e + i] = sum / (float)(r + 1) + 0.5f + 0.25f;
+    }
+  }
+  CHECK_OK(gpt2attn_layer_forward(layer, x, 1, t, y, 1, NULL));
+  check_rows("explicit weights: causal mean of x + b_v + b_o", y, want, t * e);
+  gpt2attn_layer_destroy(layer);
+}
+
+int main(void) {
+  gpt2attn_config_t cfg = {E, H, 0, CTX, 1, 1};
+  gpt2attn_layer_t* layer = NULL;
+  if (gpt2attn_layer_create_random(&cfg, 1234, &layer) != GPT2ATTN_OK) {
+    fprintf(stderr, "cannot create the layer: %s\n0 passed, 1 failed\n", gpt2attn_last_error());
+    return 1;
+  }
+  static float xa[LEN_A * E], xb[LEN_B * E], ref_a[LEN_A * E], ref_b[LEN_B * E];
+  fill(xa, LEN_A * E, 1);
+  fill(xb, LEN_B * E, 2);
+
+  test_library(layer);
+  test_prefill_decode(layer, xa, xb, ref_a, ref_b);
+  test_argument_errors(layer, xa);
+  test_context_limit(layer);
+  test_pool_exhaustion(layer, xa, xb, ref_a, ref_b);
+  test_explicit_weights();
+  gpt2attn_layer_destroy(layer);
+
+  printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
