@@ -1,0 +1,348 @@
+// tests/alloc/no_alloc_test.cpp: the serving steady state allocates nothing. This program replaces malloc and its
+// relatives (forwarding to glibc's __libc_* entry points) and operator new/delete for the whole process, counts
+// every allocation made while a flag is armed, and requires zero during decode steps, forward() calls and an
+// extend() that the workspace was reserved for, on every instruction set this CPU runs.
+// A separate executable, not a GoogleTest suite: replacing malloc must not leak into gpt2attn_tests, and it cannot
+// run under a sanitizer (which replaces malloc itself). It does not check results (test_kv_cache.cpp does).
+#include <execinfo.h>
+#include <link.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <new>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpt2attn/gpt2attn.hpp"
+
+// ---------------------------------------------------------------------------------------------------------------
+// The allocation hook. While `g_armed`, every allocation increments `g_allocations` and one counter per origin (the
+// library its immediate caller lies in: oneDNN, libgomp, anything else = gpt2attn, libstdc++, glibc); the first
+// few of each origin record their size and a backtrace (backtrace() itself does not allocate once libgcc_s is
+// loaded, which main() does first).
+
+extern "C" {
+void* __libc_malloc(size_t);
+void __libc_free(void*);
+void* __libc_calloc(size_t, size_t);
+void* __libc_realloc(void*, size_t);
+void* __libc_memalign(size_t, size_t);
+}
+
+namespace {
+
+std::atomic<bool> g_armed{false};
+std::atomic<long> g_allocations{0};
+std::atomic<long> g_frees{0};
+
+// Origins, found from the immediate caller's address (library text ranges read once at start-up).
+enum Origin { kOneDnn, kGomp, kOther, kOrigins };
+const char* const kOriginNames[kOrigins] = {"oneDNN (libdnnl)", "libgomp", "other (gpt2attn, libstdc++, libc)"};
+struct Range {
+  uintptr_t lo = 0, hi = 0;
+};
+Range g_ranges[2];  // kOneDnn, kGomp
+std::atomic<long> g_by_origin[kOrigins];
+
+constexpr int kRecorded = 3, kFrames = 24;
+struct Sample {
+  size_t size;
+  void* stack[kFrames];
+  int depth;
+};
+Sample g_samples[kOrigins][kRecorded];
+thread_local bool t_in_hook = false;  // backtrace() may call malloc on first use: no recursion
+
+Origin origin_of(const void* caller) {
+  const auto a = reinterpret_cast<uintptr_t>(caller);
+  for (int o = 0; o < 2; ++o) {
+    if (a >= g_ranges[o].lo && a < g_ranges[o].hi) return static_cast<Origin>(o);
+  }
+  return kOther;
+}
+
+int find_library_ranges(dl_phdr_info* info, size_t, void*) {
+  const std::string name = info->dlpi_name ? info->dlpi_name : "";
+  const int o = name.find("libdnnl.so") != std::string::npos   ? kOneDnn
+                : name.find("libgomp.so") != std::string::npos ? kGomp
+                                                               : -1;
+  if (o < 0) return 0;
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+    if (ph.p_type != PT_LOAD) continue;
+    const uintptr_t lo = info->dlpi_addr + ph.p_vaddr, hi = lo + ph.p_memsz;
+    if (g_ranges[o].lo == 0 || lo < g_ranges[o].lo) g_ranges[o].lo = lo;
+    if (hi > g_ranges[o].hi) g_ranges[o].hi = hi;
+  }
+  return 0;
+}
+
+__attribute__((always_inline)) inline void note_allocation_from(size_t n, const void* caller) {
+  if (!g_armed.load(std::memory_order_relaxed) || t_in_hook) return;
+  g_allocations.fetch_add(1);
+  const Origin o = origin_of(caller);
+  const long i = g_by_origin[o].fetch_add(1);
+  if (i < kRecorded) {
+    t_in_hook = true;
+    g_samples[o][i].size = n;
+    g_samples[o][i].depth = backtrace(g_samples[o][i].stack, kFrames);
+    t_in_hook = false;
+  }
+}
+#define note_allocation(n) note_allocation_from((n), __builtin_return_address(0))
+
+void note_free(void* p) {
+  if (p && g_armed.load(std::memory_order_relaxed) && !t_in_hook) g_frees.fetch_add(1);
+}
+
+// Not a function: the caller's address must be the allocating function's caller.
+#define aligned(alignment, n) (note_allocation(n), __libc_memalign((alignment), (n)))
+
+}  // namespace
+
+extern "C" {
+void* malloc(size_t n) {
+  note_allocation(n);
+  return __libc_malloc(n);
+}
+void free(void* p) {
+  note_free(p);
+  __libc_free(p);
+}
+void* calloc(size_t count, size_t n) {
+  note_allocation(count * n);
+  return __libc_calloc(count, n);
+}
+void* realloc(void* p, size_t n) {
+  note_allocation(n);
+  return __libc_realloc(p, n);
+}
+void* memalign(size_t alignment, size_t n) { return aligned(alignment, n); }
+void* aligned_alloc(size_t alignment, size_t n) { return aligned(alignment, n); }
+void* valloc(size_t n) { return aligned(static_cast<size_t>(sysconf(_SC_PAGESIZE)), n); }
+void* pvalloc(size_t n) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return aligned(page, (n + page - 1) / page * page);
+}
+int posix_memalign(void** out, size_t alignment, size_t n) {
+  if (alignment < sizeof(void*) || (alignment & (alignment - 1)) != 0) return EINVAL;
+  void* p = aligned(alignment, n);
+  if (!p) return ENOMEM;
+  *out = p;
+  return 0;
+}
+}
+
+void* operator new(size_t n) {
+  note_allocation(n);
+  if (void* p = __libc_malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](size_t n) {
+  note_allocation(n);
+  if (void* p = __libc_malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(size_t n, const std::nothrow_t&) noexcept {
+  note_allocation(n);
+  return __libc_malloc(n ? n : 1);
+}
+void* operator new[](size_t n, const std::nothrow_t&) noexcept {
+  note_allocation(n);
+  return __libc_malloc(n ? n : 1);
+}
+void* operator new(size_t n, std::align_val_t a) {
+  if (void* p = aligned(static_cast<size_t>(a), n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](size_t n, std::align_val_t a) {
+  if (void* p = aligned(static_cast<size_t>(a), n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  return aligned(static_cast<size_t>(a), n ? n : 1);
+}
+void* operator new[](size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  return aligned(static_cast<size_t>(a), n ? n : 1);
+}
+void operator delete(void* p) noexcept { free(p); }
+void operator delete[](void* p) noexcept { free(p); }
+void operator delete(void* p, size_t) noexcept { free(p); }
+void operator delete[](void* p, size_t) noexcept { free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { free(p); }
+void operator delete(void* p, size_t, std::align_val_t) noexcept { free(p); }
+void operator delete[](void* p, size_t, std::align_val_t) noexcept { free(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { free(p); }
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { free(p); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// The checks.
+
+namespace {
+
+using namespace gpt2attn;
+
+int g_passed = 0, g_failed = 0;
+
+// Runs `work` with the counter armed; passes iff it allocated nothing. On failure prints the first allocations'
+// sizes and stacks (symbolise the addresses with addr2line -e <binary> if the names are missing).
+void expect_no_allocation(const std::string& what, const std::function<void()>& work) {
+  g_allocations.store(0);
+  g_frees.store(0);
+  for (auto& c : g_by_origin) c.store(0);
+  g_armed.store(true);
+  bool threw = false;
+  std::string error;
+  try {
+    work();
+  } catch (const std::exception& e) {
+    threw = true;
+    error = e.what();
+  }
+  g_armed.store(false);
+  const long n = g_allocations.load(), frees = g_frees.load();
+  if (threw) {
+    std::printf("FAIL  %s: threw: %s\n", what.c_str(), error.c_str());
+    ++g_failed;
+    return;
+  }
+  if (n == 0) {
+    std::printf("ok    %s (0 allocations, %ld frees)\n", what.c_str(), frees);
+    ++g_passed;
+    return;
+  }
+  std::printf("FAIL  %s: %ld allocations (and %ld frees) in the steady state; by the caller's library:", what.c_str(),
+              n, frees);
+  for (int o = 0; o < kOrigins; ++o) std::printf(" %s %ld%s", kOriginNames[o], g_by_origin[o].load(), o + 1 < kOrigins ? "," : "\n");
+  std::fflush(stdout);
+  for (int o = 0; o < kOrigins; ++o) {
+    for (long i = 0; i < g_by_origin[o].load() && i < kRecorded; ++i) {
+      std::printf("  %s allocation %ld: %zu bytes, from:\n", kOriginNames[o], i + 1, g_samples[o][i].size);
+      std::fflush(stdout);
+      backtrace_symbols_fd(g_samples[o][i].stack, g_samples[o][i].depth, STDOUT_FILENO);
+    }
+  }
+  ++g_failed;
+}
+
+std::vector<float> random_tokens(int64_t n, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+// gpt2-small width, B = 4 sequences of different lengths (one crosses a 64-token block boundary while armed).
+void check_isa(Isa isa) {
+  const std::string tag = std::string("[isa=") + to_string(isa) + " threads=2] ";
+  const Config c = preset("gpt2-small");
+  const Weights w = Weights::random(c, 1);
+  CausalSelfAttention block(c, w, EngineOptions{.threads = 2, .isa = isa});
+  const int64_t E = c.d_model, W = c.query_width(), B = 4;
+  const RunOptions run{.threads = 2};
+  std::mt19937_64 rng(2);
+
+  // 1. Decode, per the serving contract: prefill, reserve_serving, 2 warm-up steps, then 10 armed steps.
+  {
+    KvCache cache(block.config(), KvCacheOptions{.block_tokens = 64, .capacity_tokens = 1024});
+    Workspace ws;
+    const int64_t lens[B] = {5, 17, 60, 100};
+    SequenceId ids[B];
+    for (int64_t b = 0; b < B; ++b) ids[b] = cache.create();
+    block.reserve_serving(128, B, 2, &ws);
+    for (int64_t b = 0; b < B; ++b) {
+      const std::vector<float> x = random_tokens(lens[b] * W, rng);
+      std::vector<float> out(static_cast<size_t>(lens[b] * E));
+      block.extend(cache, ids[b], x.data(), lens[b], out.data(), run, &ws);
+    }
+    const std::vector<float> x = random_tokens(12 * B * W, rng);
+    std::vector<float> out(static_cast<size_t>(B * E));
+    for (int s = 0; s < 2; ++s) block.decode(cache, ids, B, x.data() + s * B * W, out.data(), run, &ws);
+    expect_no_allocation(tag + "10 decode steps, B=4, lengths 7..102 (a block boundary crossed), own Workspace", [&] {
+      for (int s = 2; s < 12; ++s) block.decode(cache, ids, B, x.data() + s * B * W, out.data(), run, &ws);
+    });
+
+    // The same with the layer's own workspace (reserve_serving without ws), 2 warm-up steps first.
+    block.reserve_serving(128, B, 2);
+    const std::vector<float> y = random_tokens(12 * B * W, rng);
+    for (int s = 0; s < 2; ++s) block.decode(cache, ids, B, y.data() + s * B * W, out.data(), run);
+    expect_no_allocation(tag + "10 decode steps, B=4, the layer's own workspace", [&] {
+      for (int s = 2; s < 12; ++s) block.decode(cache, ids, B, y.data() + s * B * W, out.data(), run);
+    });
+
+    // 2. Strictly as reserve_serving promises: no warm-up. New sequences (create() reserves their block tables
+    // before arming), then a prefill of up to max_extend_tokens and decode steps on a fresh Workspace.
+    Workspace fresh;
+    block.reserve_serving(128, 2, 2, &fresh);
+    SequenceId more[2] = {cache.create(), cache.create()};
+    const std::vector<float> p = random_tokens(128 * W, rng);
+    const std::vector<float> d = random_tokens(3 * 2 * W, rng);
+    std::vector<float> pout(static_cast<size_t>(128 * E));
+    expect_no_allocation(tag + "extend of 128 then 50 tokens right after reserve_serving(128, 2), fresh Workspace",
+                         [&] {
+                           block.extend(cache, more[0], p.data(), 128, pout.data(), run, &fresh);
+                           block.extend(cache, more[1], p.data(), 50, pout.data(), run, &fresh);
+                         });
+    expect_no_allocation(tag + "3 decode steps B=2 after those extends (no decode warm-up), fresh Workspace", [&] {
+      for (int s = 0; s < 3; ++s) block.decode(cache, more, 2, d.data() + s * 2 * W, out.data(), run, &fresh);
+    });
+  }
+
+  // 3. forward(): 10 repeated calls of one shape after reserve, with one warm-up call (the brief) ...
+  {
+    const int64_t FB = 2, T = 64;
+    const std::vector<float> x = random_tokens(FB * T * W, rng);
+    std::vector<float> out(static_cast<size_t>(FB * T * E));
+    block.layer().reserve(FB, T, T);
+    block.forward(x.data(), FB, T, out.data(), run);
+    expect_no_allocation(tag + "10 forward calls B=2 T=64 after reserve + 1 warm-up, layer's own workspace", [&] {
+      for (int i = 0; i < 10; ++i) block.forward(x.data(), FB, T, out.data(), run);
+    });
+    Workspace ws;
+    block.layer().reserve(FB, T, T, &ws);
+    block.forward(x.data(), FB, T, out.data(), run, &ws);
+    expect_no_allocation(tag + "10 forward calls B=2 T=64 after reserve + 1 warm-up, own Workspace", [&] {
+      for (int i = 0; i < 10; ++i) block.forward(x.data(), FB, T, out.data(), run, &ws);
+    });
+    // ... and strictly as reserve() promises: a shape never run before, no warm-up.
+    Workspace cold;
+    const int64_t T2 = 50;
+    block.layer().reserve(FB, T2, T2, &cold);
+    expect_no_allocation(tag + "first forward call B=2 T=50 right after reserve(2, 50, 50), own Workspace", [&] {
+      block.forward(x.data(), FB, T2, out.data(), run, &cold);
+    });
+  }
+}
+
+}  // namespace
+
+int main() {
+  // Load the unwinder now, so that backtrace() inside the hook does not allocate.
+  void* frames[2];
+  backtrace(frames, 2);
+  dl_iterate_phdr(find_library_ranges, nullptr);
+  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar}) {
+    if (!isa_supported(isa)) {
+      std::printf("skip  [isa=%s] not supported by this CPU\n", to_string(isa));
+      continue;
+    }
+    try {
+      check_isa(isa);
+    } catch (const std::exception& e) {
+      std::printf("FAIL  [isa=%s] set-up threw: %s\n", to_string(isa), e.what());
+      ++g_failed;
+    }
+  }
+  std::printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
