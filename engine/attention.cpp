@@ -70,6 +70,7 @@ MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOp
       isa(detail::resolve_isa(o.isa)),
       kernel(&detail::attention_kernel(isa)),
       decode_kernel(&detail::decode_kernel(isa)),
+      linear_kernel(&detail::linear_kernel(isa)),
       default_threads(o.threads > 0 ? o.threads : omp_get_max_threads()),
       out(w.w_o.data(), cfg.out_bias ? w.b_o.data() : nullptr, cfg.d_model, cfg.d_model) {
   const int64_t H = cfg.num_heads, D = cfg.head_dim(), E = cfg.d_model;
@@ -85,16 +86,20 @@ MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOp
 
   if (cfg.causal && cfg.same_input_widths()) {
     const int64_t d_in = cfg.query_width();
-    std::vector<float> w_qkv(static_cast<size_t>(3 * E * d_in)), b_qkv;
+    std::vector<float> w_qkv(static_cast<size_t>(3 * E * d_in));
     std::copy(w.w_q.begin(), w.w_q.end(), w_qkv.begin());
     std::copy(w.w_k.begin(), w.w_k.end(), w_qkv.begin() + E * d_in);
     std::copy(w.w_v.begin(), w.w_v.end(), w_qkv.begin() + 2 * E * d_in);
+    qkv_packed.resize(static_cast<size_t>(kernels::linear_packed_floats(3 * E, d_in)));
+    kernels::pack_linear_weights(w_qkv.data(), 3 * E, d_in, qkv_packed.data());
     if (cfg.qkv_bias) {
-      b_qkv.insert(b_qkv.end(), w.b_q.begin(), w.b_q.end());
-      b_qkv.insert(b_qkv.end(), w.b_k.begin(), w.b_k.end());
-      b_qkv.insert(b_qkv.end(), w.b_v.begin(), w.b_v.end());
+      qkv_bias.insert(qkv_bias.end(), w.b_q.begin(), w.b_q.end());
+      qkv_bias.insert(qkv_bias.end(), w.b_k.begin(), w.b_k.end());
+      qkv_bias.insert(qkv_bias.end(), w.b_v.begin(), w.b_v.end());
     }
-    qkv = std::make_unique<Linear>(w_qkv.data(), cfg.qkv_bias ? b_qkv.data() : nullptr, 3 * E, d_in);
+    out_packed.resize(static_cast<size_t>(kernels::linear_packed_floats(E, E)));
+    kernels::pack_linear_weights(w.w_o.data(), E, E, out_packed.data());
+    if (cfg.out_bias) out_bias = w.b_o;
   }
 
   const int64_t C = cfg.context_length;
@@ -263,12 +268,25 @@ void MultiHeadAttention::reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws
             std::to_string(Tk) + ")");
   }
   const size_t floats = workspace_bytes(B, T, Tk) / sizeof(float);
+  const Impl& L = *impl_;
+  auto prepare = [&](Workspace::Impl& w) {
+    w.reserve(floats);
+    // The GEMMs of a forward on contiguous inputs: per-head projections (one shape for all heads) on every
+    // thread of the team, and the output projection.
+    const int64_t D = L.cfg.head_dim(), E = L.cfg.d_model;
+    for (int slot = 0; slot < L.default_threads; ++slot) {
+      L.proj_q[0].prepare(w.exec, T, L.cfg.query_width(), D, 1, slot);
+      L.proj_k[0].prepare(w.exec, Tk, L.cfg.key_width(), D, 1, slot);
+      L.proj_v[0].prepare(w.exec, Tk, L.cfg.value_width(), D, 1, slot);
+    }
+    L.out.prepare(w.exec, B * T, E, E, L.default_threads, 0);
+  };
   if (ws) {
     detail::WorkspaceLease lease(ws->impl());
-    ws->impl().reserve(floats);
+    prepare(ws->impl());
   } else {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->own_ws.impl().reserve(floats);
+    prepare(impl_->own_ws.impl());
   }
 }
 

@@ -76,5 +76,13 @@ const kernels::DecodeKernel& decode_kernel(Isa resolved) {
   }
 }
 
+const kernels::LinearKernel& linear_kernel(Isa resolved) {
+  switch (resolved) {
+    case Isa::avx512: return kernels::linear_f32_avx512();
+    case Isa::avx2: return kernels::linear_f32_avx2();
+    default: return kernels::linear_f32_scalar();
+  }
+}
+
 }  // namespace detail
 }  // namespace gpt2attn

@@ -5,6 +5,7 @@
 #include "gpt2attn/attention.hpp"
 #include "kernels/attention_f32.hpp"
 #include "kernels/decode_attention_f32.hpp"
+#include "kernels/linear_f32.hpp"
 
 namespace gpt2attn::detail {
 
@@ -13,5 +14,6 @@ namespace gpt2attn::detail {
 Isa resolve_isa(Isa requested);
 const kernels::AttentionKernel& attention_kernel(Isa resolved);
 const kernels::DecodeKernel& decode_kernel(Isa resolved);
+const kernels::LinearKernel& linear_kernel(Isa resolved);
 
 }  // namespace gpt2attn::detail

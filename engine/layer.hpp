@@ -14,6 +14,7 @@
 #include "gpt2attn/attention.hpp"
 #include "kernels/attention_f32.hpp"
 #include "kernels/decode_attention_f32.hpp"
+#include "kernels/linear_f32.hpp"
 
 namespace gpt2attn {
 
@@ -46,10 +47,13 @@ struct MultiHeadAttention::Impl {
   // attention reads them. Self-attention feeds the query to all three; cross-attention feeds query, key, value.
   std::vector<detail::Linear> proj_q, proj_k, proj_v;
   detail::Linear out;
-  // Decode's fused (3E, d_in) projection: one GEMM over the B new tokens reads the weights once per step.
-  // Built only for causal self-attention layers (the ones that can serve a KV cache): a second copy of the
-  // QKV weights in exchange for one GEMM instead of 3H small ones per step.
-  std::unique_ptr<detail::Linear> qkv;
+  // Decode's projections have M = B rows: they stream the weights, and run on our few-row kernel
+  // (kernels/linear_f32.hpp) over panel-packed copies: the fused (3E, d_in) QKV, so one pass over the B new
+  // tokens reads the QKV weights once, and the (E, E) output projection. Built only for causal
+  // self-attention layers (the ones that can serve a KV cache).
+  const kernels::LinearKernel* linear_kernel;
+  std::vector<float> qkv_packed, qkv_bias;  // pack_linear_weights(W_qkv (3E, d_in)), (3E) or empty
+  std::vector<float> out_packed, out_bias;  // pack_linear_weights(W_o (E, E)), (E) or empty
 
   // The registered causal mask: the triangular (context x context) buffer of the seeds is Toeplitz, so
   // one row of it holds every entry: causal_row[center + c] = 0 if c = i + offset - j >= 0 else -inf.

@@ -3,8 +3,6 @@
 
 #include <omp.h>
 
-#include <atomic>
-
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn::detail {
@@ -28,17 +26,14 @@ dnnl::engine& cpu_engine() {
 struct ExecContext::Entry {
   dnnl::matmul prim;
   dnnl::stream stream;
-  memory src, dst, scratch;
+  memory src, weights, bias, dst, scratch;  // handles set per call: one entry serves every Linear of its shape
+  memory::desc weights_desc;
   std::vector<memory> keep_alive;       // the memory objects c_args points into
   std::vector<dnnl_exec_arg_t> c_args;  // built once: the C++ execute() would build a vector per call
 };
 
-namespace {
-std::atomic<uint64_t> next_linear_id{1};
-}
-
 Linear::Linear(const float* w, const float* bias, int64_t N, int64_t K)
-    : id_(next_linear_id.fetch_add(1)), N_(N), K_(K), has_bias_(bias != nullptr) {
+    : N_(N), K_(K), has_bias_(bias != nullptr) {
   try {
     auto& eng = cpu_engine();
     // Let oneDNN choose the weights' blocked layout for a representative M; every later primitive is
@@ -74,17 +69,22 @@ ExecContext::ExecContext() = default;
 ExecContext::~ExecContext() = default;
 
 size_t ExecContext::KeyHash::operator()(const Key& k) const {
-  size_t h = std::hash<uint64_t>()(k.linear);
-  for (int64_t v : {k.M, k.lda, k.ldc, static_cast<int64_t>(k.threads), static_cast<int64_t>(k.slot)}) {
+  size_t h = 0;
+  for (int64_t v : {k.N, k.K, static_cast<int64_t>(k.bias), k.M, k.lda, k.ldc, static_cast<int64_t>(k.threads),
+                    static_cast<int64_t>(k.slot)}) {
     h = h * 0x9e3779b97f4a7c15ull + std::hash<int64_t>()(v);
   }
   return h;
 }
 
-ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads) const {
-  const ExecContext::Key key{id_, M, lda, ldc, threads, omp_in_parallel() ? omp_get_thread_num() : 0};
+ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot) const {
+  const ExecContext::Key key{N_, K_, has_bias_, M, lda, ldc, threads, slot};
   std::lock_guard<std::mutex> lock(ctx.mu_);
-  if (auto it = ctx.entries_.find(key); it != ctx.entries_.end()) return *it->second;
+  if (auto it = ctx.entries_.find(key); it != ctx.entries_.end()) {
+    // oneDNN picks the blocked weights layout from the shape alone, so every Linear of this shape has it.
+    if (it->second->weights_desc != weights_desc_) fail(ErrorCode::internal, "oneDNN: weights layouts differ for one shape");
+    return *it->second;
+  }
   try {
     auto& eng = cpu_engine();
     const memory::desc src({M, K_}, dt::f32, memory::dims{lda, 1}), dst({M, N_}, dt::f32, memory::dims{ldc, 1});
@@ -99,11 +99,16 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     e->prim = dnnl::matmul(pd);
     e->stream = dnnl::stream(eng);
     e->src = memory(src, eng, DNNL_MEMORY_NONE);
+    e->weights = memory(weights_desc_, eng, DNNL_MEMORY_NONE);
+    e->weights_desc = weights_desc_;
     e->dst = memory(dst, eng, DNNL_MEMORY_NONE);
     e->scratch = memory(pd.scratchpad_desc(), eng);
-    std::vector<std::pair<int, memory>> args = {{DNNL_ARG_SRC, e->src}, {DNNL_ARG_WEIGHTS, weights_},
+    std::vector<std::pair<int, memory>> args = {{DNNL_ARG_SRC, e->src}, {DNNL_ARG_WEIGHTS, e->weights},
                                                 {DNNL_ARG_DST, e->dst}, {DNNL_ARG_SCRATCHPAD, e->scratch}};
-    if (has_bias_) args.emplace_back(DNNL_ARG_BIAS, bias_);
+    if (has_bias_) {
+      e->bias = memory(bias_.get_desc(), eng, DNNL_MEMORY_NONE);
+      args.emplace_back(DNNL_ARG_BIAS, e->bias);
+    }
     for (auto& [arg, mem] : args) {
       e->keep_alive.push_back(mem);
       e->c_args.push_back({arg, mem.get()});
@@ -114,13 +119,15 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
   }
 }
 
-void Linear::prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads) const {
-  entry(ctx, M, lda, ldc, threads);
+void Linear::prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot) const {
+  entry(ctx, M, lda, ldc, threads, slot);
 }
 
 void Linear::run(ExecContext& ctx, const float* x, int64_t M, int64_t lda, float* y, int64_t ldc, int threads) const {
-  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads);
+  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, omp_in_parallel() ? omp_get_thread_num() : 0);
   e.src.set_data_handle(const_cast<float*>(x));
+  e.weights.set_data_handle(weights_.get_data_handle());
+  if (has_bias_) e.bias.set_data_handle(bias_.get_data_handle());
   e.dst.set_data_handle(y);
   ScopedOmpThreads scope(threads);
   const dnnl_status_t st =

@@ -29,11 +29,12 @@ class ScopedOmpThreads {
 
 class Linear;
 
-// The mutable half of the GEMMs: oneDNN primitives with their memory objects and scratchpads, one per
-// (Linear, M, lda, ldc, threads, slot), created on first use; slot is the calling thread's number inside an
-// OpenMP team, so the team's threads running GEMMs of one shape at once never share an entry. Each Workspace
-// owns one, so calls with distinct workspaces never share mutable oneDNN state, while the weights (Linear)
-// are shared read-only.
+// The mutable half of the GEMMs: oneDNN primitives with their memory objects and scratchpads, one per GEMM
+// shape (N, K, bias, M, lda, ldc, threads) and slot, created on first use. Weights are bound per call, so one
+// entry serves every Linear of its shape (the H per-head projections share theirs). `slot` is the calling
+// thread's number inside an OpenMP team, so team threads running same-shape GEMMs at once never share an
+// entry. Each Workspace owns one ExecContext: calls with distinct workspaces share no mutable oneDNN state,
+// while the weights (Linear) are shared read-only.
 class ExecContext {
  public:
   ExecContext();
@@ -45,7 +46,8 @@ class ExecContext {
   friend class Linear;
   struct Entry;
   struct Key {
-    uint64_t linear;  // Linear::id_: unique for the process, so a Linear at a reused address never matches
+    int64_t N, K;
+    bool bias;
     int64_t M, lda, ldc;
     int threads, slot;
     bool operator==(const Key&) const = default;
@@ -70,16 +72,16 @@ class Linear {
   // x: (M, K) with row stride lda; y: (M, N) with row stride ldc. M >= 1.
   // The first call for a given (M, lda, ldc, threads) in `ctx` creates its primitive; later calls allocate nothing.
   void run(ExecContext& ctx, const float* x, int64_t M, int64_t lda, float* y, int64_t ldc, int threads) const;
-  void prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads) const;  // creates without running
+  // Creates the entry run() would use from OpenMP thread `slot` (0 outside a parallel region), without running.
+  void prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot) const;
 
   int64_t N() const { return N_; }
   int64_t K() const { return K_; }
   const std::string& implementation() const { return impl_; }  // oneDNN's name, e.g. "brg:avx512_core"
 
  private:
-  ExecContext::Entry& entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads) const;
+  ExecContext::Entry& entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot) const;
 
-  uint64_t id_;
   int64_t N_ = 0, K_ = 0;
   bool has_bias_ = false;
   dnnl::memory::desc weights_desc_;

@@ -199,9 +199,17 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   kv.begin_append(seqs, B, 1, limit, tables, stride, lengths);
   AppendLease lease(kv, seqs, B, 1);
 
-  // One GEMM projects the B new tokens: stage (B, 3E) = [q | k | v] per row.
   float* stage = w + r.stage;
-  qkv->run(ws.exec, x, B, d_in, stage, 3 * E, threads);
+  float* ctx = w + r.ctx;
+  kernels::LinearArgs proj_in;  // stage (B, 3E) = [q | k | v] per row = x (B, d_in) W_qkv^T + b_qkv
+  proj_in.x = x, proj_in.ldx = d_in, proj_in.w_packed = qkv_packed.data();
+  proj_in.bias = qkv_bias.empty() ? nullptr : qkv_bias.data();
+  proj_in.y = stage, proj_in.ldy = 3 * E, proj_in.M = B, proj_in.N = 3 * E, proj_in.K = d_in;
+  kernels::LinearArgs proj_out;  // out (B, E) = ctx (B, E) W_o^T + b_o
+  proj_out.x = ctx, proj_out.ldx = E, proj_out.w_packed = out_packed.data();
+  proj_out.bias = out_bias.empty() ? nullptr : out_bias.data();
+  proj_out.y = out_data, proj_out.ldy = E, proj_out.M = B, proj_out.N = E, proj_out.K = E;
+  const int64_t in_panels = kernels::linear_panels(3 * E), out_panels = kernels::linear_panels(E);
 
   // Split-KV plan: sequence b's n_b = lengths[b] + 1 keys go in splits_b chunks of about split_len keys,
   // split_len = max(kDecodeMinSplitKeys, (keys of all items) / (kDecodeItemsPerThread * threads)), so there
@@ -216,13 +224,18 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   const int64_t items = item_base[B];
 
   const int64_t bt = kv.block_tokens;
-  float *pm = w + r.m, *pl = w + r.l, *pacc = w + r.acc, *ctx = w + r.ctx;
+  float *pm = w + r.m, *pl = w + r.l, *pacc = w + r.acc;
   const kernels::DecodeKernel* kern = decode_kernel;
+  const kernels::LinearKernel* lin = linear_kernel;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const int64_t sstride = scratch_stride();
   float* scratch_base = w + r.scratch;
+  // One parallel region for the whole step; each `omp for` ends in a barrier, which orders the stages.
 #pragma omp parallel num_threads(threads)
   {
+    // The QKV projection of the B new tokens, split by weight panels: each thread streams its share of W once.
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < in_panels; ++p) lin->run(proj_in, p, p + 1);
     // The new token's K and V rows go to position lengths[b] of each head's tile in its block.
 #pragma omp for
     for (int64_t bh = 0; bh < B * H; ++bh) {
@@ -256,8 +269,9 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
       const int64_t first = item_base[b] + h * splits;
       kernels::merge_softmax_partials(pm + first, pl + first, pacc + first * D, D, splits, D, ctx + b * E + h * D);
     }
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < out_panels; ++p) lin->run(proj_out, p, p + 1);
   }
-  out.run(ws.exec, ctx, B, E, out_data, E, threads);
   lease.commit();
 }
 
@@ -301,18 +315,7 @@ size_t CausalSelfAttention::serving_workspace_bytes(int64_t max_extend_tokens, i
 void CausalSelfAttention::reserve_serving(int64_t max_extend_tokens, int64_t max_decode_batch, int threads,
                                           Workspace* ws) {
   const size_t floats = serving_workspace_bytes(max_extend_tokens, max_decode_batch, threads) / sizeof(float);
-  MultiHeadAttention::Impl& L = *mha_.impl_;
-  const int t = threads > 0 ? threads : L.default_threads;
-  const int64_t d_in = L.cfg.query_width(), E = L.cfg.d_model;
-  with_workspace(L, ws, [&](Workspace::Impl& w) {
-    w.reserve(floats);
-    // A server's batch changes every step as sequences come and go: every B up to the maximum gets its
-    // primitives now, so no decode step creates one.
-    for (int64_t B = 1; B <= max_decode_batch; ++B) {
-      L.qkv->prepare(w.exec, B, d_in, 3 * E, t);
-      L.out.prepare(w.exec, B, E, E, t);
-    }
-  });
+  with_workspace(*mha_.impl_, ws, [&](Workspace::Impl& w) { w.reserve(floats); });
 }
 
 }  // namespace gpt2attn

@@ -90,8 +90,9 @@ class MultiHeadAttention {
   // on error `out` is untouched. With ws == null calls on one object are serialised (see Workspace).
   void forward(const AttentionInputs& in, float* out, const RunOptions& run = {}, Workspace* ws = nullptr);
 
-  // Reserves the layer's own workspace (or `ws`) for (B, T, Tk) so that later calls up to that size
-  // allocate nothing.
+  // Reserves the layer's own workspace (or `ws`) for (B, T, Tk) and creates the GEMM primitives of that
+  // shape at the default thread count, so that later such calls allocate nothing of their own (oneDNN 2.6
+  // still builds a small argument map per GEMM execution; see reserve_serving).
   void reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws = nullptr);
   size_t workspace_bytes(int64_t B, int64_t T, int64_t Tk) const;
 
@@ -133,9 +134,11 @@ class CausalSelfAttention {
   void decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out,
               const RunOptions& run = {}, Workspace* ws = nullptr);
 
-  // Grows `ws` (the layer's own when null) and creates the oneDNN primitives so that extend() of up to
-  // max_extend_tokens and decode() of up to max_decode_batch sequences, at `threads` (0 = default),
-  // allocate nothing afterwards. workspace_bytes() is the scratch memory that takes.
+  // Grows `ws` (the layer's own when null) for extend() of up to max_extend_tokens and decode() of up to
+  // max_decode_batch sequences at `threads` (0 = default); serving_workspace_bytes() is what that takes.
+  // Afterwards decode() allocates nothing at all (its projections run on our own kernels). extend() and
+  // forward() allocate nothing of their own once a chunk shape has been seen, but their oneDNN GEMMs do:
+  // oneDNN 2.6 builds a small argument map on every primitive execution.
   void reserve_serving(int64_t max_extend_tokens, int64_t max_decode_batch, int threads = 0, Workspace* ws = nullptr);
   size_t serving_workspace_bytes(int64_t max_extend_tokens, int64_t max_decode_batch, int threads = 0) const;
 

@@ -1,0 +1,55 @@
+// kernels/linear_f32.hpp: y = x W^T + b for a few rows (decode: one row per sequence), reading W once from a
+// panel-packed copy. Pure compute on pointers: no allocation, threads or oneDNN; the engine packs the weights
+// once at construction and splits the panels across threads.
+//
+// Why not oneDNN here: a decode step's GEMMs have M = B (1..64), so they are bound by streaming W, which any
+// register-blocked loop does at memory speed; and oneDNN 2.6's primitive execute allocates its argument map
+// on every call, which a decode step must not do.
+//
+// Packed layout: W (N, K) row-major becomes ceil(N / kLinearPanel) panels, each (K, kLinearPanel): panel p
+// holds outputs [p*16, p*16 + 16) with, for every k, their 16 weights contiguous (zero past N). The micro-
+// kernel keeps a block of rows x one panel in registers and streams the panel once per row block.
+#pragma once
+
+#include <cstdint>
+
+namespace gpt2attn::kernels {
+
+inline constexpr int64_t kLinearPanel = 16;  // outputs per panel: one AVX-512 vector, two AVX2 vectors
+
+inline int64_t linear_panels(int64_t N) { return (N + kLinearPanel - 1) / kLinearPanel; }
+inline int64_t linear_packed_floats(int64_t N, int64_t K) { return linear_panels(N) * K * kLinearPanel; }
+
+// w (N, K) row-major -> packed (linear_packed_floats(N, K) floats), the layout above.
+inline void pack_linear_weights(const float* w, int64_t N, int64_t K, float* packed) {
+  for (int64_t p = 0; p < linear_panels(N); ++p) {
+    for (int64_t k = 0; k < K; ++k) {
+      for (int64_t c = 0; c < kLinearPanel; ++c) {
+        const int64_t n = p * kLinearPanel + c;
+        packed[(p * K + k) * kLinearPanel + c] = n < N ? w[n * K + k] : 0.0f;
+      }
+    }
+  }
+}
+
+struct LinearArgs {
+  const float* x = nullptr;         // (M, K), row stride ldx
+  int64_t ldx = 0;
+  const float* w_packed = nullptr;  // pack_linear_weights(W (N, K))
+  const float* bias = nullptr;      // (N) or null
+  float* y = nullptr;               // (M, N), row stride ldy
+  int64_t ldy = 0;
+  int64_t M = 0, N = 0, K = 0;
+};
+
+struct LinearKernel {
+  const char* isa;
+  // Computes y's columns of panels [panel_begin, panel_end) for all M rows.
+  void (*run)(const LinearArgs& args, int64_t panel_begin, int64_t panel_end);
+};
+
+const LinearKernel& linear_f32_scalar();
+const LinearKernel& linear_f32_avx2();
+const LinearKernel& linear_f32_avx512();
+
+}  // namespace gpt2attn::kernels
