@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The whole test suite: installs what is missing, builds, and runs every test under ctest
-# (GoogleTest suites for every compiled instruction set, and PyTorch parity through the CLI).
+# The whole test suite: installs what is missing, builds, runs every test under ctest (GoogleTest suites for
+# every compiled instruction set, the C API test, the server examples, the allocation test and PyTorch parity
+# through the CLI), then the concurrency tests under ThreadSanitizer (scripts/tsan.sh; GPT2ATTN_SKIP_TSAN=1
+# skips them). Extra arguments go to the first ctest run.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${GPT2ATTN_BUILD_DIR:-$root/build}
-bash "$root/scripts/build.sh" gpt2attn_cli gpt2attn_tests
-cd "$build"
-ctest --output-on-failure -j"$(nproc)" "$@"
+bash "$root/scripts/build.sh"
+(cd "$build" && ctest --output-on-failure -j"$(nproc)" "$@")
+if [ "${GPT2ATTN_SKIP_TSAN:-0}" != 1 ]; then
+  bash "$root/scripts/tsan.sh"
+fi

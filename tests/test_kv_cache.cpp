@@ -624,7 +624,8 @@ class KvCacheDecode : public KvCacheTest {};
 
 TEST_P(KvCacheDecode, BatchOfDifferentLengthsEqualsEachAlone) {
   const Config c = make_config(64, 4, 48, 256);
-  const int64_t lens[] = {1, 3, 16, 17, 64, 65, 130};
+  // 19 sequences: the decode projections' row blocks (8 rows on AVX-512, 6 on AVX2, 4 scalar) full and ragged.
+  const int64_t lens[] = {1, 3, 16, 17, 64, 65, 130, 2, 5, 9, 33, 40, 70, 90, 100, 110, 120, 7, 11};
   const int64_t B = std::size(lens), steps = 3, W = 48, E = 64;
   for (int threads : {1, 2}) {
     // Two harnesses with the same weights and seeds: one decodes the batch, the other each sequence alone.
