@@ -20,6 +20,7 @@
 namespace gpt2attn {
 namespace {
 
+using test::Rng;
 using test::all_close;
 using test::Dtype;
 using test::fast_matches_reference;
@@ -106,18 +107,6 @@ constexpr MaskVariant kMaskVariants[] = {{"keep/u8", MaskKind::keep, DType::u8},
                                          {"block/f32", MaskKind::block, DType::f32},
                                          {"additive/f32", MaskKind::additive, DType::f32}};
 constexpr int kNumMaskVariants = 5;
-
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : g(seed) {}
-  int64_t between(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); }
-  bool chance(double p) { return std::bernoulli_distribution(p)(g); }
-  template <class T, size_t N>
-  T pick(const T (&a)[N]) {
-    return a[between(0, N - 1)];
-  }
-  std::mt19937_64 g;
-};
 
 // A random layout for a tensor of `rank`: half contiguous, else row gaps, element stride 2, batch gaps,
 // transposed matrices, a stride-0 (broadcast) leading dimension, or a mix.

@@ -30,6 +30,7 @@ namespace gpt2attn {
 namespace {
 
 using test::all_close;
+using test::Rng;
 using test::Dtype;
 using test::random_uniform;
 using test::reduction_length;
@@ -51,18 +52,6 @@ std::string isa_name(const ::testing::TestParamInfo<Isa>& info) { return to_stri
 // The prefix is "KvCache" so that --gtest_filter='KvCache*' selects every test of this file.
 #define GPT2ATTN_KV_INSTANTIATE_ISAS(Suite) \
   INSTANTIATE_TEST_SUITE_P(KvCache, Suite, ::testing::Values(Isa::avx512, Isa::avx2, Isa::scalar), isa_name)
-
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : g(seed) {}
-  int64_t between(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); }
-  bool chance(double p) { return std::bernoulli_distribution(p)(g); }
-  template <class T, size_t N>
-  T pick(const T (&a)[N]) {
-    return a[between(0, N - 1)];
-  }
-  std::mt19937_64 g;
-};
 
 Config make_config(int64_t E, int64_t H, int64_t d_in = 0, int64_t context = 1024, bool qkv_bias = true,
                    bool out_bias = true) {

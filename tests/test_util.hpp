@@ -201,4 +201,17 @@ inline ::testing::AssertionResult fast_matches_reference(MultiHeadAttention& lay
   return all_close(got, expected, Dtype::f32, reduction_length(c, Tk), ctx);
 }
 
+// The random choices of the configuration sweeps: fixed seeds, so a failure reproduces.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : g(seed) {}
+  int64_t between(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); }
+  bool chance(double p) { return std::bernoulli_distribution(p)(g); }
+  template <class T, size_t N>
+  T pick(const T (&a)[N]) {
+    return a[between(0, N - 1)];
+  }
+  std::mt19937_64 g;
+};
+
 }  // namespace gpt2attn::test
