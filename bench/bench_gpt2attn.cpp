@@ -1,7 +1,9 @@
 // bench/bench_gpt2attn.cpp: Google Benchmark suite for causal prefill (B = 1): the whole layer
 // (CausalSelfAttention: QKV projection, attention, output projection) and the attention core alone (the
 // tiled kernel driven over (H, query tiles) as engine/attention.cpp drives it), each reported as GFLOP/s and
-// as a fraction of the FMA peak measured in the same run. It does not check results: the tests do.
+// as a fraction of the FMA peak measured in the same run; and decode steps over a paged KV cache, reported
+// as tokens/s and bytes/s against the STREAM-style triad bandwidth measured in the same run. It does not
+// check results: the tests do.
 //
 // Cases (names are what --benchmark_filter matches):
 //   Layer/<preset>/T:<T>/threads:<n>     GPT-2 presets x T in {128, 512, 1024, 2048} x {1, 2} threads
@@ -10,8 +12,11 @@
 //   Isa/core/gpt2-small/<isa>/T:<T>/...  avx512 vs avx2 at T = 1024 and 256, scalar at T = 256 only
 //   ThreadScaling/<layer|core>/...       1 and 2 threads timed alternately inside one benchmark
 //   Tiles/<isa>/BQ:../BK:../D:<D>/...    the compiled tile shape at D = 64 and 128 (tiles.hpp cites this)
+//   Decode/<preset>/B:<B>/T:<T>/threads:2  one decode step, gpt2-small, B in {1, 4, 16, 64} x T cached tokens
+//                                          in {128, 1024, 4096}
 //
 // FLOPs, causal work counted once:  layer  2*T*E*3E + 2*T*E*E + 4*E*T(T+1)/2,  core  4*E*T(T+1)/2.
+// Bytes of a decode step: weights 4*E*E*4 + K/V read 2*B*T*E*4 (what the step must read; see decode below).
 #include <benchmark/benchmark.h>
 #include <omp.h>
 #include <time.h>
@@ -29,8 +34,10 @@
 #include <vector>
 
 #include "bench/fma_peak.hpp"
+#include "bench/stream_triad.hpp"
 #include "gpt2attn/attention.hpp"
 #include "gpt2attn/config.hpp"
+#include "gpt2attn/kv_cache.hpp"
 #include "gpt2attn/weights.hpp"
 #include "kernels/attention_f32.hpp"
 
@@ -48,6 +55,8 @@ const std::vector<int> kThreads = {1, 2};  // this machine's two cores
 // AVX2, where no peak_frac is reported) and per vector ISA.
 std::map<int, double> g_machine_peak;
 std::map<std::pair<ga::Isa, int>, double> g_isa_peak;
+// Measured once at start-up: threads -> STREAM-style triad GB/s (bench/stream_triad.hpp), bw_frac's denominator.
+std::map<int, double> g_triad_gbps;
 
 double layer_flops(double E, double T) { return 2 * T * E * 3 * E + 2 * T * E * E + 4 * E * T * (T + 1) / 2; }
 double core_flops(double E, double T) { return 4 * E * T * (T + 1) / 2; }
@@ -288,6 +297,119 @@ void bm_scaling_core(benchmark::State& state, int64_t H, int64_t D, int64_t T) {
   });
 }
 
+// ---- decode: one step of B sequences over a paged KV cache ------------------------------------------------
+
+// B sequences of T cached tokens each are prefilled once (extend(), one sequence at a time; the cache and the
+// layer are shared by every B at that T, sequences added as a larger B needs them). An iteration forks each
+// of the first B base sequences, times one decode() of one new token per fork, and releases the forks: the
+// cached length stays T however many iterations run, and since every T here is a multiple of the block size
+// (64) the fork's new token lands in a fresh block (no copy-on-write copy in the step). Only decode() is timed
+// (UseManualTime); fork and release are bookkeeping outside it.
+const std::vector<int64_t> kDecodeBatches = {1, 4, 16, 64};
+const std::vector<int64_t> kDecodeSeqs = {128, 1024, 4096};
+constexpr int64_t kDecodeMaxBatch = 64;
+constexpr int64_t kDecodeMaxSeq = 4096;
+
+// Bytes a decode step must read (writes of the new K/V and of the output are a few KB and not counted, as
+// the triad does not count write-allocate traffic): every projection weight once (biases ignored) and the
+// cached K and V of every sequence. Caches are not modelled: a step whose K/V fit in the last-level cache
+// (B * T small) can report more than the DRAM bandwidth.
+double decode_weight_bytes(const ga::Config& c) {
+  const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
+  return (3 * E * d_in + E * E) * sizeof(float);
+}
+double decode_kv_bytes(const ga::Config& c, int64_t B, int64_t T) {
+  return 2.0 * static_cast<double>(B) * static_cast<double>(T) * static_cast<double>(c.d_model) * sizeof(float);
+}
+double decode_flops(double E, double B, double T) { return 2 * B * E * 3 * E + 2 * B * E * E + 4 * E * B * (T + 1); }
+
+struct DecodeFixture {
+  std::string preset;
+  ga::Config cfg;
+  std::unique_ptr<ga::CausalSelfAttention> layer;
+  int64_t T = 0;                       // cached tokens of every base sequence
+  std::unique_ptr<ga::KvCache> cache;  // room for kDecodeMaxBatch base sequences plus one fork block each
+  std::vector<ga::SequenceId> base;
+  std::vector<float> x, y;  // (kDecodeMaxBatch, E) each
+};
+std::unique_ptr<DecodeFixture> g_decode;
+
+DecodeFixture& decode_for(const std::string& preset, int64_t B, int64_t T, int threads) {
+  if (!g_decode || g_decode->preset != preset) {
+    g_decode.reset();
+    g_layer.reset();  // the prefill fixtures' memory is not needed while decode runs
+    auto f = std::make_unique<DecodeFixture>();
+    f->preset = preset;
+    f->cfg = ga::preset(preset);
+    f->cfg.context_length = std::max(f->cfg.context_length, kDecodeMaxSeq + 1);
+    {
+      const ga::Weights w = ga::Weights::random(f->cfg, 1234);
+      f->layer = std::make_unique<ga::CausalSelfAttention>(f->cfg, w, ga::EngineOptions{});
+    }
+    f->layer->reserve_serving(kDecodeMaxSeq, kDecodeMaxBatch, threads);
+    f->x = random_floats(static_cast<size_t>(kDecodeMaxBatch * f->cfg.query_width()), 43);
+    f->y.resize(static_cast<size_t>(kDecodeMaxBatch * f->cfg.d_model));
+    g_decode = std::move(f);
+  }
+  DecodeFixture& f = *g_decode;
+  if (!f.cache || f.T != T) {
+    f.base.clear();
+    f.cache.reset();
+    // The library's default block size for this config, read from a one-block probe cache.
+    const int64_t bt = ga::KvCache(f.cfg, ga::KvCacheOptions{.capacity_tokens = 1}).block_tokens();
+    ga::KvCacheOptions opts;
+    opts.capacity_tokens = kDecodeMaxBatch * ((T + bt - 1) / bt + 1) * bt;
+    f.cache = std::make_unique<ga::KvCache>(f.cfg, opts);
+    f.T = T;
+  }
+  ga::RunOptions run;
+  run.threads = threads;
+  std::vector<float> prompt_out(static_cast<size_t>(T * f.cfg.d_model));
+  while (static_cast<int64_t>(f.base.size()) < B) {
+    const std::vector<float> prompt =
+        random_floats(static_cast<size_t>(T * f.cfg.query_width()), 100 + static_cast<uint32_t>(f.base.size()));
+    const ga::SequenceId s = f.cache->create();
+    f.layer->extend(*f.cache, s, prompt.data(), T, prompt_out.data(), run);
+    f.base.push_back(s);
+  }
+  return f;
+}
+
+void bm_decode(benchmark::State& state, const std::string& preset, int64_t B, int64_t T, int threads) {
+  DecodeFixture& f = decode_for(preset, B, T, threads);
+  ga::RunOptions run;
+  run.threads = threads;
+  std::vector<ga::SequenceId> seqs(static_cast<size_t>(B));
+  double wall = 0, cpu = 0;
+  auto step = [&]() {
+    for (int64_t b = 0; b < B; ++b) seqs[b] = f.cache->fork(f.base[b]);
+    const Span span;
+    f.layer->decode(*f.cache, seqs.data(), B, f.x.data(), f.y.data(), run);
+    const double s = span.wall();
+    cpu += span.cpu();
+    for (int64_t b = 0; b < B; ++b) f.cache->release(seqs[b]);
+    return s;
+  };
+  for (int i = 0; i < 3; ++i) step();  // this B's primitives, the thread team, the fork blocks
+  cpu = 0;
+  for (auto _ : state) {
+    const double s = step();
+    benchmark::ClobberMemory();
+    wall += s;
+    state.SetIterationTime(s);
+  }
+  const double n = static_cast<double>(state.iterations());
+  const double kv = decode_kv_bytes(f.cfg, B, T), bytes = decode_weight_bytes(f.cfg) + kv;
+  state.counters["cpu_util"] = cpu / (wall * threads);
+  state.counters["GFLOP/s"] =
+      decode_flops(static_cast<double>(f.cfg.d_model), static_cast<double>(B), static_cast<double>(T)) * n / wall * 1e-9;
+  state.counters["tokens_per_s"] = static_cast<double>(B) * n / wall;
+  state.counters["kv_bytes_per_s"] = kv * n / wall;
+  state.counters["bytes_per_s"] = bytes * n / wall;
+  if (g_triad_gbps.count(threads)) state.counters["bw_frac"] = bytes * n / wall * 1e-9 / g_triad_gbps.at(threads);
+  state.SetLabel(ga::to_string(f.layer->layer().isa()));
+}
+
 // ---- registration --------------------------------------------------------------------------------------
 
 // Three repetitions of >= 0.25 s each, medians reported (with mean/stddev/cv): the full suite stays at a few
@@ -356,6 +478,18 @@ void register_all() {
                                                   .c_str(),
                                               [=](benchmark::State& s) { bm_core(s, 12, D, 1024, n, isa); }));
   }
+
+  // Decode: T outer so one prefilled cache serves every B at that T. Manual time (only decode() is timed),
+  // otherwise as standard().
+  for (int64_t T : kDecodeSeqs)
+    for (int64_t B : kDecodeBatches)
+      benchmark::RegisterBenchmark(("Decode/gpt2-small/B:" + ts(B) + "/T:" + ts(T) + "/threads:2").c_str(),
+                                   [B, T](benchmark::State& s) { bm_decode(s, "gpt2-small", B, T, 2); })
+          ->Unit(benchmark::kMillisecond)
+          ->UseManualTime()
+          ->MinTime(0.25)
+          ->Repetitions(3)
+          ->ReportAggregatesOnly(true);
 }
 
 void measure_peaks(const char* when) {
@@ -368,6 +502,10 @@ void measure_peaks(const char* when) {
   for (const auto& [key, gflops] : g_isa_peak)
     std::fprintf(stderr, "fma peak (%s): %s, %d thread(s): %.1f GFLOP/s\n", when, ga::to_string(key.first), key.second,
                  gflops);
+  for (int n : kThreads) {
+    g_triad_gbps[n] = gpt2attn::bench::stream_triad_gbps(n);
+    std::fprintf(stderr, "stream triad (%s): %d thread(s): %.1f GB/s\n", when, n, g_triad_gbps[n]);
+  }
 }
 
 }  // namespace
@@ -379,16 +517,23 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("gpt2attn_isa", ga::to_string(ga::best_supported_isa()));
   for (const auto& [n, gflops] : g_machine_peak)
     benchmark::AddCustomContext("fma_peak_gflops_threads_" + std::to_string(n), std::to_string(gflops));
+  for (const auto& [n, gbps] : g_triad_gbps)
+    benchmark::AddCustomContext("stream_triad_gbps_threads_" + std::to_string(n), std::to_string(gbps));
   register_all();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   // Measured again at the end: a drop means other load (or the clock) moved during the run, and peak_frac
   // and the timings of that stretch are suspect.
   const auto start = g_machine_peak;
+  const auto triad_start = g_triad_gbps;
   measure_peaks("end");
   for (const auto& [n, gflops] : start)
     if (g_machine_peak[n] < 0.9 * gflops)
       std::fprintf(stderr, "WARNING: the %d-thread FMA peak fell from %.1f to %.1f GFLOP/s during the run: other load?\n",
                    n, gflops, g_machine_peak[n]);
+  for (const auto& [n, gbps] : triad_start)
+    if (g_triad_gbps[n] < 0.9 * gbps)
+      std::fprintf(stderr, "WARNING: the %d-thread triad bandwidth fell from %.1f to %.1f GB/s during the run: other load?\n",
+                   n, gbps, g_triad_gbps[n]);
   return 0;
 }

@@ -8,29 +8,22 @@
 #
 # Torch runs in a child process per case with OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and MKL_NUM_THREADS set
 # to the thread count as well as torch.set_num_threads(N): Debian's torch calls the system BLAS
-# (OpenBLAS, pthread build), whose pool size torch.set_num_threads does not govern.
+# (OpenBLAS, pthread build), whose pool size torch.set_num_threads does not govern (peer_common.thread_env).
 import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from peer_common import ROOT, presets_table, run_json_lines, thread_env
+
 DEFAULT_PRESETS = ["gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"]
 
 
 def layer_flops(E, T):
     # Causal attention counted once (the lower triangle), B = 1, d_in = E: as `gpt2attn bench` counts.
     return 2 * T * E * 3 * E + 2 * T * E * E + 4 * E * T * (T + 1) / 2
-
-
-def thread_env(threads):
-    env = dict(os.environ)
-    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[k] = str(threads)
-    return env
 
 
 def torch_worker(E, H, T, threads, repeats):
@@ -52,24 +45,6 @@ def torch_worker(E, H, T, threads, repeats):
             ms.append((time.perf_counter() - t0) * 1e3)
     print(json.dumps({"median_ms": statistics.median(ms), "torch": torch.__version__,
                       "threads": torch.get_num_threads()}))
-
-
-def run_json_lines(cmd, env=None):
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        sys.exit(f"peer_torch: {' '.join(cmd)} failed ({p.returncode}):\n{p.stderr}")
-    return [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
-
-
-def presets_table(cli):
-    """preset -> (E, H) from `gpt2attn presets` (the compiled-in presets, so both sides use the same shapes)."""
-    p = subprocess.run([cli, "presets"], capture_output=True, text=True, check=True)
-    table = {}
-    for line in p.stdout.splitlines()[1:]:
-        f = line.split()
-        if len(f) >= 3:
-            table[f[0]] = (int(f[1]), int(f[2]))
-    return table
 
 
 def main():

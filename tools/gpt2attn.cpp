@@ -25,7 +25,7 @@ const char* kUsage = R"(usage:
                    [--key k.npy --value v.npy] [--mask m.npy --mask-kind keep|block|additive]
                    [--key-padding kp.npy] [--causal] [--context-length N] [--dtype f32]
                    [--threads N] [--isa best|avx512|avx2|scalar] --output y.npy
-  gpt2attn bench   [--preset NAME ...] [--batch B] [--seq T] [--mode prefill] [--dtype f32]
+  gpt2attn bench   [--preset NAME ...] [--batch B] [--seq T] [--mode prefill|decode] [--dtype f32]
                    [--threads N] [--isa ...] [--repeats N] [--check | --no-check] [--json]
   gpt2attn presets
 
@@ -35,9 +35,17 @@ forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semant
          self-attention. --context-length defaults to max(1024, T, Tk).
 bench    times the whole layer (QKV projection, causal attention, output projection) on random weights for
          each preset (default: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b; gpt3-175b at
-         min(T, 128) unless --preset names it). GFLOP/s counts causal attention once (the lower triangle):
-         2*B*T*d_in*3E + 2*B*T*E*E + 4*E*B*T*(T+1)/2. --check (default in the table, off with --json)
-         compares the first rows of batch 0 with the naive reference (double accumulation).
+         min(T, 128) unless --preset names it); the median of --repeats runs (default 5).
+         --mode prefill (default): B sequences of T tokens through forward(). GFLOP/s counts causal
+         attention once (the lower triangle): 2*B*T*d_in*3E + 2*B*T*E*E + 4*E*B*T*(T+1)/2. --check (default
+         in the table, off with --json) compares the first rows of batch 0 with the naive reference.
+         --mode decode: B sequences in a KV cache, each prefilled with T tokens by extend(); one timed step
+         is decode() of one new token for each of the B sequences (QKV projection, attention over the cache,
+         output projection); every step appends, so the cache grows by 2 + repeats tokens per sequence
+         (context length raised to fit). GFLOP/s: 2*B*d_in*3E + 2*B*E*E + 4*E*B*(T+1); tokens/s = B / step;
+         bytes per step = weights (3E*d_in + E*E)*4 + K/V read 2*B*T*E*4; GB/s = bytes per step / step.
+         --check compares sequence 0's output of the first timed step with the last row of the naive
+         reference run causally over that sequence's whole token history.
 presets  lists the compiled-in presets.
 
 exit status: 0 success, 2 bad input or usage, 1 internal error.
@@ -200,6 +208,8 @@ struct BenchResult {
   std::string isa, impl;
   bool checked = false;
   double max_abs_err = 0, allowed = 0;
+  // decode only
+  double tokens_per_s = 0, bytes_per_step = 0, gbps = 0;
 };
 
 double causal_layer_flops(const ga::Config& c, int64_t B, int64_t T) {
@@ -208,8 +218,46 @@ double causal_layer_flops(const ga::Config& c, int64_t B, int64_t T) {
   return 2 * b * t * d_in * 3 * E + 2 * b * t * E * E + 4 * E * b * t * (t + 1) / 2;
 }
 
-BenchResult bench_one(const std::string& name, int64_t B, int64_t T, int threads, ga::Isa isa, int repeats,
-                      bool check) {
+double decode_step_flops(const ga::Config& c, int64_t B, int64_t T) {
+  const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
+  const double b = static_cast<double>(B), t = static_cast<double>(T);
+  return 2 * b * d_in * 3 * E + 2 * b * E * E + 4 * E * b * (t + 1);
+}
+
+// What one decode step has to read from memory: every weight once (QKV and output projections; biases
+// ignored) and the cached K and V of every sequence. T is the nominal cached length; the cache grows by one
+// token per step, which the figure ignores (it understates the traffic by (warm-up + repeats) / T at most).
+double decode_step_bytes(const ga::Config& c, int64_t B, int64_t T) {
+  const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
+  const double weights = (3 * E * d_in + E * E) * sizeof(float);
+  const double kv = 2.0 * static_cast<double>(B) * static_cast<double>(T) * E * sizeof(float);
+  return weights + kv;
+}
+
+std::vector<float> random_normal(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& f : v) f = nd(rng);
+  return v;
+}
+
+// The check both modes share: `got` against the reference rows `ref`, with the library's one tolerance for
+// chained reductions of `reduction_length`, scaled by the largest reference value compared.
+void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref, int64_t reduction_length) {
+  double max_ref = 0;
+  for (double e : ref) max_ref = std::max(max_ref, std::fabs(e));
+  const ga::Tolerance tol = ga::tolerance_for(ga::Precision::f32, reduction_length, max_ref);
+  r.checked = true;
+  r.allowed = tol.atol;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - ref[i]);
+    r.max_abs_err = std::isnan(err) ? INFINITY : std::max(r.max_abs_err, err);
+    if (!tol.accepts(got[i], ref[i])) r.allowed = -1;  // marks failure
+  }
+}
+
+BenchResult bench_prefill(const std::string& name, int64_t B, int64_t T, int threads, ga::Isa isa, int repeats,
+                          bool check) {
   ga::Config cfg = ga::preset(name);
   cfg.context_length = std::max(cfg.context_length, T);
   const ga::Weights w = ga::Weights::random(cfg, 1234);
@@ -242,17 +290,76 @@ BenchResult bench_one(const std::string& name, int64_t B, int64_t T, int threads
     const int64_t tc = std::min(T, Tc);
     ga::AttentionInputs in;
     in.query = ga::TensorView::f32(x.data(), {1, tc, cfg.query_width()});
-    const std::vector<double> ref = ga::reference_forward(cfg, w, in);
-    double max_ref = 0;
-    for (double e : ref) max_ref = std::max(max_ref, std::fabs(e));
-    const ga::Tolerance tol = ga::tolerance_for(ga::Precision::f32, std::max(cfg.query_width(), T), max_ref);
-    r.checked = true;
-    r.allowed = tol.atol;
-    for (size_t i = 0; i < ref.size(); ++i) {
-      const double err = std::fabs(static_cast<double>(y[i]) - ref[i]);
-      r.max_abs_err = std::isnan(err) ? INFINITY : std::max(r.max_abs_err, err);
-      if (!tol.accepts(y[i], ref[i])) r.allowed = -1;  // marks failure
+    check_rows(r, y.data(), ga::reference_forward(cfg, w, in), std::max(cfg.query_width(), T));
+  }
+  return r;
+}
+
+// B sequences of T cached tokens in a paged KvCache (prefilled one by one with extend()), then warm-up and
+// `repeats` timed decode steps, each appending one token to every sequence. The cache and the context
+// length are sized so that the last step still fits.
+BenchResult bench_decode(const std::string& name, int64_t B, int64_t T, int threads, ga::Isa isa, int repeats,
+                         bool check) {
+  constexpr int kWarmup = 2;  // the first step touches the new blocks and the decode primitives
+  const int64_t steps = kWarmup + repeats;
+  ga::Config cfg = ga::preset(name);
+  cfg.context_length = std::max(cfg.context_length, T + steps + 1);
+  const ga::Weights w = ga::Weights::random(cfg, 1234);
+  ga::EngineOptions opts;
+  opts.threads = threads;
+  opts.isa = isa;
+  ga::CausalSelfAttention layer(cfg, w, opts);
+  const int64_t d_in = cfg.query_width(), E = cfg.d_model;
+
+  // Blocks are per sequence, so each needs ceil((T + steps) / block_tokens) of them. The block size is the
+  // library's default for this config, read from a one-block probe cache.
+  const int64_t bt = ga::KvCache(cfg, ga::KvCacheOptions{.capacity_tokens = 1}).block_tokens();
+  ga::KvCacheOptions kv_opts;
+  kv_opts.capacity_tokens = B * ((T + steps + bt - 1) / bt) * bt;
+  ga::KvCache cache(cfg, kv_opts);
+  layer.reserve_serving(T, B);
+
+  std::mt19937 rng(42);
+  std::vector<ga::SequenceId> seqs(static_cast<size_t>(B));
+  std::vector<float> history;  // sequence 0's inputs, (T + kWarmup + 1, d_in), for --check
+  {
+    std::vector<float> prompt_out(static_cast<size_t>(T * E));
+    for (int64_t b = 0; b < B; ++b) {
+      const std::vector<float> prompt = random_normal(static_cast<size_t>(T * d_in), rng);
+      seqs[b] = cache.create();
+      layer.extend(cache, seqs[b], prompt.data(), T, prompt_out.data());
+      if (b == 0 && check) history = prompt;
     }
+  }
+
+  std::vector<float> x(static_cast<size_t>(B * d_in)), y(static_cast<size_t>(B * E)), first_out;
+  std::vector<double> ms;
+  for (int64_t s = 0; s < steps; ++s) {
+    x = random_normal(x.size(), rng);  // a new token per sequence, drawn outside the timed region
+    if (check && s <= kWarmup) history.insert(history.end(), x.begin(), x.begin() + d_in);
+    const auto t0 = std::chrono::steady_clock::now();
+    layer.decode(cache, seqs.data(), B, x.data(), y.data());
+    const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (s < kWarmup) continue;
+    ms.push_back(t);
+    if (s == kWarmup) first_out.assign(y.begin(), y.begin() + E);
+  }
+  std::sort(ms.begin(), ms.end());
+  BenchResult r{name, B, T, layer.layer().default_threads(), ms[ms.size() / 2], 0, ga::to_string(layer.layer().isa()),
+                layer.layer().implementation()};
+  r.gflops = decode_step_flops(cfg, B, T) / (r.median_ms * 1e6);
+  r.tokens_per_s = static_cast<double>(B) / (r.median_ms * 1e-3);
+  r.bytes_per_step = decode_step_bytes(cfg, B, T);
+  r.gbps = r.bytes_per_step / (r.median_ms * 1e6);
+
+  if (check) {
+    // Sequence 0 has seen T prompt tokens, kWarmup decoded ones and the first timed one: the reference's
+    // causal last row over that history is exactly what decode computed for it.
+    const int64_t n = static_cast<int64_t>(history.size()) / d_in;
+    ga::AttentionInputs in;
+    in.query = ga::TensorView::f32(history.data(), {1, n, d_in});
+    const std::vector<double> ref = ga::reference_forward(cfg, w, in);
+    check_rows(r, first_out.data(), std::vector<double>(ref.end() - E, ref.end()), std::max(d_in, n));
   }
   return r;
 }
@@ -262,7 +369,10 @@ int cmd_bench(int argc, char** argv) {
                        {"check", "no-check", "json"});
   check_dtype(a);
   const std::string mode = a.get("mode", "prefill");
-  if (mode != "prefill") throw UsageError("--mode " + mode + " is not supported (supported: prefill)");
+  if (mode != "prefill" && mode != "decode") {
+    throw UsageError("--mode " + mode + " is not supported (supported: prefill, decode)");
+  }
+  const bool decode = mode == "decode";
   const int64_t B = a.integer("batch", 1, 1), T = a.integer("seq", 1024, 1);
   const int threads = static_cast<int>(a.integer("threads", 0, 1));
   const int repeats = static_cast<int>(a.integer("repeats", 5, 1));
@@ -279,20 +389,28 @@ int cmd_bench(int argc, char** argv) {
   }
 
   if (!json) {
-    std::printf("%-12s %-8s %-5s %3s %6s %7s %10s %9s %-7s %s\n", "preset", "mode", "dtype", "B", "T", "threads",
-                "median_ms", "GFLOP/s", "ISA", check ? "max_err (allowed)" : "");
+    std::printf("%-12s %-8s %-5s %3s %6s %7s %10s %9s ", "preset", "mode", "dtype", "B", "T", "threads", "median_ms",
+                "GFLOP/s");
+    if (decode) std::printf("%10s %9s %7s ", "tokens/s", "MB/step", "GB/s");
+    std::printf("%-7s %s\n", "ISA", check ? "max_err (allowed)" : "");
   }
   bool all_ok = true;
   for (const auto& name : presets) {
     // gpt3-175b's weights are 2.4 GB and its layer ~100x gpt2-small's: by default it runs at a small T.
     const int64_t t = (!explicit_presets && name == "gpt3-175b") ? std::min<int64_t>(T, 128) : T;
-    const BenchResult r = bench_one(name, B, t, threads, isa, repeats, check);
+    const BenchResult r = decode ? bench_decode(name, B, t, threads, isa, repeats, check)
+                                 : bench_prefill(name, B, t, threads, isa, repeats, check);
     const bool ok = !r.checked || r.allowed >= 0;
     all_ok = all_ok && ok;
     if (json) {
       nlohmann::json j = {{"preset", r.preset}, {"mode", mode}, {"dtype", "f32"}, {"batch", r.B}, {"seq", r.T},
                           {"threads", r.threads}, {"median_ms", r.median_ms}, {"gflops", r.gflops},
                           {"isa", r.isa}, {"implementation", r.impl}};
+      if (decode) {
+        j["tokens_per_s"] = r.tokens_per_s;
+        j["bytes_per_step"] = r.bytes_per_step;
+        j["gbps"] = r.gbps;
+      }
       if (r.checked) {
         j["max_abs_err"] = r.max_abs_err;
         j["check"] = ok ? "ok" : "FAIL";
@@ -301,12 +419,14 @@ int cmd_bench(int argc, char** argv) {
     } else {
       char err[64] = "";
       if (r.checked) std::snprintf(err, sizeof err, "%.2e %s", r.max_abs_err, ok ? "ok" : "FAIL");
-      std::printf("%-12s %-8s %-5s %3ld %6ld %7d %10.3f %9.1f %-7s %s\n", r.preset.c_str(), mode.c_str(), "f32",
-                  static_cast<long>(r.B), static_cast<long>(r.T), r.threads, r.median_ms, r.gflops, r.isa.c_str(), err);
+      std::printf("%-12s %-8s %-5s %3ld %6ld %7d %10.3f %9.1f ", r.preset.c_str(), mode.c_str(), "f32",
+                  static_cast<long>(r.B), static_cast<long>(r.T), r.threads, r.median_ms, r.gflops);
+      if (decode) std::printf("%10.0f %9.1f %7.1f ", r.tokens_per_s, r.bytes_per_step * 1e-6, r.gbps);
+      std::printf("%-7s %s\n", r.isa.c_str(), err);
     }
     std::fflush(stdout);
   }
-  if (!json) std::printf("implementation: %s\n", bench_one("gpt2-small", 1, 1, threads, isa, 1, false).impl.c_str());
+  if (!json) std::printf("implementation: %s\n", bench_prefill("gpt2-small", 1, 1, threads, isa, 1, false).impl.c_str());
   if (!all_ok) {
     std::fprintf(stderr, "gpt2attn: bench: check against the naive reference FAILED\n");
     return 1;
