@@ -112,8 +112,9 @@ MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOp
 
 int64_t MultiHeadAttention::Impl::scratch_stride() const {
   const int64_t D = cfg.head_dim();
-  // Decode reads blocks of at most context_length tokens; the decode kernel's need is bounded by that.
-  const size_t need = std::max(kernel->scratch_floats(D), decode_kernel->scratch_floats(D, cfg.context_length));
+  // Decode reads blocks of at most context_length tokens (KvCache checks), which bounds its kernel's need.
+  const size_t need =
+      std::max(kernel->scratch_floats(D), decode_kernel->scratch_floats(cfg.num_heads, D, cfg.context_length));
   return round_up(static_cast<int64_t>(need), 16);
 }
 

@@ -40,6 +40,7 @@ struct MultiHeadAttention::Impl {
   Isa isa;
   const kernels::AttentionKernel* kernel;
   const kernels::DecodeKernel* decode_kernel;
+  const kernels::LinearKernel* linear_kernel;
   int default_threads;
 
   // One (D, width) projection per head and per Q/K/V, so that each GEMM writes its head's (T, D) rows
@@ -51,7 +52,6 @@ struct MultiHeadAttention::Impl {
   // (kernels/linear_f32.hpp) over panel-packed copies: the fused (3E, d_in) QKV, so one pass over the B new
   // tokens reads the QKV weights once, and the (E, E) output projection. Built only for causal
   // self-attention layers (the ones that can serve a KV cache).
-  const kernels::LinearKernel* linear_kernel;
   std::vector<float> qkv_packed, qkv_bias;  // pack_linear_weights(W_qkv (3E, d_in)), (3E) or empty
   std::vector<float> out_packed, out_bias;  // pack_linear_weights(W_o (E, E)), (E) or empty
 

@@ -93,24 +93,25 @@ ExtendPlan extend_plan(const Config& c, int64_t T, int threads, int64_t scratch_
 
 // Workspace regions of decode():
 //   stage (B, 3E): the fused projection's output | ctx (B, E) | tables (B x max blocks, pointers)
-//   lengths (B int64) | item_base (B + 1 int64) | partials: m, l (items), acc (items, D) | scratch
-// Split-KV items are bounded: items <= H * (B + kDecodeItemsPerThread * threads) (see decode()).
+//   lengths (B int64) | item_base (B + 1 int64) | partials: m, l (items, H), acc (items, H, D) | scratch
+// The tables are sized for block_tokens = 1, since serving_workspace_bytes() does not know the cache. Split-KV
+// items are bounded: items <= B + kDecodeItemsPerThread * threads (see decode()).
 struct DecodePlan {
   int64_t stage, ctx, tables, lengths, item_base, m, l, acc, scratch, total, max_items;
 };
 DecodePlan decode_plan(const Config& c, int64_t B, int threads, int64_t scratch_stride) {
   const int64_t E = c.d_model, H = c.num_heads, D = c.head_dim();
   DecodePlan r;
-  r.max_items = H * (B + kernels::tiles::kDecodeItemsPerThread * threads);
+  r.max_items = B + kernels::tiles::kDecodeItemsPerThread * threads;
   WorkspacePlan p;
   r.stage = p.region(B * 3 * E);
   r.ctx = p.region(B * E);
   r.tables = p.region(B * c.context_length * kFloatsPerWord);
   r.lengths = p.region(B * kFloatsPerWord);
   r.item_base = p.region((B + 1) * kFloatsPerWord);
-  r.m = p.region(r.max_items);
-  r.l = p.region(r.max_items);
-  r.acc = p.region(r.max_items * D);
+  r.m = p.region(r.max_items * H);
+  r.l = p.region(r.max_items * H);
+  r.acc = p.region(r.max_items * H * D);
   r.scratch = p.region(threads * scratch_stride);
   r.total = p.total();
   return r;
@@ -211,16 +212,17 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   proj_out.y = out_data, proj_out.ldy = E, proj_out.M = B, proj_out.N = E, proj_out.K = E;
   const int64_t in_panels = kernels::linear_panels(3 * E), out_panels = kernels::linear_panels(E);
 
-  // Split-KV plan: sequence b's n_b = lengths[b] + 1 keys go in splits_b chunks of about split_len keys,
-  // split_len = max(kDecodeMinSplitKeys, (keys of all items) / (kDecodeItemsPerThread * threads)), so there
-  // are at most H * (B + kDecodeItemsPerThread * threads) items (the bound decode_plan sizes).
+  // Split-KV plan: a work item is one sequence's key range, for every head. Sequence b's n_b = lengths[b] + 1
+  // keys go in splits_b = ceil(n_b / split_len) items, split_len = max(kDecodeMinSplitKeys, (all keys) /
+  // (kDecodeItemsPerThread * threads)): every thread gets several items, none much longer than its share, and
+  // there are at most B + kDecodeItemsPerThread * threads items (the bound decode_plan sizes).
   int64_t total_keys = 0;
   for (int64_t b = 0; b < B; ++b) total_keys += lengths[b] + 1;
   const int64_t split_len = std::max<int64_t>(kernels::tiles::kDecodeMinSplitKeys,
                                               ceil_div(total_keys, kernels::tiles::kDecodeItemsPerThread * threads));
   int64_t* item_base = reinterpret_cast<int64_t*>(w + r.item_base);  // first item of sequence b
   item_base[0] = 0;
-  for (int64_t b = 0; b < B; ++b) item_base[b + 1] = item_base[b] + H * ceil_div(lengths[b] + 1, split_len);
+  for (int64_t b = 0; b < B; ++b) item_base[b + 1] = item_base[b] + ceil_div(lengths[b] + 1, split_len);
   const int64_t items = item_base[B];
 
   const int64_t bt = kv.block_tokens;
@@ -249,25 +251,20 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t b = std::upper_bound(item_base, item_base + B + 1, it) - item_base - 1;
-      const int64_t n = lengths[b] + 1, splits = (item_base[b + 1] - item_base[b]) / H;
-      const int64_t h = (it - item_base[b]) / splits, s = (it - item_base[b]) % splits;
+      const int64_t n = lengths[b] + 1, splits = item_base[b + 1] - item_base[b], s = it - item_base[b];
       const int64_t chunk = ceil_div(n, splits);  // even chunks: no split much shorter than the others
       kernels::DecodeArgs a;
-      a.q = stage + b * 3 * E + h * D;
-      a.kv.blocks = tables + b * stride;
-      a.kv.block_tokens = bt;
-      a.kv.k_offset = kv.k_offset(h);
-      a.kv.v_offset = kv.v_offset(h);
-      a.D = D;
-      a.scale = scale;
+      a.q = stage + b * 3 * E, a.ldq = D;
+      a.blocks = tables + b * stride, a.block_tokens = bt;
+      a.H = H, a.D = D, a.scale = scale;
       const int64_t j0 = s * chunk, j1 = std::min(n, j0 + chunk);
-      kern->run(a, j0, j1, scratch, pm + it, pl + it, pacc + it * D);
+      kern->run(a, j0, j1, scratch, pm + it * H, pl + it * H, pacc + it * H * D);
     }
 #pragma omp for
     for (int64_t bh = 0; bh < B * H; ++bh) {
-      const int64_t b = bh / H, h = bh % H, splits = (item_base[b + 1] - item_base[b]) / H;
-      const int64_t first = item_base[b] + h * splits;
-      kernels::merge_softmax_partials(pm + first, pl + first, pacc + first * D, D, splits, D, ctx + b * E + h * D);
+      const int64_t b = bh / H, h = bh % H, first = item_base[b], splits = item_base[b + 1] - first;
+      kernels::merge_softmax_partials(pm + first * H + h, pl + first * H + h, H, pacc + (first * H + h) * D, H * D,
+                                      splits, D, ctx + b * E + h * D);
     }
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < out_panels; ++p) lin->run(proj_out, p, p + 1);

@@ -17,11 +17,18 @@ struct DecodeAttentionF32 {
   using B = typename V::B;
   static constexpr int W = V::W;
   static constexpr int kKeys = 4;  // keys scored at once: 4 independent FMA chains over D
+  // Rows (keys) ahead to prefetch while streaming K and V: about 4 KiB at D = 64, far enough to cover DRAM
+  // latency at this loop's speed. Heads' tiles are contiguous in a block, so this runs on into the next head.
+  static constexpr int64_t kPrefetchRows = 16;
 
-  // Scratch: qs (D, padded to W) | s (block_tokens, padded to W).
+  static void prefetch_rows(const float* p, int64_t rows, int64_t D) {
+    for (int64_t i = 0; i < rows * D; i += 16) __builtin_prefetch(p + i);  // one 64-byte line per 16 floats
+  }
+
+  // Scratch: qs (H, D padded to W) | s (block_tokens, padded to W).
   static int64_t padded(int64_t n) { return (n + W - 1) / W * W; }
-  static size_t scratch_floats(int64_t D, int64_t block_tokens) {
-    return static_cast<size_t>(padded(D) + padded(block_tokens));
+  static size_t scratch_floats(int64_t H, int64_t D, int64_t block_tokens) {
+    return static_cast<size_t>(H * padded(D) + padded(block_tokens));
   }
 
   // s[r] = qs . k_r for RR consecutive keys (rows D apart).
@@ -29,6 +36,7 @@ struct DecodeAttentionF32 {
   static void dots(const float* qs, const float* k, int64_t D, float* s) {
     B acc[RR];
     for (int r = 0; r < RR; ++r) acc[r] = V::set1(0.0f);
+    prefetch_rows(k + kPrefetchRows * D, RR, D);
     int64_t d = 0;
     for (; d + W <= D; d += W) {
       const B q = V::load(qs + d);
@@ -47,59 +55,69 @@ struct DecodeAttentionF32 {
     B c[N];
     for (int n = 0; n < N; ++n) c[n] = V::load(acc + n * W) * V::set1(alpha);
     for (int64_t j = 0; j < nk; ++j) {
+      for (int n = 0; n < N * W; n += 16) __builtin_prefetch(v + (j + kPrefetchRows) * D + n);
       const B pj = V::set1(p[j]);
       for (int n = 0; n < N; ++n) c[n] = V::fma(pj, V::load(v + j * D + n * W), c[n]);
     }
     for (int n = 0; n < N; ++n) V::store(acc + n * W, c[n]);
   }
 
-  static void run(const DecodeArgs& a, int64_t j_begin, int64_t j_end, float* scratch, float* m_out, float* l_out,
+  // One head over nk keys of one block: scores, online softmax update of (m, l), acc += p V.
+  static void head_block(const float* qs, const float* k, const float* v, int64_t nk, int64_t D, float* s, float& m,
+                         float& l, float* acc) {
+    int64_t j = 0;
+    for (; j + kKeys <= nk; j += kKeys) dots<kKeys>(qs, k + j * D, D, s + j);
+    for (; j < nk; ++j) dots<1>(qs, k + j * D, D, s + j);
+    float m_new = m;
+    for (j = 0; j < nk; ++j) m_new = std::max(m_new, s[j]);
+    for (j = nk; j < padded(nk); ++j) s[j] = -INFINITY;  // pad lanes: exp2 gives 0
+
+    // p_j = 2^(s_j - m_new) in place, l = alpha * l + sum_j p_j.
+    const float m_safe = m_new == -INFINITY ? 0.0f : m_new;
+    B sum = V::set1(0.0f);
+    for (j = 0; j < nk; j += W) {
+      const B p = V::exp2(V::load(s + j) - V::set1(m_safe));
+      V::store(s + j, p);
+      sum = sum + p;
+    }
+    const float alpha = std::exp2(m - m_safe);
+    l = l * alpha + V::sum(sum);
+    m = m_new;
+
+    int64_t d = 0;
+    for (; d + 4 * W <= D; d += 4 * W) pv<4>(v + d, D, s, nk, alpha, acc + d);
+    for (; d + W <= D; d += W) pv<1>(v + d, D, s, nk, alpha, acc + d);
+    for (; d < D; ++d) {
+      float c = acc[d] * alpha;
+      for (j = 0; j < nk; ++j) c += s[j] * v[j * D + d];
+      acc[d] = c;
+    }
+  }
+
+  static void run(const DecodeArgs& a, int64_t j_begin, int64_t j_end, float* scratch, float* m, float* l,
                   float* acc) {
-    const int64_t D = a.D;
+    const int64_t H = a.H, D = a.D, bt = a.block_tokens, ldqs = padded(D);
     float* qs = scratch;
-    float* s = scratch + padded(D);
+    float* s = scratch + H * ldqs;
     // Scores in log2 units, so the softmax runs on exp2 (as in the tiled kernel).
     const float qscale = a.scale * 1.4426950408889634f;
-    for (int64_t d = 0; d < D; ++d) qs[d] = a.q[d] * qscale;
-    std::fill(acc, acc + D, 0.0f);
-    float m = -INFINITY, l = 0.0f;
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t d = 0; d < D; ++d) qs[h * ldqs + d] = a.q[h * a.ldq + d] * qscale;
+      m[h] = -INFINITY;
+      l[h] = 0.0f;
+    }
+    std::fill(acc, acc + H * D, 0.0f);
 
     int64_t nk = 0;
     for (int64_t j0 = j_begin; j0 < j_end; j0 += nk) {
-      nk = std::min(j_end, a.kv.run_end(j0)) - j0;  // keys left in this block
-      const float* k = a.kv.key(j0, D);
-      const float* v = a.kv.value(j0, D);
-
-      int64_t j = 0;
-      for (; j + kKeys <= nk; j += kKeys) dots<kKeys>(qs, k + j * D, D, s + j);
-      for (; j < nk; ++j) dots<1>(qs, k + j * D, D, s + j);
-      float m_new = m;
-      for (j = 0; j < nk; ++j) m_new = std::max(m_new, s[j]);
-      for (j = nk; j < padded(nk); ++j) s[j] = -INFINITY;  // pad lanes: exp2 gives 0
-
-      // p_j = 2^(s_j - m_new) in place, l = alpha * l + sum_j p_j.
-      const float m_safe = m_new == -INFINITY ? 0.0f : m_new;
-      B sum = V::set1(0.0f);
-      for (j = 0; j < nk; j += W) {
-        const B p = V::exp2(V::load(s + j) - V::set1(m_safe));
-        V::store(s + j, p);
-        sum = sum + p;
-      }
-      const float alpha = std::exp2(m - m_safe);
-      l = l * alpha + V::sum(sum);
-      m = m_new;
-
-      int64_t d = 0;
-      for (; d + 4 * W <= D; d += 4 * W) pv<4>(v + d, D, s, nk, alpha, acc + d);
-      for (; d + W <= D; d += W) pv<1>(v + d, D, s, nk, alpha, acc + d);
-      for (; d < D; ++d) {
-        float c = acc[d] * alpha;
-        for (j = 0; j < nk; ++j) c += s[j] * v[j * D + d];
-        acc[d] = c;
+      const int64_t off = j0 % bt;
+      nk = std::min(j_end - j0, bt - off);  // keys left in this block
+      const float* k = a.blocks[j0 / bt] + off * D;  // head h's keys at k + h * bt * D, values after all K
+      const float* v = k + H * bt * D;
+      for (int64_t h = 0; h < H; ++h) {
+        head_block(qs + h * ldqs, k + h * bt * D, v + h * bt * D, nk, D, s, m[h], l[h], acc + h * D);
       }
     }
-    *m_out = m;
-    *l_out = l;
   }
 };
 
