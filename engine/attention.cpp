@@ -295,8 +295,13 @@ const Config& MultiHeadAttention::config() const { return impl_->cfg; }
 Isa MultiHeadAttention::isa() const { return impl_->isa; }
 int MultiHeadAttention::default_threads() const { return impl_->default_threads; }
 std::string MultiHeadAttention::implementation() const {
-  return std::string("tiled-online-softmax/") + impl_->kernel->isa + " + onednn-matmul/" +
-         impl_->proj_q.front().implementation();
+  std::string s = std::string("prefill: tiled-online-softmax/") + impl_->kernel->isa + " + onednn-matmul/" +
+                  impl_->proj_q.front().implementation();
+  if (!impl_->qkv_packed.empty()) {
+    s += std::string("; decode: split-kv-one-query/") + impl_->decode_kernel->isa + " + few-row-linear/" +
+         impl_->linear_kernel->isa;
+  }
+  return s;
 }
 
 CausalSelfAttention::CausalSelfAttention(Config config, const Weights& weights, const EngineOptions& options)

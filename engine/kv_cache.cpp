@@ -21,7 +21,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
   cfg.validate();
   H = cfg.num_heads, D = cfg.head_dim();
-  block_tokens = o.block_tokens == 0 ? std::min<int64_t>(kernels::tiles::kKeyTile, cfg.context_length) : o.block_tokens;
+  block_tokens = o.block_tokens == 0 ? KvCache::default_block_tokens(cfg) : o.block_tokens;
   if (block_tokens < 1) invalid("KvCacheOptions.block_tokens must be >= 1, got " + str(block_tokens));
   if (block_tokens > cfg.context_length) {
     invalid("KvCacheOptions.block_tokens=" + str(block_tokens) + " exceeds context_length=" + str(cfg.context_length));
@@ -184,6 +184,9 @@ int64_t KvCache::blocks_needed(SequenceId seq, int64_t tokens) const {
 }
 
 int64_t KvCache::block_tokens() const { return impl_->block_tokens; }
+int64_t KvCache::default_block_tokens(const Config& config) {
+  return std::min<int64_t>(kernels::tiles::kKeyTile, config.context_length);
+}
 int64_t KvCache::total_blocks() const { return impl_->nblocks; }
 int64_t KvCache::free_blocks() const {
   std::lock_guard<std::mutex> lock(impl_->mu);

@@ -26,7 +26,7 @@ const char* kUsage = R"(usage:
                    [--key-padding kp.npy] [--causal] [--context-length N] [--dtype f32]
                    [--threads N] [--isa best|avx512|avx2|scalar] --output y.npy
   gpt2attn bench   [--preset NAME ...] [--batch B] [--seq T] [--mode prefill|decode] [--dtype f32]
-                   [--threads N] [--isa ...] [--repeats N] [--check | --no-check] [--json]
+                   [--threads N] [--isa ...] [--repeats N] [--cache warm|cold] [--check | --no-check] [--json]
   gpt2attn presets
 
 forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semantics, batch_first) with the
@@ -45,7 +45,10 @@ bench    times the whole layer (QKV projection, causal attention, output project
          (context length raised to fit). GFLOP/s: 2*B*d_in*3E + 2*B*E*E + 4*E*B*(T+1); tokens/s = B / step;
          bytes per step = weights (3E*d_in + E*E)*4 + K/V read 2*B*T*E*4; GB/s = bytes per step / step.
          --check compares sequence 0's output of the first timed step with the last row of the naive
-         reference run causally over that sequence's whole token history.
+         reference run causally over that sequence's whole token history. --cache warm (default) runs the
+         steps back to back, so a small case's weights and K/V stay in the CPU caches; --cache cold streams
+         256 MiB through the caches before each timed step, as a model's other layers would (GPT-2 small's
+         12 layers move about 190 MB per step), so every byte comes from memory.
 presets  lists the compiled-in presets.
 
 exit status: 0 success, 2 bad input or usage, 1 internal error.
@@ -298,8 +301,17 @@ BenchResult bench_prefill(const std::string& name, int64_t B, int64_t T, int thr
 // B sequences of T cached tokens in a paged KvCache (prefilled one by one with extend()), then warm-up and
 // `repeats` timed decode steps, each appending one token to every sequence. The cache and the context
 // length are sized so that the last step still fits.
+// Evicts the CPU caches by writing then reading a buffer far larger than any last-level cache.
+void flush_caches() {
+  static std::vector<uint64_t> buffer(size_t{256} << 20 >> 3);
+  uint64_t sum = 0;
+  for (size_t i = 0; i < buffer.size(); i += 8) buffer[i] += 1;
+  for (size_t i = 0; i < buffer.size(); i += 8) sum += buffer[i];
+  asm volatile("" : : "r"(sum));  // keep the reads
+}
+
 BenchResult bench_decode(const std::string& name, int64_t B, int64_t T, int threads, ga::Isa isa, int repeats,
-                         bool check) {
+                         bool check, bool cold) {
   constexpr int kWarmup = 2;  // the first step touches the new blocks and the decode primitives
   const int64_t steps = kWarmup + repeats;
   ga::Config cfg = ga::preset(name);
@@ -311,9 +323,8 @@ BenchResult bench_decode(const std::string& name, int64_t B, int64_t T, int thre
   ga::CausalSelfAttention layer(cfg, w, opts);
   const int64_t d_in = cfg.query_width(), E = cfg.d_model;
 
-  // Blocks are per sequence, so each needs ceil((T + steps) / block_tokens) of them. The block size is the
-  // library's default for this config, read from a one-block probe cache.
-  const int64_t bt = ga::KvCache(cfg, ga::KvCacheOptions{.capacity_tokens = 1}).block_tokens();
+  // Blocks are per sequence, so each needs ceil((T + steps) / block_tokens) of them.
+  const int64_t bt = ga::KvCache::default_block_tokens(cfg);
   ga::KvCacheOptions kv_opts;
   kv_opts.capacity_tokens = B * ((T + steps + bt - 1) / bt) * bt;
   ga::KvCache cache(cfg, kv_opts);
@@ -337,6 +348,7 @@ BenchResult bench_decode(const std::string& name, int64_t B, int64_t T, int thre
   for (int64_t s = 0; s < steps; ++s) {
     x = random_normal(x.size(), rng);  // a new token per sequence, drawn outside the timed region
     if (check && s <= kWarmup) history.insert(history.end(), x.begin(), x.begin() + d_in);
+    if (cold) flush_caches();
     const auto t0 = std::chrono::steady_clock::now();
     layer.decode(cache, seqs.data(), B, x.data(), y.data());
     const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -365,7 +377,7 @@ BenchResult bench_decode(const std::string& name, int64_t B, int64_t T, int thre
 }
 
 int cmd_bench(int argc, char** argv) {
-  const Args a = parse(argc, argv, 2, {"preset", "batch", "seq", "mode", "dtype", "threads", "isa", "repeats"},
+  const Args a = parse(argc, argv, 2, {"preset", "batch", "seq", "mode", "dtype", "threads", "isa", "repeats", "cache"},
                        {"check", "no-check", "json"});
   check_dtype(a);
   const std::string mode = a.get("mode", "prefill");
@@ -373,6 +385,9 @@ int cmd_bench(int argc, char** argv) {
     throw UsageError("--mode " + mode + " is not supported (supported: prefill, decode)");
   }
   const bool decode = mode == "decode";
+  const std::string cache = a.get("cache", "warm");
+  if (cache != "warm" && cache != "cold") throw UsageError("--cache must be warm or cold, got " + cache);
+  if (a.has("cache") && !decode) throw UsageError("--cache applies to --mode decode only");
   const int64_t B = a.integer("batch", 1, 1), T = a.integer("seq", 1024, 1);
   const int threads = static_cast<int>(a.integer("threads", 0, 1));
   const int repeats = static_cast<int>(a.integer("repeats", 5, 1));
@@ -398,7 +413,7 @@ int cmd_bench(int argc, char** argv) {
   for (const auto& name : presets) {
     // gpt3-175b's weights are 2.4 GB and its layer ~100x gpt2-small's: by default it runs at a small T.
     const int64_t t = (!explicit_presets && name == "gpt3-175b") ? std::min<int64_t>(T, 128) : T;
-    const BenchResult r = decode ? bench_decode(name, B, t, threads, isa, repeats, check)
+    const BenchResult r = decode ? bench_decode(name, B, t, threads, isa, repeats, check, cache == "cold")
                                  : bench_prefill(name, B, t, threads, isa, repeats, check);
     const bool ok = !r.checked || r.allowed >= 0;
     all_ok = all_ok && ok;
@@ -407,6 +422,7 @@ int cmd_bench(int argc, char** argv) {
                           {"threads", r.threads}, {"median_ms", r.median_ms}, {"gflops", r.gflops},
                           {"isa", r.isa}, {"implementation", r.impl}};
       if (decode) {
+        j["cache"] = cache;
         j["tokens_per_s"] = r.tokens_per_s;
         j["bytes_per_step"] = r.bytes_per_step;
         j["gbps"] = r.gbps;

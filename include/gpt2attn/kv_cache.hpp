@@ -53,6 +53,7 @@ class KvCache {
   int64_t blocks_needed(SequenceId seq, int64_t tokens) const;
 
   int64_t block_tokens() const;
+  static int64_t default_block_tokens(const Config& config);  // what block_tokens = 0 gives
   int64_t total_blocks() const;
   int64_t free_blocks() const;
   int64_t num_sequences() const;
