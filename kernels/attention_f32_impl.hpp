@@ -28,7 +28,15 @@ struct AttentionF32 {
   static size_t scratch_floats(int64_t D) { return static_cast<size_t>((2 * D + BK + 3) * BQ); }
 
   static void run(const AttentionArgs& a, int64_t q_begin, int64_t q_end, float* scratch) {
-    for (int64_t i0 = q_begin; i0 < q_end; i0 += BQ) tile(a, i0, std::min<int64_t>(i0 + BQ, q_end), scratch);
+    // Paged K/V gets its own instantiation: the contiguous path keeps the code it had before paging existed
+    // (one shared body with run-time paging checks measured ~7% slower on the core).
+    for (int64_t i0 = q_begin; i0 < q_end; i0 += BQ) {
+      if (a.paged.blocks) {
+        tile<true>(a, i0, std::min<int64_t>(i0 + BQ, q_end), scratch);
+      } else {
+        tile<false>(a, i0, std::min<int64_t>(i0 + BQ, q_end), scratch);
+      }
+    }
   }
 
   // Calls f(std::integral_constant<int, rem>) for 1 <= rem <= RR: a ragged block keeps full register
@@ -93,6 +101,7 @@ struct AttentionF32 {
                                      : static_cast<const float*>(mk.data)[at];
   }
 
+  template <bool paged>
   static void tile(const AttentionArgs& a, int64_t i0, int64_t i1, float* scratch) {
     const int64_t D = a.D, nq = i1 - i0;
     float* qt = scratch;
@@ -115,14 +124,20 @@ struct AttentionF32 {
 
     // The last query of the tile sees keys up to i1 - 1 + offset; nothing beyond is touched.
     const int64_t kend = a.causal ? std::clamp<int64_t>(i1 + a.causal_offset, 0, a.Tk) : a.Tk;
-    const bool paged = a.paged.blocks != nullptr;
     const int64_t ldk = paged ? D : a.ldk, ldv = paged ? D : a.ldv;
     int64_t nk = 0;
     for (int64_t j0 = 0; j0 < kend; j0 += nk) {
       // A key tile is BK keys, or fewer at the end and, when paged, at a block boundary.
-      nk = std::min<int64_t>(BK, (paged ? std::min(kend, a.paged.run_end(j0)) : kend) - j0);
-      const float* kt = paged ? a.paged.key(j0, D) : a.k + j0 * ldk;
-      const float* vt = paged ? a.paged.value(j0, D) : a.v + j0 * ldv;
+      const float *kt, *vt;
+      if constexpr (paged) {
+        nk = std::min<int64_t>(BK, std::min(kend, a.paged.run_end(j0)) - j0);
+        kt = a.paged.key(j0, D);
+        vt = a.paged.value(j0, D);
+      } else {
+        nk = std::min<int64_t>(BK, kend - j0);
+        kt = a.k + j0 * ldk;
+        vt = a.v + j0 * ldv;
+      }
 
       B mx[QV];
       for (int v = 0; v < QV; ++v) mx[v] = V::load(m + v * W);
