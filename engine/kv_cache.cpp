@@ -68,6 +68,14 @@ void KvCache::Impl::drop_block(int32_t b) {
   if (--refcount[b] == 0) free_list.push_back(b);
 }
 
+int32_t KvCache::Impl::shared_write_block(const Sequence& s) const {
+  // Only the block holding the last, partially filled position can be shared and about to be written: full
+  // blocks are never written again, and a sequence holds no block past its length (end_append trims).
+  const int64_t b = s.length / block_tokens;
+  if (s.length % block_tokens == 0 || b >= static_cast<int64_t>(s.blocks.size())) return -1;
+  return refcount[s.blocks[b]] > 1 ? s.blocks[b] : -1;
+}
+
 void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t tokens, int64_t max_length,
                                  const float** tables, int64_t table_stride, int64_t* lengths) {
   std::lock_guard<std::mutex> lock(mu);
@@ -83,29 +91,35 @@ void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t token
       invalid("sequence " + str(ids[i]) + ": length " + str(s.length) + " + " + str(tokens) +
               " new tokens exceeds context_length=" + str(max_length));
     }
-    const int64_t have = static_cast<int64_t>(s.blocks.size());
-    const int64_t want = ceil_div(s.length + tokens, block_tokens);
-    needed += std::max<int64_t>(0, want - have);
-    // Blocks that this append writes into and that another sequence also holds are copied first.
-    for (int64_t b = s.length / block_tokens; b < std::min(have, want); ++b) needed += refcount[s.blocks[b]] > 1;
+    needed += std::max<int64_t>(0, ceil_div(s.length + tokens, block_tokens) - static_cast<int64_t>(s.blocks.size()));
+    // A shared block about to be written is copied, unless every other holder copies it first in this same
+    // call: pass 2 copies while the block's count is above 1, so of w writers among r holders, min(w, r-1) copy.
+    const int32_t x = shared_write_block(s);
+    if (x >= 0) {
+      int32_t earlier = 0;
+      for (int64_t j = 0; j < i; ++j) earlier += shared_write_block(seqs.find(ids[j])->second) == x;
+      needed += refcount[x] - earlier > 1;
+    }
   }
   if (needed > static_cast<int64_t>(free_list.size())) {
     fail(ErrorCode::out_of_memory, "KV pool exhausted: this call needs " + str(needed) + " free block(s) of " +
                                        str(block_tokens) + " tokens, " + str(static_cast<int64_t>(free_list.size())) +
                                        " of " + str(nblocks) + " are free; nothing was written");
   }
-  // Pass 2: cannot fail.
+  // Pass 2: cannot fail. What it changes is recorded in the sequence so end_append can undo it.
   for (int64_t i = 0; i < n; ++i) {
     Sequence& s = seqs.find(ids[i])->second;
-    const int64_t want = ceil_div(s.length + tokens, block_tokens);
-    for (int64_t b = s.length / block_tokens; b < std::min<int64_t>(static_cast<int64_t>(s.blocks.size()), want); ++b) {
-      if (refcount[s.blocks[b]] > 1) {
-        const int32_t copy = take_block();
-        std::memcpy(block(copy), block(s.blocks[b]), block_floats * sizeof(float));
-        drop_block(s.blocks[b]);
-        s.blocks[b] = copy;
-      }
+    s.blocks_before = static_cast<int64_t>(s.blocks.size());
+    s.cow_original = -1;
+    if (shared_write_block(s) >= 0) {
+      const int64_t b = s.length / block_tokens;
+      const int32_t copy = take_block();
+      std::memcpy(block(copy), block(s.blocks[b]), block_floats * sizeof(float));
+      s.cow_original = s.blocks[b];
+      --refcount[s.blocks[b]];  // still held by others: it was shared
+      s.blocks[b] = copy;
     }
+    const int64_t want = ceil_div(s.length + tokens, block_tokens);
     while (static_cast<int64_t>(s.blocks.size()) < want) s.blocks.push_back(take_block());
     s.busy = true;
     lengths[i] = s.length;
@@ -118,8 +132,25 @@ void KvCache::Impl::end_append(const SequenceId* ids, int64_t n, int64_t tokens,
   for (int64_t i = 0; i < n; ++i) {
     auto it = seqs.find(ids[i]);
     if (it == seqs.end()) continue;
-    if (success) it->second.length += tokens;
-    it->second.busy = false;
+    Sequence& s = it->second;
+    if (success) {
+      s.length += tokens;
+    } else {
+      // Undo begin_append: the new blocks go back, a copy-on-write copy gives way to the shared original
+      // (which the failed call never wrote), so the pool reads exactly as before the call.
+      while (static_cast<int64_t>(s.blocks.size()) > s.blocks_before) {
+        drop_block(s.blocks.back());
+        s.blocks.pop_back();
+      }
+      if (s.cow_original >= 0) {
+        int32_t& b = s.blocks[s.length / block_tokens];
+        drop_block(b);
+        b = s.cow_original;
+        ++refcount[b];
+      }
+    }
+    s.cow_original = -1;
+    s.busy = false;
   }
 }
 
@@ -131,9 +162,11 @@ KvCache& KvCache::operator=(KvCache&&) noexcept = default;
 
 SequenceId KvCache::create() {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  const SequenceId id = impl_->next_id++;
-  Impl::Sequence& s = impl_->seqs[id];
+  Impl::Sequence s;
   s.blocks.reserve(static_cast<size_t>(impl_->max_blocks_per_seq));
+  const SequenceId id = impl_->next_id;
+  impl_->seqs.emplace(id, std::move(s));  // may throw bad_alloc: nothing changed then
+  ++impl_->next_id;
   return id;
 }
 
@@ -143,14 +176,14 @@ SequenceId KvCache::fork(SequenceId parent) {
   if (p.busy) invalid("KvCache::fork: sequence " + str(parent) + " is in use by another call");
   // Only the blocks holding tokens are shared; a block reserved past the length stays the parent's.
   const int64_t used = ceil_div(p.length, impl_->block_tokens);
-  std::vector<int32_t> blocks;
-  blocks.reserve(static_cast<size_t>(impl_->max_blocks_per_seq));
-  blocks.assign(p.blocks.begin(), p.blocks.begin() + used);
-  for (int32_t b : blocks) ++impl_->refcount[b];
-  const SequenceId id = impl_->next_id++;
-  Impl::Sequence& c = impl_->seqs[id];
-  c.blocks = std::move(blocks);
+  Impl::Sequence c;
+  c.blocks.reserve(static_cast<size_t>(impl_->max_blocks_per_seq));
+  c.blocks.assign(p.blocks.begin(), p.blocks.begin() + used);
   c.length = p.length;
+  const SequenceId id = impl_->next_id;
+  impl_->seqs.emplace(id, std::move(c));  // may throw bad_alloc: nothing changed then
+  ++impl_->next_id;
+  for (int32_t b : impl_->seqs.at(id).blocks) ++impl_->refcount[b];
   return id;
 }
 
@@ -178,9 +211,7 @@ int64_t KvCache::blocks_needed(SequenceId seq, int64_t tokens) const {
   const Impl::Sequence& s = impl_->find(seq);
   const int64_t have = static_cast<int64_t>(s.blocks.size());
   const int64_t want = ceil_div(s.length + tokens, impl_->block_tokens);
-  int64_t needed = std::max<int64_t>(0, want - have);
-  for (int64_t b = s.length / impl_->block_tokens; b < std::min(have, want); ++b) needed += impl_->refcount[s.blocks[b]] > 1;
-  return needed;
+  return std::max<int64_t>(0, want - have) + (tokens > 0 && impl_->shared_write_block(s) >= 0);
 }
 
 int64_t KvCache::block_tokens() const { return impl_->block_tokens; }

@@ -22,6 +22,9 @@ struct KvCache::Impl {
     std::vector<int32_t> blocks;  // block table; capacity reserved for context_length at create()
     int64_t length = 0;           // cached tokens
     bool busy = false;            // leased by a running extend/decode
+    // What the running append changed, so a failed call can be undone (end_append):
+    int64_t blocks_before = 0;    // the table's size before it
+    int32_t cow_original = -1;    // the shared block a copy-on-write copy replaced, or -1
   };
 
   Config cfg;
@@ -48,10 +51,12 @@ struct KvCache::Impl {
   // holds the block pointers covering [0, lengths[i] + tokens).
   void begin_append(const SequenceId* seqs, int64_t n, int64_t tokens, int64_t max_length, const float** tables,
                     int64_t table_stride, int64_t* lengths);
-  // Ends the lease: on success the lengths grow by `tokens`; either way the sequences are free again.
+  // Ends the lease: on success the lengths grow by `tokens`; on failure every block taken is returned and a
+  // copy-on-write copy is replaced by the original again. Either way the sequences are free again.
   void end_append(const SequenceId* seqs, int64_t n, int64_t tokens, bool success) noexcept;
 
   Sequence& find(SequenceId id);  // throws invalid_argument for an unknown or released id; caller holds mu
+  int32_t shared_write_block(const Sequence& s) const;  // a shared block an append would write into, or -1
   int32_t take_block();           // caller holds mu and has checked free_list is not empty
   void drop_block(int32_t b);     // caller holds mu
 };

@@ -41,12 +41,14 @@ int64_t max_length(const Config& layer, const KvCache& cache) {
   return std::min(layer.context_length, cache.config().context_length);
 }
 
-// Runs f(item) for items [0, n) across the team, one item per thread at a time, and rethrows the first
-// exception (oneDNN can fail) after the loop, outside the parallel region.
+// Runs f(item) for items [0, n) across the team, round robin, and rethrows the first exception (oneDNN can
+// fail) after the loop, outside the parallel region. Round robin rather than dynamic: the same call shape
+// puts the same GEMMs on the same thread every time, so each thread's primitives (keyed by its slot in the
+// team, see ExecContext) are created once and then found.
 template <class F>
 void parallel_items(int64_t n, int threads, F&& f) {
   std::exception_ptr error;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
   for (int64_t item = 0; item < n; ++item) {
     try {
       f(item);
@@ -312,7 +314,21 @@ size_t CausalSelfAttention::serving_workspace_bytes(int64_t max_extend_tokens, i
 void CausalSelfAttention::reserve_serving(int64_t max_extend_tokens, int64_t max_decode_batch, int threads,
                                           Workspace* ws) {
   const size_t floats = serving_workspace_bytes(max_extend_tokens, max_decode_batch, threads) / sizeof(float);
-  with_workspace(*mha_.impl_, ws, [&](Workspace::Impl& w) { w.reserve(floats); });
+  const MultiHeadAttention::Impl& L = *mha_.impl_;
+  const int t = threads > 0 ? threads : L.default_threads;
+  with_workspace(*mha_.impl_, ws, [&](Workspace::Impl& w) {
+    w.reserve(floats);
+    if (max_extend_tokens == 0) return;
+    // extend()'s GEMMs on every thread of the team: Q of a max_extend_tokens prompt, K and V of a whole block
+    // at the default block size. Other chunk and segment lengths create theirs on first use.
+    const int64_t d_in = L.cfg.query_width(), D = L.cfg.head_dim();
+    const int64_t bt = std::min(max_extend_tokens, KvCache::default_block_tokens(L.cfg));
+    for (int slot = 0; slot < t; ++slot) {
+      L.proj_q[0].prepare(w.exec, max_extend_tokens, d_in, D, 1, slot);
+      L.proj_k[0].prepare(w.exec, bt, d_in, D, 1, slot);
+    }
+    L.out.prepare(w.exec, max_extend_tokens, L.cfg.d_model, L.cfg.d_model, t, 0);
+  });
 }
 
 }  // namespace gpt2attn

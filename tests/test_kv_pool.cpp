@@ -1,0 +1,190 @@
+// tests/test_kv_pool.cpp: the KV pool's lease protocol (engine/kv_cache.hpp) that the layer's calls rely on: a
+// failed call is undone exactly, copy-on-write is counted once per block across a batch, busy sequences are
+// refused; and decode at thread counts above the machine's cores, and with a cache whose context differs from
+// the layer's. The layer-level behaviour lives in test_kv_cache.cpp.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "engine/kv_cache.hpp"
+#include "gpt2attn/gpt2attn.hpp"
+#include "tests/test_util.hpp"
+
+namespace gpt2attn {
+namespace {
+
+using test::all_close;
+using test::Dtype;
+using test::random_uniform;
+using test::reduction_length;
+
+Config small_config(int64_t context = 64) {
+  Config c;
+  c.d_model = 16;
+  c.num_heads = 2;
+  c.context_length = context;
+  c.causal = true;
+  return c;
+}
+
+// The bytes of every block some sequence holds (a free block's bytes mean nothing), the lengths and the pool
+// counts: what "the cache is as it was" means.
+struct Snapshot {
+  std::vector<float> pool;
+  std::vector<int64_t> lengths;
+  int64_t free_blocks;
+  bool operator==(const Snapshot&) const = default;
+};
+Snapshot snapshot(KvCache& cache, const std::vector<SequenceId>& ids) {
+  KvCache::Impl& p = cache.impl();
+  Snapshot s{std::vector<float>(p.pool.get(), p.pool.get() + p.nblocks * p.block_floats), {}, cache.free_blocks()};
+  for (int64_t b = 0; b < p.nblocks; ++b) {
+    if (p.refcount[b] == 0) std::fill_n(s.pool.begin() + b * p.block_floats, p.block_floats, 0.0f);
+  }
+  for (SequenceId id : ids) s.lengths.push_back(cache.length(id));
+  return s;
+}
+
+void fill(CausalSelfAttention& layer, KvCache& cache, SequenceId seq, int64_t T, std::mt19937_64& rng) {
+  const int64_t d_in = layer.config().query_width();
+  const std::vector<float> x = random_uniform(static_cast<size_t>(T * d_in), rng);
+  std::vector<float> out(static_cast<size_t>(T * layer.config().d_model));
+  layer.extend(cache, seq, x.data(), T, out.data());
+}
+
+// A call that fails after begin_append (oneDNN could) ends with end_append(false): the blocks it took, and a
+// copy-on-write copy, are returned, so every count and byte is as before and a retry behaves like a first try.
+TEST(KvPool, FailedAppendIsUndone) {
+  const Config c = small_config();
+  CausalSelfAttention layer(c, Weights::random(c, 1));
+  KvCache cache(c, KvCacheOptions{.block_tokens = 4, .capacity_tokens = 64});
+  std::mt19937_64 rng(2);
+  const SequenceId parent = cache.create();
+  fill(layer, cache, parent, 6, rng);               // blocks 0 (full) and 1 (half), shared below
+  const SequenceId child = cache.fork(parent);
+  const std::vector<SequenceId> ids = {parent, child};
+  const Snapshot before = snapshot(cache, ids);
+  const int64_t needed = cache.blocks_needed(child, 7);  // a copy of block 1 + 2 new blocks
+  EXPECT_EQ(needed, 3);
+
+  KvCache::Impl& p = cache.impl();
+  const float* tables[16];
+  int64_t length = -1;
+  p.begin_append(&child, 1, 7, c.context_length, tables, 16, &length);
+  EXPECT_EQ(length, 6);
+  EXPECT_EQ(cache.free_blocks(), before.free_blocks - 3);
+  EXPECT_NE(tables[1], cache.key(parent, 0, 4));  // the child's block 1 is a copy now (head 0 starts the block)
+  p.end_append(&child, 1, 7, /*success=*/false);
+
+  EXPECT_TRUE(snapshot(cache, ids) == before) << "pool bytes, lengths or free blocks changed by a failed call";
+  EXPECT_EQ(cache.blocks_needed(child, 7), needed);
+  // The child still shares the parent's block: a real append copies it and leaves the parent untouched.
+  const std::vector<float> parent_k(cache.key(parent, 1, 5), cache.key(parent, 1, 5) + c.head_dim());
+  fill(layer, cache, child, 7, rng);
+  EXPECT_EQ(std::vector<float>(cache.key(parent, 1, 5), cache.key(parent, 1, 5) + c.head_dim()), parent_k);
+  EXPECT_EQ(cache.free_blocks(), before.free_blocks - 3);
+}
+
+// A parent and its fork, sharing a half-filled block, decoded in one batch: the first copies the block, the
+// second then holds it alone and writes in place, so the call needs one block, not two.
+TEST(KvPool, CopyOnWriteCountedOncePerBlockInABatch) {
+  const Config c = small_config();
+  CausalSelfAttention layer(c, Weights::random(c, 3));
+  KvCache cache(c, KvCacheOptions{.block_tokens = 4, .capacity_tokens = 8});  // 2 blocks
+  std::mt19937_64 rng(4);
+  const SequenceId parent = cache.create();
+  fill(layer, cache, parent, 3, rng);  // one half-filled block
+  const SequenceId child = cache.fork(parent);
+  ASSERT_EQ(cache.free_blocks(), 1);
+  const SequenceId both[2] = {parent, child};
+  const std::vector<float> x = random_uniform(static_cast<size_t>(2 * c.d_model), rng);
+  std::vector<float> out(static_cast<size_t>(2 * c.d_model));
+  EXPECT_NO_THROW(layer.decode(cache, both, 2, x.data(), out.data()));
+  EXPECT_EQ(cache.free_blocks(), 0);
+  EXPECT_EQ(cache.length(parent), 4);
+  EXPECT_EQ(cache.length(child), 4);
+}
+
+// While a call holds a sequence, fork, release and another append of it are refused and change nothing.
+TEST(KvPool, BusySequenceIsRefused) {
+  const Config c = small_config();
+  CausalSelfAttention layer(c, Weights::random(c, 5));
+  KvCache cache(c, KvCacheOptions{.block_tokens = 4, .capacity_tokens = 32});
+  std::mt19937_64 rng(6);
+  const SequenceId seq = cache.create();
+  fill(layer, cache, seq, 5, rng);
+  KvCache::Impl& p = cache.impl();
+  const float* tables[16];
+  int64_t length = 0;
+  p.begin_append(&seq, 1, 1, c.context_length, tables, 16, &length);
+  const int64_t free_blocks = cache.free_blocks();
+  auto refused = [&](auto&& call) {
+    try {
+      call();
+    } catch (const Error& e) {
+      return e.code() == ErrorCode::invalid_argument && std::string(e.what()).find("in use") != std::string::npos;
+    }
+    return false;
+  };
+  EXPECT_TRUE(refused([&] { cache.fork(seq); }));
+  EXPECT_TRUE(refused([&] { cache.release(seq); }));
+  EXPECT_TRUE(refused([&] { fill(layer, cache, seq, 2, rng); }));
+  EXPECT_EQ(cache.free_blocks(), free_blocks);
+  p.end_append(&seq, 1, 1, /*success=*/false);
+  EXPECT_EQ(cache.length(seq), 5);
+  EXPECT_NO_THROW(cache.release(seq));
+}
+
+// More threads than cores and than work items (oversubscribed on purpose): split-KV bounds, scratch slots and
+// merges hold; the result equals the single-thread one within the fp32 tolerance.
+TEST(KvPool, DecodeAtManyThreadsEqualsOneThread) {
+  const Config c = small_config(700);
+  const Weights w = Weights::random(c, 7);
+  for (int threads : {3, 5, 8}) {
+    CausalSelfAttention one(c, w, {.threads = 1}), many(c, w, {.threads = threads});
+    KvCache c1(c, KvCacheOptions{.block_tokens = 16, .capacity_tokens = 2048});
+    KvCache c2(c, KvCacheOptions{.block_tokens = 16, .capacity_tokens = 2048});
+    std::mt19937_64 r1(8), r2(8);
+    const int64_t lens[] = {1, 650, 20};
+    std::vector<SequenceId> s1, s2;
+    for (int64_t L : lens) {
+      s1.push_back(c1.create());
+      fill(one, c1, s1.back(), L, r1);
+      s2.push_back(c2.create());
+      fill(many, c2, s2.back(), L, r2);
+    }
+    std::mt19937_64 rx(9);
+    for (int step = 0; step < 3; ++step) {
+      const std::vector<float> x = random_uniform(static_cast<size_t>(3 * c.d_model), rx);
+      std::vector<float> y1(x.size()), y2(x.size());
+      one.decode(c1, s1.data(), 3, x.data(), y1.data());
+      many.decode(c2, s2.data(), 3, x.data(), y2.data());
+      EXPECT_TRUE(all_close(y2, std::vector<double>(y1.begin(), y1.end()), Dtype::f32, reduction_length(c, 700),
+                            "threads=" + std::to_string(threads) + " (got) vs 1 thread, step " + std::to_string(step)));
+    }
+  }
+}
+
+// The layer and the cache may have different context lengths: the shorter one bounds a sequence.
+TEST(KvPool, CacheContextDiffersFromLayer) {
+  for (int64_t cache_context : {int64_t{20}, int64_t{200}}) {
+    const Config lc = small_config(50);
+    Config cc = lc;
+    cc.context_length = cache_context;
+    CausalSelfAttention layer(lc, Weights::random(lc, 10));
+    KvCache cache(cc, KvCacheOptions{.block_tokens = 4, .capacity_tokens = 256});
+    std::mt19937_64 rng(11);
+    const SequenceId seq = cache.create();
+    const int64_t limit = std::min<int64_t>(50, cache_context);
+    fill(layer, cache, seq, limit - 1, rng);
+    const std::vector<float> x = random_uniform(static_cast<size_t>(lc.d_model), rng);
+    std::vector<float> y(x.size());
+    EXPECT_NO_THROW(layer.decode(cache, &seq, 1, x.data(), y.data()));
+    EXPECT_THROW(layer.decode(cache, &seq, 1, x.data(), y.data()), Error) << "past min(layer, cache) context";
+    EXPECT_EQ(cache.length(seq), limit);
+  }
+}
+
+}  // namespace
+}  // namespace gpt2attn
