@@ -3,6 +3,8 @@
 // layer's own Workspace, guarded by `mu`.
 #pragma once
 
+#include <omp.h>
+
 #include <cstdint>
 #include <memory>
 #include <mutex>

@@ -9,6 +9,7 @@ namespace gpt2attn {
 
 float* Workspace::Impl::reserve(size_t n) {
   if (n <= floats && buffer) return buffer.get();
+  n = n > 0 ? n : 16;  // aligned_alloc(64, 0) may return null, which is not an out-of-memory
   const size_t bytes = (n + 15) / 16 * 16 * sizeof(float);
   float* p = static_cast<float*>(std::aligned_alloc(64, bytes));
   if (!p) fail(ErrorCode::out_of_memory, "workspace: cannot allocate " + std::to_string(bytes) + " bytes");

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "kernels/decode_attention_f32.hpp"
+#include "kernels/tiles.hpp"
 #include "kernels/vec.hpp"
 
 namespace gpt2attn::kernels {
@@ -17,12 +18,12 @@ struct DecodeAttentionF32 {
   using B = typename V::B;
   static constexpr int W = V::W;
   static constexpr int kKeys = 4;  // keys scored at once: 4 independent FMA chains over D
-  // Rows (keys) ahead to prefetch while streaming K and V: about 4 KiB at D = 64, far enough to cover DRAM
-  // latency at this loop's speed. Heads' tiles are contiguous in a block, so this runs on into the next head.
-  static constexpr int64_t kPrefetchRows = 16;
+  // Heads' tiles are contiguous in a block, so prefetching rows ahead runs on into the next head's tile.
+  static constexpr int64_t kAhead = tiles::kDecodePrefetchRows;
 
+  // One prefetch per 64-byte line of `rows` rows of D floats starting kAhead rows after p.
   static void prefetch_rows(const float* p, int64_t rows, int64_t D) {
-    for (int64_t i = 0; i < rows * D; i += 16) __builtin_prefetch(p + i);  // one 64-byte line per 16 floats
+    for (int64_t i = 0; i < rows * D; i += 16) prefetch(p, static_cast<size_t>(kAhead * D + i) * sizeof(float));
   }
 
   // Scratch: qs (H, D padded to W) | s (block_tokens, padded to W).
@@ -36,7 +37,7 @@ struct DecodeAttentionF32 {
   static void dots(const float* qs, const float* k, int64_t D, float* s) {
     B acc[RR];
     for (int r = 0; r < RR; ++r) acc[r] = V::set1(0.0f);
-    prefetch_rows(k + kPrefetchRows * D, RR, D);
+    prefetch_rows(k, RR, D);
     int64_t d = 0;
     for (; d + W <= D; d += W) {
       const B q = V::load(qs + d);
@@ -55,7 +56,7 @@ struct DecodeAttentionF32 {
     B c[N];
     for (int n = 0; n < N; ++n) c[n] = V::load(acc + n * W) * V::set1(alpha);
     for (int64_t j = 0; j < nk; ++j) {
-      for (int n = 0; n < N * W; n += 16) __builtin_prefetch(v + (j + kPrefetchRows) * D + n);
+      for (int n = 0; n < N * W; n += 16) prefetch(v, static_cast<size_t>((j + kAhead) * D + n) * sizeof(float));
       const B pj = V::set1(p[j]);
       for (int n = 0; n < N; ++n) c[n] = V::fma(pj, V::load(v + j * D + n * W), c[n]);
     }

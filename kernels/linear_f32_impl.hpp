@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "kernels/linear_f32.hpp"
+#include "kernels/tiles.hpp"
 #include "kernels/vec.hpp"
 
 namespace gpt2attn::kernels {
@@ -17,9 +18,7 @@ struct LinearF32 {
   using B = typename V::B;
   static constexpr int W = V::W;
   static constexpr int PV = static_cast<int>(kLinearPanel) / W;  // vectors per panel
-  // Rows per block: RB x PV accumulators + PV panel loads + 1 broadcast within the register file
-  // (AVX-512: 8 + 1 + 1 of 32; AVX2: 6 x 2 + 2 + 1 = 15 of 16; scalar: the compiler's choice).
-  static constexpr int RB = W >= 16 ? 8 : (W == 8 ? 6 : 4);
+  static constexpr int RB = tiles::linear_row_block(W);  // rows per block (reasons in tiles.hpp)
 
   template <int RR>
   static void rows(const LinearArgs& a, const float* panel, int64_t n0, int64_t m0) {

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
 
 #if !defined(GPT2ATTN_SCALAR_ONLY)
 #include <xsimd/xsimd.hpp>
@@ -15,6 +17,12 @@ struct ScalarArch {};
 // ln(2)^k / k!: the Taylor coefficients of 2^f = e^(f ln 2).
 inline constexpr float kExp2Taylor[7] = {1.0f, 0.693147180559945f, 0.240226506959101f, 0.0555041086648216f,
                                          0.00961812910762848f, 0.00133335581464284f, 0.000154035303933816f};
+
+// Asks for the 64-byte line at p + bytes ahead of its use. The address is computed as an integer: it may lie
+// past the end of the buffer (prefetching there is harmless), where pointer arithmetic would be undefined.
+inline void prefetch(const void* p, size_t bytes) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + bytes));
+}
 
 template <class Arch>
 struct Vec;

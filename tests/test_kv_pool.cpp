@@ -4,6 +4,7 @@
 // the layer's. The layer-level behaviour lives in test_kv_cache.cpp.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -31,16 +32,17 @@ Config small_config(int64_t context = 64) {
 // The bytes of every block some sequence holds (a free block's bytes mean nothing), the lengths and the pool
 // counts: what "the cache is as it was" means.
 struct Snapshot {
-  std::vector<float> pool;
+  std::vector<uint32_t> pool;  // bit patterns: unwritten slots of a block may hold NaNs, which never compare equal
   std::vector<int64_t> lengths;
   int64_t free_blocks;
   bool operator==(const Snapshot&) const = default;
 };
 Snapshot snapshot(KvCache& cache, const std::vector<SequenceId>& ids) {
   KvCache::Impl& p = cache.impl();
-  Snapshot s{std::vector<float>(p.pool.get(), p.pool.get() + p.nblocks * p.block_floats), {}, cache.free_blocks()};
+  Snapshot s{std::vector<uint32_t>(p.nblocks * p.block_floats), {}, cache.free_blocks()};
+  std::memcpy(s.pool.data(), p.pool.get(), s.pool.size() * sizeof(uint32_t));
   for (int64_t b = 0; b < p.nblocks; ++b) {
-    if (p.refcount[b] == 0) std::fill_n(s.pool.begin() + b * p.block_floats, p.block_floats, 0.0f);
+    if (p.refcount[b] == 0) std::fill_n(s.pool.begin() + b * p.block_floats, p.block_floats, 0u);
   }
   for (SequenceId id : ids) s.lengths.push_back(cache.length(id));
   return s;

@@ -129,7 +129,7 @@ class CausalSelfAttention {
 
   // One decode step: x (B, d_in) holds one new token for each of seqs[0..B) (distinct sequences of any
   // cached lengths); out (B, E). The projections run as one GEMM over the B tokens; attention runs per
-  // sequence over its blocks, each sequence's keys split across threads when B*H is small or the context
+  // sequence over its blocks, a sequence's keys split across threads when it holds more than a thread's share or the context
   // long (partial softmax states merged exactly).
   void decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out,
               const RunOptions& run = {}, Workspace* ws = nullptr);

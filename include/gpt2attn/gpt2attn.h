@@ -136,7 +136,8 @@ gpt2attn_status_t gpt2attn_layer_decode(gpt2attn_layer_t* layer, gpt2attn_kv_cac
 /* Causal self-attention without a cache: x (B, T, d_in) -> out (B, T, E). */
 gpt2attn_status_t gpt2attn_layer_forward(gpt2attn_layer_t* layer, const float* x, int64_t B, int64_t T, float* out,
                                          int threads, gpt2attn_workspace_t* ws);
-/* Grows ws (NULL: the layer's own) so extend <= max_extend_tokens, decode <= max_decode_batch never allocate. */
+/* Grows ws (NULL: the layer's own) for extend <= max_extend_tokens, decode <= max_decode_batch: decode then never
+ * allocates; extend allocates nothing of gpt2attn's own once a chunk shape was seen (oneDNN's GEMMs still do). */
 gpt2attn_status_t gpt2attn_layer_reserve(gpt2attn_layer_t* layer, int64_t max_extend_tokens,
                                          int64_t max_decode_batch, int threads, gpt2attn_workspace_t* ws);
 /* *out = the scratch bytes gpt2attn_layer_reserve would hold for these sizes. */

@@ -27,8 +27,9 @@ struct KvCacheOptions {
 // so one head's keys inside a block are one contiguous (block_tokens, D) tile, each token's D values
 // contiguous. A block's address never changes, so block tables hold plain pointers.
 //
-// Thread safety: every method may be called from any thread. Block bookkeeping is guarded by one mutex held
-// only for O(blocks) bookkeeping, never while attention runs. Distinct sequences may be extended or
+// Thread safety: every method may be called from any thread. Block bookkeeping is guarded by one mutex, held
+// for O(B^2 + blocks) bookkeeping and, when a fork's shared block is first written, one block copy; never
+// while attention runs. create() and fork() allocate the sequence's entry. Distinct sequences may be extended or
 // decoded concurrently; one sequence must not be used by two calls at once (the layer checks and refuses).
 //
 // Forks share blocks: a fork's blocks are the parent's, reference counted; a full shared block is never

@@ -93,7 +93,7 @@ static gpt2attn_status_t serve(server_t* s, const char* preset, int steps) {
   printf("%s: E=%lld H=%lld, kernels %s\n", preset, (long long)cfg.d_model, (long long)cfg.num_heads, impl);
 
   /* The pool is sized in tokens for the whole server and allocated once (blocks of 64 tokens). One workspace
-   * per serving thread, reserved for the largest prompt and batch: the loop below allocates nothing. */
+   * per serving thread, reserved for the largest prompt and batch: the decode steps below allocate nothing. */
   st = gpt2attn_kv_cache_create(s->layer, 0, 1024, &s->cache);
   if (st != GPT2ATTN_OK) return fail("kv_cache_create", st);
   st = gpt2attn_workspace_create(&s->ws);

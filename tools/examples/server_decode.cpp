@@ -69,7 +69,7 @@ int run(const std::string& preset, int steps, int threads) {
   ga::KvCacheOptions pool;
   pool.capacity_tokens = 1024;
   ga::KvCache cache(cfg, pool);
-  // One workspace per serving thread, reserved for the largest prompt and batch: the loop allocates nothing.
+  // One workspace per serving thread, reserved for the largest prompt and batch: decode steps allocate nothing.
   const int64_t max_prompt = 32, max_batch = 4;
   ga::Workspace ws;
   attn.reserve_serving(max_prompt, max_batch, threads, &ws);
