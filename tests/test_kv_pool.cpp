@@ -188,5 +188,49 @@ TEST(KvPool, CacheContextDiffersFromLayer) {
   }
 }
 
+// Decode's few-row projections at a width where every path of kernels/linear_f32 runs: B = 19 (full and ragged
+// row blocks on every ISA), K = d_in = 1000 (two K chunks, the second partial), N = 3E = 3000 (a partial last
+// panel), D = 125; each sequence's output against the naive reference over its own history.
+TEST(KvPool, DecodeProjectionsAtOddWidthsMatchReference) {
+  Config c;
+  c.d_model = 1000;
+  c.num_heads = 8;
+  c.context_length = 32;
+  c.causal = true;
+  const Weights w = Weights::random(c, 12);
+  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar}) {
+    if (!isa_supported(isa)) continue;
+    CausalSelfAttention layer(c, w, {.threads = 2, .isa = isa});
+    KvCache cache(c, KvCacheOptions{.block_tokens = 8, .capacity_tokens = 19 * 16});
+    std::mt19937_64 rng(13);
+    const int64_t B = 19, E = c.d_model;
+    std::vector<SequenceId> ids;
+    std::vector<std::vector<float>> history(B);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t T = 1 + b % 5;
+      history[b] = random_uniform(static_cast<size_t>(T * E), rng);
+      std::vector<float> out(history[b].size());
+      ids.push_back(cache.create());
+      layer.extend(cache, ids.back(), history[b].data(), T, out.data());
+    }
+    for (int step = 0; step < 2; ++step) {
+      const std::vector<float> x = random_uniform(static_cast<size_t>(B * E), rng);
+      std::vector<float> y(x.size());
+      layer.decode(cache, ids.data(), B, x.data(), y.data());
+      for (int64_t b = 0; b < B; ++b) {
+        history[b].insert(history[b].end(), x.begin() + b * E, x.begin() + (b + 1) * E);
+        const int64_t n = static_cast<int64_t>(history[b].size()) / E;
+        AttentionInputs in;
+        in.query = TensorView::f32(history[b].data(), {1, n, E});
+        const std::vector<double> ref = reference_forward(c, w, in);
+        EXPECT_TRUE(all_close(std::vector<float>(y.begin() + b * E, y.begin() + (b + 1) * E),
+                              std::vector<double>(ref.end() - E, ref.end()), Dtype::f32, reduction_length(c, n),
+                              std::string("[isa=") + to_string(isa) + "] step " + std::to_string(step) +
+                                  " sequence " + std::to_string(b) + ": decode (got) vs reference; index e"));
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gpt2attn
