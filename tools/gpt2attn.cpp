@@ -299,9 +299,6 @@ BenchResult bench_prefill(const std::string& name, int64_t B, int64_t T, int thr
   return r;
 }
 
-// B sequences of T cached tokens in a paged KvCache (prefilled one by one with extend()), then warm-up and
-// `repeats` timed decode steps, each appending one token to every sequence. The cache and the context
-// length are sized so that the last step still fits.
 // Evicts the CPU caches by writing then reading a buffer far larger than any last-level cache.
 void flush_caches() {
   static std::vector<uint64_t> buffer(size_t{256} << 20 >> 3);
@@ -311,6 +308,9 @@ void flush_caches() {
   asm volatile("" : : "r"(sum));  // keep the reads
 }
 
+// B sequences of T cached tokens in a paged KvCache (prefilled one by one with extend()), then warm-up and
+// `repeats` timed decode steps, each appending one token to every sequence (after a cache flush with
+// `cold`). The cache and the context length are sized so that the last step still fits.
 BenchResult bench_decode(const std::string& name, int64_t B, int64_t T, int threads, ga::Isa isa, int repeats,
                          bool check, bool cold) {
   constexpr int kWarmup = 2;  // the first step touches the new blocks and the decode primitives
