@@ -91,7 +91,7 @@ void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t token
       invalid("sequence " + str(ids[i]) + ": length " + str(s.length) + " + " + str(tokens) +
               " new tokens exceeds context_length=" + str(max_length));
     }
-    needed += std::max<int64_t>(0, ceil_div(s.length + tokens, block_tokens) - static_cast<int64_t>(s.blocks.size()));
+    needed += new_blocks(s, tokens);
     // A shared block about to be written is copied, unless every other holder copies it first in this same
     // call: pass 2 copies while the block's count is above 1, so of w writers among r holders, min(w, r-1) copy.
     const int32_t x = shared_write_block(s);
@@ -119,7 +119,7 @@ void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t token
       --refcount[s.blocks[b]];  // still held by others: it was shared
       s.blocks[b] = copy;
     }
-    const int64_t want = ceil_div(s.length + tokens, block_tokens);
+    const int64_t want = table_size_after(s, tokens);
     while (static_cast<int64_t>(s.blocks.size()) < want) s.blocks.push_back(take_block());
     s.busy = true;
     lengths[i] = s.length;
@@ -175,7 +175,7 @@ SequenceId KvCache::fork(SequenceId parent) {
   Impl::Sequence& p = impl_->find(parent);
   if (p.busy) invalid("KvCache::fork: sequence " + str(parent) + " is in use by another call");
   // Only the blocks holding tokens are shared; a block reserved past the length stays the parent's.
-  const int64_t used = ceil_div(p.length, impl_->block_tokens);
+  const int64_t used = impl_->table_size_after(p, 0);
   Impl::Sequence c;
   c.blocks.reserve(static_cast<size_t>(impl_->max_blocks_per_seq));
   c.blocks.assign(p.blocks.begin(), p.blocks.begin() + used);
@@ -209,9 +209,7 @@ int64_t KvCache::blocks_needed(SequenceId seq, int64_t tokens) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (tokens < 0) invalid("KvCache::blocks_needed: tokens must be >= 0, got " + str(tokens));
   const Impl::Sequence& s = impl_->find(seq);
-  const int64_t have = static_cast<int64_t>(s.blocks.size());
-  const int64_t want = ceil_div(s.length + tokens, impl_->block_tokens);
-  return std::max<int64_t>(0, want - have) + (tokens > 0 && impl_->shared_write_block(s) >= 0);
+  return impl_->new_blocks(s, tokens) + (tokens > 0 && impl_->shared_write_block(s) >= 0);
 }
 
 int64_t KvCache::block_tokens() const { return impl_->block_tokens; }

@@ -57,6 +57,12 @@ struct KvCache::Impl {
 
   Sequence& find(SequenceId id);  // throws invalid_argument for an unknown or released id; caller holds mu
   int32_t shared_write_block(const Sequence& s) const;  // a shared block an append would write into, or -1
+  // The table size `s` needs after appending `tokens`, and the new blocks that takes beyond what it holds.
+  int64_t table_size_after(const Sequence& s, int64_t tokens) const { return (s.length + tokens + block_tokens - 1) / block_tokens; }
+  int64_t new_blocks(const Sequence& s, int64_t tokens) const {
+    const int64_t grow = table_size_after(s, tokens) - static_cast<int64_t>(s.blocks.size());
+    return grow > 0 ? grow : 0;
+  }
   int32_t take_block();           // caller holds mu and has checked free_list is not empty
   void drop_block(int32_t b);     // caller holds mu
 };
