@@ -71,7 +71,7 @@ MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOp
       kernel(&detail::attention_kernel(isa)),
       decode_kernel(&detail::decode_kernel(isa)),
       linear_kernel(&detail::linear_kernel(isa)),
-      default_threads(o.threads > 0 ? o.threads : omp_get_max_threads()),
+      default_threads(o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads())),
       out(w.w_o.data(), cfg.out_bias ? w.b_o.data() : nullptr, cfg.d_model, cfg.d_model) {
   const int64_t H = cfg.num_heads, D = cfg.head_dim(), E = cfg.d_model;
   auto per_head = [&](std::vector<Linear>& dst, const std::vector<float>& weight, const std::vector<float>& bias,
@@ -102,20 +102,16 @@ MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOp
     if (cfg.out_bias) out_bias = w.b_o;
   }
 
-  const int64_t C = cfg.context_length;
-  causal_center = C - 1;
-  causal_row.resize(static_cast<size_t>(causal_center + C + kernels::kMaxQueryTile));
+  // The band of the registered causal mask a diagonal tile reaches (see causal_row in layer.hpp).
+  causal_center = kernel->tiles.query_tile + kernel->tiles.key_tile;
+  causal_row.resize(static_cast<size_t>(2 * causal_center));
   for (int64_t i = 0; i < static_cast<int64_t>(causal_row.size()); ++i) {
     causal_row[i] = i - causal_center >= 0 ? 0.0f : -INFINITY;
   }
 }
 
 int64_t MultiHeadAttention::Impl::scratch_stride() const {
-  const int64_t D = cfg.head_dim();
-  // Decode reads blocks of at most context_length tokens (KvCache checks), which bounds its kernel's need.
-  const size_t need =
-      std::max(kernel->scratch_floats(D), decode_kernel->scratch_floats(cfg.num_heads, D, cfg.context_length));
-  return round_up(static_cast<int64_t>(need), 16);
+  return detail::round_up(static_cast<int64_t>(kernel->scratch_floats(cfg.head_dim())), 16);
 }
 
 kernels::AttentionArgs MultiHeadAttention::Impl::base_args(int64_t T, int64_t Tk) const {
@@ -141,14 +137,14 @@ enum ForwardRegion { kQ, kK, kV, kCtx, kPackedQ, kPackedK, kPackedV, kScratch, k
 int64_t MultiHeadAttention::Impl::forward_plan(const Shape& s, bool pack_q, bool pack_k, bool pack_v, int threads,
                                                int64_t* r) const {
   WorkspacePlan p;
-  r[kQ] = p.region(s.B * s.T * s.E);
-  r[kK] = p.region(s.B * s.Tk * s.E);
-  r[kV] = p.region(s.B * s.Tk * s.E);
-  r[kCtx] = p.region(s.B * s.T * s.E);
-  r[kPackedQ] = p.region(pack_q ? s.B * s.T * s.d_in : 0);
-  r[kPackedK] = p.region(pack_k ? s.B * s.Tk * s.kdim : 0);
-  r[kPackedV] = p.region(pack_v ? s.B * s.Tk * s.vdim : 0);
-  r[kScratch] = p.region(threads * scratch_stride());
+  r[kQ] = p.region({s.B, s.T, s.E}, "forward: q");
+  r[kK] = p.region({s.B, s.Tk, s.E}, "forward: k");
+  r[kV] = p.region({s.B, s.Tk, s.E}, "forward: v");
+  r[kCtx] = p.region({s.B, s.T, s.E}, "forward: attention output");
+  r[kPackedQ] = p.region({pack_q, s.B, s.T, s.d_in}, "forward: packed query");
+  r[kPackedK] = p.region({pack_k, s.B, s.Tk, s.kdim}, "forward: packed key");
+  r[kPackedV] = p.region({pack_v, s.B, s.Tk, s.vdim}, "forward: packed value");
+  r[kScratch] = p.region({threads, scratch_stride()}, "forward: kernel scratch");
   return p.total();
 }
 
@@ -236,38 +232,35 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, float* out_dat
 MultiHeadAttention::MultiHeadAttention(const Config& config, const Weights& weights, const EngineOptions& options) {
   config.validate();
   weights.validate(config);
-  if (options.threads < 0) invalid("threads must be >= 0, got " + std::to_string(options.threads));
-  impl_ = std::make_unique<Impl>(config, weights, options);
+  detail::check_threads(options.threads, "MultiHeadAttention", "EngineOptions.threads");
+  detail::translate_bad_alloc("MultiHeadAttention: constructing the layer",
+                              [&] { impl_ = std::make_unique<Impl>(config, weights, options); });
 }
 MultiHeadAttention::~MultiHeadAttention() = default;
 MultiHeadAttention::MultiHeadAttention(MultiHeadAttention&&) noexcept = default;
 MultiHeadAttention& MultiHeadAttention::operator=(MultiHeadAttention&&) noexcept = default;
 
 void MultiHeadAttention::forward(const AttentionInputs& in, float* out, const RunOptions& run, Workspace* ws) {
-  if (ws) {
-    detail::WorkspaceLease lease(ws->impl());
-    impl_->forward(in, out, run, ws->impl());
-  } else {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->forward(in, out, run, impl_->own_ws.impl());
-  }
+  impl_->with_workspace(ws, "forward", [&](Workspace::Impl& w) { impl_->forward(in, out, run, w); });
 }
 
 size_t MultiHeadAttention::workspace_bytes(int64_t B, int64_t T, int64_t Tk) const {
   const Config& c = impl_->cfg;
+  if (B < 1 || T < 1 || Tk < 1 || T > c.context_length || Tk > c.context_length) {
+    invalid("workspace_bytes/reserve: expected B >= 1 and 1 <= T, Tk <= context_length=" +
+            std::to_string(c.context_length) + ", got (B, T, Tk) = (" + std::to_string(B) + ", " + std::to_string(T) +
+            ", " + std::to_string(Tk) + ")");
+  }
   Shape s;
   s.B = B, s.T = T, s.Tk = Tk, s.E = c.d_model, s.H = c.num_heads, s.D = c.head_dim();
   s.d_in = c.query_width(), s.kdim = c.key_width(), s.vdim = c.value_width();
   // The worst case: cross-attention with every input packed.
   int64_t r[kForwardRegions];
-  return static_cast<size_t>(impl_->forward_plan(s, true, true, true, impl_->default_threads, r)) * sizeof(float);
+  return static_cast<size_t>(detail::checked_mul(impl_->forward_plan(s, true, true, true, impl_->default_threads, r),
+                                                 sizeof(float), "forward: workspace bytes"));
 }
 
 void MultiHeadAttention::reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws) {
-  if (B < 1 || T < 1 || Tk < 1) {
-    invalid("reserve: B, T and Tk must be >= 1, got (" + std::to_string(B) + ", " + std::to_string(T) + ", " +
-            std::to_string(Tk) + ")");
-  }
   const size_t floats = workspace_bytes(B, T, Tk) / sizeof(float);
   const Impl& L = *impl_;
   auto prepare = [&](Workspace::Impl& w) {
@@ -282,14 +275,10 @@ void MultiHeadAttention::reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws
     }
     L.out.prepare(w.exec, B * T, E, E, L.default_threads, 0);
   };
-  if (ws) {
-    detail::WorkspaceLease lease(ws->impl());
-    prepare(ws->impl());
-  } else {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    prepare(impl_->own_ws.impl());
-  }
+  impl_->with_workspace(ws, "reserve", prepare);
 }
+
+int max_threads() { return std::min(kMaxThreads, omp_get_thread_limit()); }
 
 const Config& MultiHeadAttention::config() const { return impl_->cfg; }
 Isa MultiHeadAttention::isa() const { return impl_->isa; }

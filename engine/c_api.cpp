@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "engine/validate.hpp"
 #include "gpt2attn/gpt2attn.hpp"
 
 namespace ga = gpt2attn;
@@ -82,7 +83,7 @@ void require(const void* p, const char* name) {
 }
 
 ga::RunOptions run_options(int threads) {
-  if (threads < 0) ga::invalid("threads must be >= 0 (0 = the layer's default), got " + std::to_string(threads));
+  ga::detail::check_threads(threads, "run", "threads");
   ga::RunOptions run;
   run.threads = threads;
   return run;

@@ -16,14 +16,17 @@ extern const int kPresetCount;
 }  // namespace detail
 
 void Config::validate() const {
-  auto positive = [](const char* field, int64_t v) {
-    if (v <= 0) invalid(std::string("config: ") + field + " must be positive, got " + std::to_string(v));
+  auto in_range = [](const char* field, int64_t v, int64_t lo, int64_t hi, const char* note) {
+    if (v < lo || v > hi) {
+      invalid(std::string("config: ") + field + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+              "]" + note + ", got " + std::to_string(v));
+    }
   };
-  positive("d_model", d_model);
-  positive("num_heads", num_heads);
-  positive("context_length", context_length);
+  in_range("d_model", d_model, 1, kMaxWidth, "");
+  in_range("num_heads", num_heads, 1, kMaxWidth, "");
+  in_range("context_length", context_length, 1, kMaxContextLength, "");
   for (auto [field, v] : {std::pair{"d_in", d_in}, {"kdim", kdim}, {"vdim", vdim}}) {
-    if (v < 0) invalid(std::string("config: ") + field + " must be positive (or 0 for the default), got " + std::to_string(v));
+    in_range(field, v, 0, kMaxWidth, " (0 = the default)");
   }
   if (d_model % num_heads != 0) {
     invalid("config: num_heads=" + std::to_string(num_heads) + " does not divide d_model=" + std::to_string(d_model));

@@ -6,17 +6,14 @@
 #include <cstring>
 #include <string>
 
+#include "engine/util.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/tiles.hpp"
 
 namespace gpt2attn {
-namespace {
 
-std::string str(int64_t v) { return std::to_string(v); }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-}  // namespace
+using detail::ceil_div;
+using detail::str;
 
 KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
   cfg.validate();
@@ -31,8 +28,9 @@ KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
             std::to_string(o.capacity_bytes) + ")");
   }
   if (o.capacity_tokens < 0) invalid("KvCacheOptions.capacity_tokens must be >= 0, got " + str(o.capacity_tokens));
-  block_floats = static_cast<size_t>(2 * H * block_tokens * D);
-  const size_t block_bytes = block_floats * sizeof(float);
+  block_floats = static_cast<size_t>(detail::checked_product({2, H, block_tokens, D}, "KvCache: block size"));
+  const size_t block_bytes =
+      static_cast<size_t>(detail::checked_mul(static_cast<int64_t>(block_floats), sizeof(float), "KvCache: block bytes"));
   nblocks = o.capacity_tokens > 0 ? ceil_div(o.capacity_tokens, block_tokens)
                                   : static_cast<int64_t>(o.capacity_bytes / block_bytes);
   if (nblocks < 1) {
@@ -42,11 +40,13 @@ KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
   if (nblocks > INT32_MAX) invalid("KvCacheOptions: capacity of " + str(nblocks) + " blocks exceeds 2^31 - 1");
   max_blocks_per_seq = ceil_div(cfg.context_length, block_tokens);
 
-  const size_t bytes = static_cast<size_t>(nblocks) * block_bytes;
-  if (bytes / block_bytes != static_cast<size_t>(nblocks)) invalid("KvCacheOptions: capacity overflows size_t");
-  pool.reset(static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
+  const size_t bytes = static_cast<size_t>(
+      detail::round_up(detail::checked_mul(nblocks, static_cast<int64_t>(block_bytes), "KvCache: pool bytes"), 64,
+                       "KvCache: pool bytes"));
+  pool.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
   if (!pool) fail(ErrorCode::out_of_memory, "KvCache: cannot allocate the pool of " + std::to_string(bytes) + " bytes");
   refcount.assign(static_cast<size_t>(nblocks), 0);
+  pins.assign(static_cast<size_t>(nblocks), 0);
   free_list.reserve(static_cast<size_t>(nblocks));
   for (int64_t b = nblocks - 1; b >= 0; --b) free_list.push_back(static_cast<int32_t>(b));
 }
@@ -65,7 +65,11 @@ int32_t KvCache::Impl::take_block() {
 }
 
 void KvCache::Impl::drop_block(int32_t b) {
-  if (--refcount[b] == 0) free_list.push_back(b);
+  if (--refcount[b] == 0 && pins[b] == 0) free_list.push_back(b);
+}
+
+void KvCache::Impl::unpin(int32_t b) {
+  if (--pins[b] == 0 && refcount[b] == 0) free_list.push_back(b);
 }
 
 int32_t KvCache::Impl::shared_write_block(const Sequence& s) const {
@@ -115,8 +119,12 @@ void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t token
       const int64_t b = s.length / block_tokens;
       const int32_t copy = take_block();
       std::memcpy(block(copy), block(s.blocks[b]), block_floats * sizeof(float));
+      // The sequence gives up its hold on the original but pins it until end_append, so that the original
+      // cannot return to the pool (and be taken and written by another sequence) while the undo may still
+      // hand it back: its other holders may be released in the meantime.
       s.cow_original = s.blocks[b];
       --refcount[s.blocks[b]];  // still held by others: it was shared
+      ++pins[s.blocks[b]];
       s.blocks[b] = copy;
     }
     const int64_t want = table_size_after(s, tokens);
@@ -135,9 +143,11 @@ void KvCache::Impl::end_append(const SequenceId* ids, int64_t n, int64_t tokens,
     Sequence& s = it->second;
     if (success) {
       s.length += tokens;
+      if (s.cow_original >= 0) unpin(s.cow_original);  // the copy is ours for good: the original may go
     } else {
       // Undo begin_append: the new blocks go back, a copy-on-write copy gives way to the shared original
-      // (which the failed call never wrote), so the pool reads exactly as before the call.
+      // (which the failed call never wrote, and which its pin kept out of the pool), so the pool reads exactly
+      // as before the call.
       while (static_cast<int64_t>(s.blocks.size()) > s.blocks_before) {
         drop_block(s.blocks.back());
         s.blocks.pop_back();
@@ -147,6 +157,7 @@ void KvCache::Impl::end_append(const SequenceId* ids, int64_t n, int64_t tokens,
         drop_block(b);
         b = s.cow_original;
         ++refcount[b];
+        unpin(b);
       }
     }
     s.cow_original = -1;
@@ -155,19 +166,21 @@ void KvCache::Impl::end_append(const SequenceId* ids, int64_t n, int64_t tokens,
 }
 
 KvCache::KvCache(const Config& config, const KvCacheOptions& options)
-    : impl_(std::make_unique<Impl>(config, options)) {}
+    : impl_(detail::translate_bad_alloc("KvCache", [&] { return std::make_unique<Impl>(config, options); })) {}
 KvCache::~KvCache() = default;
 KvCache::KvCache(KvCache&&) noexcept = default;
 KvCache& KvCache::operator=(KvCache&&) noexcept = default;
 
 SequenceId KvCache::create() {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl::Sequence s;
-  s.blocks.reserve(static_cast<size_t>(impl_->max_blocks_per_seq));
-  const SequenceId id = impl_->next_id;
-  impl_->seqs.emplace(id, std::move(s));  // may throw bad_alloc: nothing changed then
-  ++impl_->next_id;
-  return id;
+  return detail::translate_bad_alloc("KvCache::create", [&] {
+    Impl::Sequence s;
+    s.blocks.reserve(static_cast<size_t>(impl_->max_blocks_per_seq));
+    const SequenceId id = impl_->next_id;
+    impl_->seqs.emplace(id, std::move(s));  // may throw bad_alloc: nothing changed then
+    ++impl_->next_id;
+    return id;
+  });
 }
 
 SequenceId KvCache::fork(SequenceId parent) {
@@ -176,13 +189,14 @@ SequenceId KvCache::fork(SequenceId parent) {
   if (p.busy) invalid("KvCache::fork: sequence " + str(parent) + " is in use by another call");
   // Only the blocks holding tokens are shared; a block reserved past the length stays the parent's.
   const int64_t used = impl_->table_size_after(p, 0);
-  Impl::Sequence c;
-  c.blocks.reserve(static_cast<size_t>(impl_->max_blocks_per_seq));
-  c.blocks.assign(p.blocks.begin(), p.blocks.begin() + used);
-  c.length = p.length;
-  const SequenceId id = impl_->next_id;
-  impl_->seqs.emplace(id, std::move(c));  // may throw bad_alloc: nothing changed then
-  ++impl_->next_id;
+  const SequenceId id = detail::translate_bad_alloc("KvCache::fork", [&] {
+    Impl::Sequence c;
+    c.blocks.reserve(static_cast<size_t>(impl_->max_blocks_per_seq));
+    c.blocks.assign(p.blocks.begin(), p.blocks.begin() + used);
+    c.length = p.length;
+    impl_->seqs.emplace(impl_->next_id, std::move(c));  // may throw bad_alloc: nothing changed then
+    return impl_->next_id++;
+  });
   for (int32_t b : impl_->seqs.at(id).blocks) ++impl_->refcount[b];
   return id;
 }
@@ -242,5 +256,35 @@ const float* cached_row(KvCache::Impl& c, SequenceId seq, int64_t h, int64_t t, 
 
 const float* KvCache::key(SequenceId seq, int64_t h, int64_t t) const { return cached_row(*impl_, seq, h, t, false); }
 const float* KvCache::value(SequenceId seq, int64_t h, int64_t t) const { return cached_row(*impl_, seq, h, t, true); }
+
+std::string KvCache::Impl::audit() const {
+  std::lock_guard<std::mutex> lock(mu);
+  std::vector<int32_t> held(static_cast<size_t>(nblocks), 0), freed(static_cast<size_t>(nblocks), 0);
+  for (const auto& [id, s] : seqs) {
+    if (static_cast<int64_t>(s.blocks.size()) < table_size_after(s, 0)) {
+      return "sequence " + str(id) + " holds " + str(static_cast<int64_t>(s.blocks.size())) + " blocks for " +
+             str(s.length) + " tokens";
+    }
+    for (int32_t b : s.blocks) {
+      if (b < 0 || b >= nblocks) return "sequence " + str(id) + " names block " + str(b) + " outside the pool";
+      ++held[b];
+    }
+  }
+  for (int32_t b : free_list) {
+    if (b < 0 || b >= nblocks) return "free list names block " + str(b) + " outside the pool";
+    if (freed[b]++) return "block " + str(b) + " is on the free list twice";
+  }
+  for (int64_t b = 0; b < nblocks; ++b) {
+    if (held[b] != refcount[b]) {
+      return "block " + str(b) + " has refcount " + str(refcount[b]) + " but " + str(held[b]) + " table entries";
+    }
+    if (pins[b] < 0) return "block " + str(b) + " has a negative pin count";
+    const bool in_use = refcount[b] > 0 || pins[b] > 0;
+    if (in_use == (freed[b] != 0)) {
+      return "block " + str(b) + (in_use ? " is held or pinned and on the free list" : " is neither held nor free");
+    }
+  }
+  return "";
+}
 
 }  // namespace gpt2attn

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -24,7 +25,7 @@ struct KvCache::Impl {
     bool busy = false;            // leased by a running extend/decode
     // What the running append changed, so a failed call can be undone (end_append):
     int64_t blocks_before = 0;    // the table's size before it
-    int32_t cow_original = -1;    // the shared block a copy-on-write copy replaced, or -1
+    int32_t cow_original = -1;    // the shared block a copy-on-write copy replaced (pinned), or -1
   };
 
   Config cfg;
@@ -32,8 +33,9 @@ struct KvCache::Impl {
   size_t block_floats = 0;  // 2 * H * block_tokens * D
   int64_t nblocks = 0;
   std::unique_ptr<float, FreeDeleter> pool;  // nblocks x block_floats, 64-byte aligned
-  std::vector<int32_t> refcount;             // sequences holding each block; 0 = free
-  std::vector<int32_t> free_list;            // a stack of free block indices
+  std::vector<int32_t> refcount;             // sequences holding each block
+  std::vector<int32_t> pins;                 // running appends that may hand the block back (cow_original)
+  std::vector<int32_t> free_list;            // a stack of the blocks with refcount == 0 and pins == 0
   std::unordered_map<SequenceId, Sequence> seqs;
   SequenceId next_id = 1;
   mutable std::mutex mu;
@@ -65,6 +67,12 @@ struct KvCache::Impl {
   }
   int32_t take_block();           // caller holds mu and has checked free_list is not empty
   void drop_block(int32_t b);     // caller holds mu
+  void unpin(int32_t b);          // caller holds mu
+
+  // The pool's accounting, checked from scratch (for tests): every block is free exactly once or held or
+  // pinned; each refcount equals the table entries that name the block; lengths fit their tables. Returns ""
+  // when it holds, else what is wrong.
+  std::string audit() const;
 };
 
 }  // namespace gpt2attn

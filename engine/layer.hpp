@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/linear.hpp"
+#include "engine/util.hpp"
 #include "engine/validate.hpp"
 #include "engine/workspace.hpp"
 #include "gpt2attn/attention.hpp"
@@ -20,15 +21,14 @@
 
 namespace gpt2attn {
 
-inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
 // Hands out 64-byte aligned regions of a workspace, in floats; used twice per call, once to size and once
-// to place, so the size and the layout can never disagree.
+// to place, so the size and the layout can never disagree. A region is the product of its factors; every
+// product and sum is checked, so a call too large to allocate is refused (out_of_memory) before it is tried.
 class WorkspacePlan {
  public:
-  int64_t region(int64_t floats) {
+  int64_t region(std::initializer_list<int64_t> factors, const char* what) {
     const int64_t start = at_;
-    at_ += round_up(floats, 16);
+    at_ = detail::checked_add(at_, detail::round_up(detail::checked_product(factors, what), 16, what), what);
     return start;
   }
   int64_t total() const { return at_; }
@@ -57,8 +57,11 @@ struct MultiHeadAttention::Impl {
   std::vector<float> qkv_packed, qkv_bias;  // pack_linear_weights(W_qkv (3E, d_in)), (3E) or empty
   std::vector<float> out_packed, out_bias;  // pack_linear_weights(W_o (E, E)), (E) or empty
 
-  // The registered causal mask: the triangular (context x context) buffer of the seeds is Toeplitz, so
-  // one row of it holds every entry: causal_row[center + c] = 0 if c = i + offset - j >= 0 else -inf.
+  // The registered causal mask. The seeds' triangular (context x context) buffer is Toeplitz, so one row
+  // holds every entry: causal_row[center + c] = 0 if c = i + offset - j >= 0 else -inf. The kernel skips
+  // every tile that lies wholly on one side of the diagonal, so it reads only the band a diagonal tile
+  // reaches, |c| < query_tile + key_tile (kernels/attention_f32.hpp): that band is what is registered, a few
+  // hundred floats whatever the context length.
   std::vector<float> causal_row;
   int64_t causal_center = 0;
 
@@ -68,7 +71,22 @@ struct MultiHeadAttention::Impl {
   Impl(const Config& c, const Weights& w, const EngineOptions& o);
 
   int threads_for(const RunOptions& run) const { return run.threads > 0 ? run.threads : default_threads; }
-  int64_t scratch_stride() const;  // floats of kernel scratch per thread (prefill and decode kernels)
+
+  // Runs f(workspace) for a public call named `call`: with the caller's Workspace (leased, so two threads
+  // sharing one are refused) or the layer's own (under mu), and with std::bad_alloc turned into Error.
+  template <class F>
+  void with_workspace(Workspace* ws, const char* call, F&& f) {
+    detail::translate_bad_alloc(call, [&] {
+      if (ws) {
+        detail::WorkspaceLease lease(ws->impl());
+        f(ws->impl());
+      } else {
+        std::lock_guard<std::mutex> lock(mu);
+        f(own_ws.impl());
+      }
+    });
+  }
+  int64_t scratch_stride() const;  // floats of the tiled kernel's scratch per thread (forward and extend)
   kernels::AttentionArgs base_args(int64_t T, int64_t Tk) const;
 
   // The batch forward (attention.cpp).
@@ -80,8 +98,9 @@ struct MultiHeadAttention::Impl {
               Workspace::Impl& ws);
   void decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out, const RunOptions& run,
               Workspace::Impl& ws);
-  int64_t extend_floats(int64_t T, int threads) const;
-  int64_t decode_floats(int64_t B, int threads) const;
+  int64_t decode_scratch_stride(int64_t block_tokens) const;  // floats of decode kernel scratch per thread
+  // Workspace floats reserve_serving() takes: enough for extend() and decode() with any cache.
+  int64_t serving_floats(int64_t max_extend_tokens, int64_t max_decode_batch, int threads) const;
 
   // Runs the tiled kernel over (BH slices) x (query tiles of T rows), longest (latest) tiles first so the
   // causal triangle's uneven work balances; setup(args, bh) points args at slice bh's Q, K/V and output.

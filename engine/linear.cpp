@@ -11,6 +11,13 @@ using dnnl::memory;
 using tag = memory::format_tag;
 using dt = memory::data_type;
 
+namespace {
+// oneDNN reports a failed allocation as a status; the caller sees it as ours, anything else is internal.
+ErrorCode code_of(dnnl_status_t status) {
+  return status == dnnl_out_of_memory ? ErrorCode::out_of_memory : ErrorCode::internal;
+}
+}  // namespace
+
 ScopedOmpThreads::ScopedOmpThreads(int threads) : saved_(omp_get_max_threads()) {
   if (threads > 0) omp_set_num_threads(threads);
 }
@@ -56,7 +63,7 @@ Linear::Linear(const float* w, const float* bias, int64_t N, int64_t K)
     }
     s.wait();
   } catch (const dnnl::error& e) {
-    fail(ErrorCode::internal, std::string("oneDNN: creating a ") + std::to_string(N) + "x" + std::to_string(K) +
+    fail(code_of(e.status), std::string("oneDNN: creating a ") + std::to_string(N) + "x" + std::to_string(K) +
                                   " linear layer failed: " + e.what());
   }
 }
@@ -115,7 +122,7 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     }
     return *ctx.entries_.emplace(key, std::move(e)).first->second;
   } catch (const dnnl::error& e) {
-    fail(ErrorCode::internal, "oneDNN: creating a matmul for M=" + std::to_string(M) + " failed: " + e.what());
+    fail(code_of(e.status), "oneDNN: creating a matmul for M=" + std::to_string(M) + " failed: " + e.what());
   }
 }
 
@@ -132,7 +139,7 @@ void Linear::run(ExecContext& ctx, const float* x, int64_t M, int64_t lda, float
   ScopedOmpThreads scope(threads);
   const dnnl_status_t st =
       dnnl_primitive_execute(e.prim.get(), e.stream.get(), static_cast<int>(e.c_args.size()), e.c_args.data());
-  if (st != dnnl_success) fail(ErrorCode::internal, "oneDNN: matmul execution failed (status " + std::to_string(st) + ")");
+  if (st != dnnl_success) fail(code_of(st), "oneDNN: matmul execution failed (status " + std::to_string(st) + ")");
   e.stream.wait();
 }
 

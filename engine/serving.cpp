@@ -18,9 +18,8 @@
 namespace gpt2attn {
 namespace {
 
-std::string str(int64_t v) { return std::to_string(v); }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+using detail::ceil_div;
+using detail::str;
 
 // Pointers and int64s stored in the float workspace take this many floats each.
 constexpr int64_t kFloatsPerWord = sizeof(int64_t) / sizeof(float);
@@ -34,7 +33,7 @@ void check_cache(const Config& layer, const KvCache& cache, const RunOptions& ru
             " but the layer has E=" + str(layer.d_model) + ", H=" + str(layer.num_heads));
   }
   if (run.training) invalid(std::string(call) + ": the KV cache is for inference; RunOptions.training must be false");
-  if (run.threads < 0) invalid(std::string(call) + ": threads must be >= 0, got " + std::to_string(run.threads));
+  detail::check_threads(run.threads, call, "run.threads");
 }
 
 int64_t max_length(const Config& layer, const KvCache& cache) {
@@ -80,15 +79,15 @@ class AppendLease {
 struct ExtendPlan {
   int64_t q, ctx, tables, length, scratch, total;
 };
-ExtendPlan extend_plan(const Config& c, int64_t T, int threads, int64_t scratch_stride) {
-  const int64_t max_blocks = c.context_length;  // block_tokens >= 1: a table never has more entries
+// table_entries: the most blocks a sequence's table holds, ceil(context / block_tokens).
+ExtendPlan extend_plan(const Config& c, int64_t T, int threads, int64_t table_entries, int64_t scratch_stride) {
   WorkspacePlan p;
   ExtendPlan r;
-  r.q = p.region(T * c.d_model);
-  r.ctx = p.region(T * c.d_model);
-  r.tables = p.region(max_blocks * kFloatsPerWord);
-  r.length = p.region(kFloatsPerWord);
-  r.scratch = p.region(threads * scratch_stride);
+  r.q = p.region({T, c.d_model}, "extend: q");
+  r.ctx = p.region({T, c.d_model}, "extend: attention output");
+  r.tables = p.region({table_entries, kFloatsPerWord}, "extend: block table");
+  r.length = p.region({kFloatsPerWord}, "extend: length");
+  r.scratch = p.region({threads, scratch_stride}, "extend: kernel scratch");
   r.total = p.total();
   return r;
 }
@@ -96,36 +95,43 @@ ExtendPlan extend_plan(const Config& c, int64_t T, int threads, int64_t scratch_
 // Workspace regions of decode():
 //   stage (B, 3E): the fused projection's output | ctx (B, E) | tables (B x max blocks, pointers)
 //   lengths (B int64) | item_base (B + 1 int64) | partials: m, l (items, H), acc (items, H, D) | scratch
-// The tables are sized for block_tokens = 1, since serving_workspace_bytes() does not know the cache. Split-KV
-// items are bounded: items <= B + kDecodeItemsPerThread * threads (see decode()).
+// The tables hold table_entries = ceil(context / block_tokens) per sequence. Split-KV items are bounded:
+// items <= B + kDecodeItemsPerThread * threads (see decode()).
 struct DecodePlan {
   int64_t stage, ctx, tables, lengths, item_base, m, l, acc, scratch, total, max_items;
 };
-DecodePlan decode_plan(const Config& c, int64_t B, int threads, int64_t scratch_stride) {
+DecodePlan decode_plan(const Config& c, int64_t B, int threads, int64_t table_entries, int64_t scratch_stride) {
   const int64_t E = c.d_model, H = c.num_heads, D = c.head_dim();
   DecodePlan r;
-  r.max_items = B + kernels::tiles::kDecodeItemsPerThread * threads;
+  r.max_items = detail::checked_add(B, int64_t{kernels::tiles::kDecodeItemsPerThread} * threads, "decode: work items");
   WorkspacePlan p;
-  r.stage = p.region(B * 3 * E);
-  r.ctx = p.region(B * E);
-  r.tables = p.region(B * c.context_length * kFloatsPerWord);
-  r.lengths = p.region(B * kFloatsPerWord);
-  r.item_base = p.region((B + 1) * kFloatsPerWord);
-  r.m = p.region(r.max_items * H);
-  r.l = p.region(r.max_items * H);
-  r.acc = p.region(r.max_items * H * D);
-  r.scratch = p.region(threads * scratch_stride);
+  r.stage = p.region({B, 3, E}, "decode: qkv");
+  r.ctx = p.region({B, E}, "decode: attention output");
+  r.tables = p.region({B, table_entries, kFloatsPerWord}, "decode: block tables");
+  r.lengths = p.region({B, kFloatsPerWord}, "decode: lengths");
+  r.item_base = p.region({B + 1, kFloatsPerWord}, "decode: work items");
+  r.m = p.region({r.max_items, H}, "decode: partial maxima");
+  r.l = p.region({r.max_items, H}, "decode: partial sums");
+  r.acc = p.region({r.max_items, H, D}, "decode: partial outputs");
+  r.scratch = p.region({threads, scratch_stride}, "decode: kernel scratch");
   r.total = p.total();
   return r;
 }
 
 }  // namespace
 
-int64_t MultiHeadAttention::Impl::extend_floats(int64_t T, int threads) const {
-  return extend_plan(cfg, T, threads, scratch_stride()).total;
+int64_t MultiHeadAttention::Impl::decode_scratch_stride(int64_t block_tokens) const {
+  return detail::round_up(static_cast<int64_t>(decode_kernel->scratch_floats(cfg.num_heads, cfg.head_dim(), block_tokens)),
+                          16);
 }
-int64_t MultiHeadAttention::Impl::decode_floats(int64_t B, int threads) const {
-  return decode_plan(cfg, B, threads, scratch_stride()).total;
+// Sized for any cache: block tables for 1-token blocks, kernel scratch for the largest run of keys.
+int64_t MultiHeadAttention::Impl::serving_floats(int64_t max_extend_tokens, int64_t max_decode_batch,
+                                                 int threads) const {
+  const int64_t C = cfg.context_length;
+  const int64_t extend = max_extend_tokens ? extend_plan(cfg, max_extend_tokens, threads, C, scratch_stride()).total : 0;
+  const int64_t decode =
+      max_decode_batch ? decode_plan(cfg, max_decode_batch, threads, C, decode_scratch_stride(C)).total : 0;
+  return std::max(extend, decode);
 }
 
 void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const float* x, int64_t T, float* out_data,
@@ -142,7 +148,8 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   const int threads = threads_for(run);
   KvCache::Impl& kv = cache.impl();
 
-  const ExtendPlan r = extend_plan(cfg, T, threads, scratch_stride());
+  const ExtendPlan r =
+      extend_plan(cfg, T, threads, ceil_div(max_length(cfg, cache), kv.block_tokens), scratch_stride());
   float* w = ws.reserve(static_cast<size_t>(r.total));
   const float** tables = reinterpret_cast<const float**>(w + r.tables);
   int64_t& P = *reinterpret_cast<int64_t*>(w + r.length);  // tokens cached before this call
@@ -194,11 +201,12 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   const int threads = threads_for(run);
   KvCache::Impl& kv = cache.impl();
 
-  const DecodePlan r = decode_plan(cfg, B, threads, scratch_stride());
+  const int64_t limit = max_length(cfg, cache), stride = ceil_div(limit, kv.block_tokens);  // table entries
+  const int64_t sstride = decode_scratch_stride(kv.block_tokens);
+  const DecodePlan r = decode_plan(cfg, B, threads, stride, sstride);
   float* w = ws.reserve(static_cast<size_t>(r.total));
   const float** tables = reinterpret_cast<const float**>(w + r.tables);
   int64_t* lengths = reinterpret_cast<int64_t*>(w + r.lengths);  // tokens cached before this step
-  const int64_t limit = max_length(cfg, cache), stride = ceil_div(limit, kv.block_tokens);  // <= context_length
   kv.begin_append(seqs, B, 1, limit, tables, stride, lengths);
   AppendLease lease(kv, seqs, B, 1);
 
@@ -232,7 +240,6 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   const kernels::DecodeKernel* kern = decode_kernel;
   const kernels::LinearKernel* lin = linear_kernel;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  const int64_t sstride = scratch_stride();
   float* scratch_base = w + r.scratch;
   // One parallel region for the whole step; each `omp for` ends in a barrier, which orders the stages.
 #pragma omp parallel num_threads(threads)
@@ -276,39 +283,28 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
 
 // --- the public calls: pick the workspace, then the Impl does the work ---
 
-namespace {
-template <class F>
-void with_workspace(MultiHeadAttention::Impl& L, Workspace* ws, F&& f) {
-  if (ws) {
-    detail::WorkspaceLease lease(ws->impl());
-    f(ws->impl());
-  } else {
-    std::lock_guard<std::mutex> lock(L.mu);
-    f(L.own_ws.impl());
-  }
-}
-}  // namespace
-
 void CausalSelfAttention::extend(KvCache& cache, SequenceId seq, const float* x, int64_t T, float* out,
                                  const RunOptions& run, Workspace* ws) {
-  with_workspace(*mha_.impl_, ws, [&](Workspace::Impl& w) { mha_.impl_->extend(cache, seq, x, T, out, run, w); });
+  mha_.impl_->with_workspace(ws, "extend", [&](Workspace::Impl& w) { mha_.impl_->extend(cache, seq, x, T, out, run, w); });
 }
 
 void CausalSelfAttention::decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out,
                                  const RunOptions& run, Workspace* ws) {
-  with_workspace(*mha_.impl_, ws, [&](Workspace::Impl& w) { mha_.impl_->decode(cache, seqs, B, x, out, run, w); });
+  mha_.impl_->with_workspace(ws, "decode", [&](Workspace::Impl& w) { mha_.impl_->decode(cache, seqs, B, x, out, run, w); });
 }
 
 size_t CausalSelfAttention::serving_workspace_bytes(int64_t max_extend_tokens, int64_t max_decode_batch,
                                                     int threads) const {
   const MultiHeadAttention::Impl& L = *mha_.impl_;
-  if (max_extend_tokens < 0 || max_decode_batch < 0 || threads < 0) {
-    invalid("serving_workspace_bytes: sizes and threads must be >= 0");
+  if (max_extend_tokens < 0 || max_extend_tokens > L.cfg.context_length || max_decode_batch < 0) {
+    invalid("serving_workspace_bytes/reserve_serving: expected 0 <= max_extend_tokens <= context_length=" +
+            str(L.cfg.context_length) + " and max_decode_batch >= 0, got " + str(max_extend_tokens) + " and " +
+            str(max_decode_batch));
   }
+  detail::check_threads(threads, "serving_workspace_bytes/reserve_serving", "threads");
   const int t = threads > 0 ? threads : L.default_threads;
-  const int64_t floats = std::max(max_extend_tokens ? L.extend_floats(max_extend_tokens, t) : 0,
-                                  max_decode_batch ? L.decode_floats(max_decode_batch, t) : 0);
-  return static_cast<size_t>(floats) * sizeof(float);
+  return static_cast<size_t>(detail::checked_mul(L.serving_floats(max_extend_tokens, max_decode_batch, t),
+                                                 sizeof(float), "serving workspace bytes"));
 }
 
 void CausalSelfAttention::reserve_serving(int64_t max_extend_tokens, int64_t max_decode_batch, int threads,
@@ -316,7 +312,7 @@ void CausalSelfAttention::reserve_serving(int64_t max_extend_tokens, int64_t max
   const size_t floats = serving_workspace_bytes(max_extend_tokens, max_decode_batch, threads) / sizeof(float);
   const MultiHeadAttention::Impl& L = *mha_.impl_;
   const int t = threads > 0 ? threads : L.default_threads;
-  with_workspace(*mha_.impl_, ws, [&](Workspace::Impl& w) {
+  mha_.impl_->with_workspace(ws, "reserve_serving", [&](Workspace::Impl& w) {
     w.reserve(floats);
     if (max_extend_tokens == 0) return;
     // extend()'s GEMMs on every thread of the team: Q of a max_extend_tokens prompt, K and V of a whole block

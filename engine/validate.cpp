@@ -111,8 +111,15 @@ void check_finite(const TensorView& v, const char* name, const char* len_symbol)
 }
 
 
+void check_threads(int64_t threads, const char* call, const char* field) {
+  if (threads < 0 || threads > max_threads()) {
+    invalid(std::string(call) + ": " + field + ": expected 0 (the default) to " + str(max_threads()) +
+            " (gpt2attn::max_threads()), got " + str(threads));
+  }
+}
+
 Shape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run) {
-  if (run.threads < 0) invalid("run.threads: expected >= 0 (0 = the layer's default), got " + str(run.threads));
+  check_threads(run.threads, "forward", "run.threads");
 
   Shape s;
   s.E = config.d_model;

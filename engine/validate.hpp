@@ -26,10 +26,14 @@ struct Shape {
 //    broadcast); mask_kind additive requires f32
 //  - key_padding: u8 or f32, shape (B, Tk)
 //  - any view with a negative stride or a null data pointer with a non-empty shape
-//  - run.threads < 0
+//  - run.threads < 0 or > max_threads()
 //  - when run.check_finite: NaN/Inf in query/key/value, or NaN in an additive mask
 //    ("query contains NaN at (b, t, e) = (0, 3, 17)"); -inf in an additive mask is allowed
 Shape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run);
+
+// Throws invalid_argument naming "call: field" unless 0 <= threads <= max_threads() (0 = the default). Builds no
+// string unless it throws: it runs on every call.
+void check_threads(int64_t threads, const char* call, const char* field);
 
 // Throws invalid_argument naming the first NaN/Inf of a rank-3 f32 view: "x contains NaN at (b, t, e) = ...".
 void check_finite(const TensorView& v, const char* name, const char* len_symbol);

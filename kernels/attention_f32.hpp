@@ -65,7 +65,7 @@ struct AttentionArgs {
   bool causal = false;
   int64_t causal_offset = 0;          // Tk - T: bottom-right alignment
   const float* causal_bias = nullptr;  // registered row: causal_bias[c] = (c >= 0 ? 0 : -inf) for c = i + offset - j,
-                                       // valid for c in [-(context-1), context + kMaxQueryTile)
+                                       // read only on tiles crossing the diagonal: -(BQ + BK) < c < BQ + BK
 
   MaskRef mask;         // (T, Tk) user mask
   MaskRef key_padding;  // (1, Tk): stride_i unused; nonzero = padding (mode block)

@@ -32,7 +32,8 @@ struct DecodeArgs {
 
 struct DecodeKernel {
   const char* isa;
-  // Floats of scratch one call needs: the scaled queries and one block's scores.
+  // Floats of scratch one call needs: the scaled queries and the scores of one run of keys (at most one block
+  // of block_tokens, and at most tiles::kDecodeMaxScoreKeys).
   size_t (*scratch_floats)(int64_t H, int64_t D, int64_t block_tokens);
   // Partial states of keys [j_begin, j_end) (j_end > j_begin) for every head: m[h], l[h] and acc + h * D.
   void (*run)(const DecodeArgs& args, int64_t j_begin, int64_t j_end, float* scratch, float* m, float* l, float* acc);

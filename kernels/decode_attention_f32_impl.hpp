@@ -26,10 +26,12 @@ struct DecodeAttentionF32 {
     for (int64_t i = 0; i < rows * D; i += 16) prefetch(p, static_cast<size_t>(kAhead * D + i) * sizeof(float));
   }
 
-  // Scratch: qs (H, D padded to W) | s (block_tokens, padded to W).
+  // Scratch: qs (H, D padded to W) | s (score_keys, padded to W), where a run of keys scored at once is at most
+  // one block and at most kDecodeMaxScoreKeys, so the scratch does not grow with the block size.
   static int64_t padded(int64_t n) { return (n + W - 1) / W * W; }
+  static int64_t score_keys(int64_t block_tokens) { return std::min<int64_t>(block_tokens, tiles::kDecodeMaxScoreKeys); }
   static size_t scratch_floats(int64_t H, int64_t D, int64_t block_tokens) {
-    return static_cast<size_t>(H * padded(D) + padded(block_tokens));
+    return static_cast<size_t>(H * padded(D) + padded(score_keys(block_tokens)));
   }
 
   // s[r] = qs . k_r for RR consecutive keys (rows D apart).
@@ -112,7 +114,7 @@ struct DecodeAttentionF32 {
     int64_t nk = 0;
     for (int64_t j0 = j_begin; j0 < j_end; j0 += nk) {
       const int64_t off = j0 % bt;
-      nk = std::min(j_end - j0, bt - off);  // keys left in this block
+      nk = std::min({j_end - j0, bt - off, score_keys(bt)});  // keys left in this block, at most a score run
       const float* k = a.blocks[j0 / bt] + off * D;  // head h's keys at k + h * bt * D, values after all K
       const float* v = k + H * bt * D;
       for (int64_t h = 0; h < H; ++h) {

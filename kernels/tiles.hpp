@@ -40,6 +40,10 @@ constexpr int linear_row_block(int lanes) { return lanes >= 16 ? 8 : (lanes == 8
 // each row block (B > 8 on AVX-512) streams it, so the weights come from memory once per step.
 inline constexpr int kLinearKChunk = 512;
 
+// The decode kernel scores at most this many keys of a block at once (one head's run): it bounds the kernel's
+// scratch for any block size, and is above the default block (kKeyTile), so default blocks are scored whole.
+inline constexpr int kDecodeMaxScoreKeys = 256;
+
 // The decode kernel streams K and V with software prefetch this many key rows ahead (4 KiB at D = 64): at
 // gpt2-small B=16 T=1024 it took a step from 3.4 to 2.0 ms; 32 and 64 rows measured 2.1-2.3 ms.
 inline constexpr int kDecodePrefetchRows = 16;

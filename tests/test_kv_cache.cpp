@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/kv_cache.hpp"
 #include "gpt2attn/error.hpp"
 #include "gpt2attn/kv_cache.hpp"
 #include "tests/test_util.hpp"
@@ -354,6 +355,8 @@ struct Harness {
   ::testing::AssertionResult accounting(const std::string& what) const {
     auto fail = [&]() { return ::testing::AssertionFailure() << ctx(what) << ": "; };
     if (cache.total_blocks() != model.total) return fail() << "total_blocks changed to " << cache.total_blocks();
+    // The pool's own books, from scratch: every block free once, or held by exactly its table entries, or pinned.
+    if (const std::string audit = cache.impl().audit(); !audit.empty()) return fail() << audit;
     if (cache.free_blocks() != model.free()) {
       return fail() << "free_blocks " << cache.free_blocks() << ", model says " << model.free();
     }

@@ -232,5 +232,81 @@ TEST(KvPool, DecodeProjectionsAtOddWidthsMatchReference) {
   }
 }
 
+// The copy-on-write undo must never hand back a block that left the sequence's keeping. A fork appends into a
+// shared, half-filled block X (begin_append copies X); before the call ends, X's other holder is released and a
+// third sequence takes every free block and writes its own K/V; then the fork's call fails. The fork must read
+// its own keys again, and X must not be both free and held. Before the fix, X went back to the free list on
+// the release, the third sequence took and overwrote it, and the undo gave it to the fork: another request's K/V.
+TEST(KvPool, FailedCopyOnWriteUndoKeepsTheOriginalOutOfThePool) {
+  const Config c = small_config();
+  CausalSelfAttention layer(c, Weights::random(c, 7));
+  KvCache cache(c, KvCacheOptions{.block_tokens = 4, .capacity_tokens = 16});  // 4 blocks
+  KvCache::Impl& p = cache.impl();
+  std::mt19937_64 rng(8);
+  const SequenceId parent = cache.create();
+  fill(layer, cache, parent, 6, rng);  // block 0 full, block 1 (X) half-filled
+  const SequenceId child = cache.fork(parent);
+  ASSERT_EQ(p.audit(), "");
+  const int64_t D = c.head_dim();
+  std::vector<std::vector<float>> child_rows;  // every cached K and V row of the child, before the call
+  for (int64_t h = 0; h < c.num_heads; ++h) {
+    for (int64_t t = 0; t < 6; ++t) {
+      child_rows.emplace_back(cache.key(child, h, t), cache.key(child, h, t) + D);
+      child_rows.emplace_back(cache.value(child, h, t), cache.value(child, h, t) + D);
+    }
+  }
+
+  const float* tables[16];
+  int64_t length = -1;
+  p.begin_append(&child, 1, 1, c.context_length, tables, 16, &length);  // copies X
+  ASSERT_EQ(p.audit(), "");
+  cache.release(parent);  // X's other holder goes while the child's call runs
+  ASSERT_EQ(p.audit(), "");
+  const SequenceId other = cache.create();
+  fill(layer, cache, other, 4 * cache.free_blocks(), rng);  // takes every free block and writes it
+  ASSERT_EQ(p.audit(), "");
+  p.end_append(&child, 1, 1, /*success=*/false);  // the call failed (oneDNN could)
+  ASSERT_EQ(p.audit(), "");
+
+  EXPECT_EQ(cache.length(child), 6);
+  size_t i = 0;
+  for (int64_t h = 0; h < c.num_heads; ++h) {
+    for (int64_t t = 0; t < 6; ++t) {
+      EXPECT_EQ(std::vector<float>(cache.key(child, h, t), cache.key(child, h, t) + D), child_rows[i++])
+          << "key h=" << h << " t=" << t << " is not the child's own";
+      EXPECT_EQ(std::vector<float>(cache.value(child, h, t), cache.value(child, h, t) + D), child_rows[i++])
+          << "value h=" << h << " t=" << t << " is not the child's own";
+    }
+  }
+  cache.release(other);
+  cache.release(child);
+  EXPECT_EQ(p.audit(), "");
+  EXPECT_EQ(cache.free_blocks(), cache.total_blocks());
+}
+
+// The same race when the call succeeds: the original, released by its other holder meanwhile, returns to the
+// pool when the call commits, and no block is lost or counted twice.
+TEST(KvPool, CommittedCopyOnWriteReturnsAReleasedOriginal) {
+  const Config c = small_config();
+  CausalSelfAttention layer(c, Weights::random(c, 9));
+  KvCache cache(c, KvCacheOptions{.block_tokens = 4, .capacity_tokens = 16});
+  KvCache::Impl& p = cache.impl();
+  std::mt19937_64 rng(10);
+  const SequenceId parent = cache.create();
+  fill(layer, cache, parent, 6, rng);
+  const SequenceId child = cache.fork(parent);
+  const float* tables[16];
+  int64_t length = -1;
+  p.begin_append(&child, 1, 1, c.context_length, tables, 16, &length);
+  cache.release(parent);
+  EXPECT_EQ(cache.free_blocks(), 1) << "the pinned original must stay out of the pool until the call ends";
+  p.end_append(&child, 1, 1, /*success=*/true);
+  ASSERT_EQ(p.audit(), "");
+  EXPECT_EQ(cache.free_blocks(), 2);  // the original is free now; the child holds block 0 and its copy
+  EXPECT_EQ(cache.length(child), 7);
+  cache.release(child);
+  EXPECT_EQ(cache.free_blocks(), cache.total_blocks());
+}
+
 }  // namespace
 }  // namespace gpt2attn

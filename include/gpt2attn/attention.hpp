@@ -21,6 +21,13 @@ Isa isa_from_string(const std::string& s);  // "best" | "scalar" | "avx2" | "avx
 Isa best_supported_isa();                   // what `best` resolves to on this machine
 bool isa_supported(Isa isa);
 
+// The most threads one call may use: min(kMaxThreads, the OpenMP thread limit, OMP_THREAD_LIMIT). A larger
+// count in EngineOptions, RunOptions or reserve_serving is refused with invalid_argument: libgomp cannot start
+// a team that large (its stack overflows, or it calls exit() when thread creation fails). A default taken from
+// omp_get_max_threads() (OMP_NUM_THREADS) is clamped to it.
+inline constexpr int kMaxThreads = 1024;
+int max_threads();
+
 struct EngineOptions {
   int threads = 0;        // default thread count for forward(); 0 = omp_get_max_threads() at construction
   Isa isa = Isa::best;    // GPT2ATTN_ISA=scalar|avx2|avx512 in the environment overrides `best`

@@ -8,6 +8,12 @@
 
 namespace gpt2attn {
 
+// Upper bounds Config::validate() enforces on every size a file, a flag or a C struct can set. They keep every
+// element and byte count the library derives from a config (weights, the registered causal mask, workspaces,
+// KV blocks) far inside int64, and they are beyond any model that exists: GPT-3 175B is 12288 wide, 96 heads.
+inline constexpr int64_t kMaxWidth = int64_t{1} << 20;          // d_model, d_in, kdim, vdim (and so num_heads)
+inline constexpr int64_t kMaxContextLength = int64_t{1} << 24;  // 16,777,216 tokens
+
 // Vocabulary used at every boundary: B batch, T query length, Tk key length, E model width (d_model),
 // H heads, D = E / H head size. Input widths: d_in (query), kdim (key), vdim (value).
 struct Config {
@@ -16,7 +22,8 @@ struct Config {
   int64_t d_in = 0;             // query input width; 0 means E (seed 004's d_in != d_out when set)
   int64_t kdim = 0;             // key input width; 0 means d_in (torch.nn.MultiheadAttention's kdim)
   int64_t vdim = 0;             // value input width; 0 means d_in
-  int64_t context_length = 1024;  // longest T and Tk accepted; the causal mask is registered for it
+  int64_t context_length = 1024;  // longest T and Tk accepted (<= kMaxContextLength); the causal mask is
+                                  // registered for it
   bool qkv_bias = true;         // biases on the Q/K/V projections
   bool out_bias = true;         // bias on the output projection
   bool causal = false;          // bottom-right aligned causal mask (top-left when T == Tk)
@@ -29,7 +36,8 @@ struct Config {
   // True when one fused [3E, d_in] projection applies (query, key and value share a width).
   bool same_input_widths() const { return key_width() == query_width() && value_width() == query_width(); }
 
-  // Throws Error(invalid_argument) naming the first bad field.
+  // Throws Error(invalid_argument) naming the first bad field: a size <= 0 (or < 0 where 0 means the default),
+  // above its bound (kMaxWidth, kMaxContextLength), heads that do not divide d_model, dropout outside [0, 1).
   void validate() const;
 };
 

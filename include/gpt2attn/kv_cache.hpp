@@ -68,6 +68,7 @@ class KvCache {
 
   struct Impl;  // engine-internal (engine/kv_cache.hpp)
   Impl& impl() { return *impl_; }
+  const Impl& impl() const { return *impl_; }
 
  private:
   std::unique_ptr<Impl> impl_;

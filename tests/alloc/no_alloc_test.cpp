@@ -1,4 +1,5 @@
-// tests/alloc/no_alloc_test.cpp: the serving steady state allocates nothing. This program replaces malloc and its
+// tests/alloc/no_alloc_test.cpp: the serving steady state allocates nothing, and an allocation that fails anywhere
+// in a serving life cycle reaches the caller as Error(out_of_memory). This program replaces malloc and its
 // relatives (forwarding to glibc's __libc_* entry points) and operator new/delete for the whole process, counts
 // every allocation made while a flag is armed, and requires zero during decode steps after reserve_serving(), on
 // every instruction set this CPU runs. forward() and extend() run oneDNN GEMMs, and oneDNN 2.6 builds an argument
@@ -104,6 +105,21 @@ void note_free(void* p) {
   if (p && g_armed.load(std::memory_order_relaxed) && !t_in_hook) g_frees.fetch_add(1);
 }
 
+// Fault injection: while g_fail_at > 0, the g_fail_at-th call of a throwing operator new made outside oneDNN and
+// libgomp throws std::bad_alloc (as a real out-of-memory would), once; g_injected says whether it happened.
+std::atomic<long> g_fail_at{0}, g_new_calls{0};
+std::atomic<bool> g_injected{false};
+__attribute__((always_inline)) inline void maybe_fail_new(const void* caller) {
+  if (g_fail_at.load(std::memory_order_relaxed) == 0 || t_in_hook || origin_of(caller) != kOther) return;
+  if (g_new_calls.fetch_add(1) + 1 == g_fail_at.load()) {
+    g_injected.store(true);
+    t_in_hook = true;
+    g_samples[kOther][0].depth = backtrace(g_samples[kOther][0].stack, kFrames);
+    t_in_hook = false;
+    throw std::bad_alloc();
+  }
+}
+
 // Not a function: the caller's address must be the allocating function's caller.
 #define aligned(alignment, n) (note_allocation(n), __libc_memalign((alignment), (n)))
 
@@ -144,11 +160,13 @@ int posix_memalign(void** out, size_t alignment, size_t n) {
 
 void* operator new(size_t n) {
   note_allocation(n);
+  maybe_fail_new(__builtin_return_address(0));
   if (void* p = __libc_malloc(n ? n : 1)) return p;
   throw std::bad_alloc();
 }
 void* operator new[](size_t n) {
   note_allocation(n);
+  maybe_fail_new(__builtin_return_address(0));
   if (void* p = __libc_malloc(n ? n : 1)) return p;
   throw std::bad_alloc();
 }
@@ -350,6 +368,61 @@ void check_isa(Isa isa) {
   }
 }
 
+// A server's whole life cycle on one layer (construction, a cache, prefill, fork, decode, forward), run again and
+// again with its n-th C++ allocation failing, n = 1, 2, ... until a run makes fewer allocations than n. Each run
+// must end in success or in Error(out_of_memory): never std::bad_alloc or another exception escaping the API.
+void check_allocation_failures() {
+  Config c;
+  c.d_model = 32, c.num_heads = 2, c.context_length = 64, c.causal = true;
+  const Weights w = Weights::random(c, 3);
+  std::mt19937_64 rng(4);
+  const std::vector<float> x = random_tokens(6 * c.d_model, rng);
+  std::vector<float> out(static_cast<size_t>(6 * c.d_model));
+  auto life = [&] {
+    CausalSelfAttention layer(c, w, EngineOptions{.threads = 1});
+    KvCache cache(layer.config(), KvCacheOptions{.block_tokens = 4, .capacity_tokens = 64});
+    const SequenceId s = cache.create();
+    layer.extend(cache, s, x.data(), 6, out.data());
+    const SequenceId both[2] = {s, cache.fork(s)};
+    layer.decode(cache, both, 2, x.data(), out.data());
+    Workspace ws;
+    layer.forward(x.data(), 1, 6, out.data(), {}, &ws);
+  };
+  long n = 1, errors = 0;
+  for (;; ++n) {
+    g_new_calls.store(0);
+    g_injected.store(false);
+    g_fail_at.store(n);
+    std::string escaped;
+    try {
+      life();
+    } catch (const Error& e) {
+      if (e.code() == ErrorCode::out_of_memory) {
+        ++errors;
+      } else {
+        escaped = std::string("Error with code ") + std::to_string(static_cast<int>(e.code())) + ": " + e.what();
+      }
+    } catch (const std::bad_alloc&) {
+      escaped = "std::bad_alloc";
+    } catch (const std::exception& e) {
+      escaped = std::string("std::exception: ") + e.what();
+    }
+    g_fail_at.store(0);
+    if (!escaped.empty()) {
+      std::printf("FAIL  allocation %ld failing: %s escaped the API; the failed allocation was made from:\n", n,
+                  escaped.c_str());
+      std::fflush(stdout);
+      backtrace_symbols_fd(g_samples[kOther][0].stack, g_samples[kOther][0].depth, STDOUT_FILENO);
+      ++g_failed;
+      return;
+    }
+    if (!g_injected.load()) break;
+  }
+  std::printf("ok    each of %ld C++ allocations of a serving life cycle failed in turn: %ld ended in "
+              "Error(out_of_memory), the rest recovered\n", n - 1, errors);
+  ++g_passed;
+}
+
 }  // namespace
 
 int main() {
@@ -369,6 +442,7 @@ int main() {
       ++g_failed;
     }
   }
+  check_allocation_failures();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

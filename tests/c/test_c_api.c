@@ -213,6 +213,8 @@ static void test_argument_errors(gpt2attn_layer_t* layer, const float* xa) {
   CHECK_ERR(gpt2attn_kv_cache_create(NULL, BLOCK, 64, &cache), GPT2ATTN_ERR_INVALID_ARGUMENT, "layer");
   CHECK_ERR(gpt2attn_layer_create_random(NULL, 1, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "config");
   CHECK_ERR(gpt2attn_layer_forward(layer, xa, 1, 2, y, -1, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "threads");
+  /* libgomp cannot start a team of 100000 threads (stack overflow, or exit() when creation fails). */
+  CHECK_ERR(gpt2attn_layer_forward(layer, xa, 1, 2, y, 100000, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "threads");
   CHECK(untouched(y, PROMPT_A * E), "outputs untouched by failed calls");
   gpt2attn_layer_destroy(NULL); /* no-ops, must not crash */
   gpt2attn_kv_cache_destroy(NULL);
@@ -221,6 +223,18 @@ static void test_argument_errors(gpt2attn_layer_t* layer, const float* xa) {
   /* The message is per thread and prefixed with the function that failed. */
   CHECK(strncmp(gpt2attn_last_error(), "gpt2attn_layer_forward", 22) == 0, "message names the function: \"%s\"",
         gpt2attn_last_error());
+  CHECK_ERR(gpt2attn_layer_extend(layer, cache, s, xa, 2, y, 100000, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "threads");
+  {
+    /* A context length near INT64_MAX wrapped the layer's sizes and forward wrote past its workspace. */
+    gpt2attn_config_t huge;
+    CHECK_OK(gpt2attn_config_preset("gpt2-small", &huge));
+    gpt2attn_layer_t* none = NULL;
+    huge.context_length = INT64_MAX;
+    CHECK_ERR(gpt2attn_layer_create_random(&huge, 1, &none), GPT2ATTN_ERR_INVALID_ARGUMENT, "context_length");
+    huge.context_length = (int64_t)1 << 62;
+    CHECK_ERR(gpt2attn_layer_create_random(&huge, 1, &none), GPT2ATTN_ERR_INVALID_ARGUMENT, "context_length");
+    CHECK(none == NULL, "no layer published by a failed create");
+  }
 
   /* Unknown and released sequence ids: refused, naming the id; the cache is unchanged. */
   const gpt2attn_seq_t unknown = 987654;

@@ -1,0 +1,56 @@
+// engine/util.hpp: the engine's small shared helpers: overflow-checked size arithmetic (every element and byte
+// count derived from a config, a shape, a flag or a file goes through it), ceil_div, and number formatting for
+// error messages. Nothing here allocates on success or knows about attention.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <new>
+#include <string>
+
+#include "gpt2attn/error.hpp"
+
+namespace gpt2attn::detail {
+
+inline std::string str(int64_t v) { return std::to_string(v); }
+
+// a * b and a + b for sizes (non-negative), or Error(out_of_memory) naming `what` when the result does not fit
+// in int64: a size that large can never be allocated, so the caller's request is refused before anything is.
+inline int64_t checked_mul(int64_t a, int64_t b, const char* what) {
+  int64_t r = 0;
+  if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r)) {
+    fail(ErrorCode::out_of_memory, std::string(what) + ": size " + str(a) + " x " + str(b) + " overflows int64");
+  }
+  return r;
+}
+inline int64_t checked_add(int64_t a, int64_t b, const char* what) {
+  int64_t r = 0;
+  if (a < 0 || b < 0 || __builtin_add_overflow(a, b, &r)) {
+    fail(ErrorCode::out_of_memory, std::string(what) + ": size " + str(a) + " + " + str(b) + " overflows int64");
+  }
+  return r;
+}
+// The product of every factor, checked: checked_product({B, T, E}, "q").
+inline int64_t checked_product(std::initializer_list<int64_t> factors, const char* what) {
+  int64_t r = 1;
+  for (int64_t f : factors) r = checked_mul(r, f, what);
+  return r;
+}
+
+// ceil(a / b) for a >= 0, b > 0, without the overflow of (a + b - 1) / b.
+inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
+// The multiple of m at or above n (n >= 0, m > 0), checked.
+inline int64_t round_up(int64_t n, int64_t m, const char* what = "size") { return checked_mul(ceil_div(n, m), m, what); }
+
+// Runs f() and turns a std::bad_alloc escaping it into Error(out_of_memory) naming `what`, so a C++ caller sees
+// the library's one exception type for every failure (the public entry points wrap their bodies in this).
+template <class F>
+decltype(auto) translate_bad_alloc(const char* what, F&& f) {
+  try {
+    return f();
+  } catch (const std::bad_alloc&) {
+    fail(ErrorCode::out_of_memory, std::string(what) + ": out of memory");
+  }
+}
+
+}  // namespace gpt2attn::detail

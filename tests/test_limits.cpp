@@ -1,0 +1,142 @@
+// tests/test_limits.cpp: sizes and counts at the edges of what the library accepts: config bounds (context
+// length, widths), overflow-checked byte counts, thread counts, buffers sized by the call rather than by the
+// context, and allocation failures surfacing as Error(out_of_memory). Each case is a refusal with a message that
+// names the problem, never a crash or a silent truncation.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "gpt2attn/gpt2attn.hpp"
+
+namespace gpt2attn {
+namespace {
+
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+
+Config small(int64_t context = 64) {
+  Config c;
+  c.d_model = 16;
+  c.num_heads = 2;
+  c.context_length = context;
+  c.causal = true;
+  return c;
+}
+
+// Runs f, expecting Error(code) whose message contains every one of `words`.
+template <class F>
+::testing::AssertionResult refused(F&& f, ErrorCode code, std::initializer_list<const char*> words) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (e.code() != code) {
+      return ::testing::AssertionFailure() << "code " << static_cast<int>(e.code()) << ": " << e.what();
+    }
+    for (const char* w : words) {
+      if (std::string(e.what()).find(w) == std::string::npos) {
+        return ::testing::AssertionFailure() << "message lacks '" << w << "': " << e.what();
+      }
+    }
+    return ::testing::AssertionSuccess();
+  } catch (const std::exception& e) {
+    return ::testing::AssertionFailure() << "not a gpt2attn::Error: " << e.what();
+  }
+  return ::testing::AssertionFailure() << "accepted";
+}
+
+// Near INT64_MAX the layer's sizes wrapped (the causal row, the decode scratch) and forward wrote past its
+// workspace; at 2^62 a std::vector length error escaped. Every size a config carries is bounded now.
+TEST(Limits, ContextLengthIsBounded) {
+  for (int64_t context : {kInt64Max, int64_t{1} << 62, kMaxContextLength + 1}) {
+    Config c = small(context);
+    EXPECT_TRUE(refused([&] { c.validate(); }, ErrorCode::invalid_argument, {"context_length", "16777216"}))
+        << context;
+    EXPECT_TRUE(refused([&] { MultiHeadAttention(c, Weights::random(small(), 1)); }, ErrorCode::invalid_argument,
+                        {"context_length"}));
+  }
+  Config c = small(kMaxContextLength);
+  EXPECT_NO_THROW(c.validate());
+}
+
+TEST(Limits, WidthsAreBounded) {
+  for (auto field : {&Config::d_model, &Config::d_in, &Config::kdim, &Config::vdim, &Config::num_heads}) {
+    Config c = small();
+    c.*field = kInt64Max;
+    EXPECT_TRUE(refused([&] { c.validate(); }, ErrorCode::invalid_argument, {"must be in"}));
+    c.*field = kMaxWidth + 1;
+    EXPECT_TRUE(refused([&] { c.validate(); }, ErrorCode::invalid_argument, {"1048576"}));
+  }
+  Config c = small();
+  c.d_in = -1;
+  EXPECT_TRUE(refused([&] { c.validate(); }, ErrorCode::invalid_argument, {"d_in", "-1"}));
+}
+
+// The registered causal mask and the kernel scratch are sized by the kernel's tiles and by the call, not by
+// the context: a short query on a layer built for the longest context costs what a short query costs.
+TEST(Limits, BuffersAreSizedByTheCallNotTheContext) {
+  const Config c = small(kMaxContextLength);
+  const Weights w = Weights::random(c, 2);
+  MultiHeadAttention mha(c, w);
+  const size_t at_max_context = mha.workspace_bytes(1, 5, 5);
+  MultiHeadAttention short_ctx(small(8), w);
+  EXPECT_EQ(at_max_context, short_ctx.workspace_bytes(1, 5, 5));
+  EXPECT_LT(at_max_context, size_t{1} << 20);
+  std::vector<float> x(5 * 16, 0.25f), y(5 * 16);
+  AttentionInputs in;
+  in.query = TensorView::f32(x.data(), {1, 5, 16});
+  Workspace ws;
+  mha.forward(in, y.data(), {}, &ws);
+  EXPECT_LT(ws.bytes(), size_t{1} << 20);
+}
+
+// Byte counts are computed with overflow checks: a request too large to exist is refused before any allocation.
+TEST(Limits, HugeCallsAreRefusedNotWrapped) {
+  const Config c = small();
+  CausalSelfAttention layer(c, Weights::random(c, 3));
+  EXPECT_TRUE(refused([&] { layer.layer().workspace_bytes(kInt64Max / 4, 64, 64); }, ErrorCode::out_of_memory,
+                      {"overflows"}));
+  EXPECT_TRUE(refused([&] { layer.layer().reserve(int64_t{1} << 40, 64, 64); }, ErrorCode::out_of_memory, {}));
+  EXPECT_TRUE(refused([&] { layer.serving_workspace_bytes(0, kInt64Max / 2); }, ErrorCode::out_of_memory,
+                      {"overflows"}));
+  EXPECT_TRUE(refused([&] { layer.serving_workspace_bytes(65, 1); }, ErrorCode::invalid_argument,
+                      {"max_extend_tokens", "context_length=64"}));
+  EXPECT_TRUE(refused([&] { layer.layer().workspace_bytes(1, 65, 64); }, ErrorCode::invalid_argument,
+                      {"context_length=64"}));
+  EXPECT_TRUE(refused([&] { KvCache(c, KvCacheOptions{.block_tokens = 4, .capacity_tokens = kInt64Max}); },
+                      ErrorCode::invalid_argument, {"capacity"}));
+  EXPECT_TRUE(refused([&] { KvCache(c, KvCacheOptions{.block_tokens = 4, .capacity_bytes = SIZE_MAX}); },
+                      ErrorCode::invalid_argument, {"capacity"}));
+}
+
+// libgomp overflows its stack starting a team of 100,000 threads, or exit()s when it cannot create one; a
+// count beyond max_threads() is refused wherever a thread count enters.
+TEST(Limits, ThreadCountsAreBounded) {
+  ASSERT_GE(max_threads(), 1);
+  ASSERT_LE(max_threads(), kMaxThreads);
+  const Config c = small();
+  const Weights w = Weights::random(c, 4);
+  for (int threads : {100000, max_threads() + 1, -1}) {
+    EXPECT_TRUE(refused([&] { CausalSelfAttention(c, w, EngineOptions{.threads = threads}); },
+                        ErrorCode::invalid_argument, {"EngineOptions.threads", "max_threads"}))
+        << threads;
+    CausalSelfAttention layer(c, w);
+    std::vector<float> x(16, 0.5f), y(16, -7.0f);
+    RunOptions run;
+    run.threads = threads;
+    EXPECT_TRUE(refused([&] { layer.forward(x.data(), 1, 1, y.data(), run); }, ErrorCode::invalid_argument,
+                        {"run.threads"}));
+    EXPECT_EQ(y, std::vector<float>(16, -7.0f)) << "a refused call wrote its output";
+    KvCache cache(c, KvCacheOptions{.capacity_tokens = 64});
+    const SequenceId s = cache.create();
+    EXPECT_TRUE(refused([&] { layer.extend(cache, s, x.data(), 1, y.data(), run); }, ErrorCode::invalid_argument,
+                        {"extend", "threads"}));
+    EXPECT_EQ(cache.length(s), 0);
+    EXPECT_TRUE(refused([&] { layer.reserve_serving(1, 1, threads); }, ErrorCode::invalid_argument, {"threads"}));
+  }
+  EXPECT_NO_THROW(CausalSelfAttention(c, w, EngineOptions{.threads = max_threads()}));
+}
+
+}  // namespace
+}  // namespace gpt2attn
