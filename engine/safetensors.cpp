@@ -2,9 +2,13 @@
 // any data is trusted), F32/F16/BF16 widening, and the atomic F32 writer. Knows nothing of attention layers.
 #include "engine/safetensors.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <tuple>
+#include <vector>
 
 #include "engine/file_io.hpp"
 #include "gpt2attn/error.hpp"
@@ -108,6 +112,86 @@ Tensor parse_entry(const std::string& path, const std::string& name, const json&
   return t;
 }
 
+// Parses the header, refusing a key that appears twice in one object: nlohmann keeps the last silently, while other
+// readers (and the writer's intent) may take the first, so the file would mean different tensors to each.
+json parse_header(const std::string& path, const std::string& text) {
+  struct Object {
+    std::string name;  // the key it is the value of, or of the array holding it ("" for the header itself)
+    std::set<std::string> keys;
+  };
+  std::vector<Object> open;  // innermost last; at most one entry per nesting level the parser itself holds
+  std::string last_key;
+  const auto check_key = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      open.push_back({last_key, {}});
+    } else if (event == json::parse_event_t::object_end) {
+      open.pop_back();
+    } else if (event == json::parse_event_t::key) {
+      last_key = parsed.get<std::string>();
+      if (!open.back().keys.insert(last_key).second)
+        io::file_error(path, "header has duplicate key '" + last_key + "'" +
+                                 (open.size() > 1 ? " (in '" + open.back().name + "')" : std::string()));
+    }
+    return true;
+  };
+  try {
+    return json::parse(text, check_key);
+  } catch (const json::exception& e) {
+    io::file_error(path, std::string("header is not valid JSON: ") + e.what());
+  }
+}
+
+// "[begin, end)". Built by appending: GCC 12 warns falsely (-Wrestrict) on "[" + std::to_string(...).
+std::string span_text(const Tensor& t) {
+  std::string s = "[";
+  s += std::to_string(t.begin) + ", " + std::to_string(t.end) + ")";
+  return s;
+}
+
+// The data section must be tiled exactly, as the reference reader requires: sorted by (begin, end), each tensor
+// starts where the previous one ended, the first at 0, and the last ends at the data size. Anything else is two
+// names for one byte, or bytes no tensor owns (room for a hidden payload). An empty tensor owns no byte, so it may
+// sit at any boundary, several at one; one strictly inside another tensor is refused like a gap, not an overlap.
+void check_layout(const std::string& path, const std::map<std::string, Tensor>& tensors, uint64_t data_size) {
+  using Entry = std::map<std::string, Tensor>::value_type;
+  std::vector<const Entry*> order;
+  for (const Entry& e : tensors) order.push_back(&e);
+  std::sort(order.begin(), order.end(), [](const Entry* x, const Entry* y) {
+    return std::tie(x->second.begin, x->second.end, x->first) < std::tie(y->second.begin, y->second.end, y->first);
+  });
+  uint64_t covered = 0;         // bytes [0, covered) belong to the tensors seen so far
+  const Entry* last = nullptr;  // the last non-empty tensor seen; it ends at `covered`
+  for (const Entry* e : order) {
+    const auto& [name, t] = *e;
+    if (t.begin < covered) {
+      if (t.begin == t.end)
+        io::file_error(path, "empty tensor '" + name + "' at offset " + std::to_string(t.begin) +
+                                 " lies inside tensor '" + last->first + "' " + span_text(last->second) +
+                                 "; an empty tensor must sit at a boundary between tensors");
+      io::file_error(path, "tensors '" + last->first + "' " + span_text(last->second) + " and '" + name + "' " +
+                               span_text(t) + " overlap (data_offsets must not share bytes)");
+    }
+    if (t.begin > covered) {
+      const std::string where =
+          last ? "between '" + last->first + "' and '" + name + "'" : "before '" + name + "', the first";
+      io::file_error(path, "bytes [" + std::to_string(covered) + ", " + std::to_string(t.begin) +
+                               ") of the data section belong to no tensor (" + where +
+                               "); data_offsets must cover the data section without gaps");
+    }
+    if (t.end > t.begin) {
+      covered = t.end;
+      last = e;
+    }
+  }
+  if (covered == data_size) return;
+  if (!last)
+    io::file_error(path, std::to_string(data_size) + " bytes of data but " +
+                             (tensors.empty() ? "the header lists no tensors" : "every tensor in the header is empty"));
+  io::file_error(path, std::to_string(data_size - covered) + " trailing bytes after the last tensor '" + last->first +
+                           "', which ends at " + std::to_string(covered) + " of " + std::to_string(data_size) +
+                           " (the data section must end where the last tensor does)");
+}
+
 }  // namespace
 
 File read(const std::string& path) {
@@ -131,12 +215,7 @@ File read(const std::string& path) {
   // nlohmann stops at a NUL as if the input ended, which would accept "{}\0garbage"; the format says JSON only.
   if (const size_t nul = text.find('\0'); nul != std::string::npos)
     io::file_error(path, "header is not valid JSON: NUL byte at offset " + std::to_string(nul));
-  json header;
-  try {
-    header = json::parse(text);
-  } catch (const json::exception& e) {
-    io::file_error(path, std::string("header is not valid JSON: ") + e.what());
-  }
+  const json header = parse_header(path, text);
   if (!header.is_object())
     io::file_error(path, std::string("header JSON is not an object (it is ") + header.type_name() + ")");
 
@@ -153,6 +232,7 @@ File read(const std::string& path) {
     }
     f.tensors.emplace(name, parse_entry(path, name, value, data_size));
   }
+  check_layout(path, f.tensors, data_size);
 
   // Every tensor's bytes were proved to lie inside data_size, so this is the only large allocation.
   f.data.resize(data_size);

@@ -25,9 +25,12 @@ struct File {
   std::vector<float> to_f32(const std::string& name) const;
 };
 
-// Checks: file size >= 8, header length <= file size - 8 and <= 100 MB, valid JSON object, every
-// entry has dtype/shape/data_offsets of the right types, known dtype, non-negative shape whose byte size
-// equals end - begin, begin <= end <= data size, no overflow. Throws Error(bad_file) naming path + tensor.
+// Checks: file size >= 8, header length <= file size - 8 and <= 100 MB, valid JSON object with no key twice in
+// any one object, every entry has dtype/shape/data_offsets of the right types, known dtype, non-negative shape
+// whose byte size equals end - begin, begin <= end <= data size, no overflow; and the offsets tile the data
+// section exactly: sorted by (begin, end), the first starts at 0, each starts where the previous non-empty one
+// ends (no overlap, no gap; an empty tensor may sit only at such a boundary), the last ends at the data size (no
+// trailing bytes). Throws Error(bad_file) naming path + tensor(s) (or the duplicated key).
 File read(const std::string& path);
 
 // Writes a safetensors file of F32 tensors (used by tests and `gpt2attn` tooling).

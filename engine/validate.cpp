@@ -21,19 +21,28 @@ const char* dtype_name(DType d) {
   return "unknown";
 }
 
-// Checks that hold for every view before its shape is read: a sane rank, no negative size or stride, and data
-// behind a non-empty shape. A bad rank is reported before shape_str() is called, which indexes shape[0..rank).
-void check_view(const TensorView& v, const char* name) {
+// Checks that hold for every view before its shape is read: a sane rank, no negative size or stride, no zero size
+// (`dims` names the sizes that must be >= 1), and data behind the shape. A bad rank is reported before shape_str()
+// is called, which indexes shape[0..rank). A zero size is reported before a null pointer: a zero-element array (an
+// empty .npy file, whose std::vector::data() is null) is no null pointer to its user, and a null view let through
+// would pass for an absent one below (empty() is data == nullptr), so a zero-length key and value would mean
+// self-attention.
+void check_view(const TensorView& v, const char* name, const char* dims) {
   if (v.rank < 0 || v.rank > 4) invalid(std::string(name) + ": rank must be in [0, 4], got " + str(v.rank));
-  if (v.data == nullptr && v.rank > 0) {
-    invalid(std::string(name) + ": null data pointer with non-empty shape " + v.shape_str());
-  }
+  bool no_elements = false;
   for (int d = 0; d < v.rank; ++d) {
     if (v.shape[d] < 0) invalid(std::string(name) + ": negative size in shape " + v.shape_str());
     if (v.strides[d] < 0) {
       invalid(std::string(name) + ": negative stride " + str(v.strides[d]) + " in dimension " + str(d) +
               " (shape " + v.shape_str() + "); negative strides are not supported");
     }
+    no_elements = no_elements || v.shape[d] == 0;
+  }
+  if (no_elements) {
+    invalid(std::string(name) + ": shape " + v.shape_str() + " has no elements; " + dims + " must be >= 1");
+  }
+  if (v.data == nullptr && v.rank > 0) {
+    invalid(std::string(name) + ": null data pointer with non-empty shape " + v.shape_str());
   }
 }
 
@@ -129,7 +138,7 @@ Shape validate_inputs(const Config& config, const AttentionInputs& in, const Run
 
   // query (B, T, d_in)
   const TensorView& q = in.query;
-  check_view(q, "query");
+  check_view(q, "query", "B, T and the width d_in");
   if (q.empty()) invalid("query: missing; expected a (B, T, d_in) f32 tensor");
   require_dtype(q, "query", DType::f32);
   if (q.rank != 3) {
@@ -147,8 +156,8 @@ Shape validate_inputs(const Config& config, const AttentionInputs& in, const Run
 
   // key (B, Tk, kdim) and value (B, Tk, vdim), both or neither
   const TensorView &k = in.key, &v = in.value;
-  check_view(k, "key");
-  check_view(v, "value");
+  check_view(k, "key", "B, Tk and the width kdim");
+  check_view(v, "value", "B, Tk and the width vdim");
   if (k.empty() != v.empty()) {
     invalid(k.empty() ? "value given without key: pass both for cross-attention, or neither for self-attention"
                       : "key given without value: pass both for cross-attention, or neither for self-attention");
@@ -188,7 +197,7 @@ Shape validate_inputs(const Config& config, const AttentionInputs& in, const Run
 
   // attn_mask: exactly (T, Tk), (B, T, Tk) or (B, H, T, Tk); broadcasting beyond that is the caller's strides.
   const TensorView& m = in.attn_mask;
-  check_view(m, "attn_mask");
+  check_view(m, "attn_mask", "T, Tk and, where present, B and H");
   if (!m.empty()) {
     require_mask_dtype(m, "attn_mask");
     if (in.mask_kind == MaskKind::additive && m.dtype != DType::f32) {
@@ -217,7 +226,7 @@ Shape validate_inputs(const Config& config, const AttentionInputs& in, const Run
 
   // key_padding (B, Tk), nonzero = padding
   const TensorView& kp = in.key_padding;
-  check_view(kp, "key_padding");
+  check_view(kp, "key_padding", "B and Tk");
   if (!kp.empty()) {
     require_mask_dtype(kp, "key_padding");
     if (kp.rank != 2 || kp.shape[0] != s.B || kp.shape[1] != s.Tk) {

@@ -25,7 +25,7 @@ class Safetensors : public testutil::TempDirTest {
  protected:
   // Writes `bytes` to a fresh file and returns its path.
   std::string file(const std::string& bytes) {
-    const std::string p = path("f" + std::to_string(n_++) + ".safetensors");
+    const std::string p = path(std::to_string(n_++) + ".safetensors");  // not "f" + ...: GCC 12's false -Wrestrict
     write_bytes(p, bytes);
     return p;
   }
@@ -277,6 +277,88 @@ TEST_F(Safetensors, RejectsBadMetadata) {
                           ErrorCode::bad_file, "__metadata__"));
   EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(st_raw(R"({"__metadata__": [1]})", ""))); },
                           ErrorCode::bad_file, "__metadata__"));
+}
+
+// The data section must be tiled exactly: sorted by begin, each tensor starts where the previous one ended, the
+// first at 0, the last ends at the data size. Overlaps, gaps and trailing bytes all let two readers of the same file
+// disagree about what it holds (or hide a second payload), so the reference implementation refuses them too.
+
+// A header entry for an F32 tensor of `n` elements at [begin, begin + 4n).
+json f32_at(int64_t n, uint64_t begin) {
+  return {{"dtype", "F32"}, {"shape", {n}}, {"data_offsets", {begin, begin + 4 * static_cast<uint64_t>(n)}}};
+}
+
+TEST_F(Safetensors, RejectsOverlappingTensors) {
+  const std::string partly = file(st_raw(json{{"a", f32_at(4, 0)}, {"b", f32_at(4, 8)}}.dump(), std::string(24, '\0')));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(partly); }, ErrorCode::bad_file,
+                          partly + ": tensors 'a' [0, 16) and 'b' [8, 24) overlap"));
+  // Two names for the same bytes.
+  const std::string same = file(st_raw(json{{"x", f32_at(4, 0)}, {"y", f32_at(4, 0)}}.dump(), std::string(16, '\0')));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(same); }, ErrorCode::bad_file,
+                          "tensors 'x' [0, 16) and 'y' [0, 16) overlap"));
+  // A long tensor covering two short ones that tile the same bytes.
+  const std::string cover = file(
+      st_raw(json{{"a", f32_at(2, 0)}, {"b", f32_at(2, 8)}, {"all", f32_at(4, 0)}}.dump(), std::string(16, '\0')));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(cover); }, ErrorCode::bad_file, "overlap"));
+}
+
+TEST_F(Safetensors, RejectsGapsBetweenTensors) {
+  const std::string gap = file(st_raw(json{{"a", f32_at(2, 0)}, {"b", f32_at(2, 12)}}.dump(), std::string(20, '\0')));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(gap); }, ErrorCode::bad_file,
+                          gap + ": bytes [8, 12) of the data section belong to no tensor (between 'a' and 'b')"));
+  const std::string lead = file(st_raw(json{{"a", f32_at(2, 4)}}.dump(), std::string(12, '\0')));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(lead); }, ErrorCode::bad_file,
+                          "bytes [0, 4) of the data section belong to no tensor (before 'a', the first)"));
+}
+
+TEST_F(Safetensors, RejectsTrailingBytesAfterTheLastTensor) {
+  const std::string good = st_file({f32("a", {4}), f32("b", {2})});
+  ASSERT_NO_THROW(safetensors::read(file(good)));
+  const std::string extra = file(good + "PK\x03\x04");
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(extra); }, ErrorCode::bad_file,
+                          extra + ": 4 trailing bytes after the last tensor 'b', which ends at 24 of 28"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(st_raw("{}", "junk"))); }, ErrorCode::bad_file,
+                          "4 bytes of data but the header lists no tensors"));
+  const json empty = {{"e", {{"dtype", "F32"}, {"shape", {0}}, {"data_offsets", {0, 0}}}}};
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(st_raw(empty.dump(), "junk"))); }, ErrorCode::bad_file,
+                          "4 bytes of data but every tensor in the header is empty"));
+}
+
+TEST_F(Safetensors, RejectsDuplicateHeaderKeys) {
+  const std::string a = R"({"dtype": "F32", "shape": [4], "data_offsets": [0, 16]})";
+  const std::string names = file(st_raw(R"({"a": )" + a + R"(, "a": )" + a + "}", std::string(16, '\0')));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(names); }, ErrorCode::bad_file,
+                          names + ": header has duplicate key 'a'"));
+  const std::string field = file(st_raw(
+      R"({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16], "dtype": "F16"}})", std::string(16, '\0')));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(field); }, ErrorCode::bad_file,
+                          "header has duplicate key 'dtype' (in 't')"));
+  const std::string meta = file(st_raw(R"({"__metadata__": {"format": "pt", "format": "np"}})", ""));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(meta); }, ErrorCode::bad_file,
+                          "header has duplicate key 'format' (in '__metadata__')"));
+  // The same key in two different objects is not a duplicate.
+  EXPECT_NO_THROW(safetensors::read(file(st_file({f32("a", {1}), f32("b", {1})}, {{"a", "x"}}))));
+}
+
+// Empty tensors hold no bytes, so several may sit at one boundary, at 0 or at the end; but the reference reader
+// refuses one whose offset falls inside another tensor, and so does this one (not as an overlap: no byte is shared).
+TEST_F(Safetensors, EmptyTensorsSitAtBoundariesOnly) {
+  const json zero_at_8 = {{"dtype", "F32"}, {"shape", {0, 3}}, {"data_offsets", {8, 8}}};
+  const json h = {{"first", {{"dtype", "F16"}, {"shape", {0}}, {"data_offsets", {0, 0}}}},
+                  {"a", f32_at(2, 0)},
+                  {"mid1", zero_at_8},
+                  {"mid2", zero_at_8},
+                  {"b", f32_at(2, 8)},
+                  {"last", {{"dtype", "BF16"}, {"shape", {5, 0}}, {"data_offsets", {16, 16}}}}};
+  const safetensors::File f = safetensors::read(file(st_raw(h.dump(), std::string(16, '\0'))));
+  EXPECT_EQ(f.tensors.size(), 6u);
+  EXPECT_TRUE(f.to_f32("mid2").empty());
+  const json only = {{"only", {{"dtype", "F32"}, {"shape", {0}}, {"data_offsets", {0, 0}}}}};
+  EXPECT_NO_THROW(safetensors::read(file(st_raw(only.dump(), ""))));
+
+  const std::string inside = file(st_raw(json{{"a", f32_at(4, 0)}, {"z", zero_at_8}}.dump(), std::string(16, '\0')));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(inside); }, ErrorCode::bad_file,
+                          inside + ": empty tensor 'z' at offset 8 lies inside tensor 'a' [0, 16)"));
 }
 
 // ---- load_safetensors_layer ----

@@ -339,5 +339,46 @@ TEST_F(Validation, BadWeights) {
   expect_construction_rejected(cfg, w, self(), {"b_o"});
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// A zero-element input, as a zero-element .npy file gives the CLI (an empty std::vector's data() is null): the
+// message names the empty shape and the dimensions that must be >= 1, never a "null data pointer" the user did not
+// pass; and a null, zero-length key and value must not pass for absent ones (which would mean self-attention).
+TEST_F(Validation, ZeroElementInputIsNamedNotCalledNull) {
+  const auto expect_no_null_word = [&](const AttentionInputs& in) {
+    try {
+      reference_forward(cfg, Weights::random(cfg, 1), in, run);
+      ADD_FAILURE() << "reference_forward accepted the input";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).find("null"), std::string::npos) << e.what();
+    }
+  };
+  AttentionInputs in;
+  in.query = TensorView::f32(nullptr, {0, 5});
+  expect_rejected(cfg, in, run, {"query: shape (0, 5) has no elements; B, T and the width d_in must be >= 1"});
+  expect_no_null_word(in);
+  in.query = TensorView::f32(nullptr, {B, 0, E});
+  expect_rejected(cfg, in, run, {"query: shape (2, 0, 8) has no elements"});
+  expect_no_null_word(in);
+  in.query = TensorView::f32(q.data(), {0, T, E});  // the same words whether or not the pointer is null
+  expect_rejected(cfg, in, run, {"query: shape (0, 3, 8) has no elements"});
+
+  in = cross();
+  in.key = TensorView::f32(nullptr, {B, 0, E});
+  in.value = TensorView::f32(nullptr, {B, 0, E});
+  expect_rejected(cfg, in, run, {"key: shape (2, 0, 8) has no elements; B, Tk and the width kdim must be >= 1"});
+  expect_no_null_word(in);
+  in = cross();
+  in.attn_mask = TensorView::u8(nullptr, {T, 0});
+  expect_rejected(cfg, in, run, {"attn_mask: shape (3, 0) has no elements"});
+  in = cross();
+  in.key_padding = TensorView::u8(nullptr, {0, Tk});
+  expect_rejected(cfg, in, run, {"key_padding: shape (0, 4) has no elements; B and Tk must be >= 1"});
+
+  // A null pointer behind a shape with elements is still that.
+  in = self();
+  in.query.data = nullptr;
+  expect_rejected(cfg, in, run, {"query: null data pointer with non-empty shape (2, 3, 8)"});
+}
+
 }  // namespace
 }  // namespace gpt2attn
