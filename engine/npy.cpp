@@ -195,14 +195,20 @@ Dtype parse_descr(const std::string& descr, const std::string& path) {
 std::string shape_text(const std::vector<int64_t>& shape) {
   if (shape.empty()) return "scalar";
   std::string s;
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "x" : "") + std::to_string(shape[i]);
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += 'x';  // two appends: `(i ? "x" : "") + to_string(...)` trips GCC 12's -Wrestrict (PR 105329)
+    s += std::to_string(shape[i]);
+  }
   return s;
 }
 
 // numpy's repr of a shape tuple: (), (5,), (3, 4).
 std::string shape_tuple_text(const std::vector<int64_t>& shape) {
   std::string s = "(";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
   return s + (shape.size() == 1 ? ",)" : ")");
 }
 
