@@ -35,6 +35,7 @@
 
 #include "bench/fma_peak.hpp"
 #include "bench/stream_triad.hpp"
+#include "engine/dispatch.hpp"
 #include "gpt2attn/attention.hpp"
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/kv_cache.hpp"
@@ -166,12 +167,7 @@ void bm_layer(benchmark::State& state, const std::string& preset, int64_t T, int
 // ---- the attention core alone --------------------------------------------------------------------------
 
 const gk::AttentionKernel& kernel_for(ga::Isa isa) {
-  if (isa == ga::Isa::best) isa = ga::best_supported_isa();
-  switch (isa) {
-    case ga::Isa::avx512: return gk::attention_f32_avx512();
-    case ga::Isa::avx2: return gk::attention_f32_avx2();
-    default: return gk::attention_f32_scalar();
-  }
+  return ga::detail::attention_kernel(ga::detail::resolve_isa(isa));
 }
 
 // Q, K, V as the engine's fused projection leaves them: one (T, 3E) buffer, [Q | K | V] per token, head h at

@@ -68,9 +68,7 @@ const void* advance(const void* p, DType dt, int64_t elems) {
 MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOptions& o)
     : cfg(c),
       isa(detail::resolve_isa(o.isa)),
-      kernel(&detail::attention_kernel(isa)),
-      decode_kernel(&detail::decode_kernel(isa)),
-      linear_kernel(&detail::linear_kernel(isa)),
+      kset(detail::kernels_for(isa, DType::f32, DType::f32)),
       default_threads(o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads())),
       out(w.w_o.data(), cfg.out_bias ? w.b_o.data() : nullptr, cfg.d_model, cfg.d_model) {
   const int64_t H = cfg.num_heads, D = cfg.head_dim(), E = cfg.d_model;
@@ -103,7 +101,7 @@ MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOp
   }
 
   // The band of the registered causal mask a diagonal tile reaches (see causal_row in layer.hpp).
-  causal_center = kernel->tiles.query_tile + kernel->tiles.key_tile;
+  causal_center = kset.prefill->tiles.query_tile + kset.prefill->tiles.key_tile;
   causal_row.resize(static_cast<size_t>(2 * causal_center));
   for (int64_t i = 0; i < static_cast<int64_t>(causal_row.size()); ++i) {
     causal_row[i] = i - causal_center >= 0 ? 0.0f : -INFINITY;
@@ -111,7 +109,7 @@ MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOp
 }
 
 int64_t MultiHeadAttention::Impl::scratch_stride() const {
-  return detail::round_up(static_cast<int64_t>(kernel->scratch_floats(cfg.head_dim())), 16);
+  return detail::round_up(static_cast<int64_t>(kset.prefill->scratch_floats(cfg.head_dim())), 16);
 }
 
 kernels::AttentionArgs MultiHeadAttention::Impl::base_args(int64_t T, int64_t Tk) const {
@@ -284,12 +282,11 @@ const Config& MultiHeadAttention::config() const { return impl_->cfg; }
 Isa MultiHeadAttention::isa() const { return impl_->isa; }
 int MultiHeadAttention::default_threads() const { return impl_->default_threads; }
 std::string MultiHeadAttention::implementation() const {
-  std::string s = std::string("prefill: tiled-online-softmax/") + impl_->kernel->isa + " + onednn-matmul/" +
+  const std::string row = impl_->kset.name;
+  std::string s = "kernels " + row + " (prefill: tiled-online-softmax + onednn-matmul/" +
                   impl_->proj_q.front().implementation();
-  if (!impl_->qkv_packed.empty()) {
-    s += std::string("; decode: split-kv-one-query/") + impl_->decode_kernel->isa + " + few-row-linear/" +
-         impl_->linear_kernel->isa;
-  }
+  if (!impl_->qkv_packed.empty()) s += "; decode: split-kv-one-query + few-row-linear";
+  s += ")";
   return s;
 }
 

@@ -1,51 +1,28 @@
-// engine/dispatch.cpp: CPU feature detection and the ordered list of kernel implementations.
+// engine/dispatch.cpp: the ordered table of kernel sets (engine/dispatch.hpp) and the lookup into it.
 #include "engine/dispatch.hpp"
 
 #include <cstdlib>
+#include <string>
 
 #include "gpt2attn/error.hpp"
 
-namespace gpt2attn {
+namespace gpt2attn::detail {
 
-const char* to_string(Isa isa) {
-  switch (isa) {
-    case Isa::best: return "best";
-    case Isa::scalar: return "scalar";
-    case Isa::avx2: return "avx2";
-    case Isa::avx512: return "avx512";
-  }
-  return "?";
+const std::vector<KernelSet>& kernel_table() {
+  namespace k = kernels;
+  static const std::vector<KernelSet> table = {
+      {"f32/avx512", Isa::avx512, DType::f32, DType::f32,
+       "16 lanes and 32 registers: 4 query vectors x 6 rows in the micro-kernels",
+       &k::attention_f32_avx512(), &k::decode_attention_f32_avx512(), &k::linear_f32_avx512()},
+      {"f32/avx2", Isa::avx2, DType::f32, DType::f32,
+       "8 lanes and 16 registers (AVX2 + FMA): 2 query vectors x 6 rows",
+       &k::attention_f32_avx2(), &k::decode_attention_f32_avx2(), &k::linear_f32_avx2()},
+      {"f32/scalar", Isa::scalar, DType::f32, DType::f32,
+       "the portable twin: the same algorithms on one lane, for any CPU",
+       &k::attention_f32_scalar(), &k::decode_attention_f32_scalar(), &k::linear_f32_scalar()},
+  };
+  return table;
 }
-
-Isa isa_from_string(const std::string& s) {
-  if (s == "best") return Isa::best;
-  if (s == "scalar") return Isa::scalar;
-  if (s == "avx2") return Isa::avx2;
-  if (s == "avx512") return Isa::avx512;
-  invalid("unknown instruction set '" + s + "' (expected best, scalar, avx2 or avx512)");
-}
-
-bool isa_supported(Isa isa) {
-  switch (isa) {
-    case Isa::best:
-    case Isa::scalar: return true;
-    // __builtin_cpu_supports also checks that the OS saves the wider registers (XCR0).
-    case Isa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case Isa::avx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-  }
-  return false;
-}
-
-Isa best_supported_isa() {
-  for (Isa isa : {Isa::avx512, Isa::avx2}) {
-    if (isa_supported(isa)) return isa;
-  }
-  return Isa::scalar;
-}
-
-namespace detail {
 
 Isa resolve_isa(Isa requested) {
   if (requested == Isa::best) {
@@ -60,29 +37,22 @@ Isa resolve_isa(Isa requested) {
   return requested;
 }
 
-const kernels::AttentionKernel& attention_kernel(Isa resolved) {
-  switch (resolved) {
-    case Isa::avx512: return kernels::attention_f32_avx512();
-    case Isa::avx2: return kernels::attention_f32_avx2();
-    default: return kernels::attention_f32_scalar();
+const KernelSet& kernels_for(Isa resolved, DType compute, DType kv) {
+  // compiled_isas() is best first: a row is at or below `resolved` when its level comes at or after it.
+  const std::vector<Isa> order = compiled_isas();
+  auto rank = [&](Isa isa) {
+    for (size_t i = 0; i < order.size(); ++i) {
+      if (order[i] == isa) return i;
+    }
+    return order.size();
+  };
+  for (const KernelSet& row : kernel_table()) {
+    if (rank(row.isa) >= rank(resolved) && row.compute == compute && row.kv == kv && isa_supported(row.isa)) {
+      return row;
+    }
   }
+  invalid(std::string("no kernels for compute dtype ") + to_string(compute) + " with K/V dtype " + to_string(kv) +
+          " at instruction set " + to_string(resolved) + " or below");
 }
 
-const kernels::DecodeKernel& decode_kernel(Isa resolved) {
-  switch (resolved) {
-    case Isa::avx512: return kernels::decode_attention_f32_avx512();
-    case Isa::avx2: return kernels::decode_attention_f32_avx2();
-    default: return kernels::decode_attention_f32_scalar();
-  }
-}
-
-const kernels::LinearKernel& linear_kernel(Isa resolved) {
-  switch (resolved) {
-    case Isa::avx512: return kernels::linear_f32_avx512();
-    case Isa::avx2: return kernels::linear_f32_avx2();
-    default: return kernels::linear_f32_scalar();
-  }
-}
-
-}  // namespace detail
-}  // namespace gpt2attn
+}  // namespace gpt2attn::detail

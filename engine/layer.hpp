@@ -10,6 +10,7 @@
 #include <mutex>
 #include <vector>
 
+#include "engine/dispatch.hpp"
 #include "engine/linear.hpp"
 #include "engine/util.hpp"
 #include "engine/validate.hpp"
@@ -40,9 +41,7 @@ class WorkspacePlan {
 struct MultiHeadAttention::Impl {
   Config cfg;
   Isa isa;
-  const kernels::AttentionKernel* kernel;
-  const kernels::DecodeKernel* decode_kernel;
-  const kernels::LinearKernel* linear_kernel;
+  const detail::KernelSet& kset;  // the dispatch table's row for (isa, f32, f32)
   int default_threads;
 
   // One (D, width) projection per head and per Q/K/V, so that each GEMM writes its head's (T, D) rows
@@ -112,10 +111,10 @@ struct MultiHeadAttention::Impl {
 template <class Setup>
 void MultiHeadAttention::Impl::run_query_tiles(int64_t BH, int64_t T, const kernels::AttentionArgs& base,
                                                float* scratch_base, int threads, Setup&& setup) const {
-  const int64_t BQ = kernel->tiles.query_tile;
+  const int64_t BQ = kset.prefill->tiles.query_tile;
   const int64_t tiles = (T + BQ - 1) / BQ, items = BH * tiles;
   const int64_t stride = scratch_stride();
-  const kernels::AttentionKernel* kern = kernel;
+  const kernels::AttentionKernel* kern = kset.prefill;
 #pragma omp parallel num_threads(threads)
   {
     float* scratch = scratch_base + omp_get_thread_num() * stride;

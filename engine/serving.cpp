@@ -121,7 +121,7 @@ DecodePlan decode_plan(const Config& c, int64_t B, int threads, int64_t table_en
 }  // namespace
 
 int64_t MultiHeadAttention::Impl::decode_scratch_stride(int64_t block_tokens) const {
-  return detail::round_up(static_cast<int64_t>(decode_kernel->scratch_floats(cfg.num_heads, cfg.head_dim(), block_tokens)),
+  return detail::round_up(static_cast<int64_t>(kset.decode->scratch_floats(cfg.num_heads, cfg.head_dim(), block_tokens)),
                           16);
 }
 // Sized for any cache: block tables for 1-token blocks, kernel scratch for the largest run of keys.
@@ -237,8 +237,8 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
 
   const int64_t bt = kv.block_tokens;
   float *pm = w + r.m, *pl = w + r.l, *pacc = w + r.acc;
-  const kernels::DecodeKernel* kern = decode_kernel;
-  const kernels::LinearKernel* lin = linear_kernel;
+  const kernels::DecodeKernel* kern = kset.decode;
+  const kernels::LinearKernel* lin = kset.few_row_linear;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   float* scratch_base = w + r.scratch;
   // One parallel region for the whole step; each `omp for` ends in a barrier, which orders the stages.

@@ -1,4 +1,4 @@
-// engine/tensor.cpp: TensorView helpers and the mask-kind names. No data is ever copied here.
+// engine/tensor.cpp: TensorView helpers, and the names of dtypes and mask kinds. No data is ever copied here.
 #include "gpt2attn/tensor.hpp"
 
 #include "gpt2attn/error.hpp"
@@ -35,6 +35,30 @@ TensorView TensorView::with_strides(std::initializer_list<int64_t> strides) cons
   int i = 0;
   for (int64_t s : strides) v.strides[i++] = s;
   return v;
+}
+
+namespace {
+constexpr DType kDTypes[] = {DType::f32, DType::bf16, DType::f16, DType::i8, DType::u8};
+}
+
+const char* to_string(DType t) {
+  switch (t) {
+    case DType::f32: return "f32";
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+    case DType::i8: return "i8";
+    case DType::u8: return "u8";
+  }
+  return "?";
+}
+
+DType dtype_from_string(const std::string& s) {
+  std::string known;
+  for (DType t : kDTypes) {
+    if (s == to_string(t)) return t;
+    known += (known.empty() ? "" : ", ") + std::string(to_string(t));
+  }
+  invalid("unknown dtype '" + s + "' (known: " + known + ")");
 }
 
 const char* to_string(MaskKind k) {

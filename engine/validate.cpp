@@ -6,20 +6,11 @@
 #include <cmath>
 #include <string>
 
+#include "engine/util.hpp"
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn::detail {
 namespace {
-
-std::string str(int64_t v) { return std::to_string(v); }
-
-const char* dtype_name(DType d) {
-  switch (d) {
-    case DType::f32: return "f32";
-    case DType::u8: return "u8";
-  }
-  return "unknown";
-}
 
 // Checks that hold for every view before its shape is read: a sane rank, no negative size or stride, no zero size
 // (`dims` names the sizes that must be >= 1), and data behind the shape. A bad rank is reported before shape_str()
@@ -48,13 +39,13 @@ void check_view(const TensorView& v, const char* name, const char* dims) {
 
 void require_dtype(const TensorView& v, const char* name, DType want) {
   if (v.dtype != want) {
-    invalid(std::string(name) + ": expected dtype " + dtype_name(want) + ", got " + dtype_name(v.dtype));
+    invalid(std::string(name) + ": expected dtype " + to_string(want) + ", got " + to_string(v.dtype));
   }
 }
 
 void require_mask_dtype(const TensorView& v, const char* name) {
   if (v.dtype != DType::f32 && v.dtype != DType::u8) {
-    invalid(std::string(name) + ": expected dtype u8 or f32, got " + dtype_name(v.dtype));
+    invalid(std::string(name) + ": expected dtype u8 or f32, got " + to_string(v.dtype));
   }
 }
 
@@ -201,7 +192,7 @@ Shape validate_inputs(const Config& config, const AttentionInputs& in, const Run
   if (!m.empty()) {
     require_mask_dtype(m, "attn_mask");
     if (in.mask_kind == MaskKind::additive && m.dtype != DType::f32) {
-      invalid(std::string("attn_mask: mask_kind additive requires dtype f32, got ") + dtype_name(m.dtype) +
+      invalid(std::string("attn_mask: mask_kind additive requires dtype f32, got ") + to_string(m.dtype) +
               " (use keep or block for a boolean mask)");
     }
     const std::string all = expected_str("(T, Tk)", {s.T, s.Tk}) + ", " +

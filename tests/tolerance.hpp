@@ -14,7 +14,7 @@
 
 namespace gpt2attn::test {
 
-using Dtype = gpt2attn::Precision;  // the policy itself lives in include/gpt2attn/tolerance.hpp
+using Dtype = gpt2attn::DType;  // the policy itself lives in include/gpt2attn/tolerance.hpp
 
 // Compares `got` to `expected` element-wise; NaN where the reference is finite is always a failure.
 template <class Got>

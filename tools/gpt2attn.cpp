@@ -249,7 +249,7 @@ std::vector<float> random_normal(size_t n, std::mt19937& rng) {
 void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref, int64_t reduction_length) {
   double max_ref = 0;
   for (double e : ref) max_ref = std::max(max_ref, std::fabs(e));
-  const ga::Tolerance tol = ga::tolerance_for(ga::Precision::f32, reduction_length, max_ref);
+  const ga::Tolerance tol = ga::tolerance_for(ga::DType::f32, reduction_length, max_ref);
   r.checked = true;
   r.allowed = tol.atol;
   for (size_t i = 0; i < ref.size(); ++i) {

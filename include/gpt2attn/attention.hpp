@@ -8,18 +8,13 @@
 #include <string>
 
 #include "gpt2attn/config.hpp"
+#include "gpt2attn/isa.hpp"
 #include "gpt2attn/kv_cache.hpp"
 #include "gpt2attn/tensor.hpp"
 #include "gpt2attn/weights.hpp"
 
 namespace gpt2attn {
 
-// Instruction sets the kernel layer is compiled for; `best` takes the strongest this CPU runs.
-enum class Isa : uint8_t { best, scalar, avx2, avx512 };
-const char* to_string(Isa isa);
-Isa isa_from_string(const std::string& s);  // "best" | "scalar" | "avx2" | "avx512"
-Isa best_supported_isa();                   // what `best` resolves to on this machine
-bool isa_supported(Isa isa);
 
 // The most threads one call may use: min(kMaxThreads, the OpenMP thread limit, OMP_THREAD_LIMIT). A larger
 // count in EngineOptions, RunOptions or reserve_serving is refused with invalid_argument: libgomp cannot start

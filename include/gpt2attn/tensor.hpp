@@ -7,9 +7,9 @@
 #include <initializer_list>
 #include <string>
 
-namespace gpt2attn {
+#include "gpt2attn/dtype.hpp"
 
-enum class DType : uint8_t { f32, u8 };  // u8 carries bool masks (0 / nonzero)
+namespace gpt2attn {
 
 struct TensorView {
   const void* data = nullptr;

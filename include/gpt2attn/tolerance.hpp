@@ -5,11 +5,15 @@
 #include <cmath>
 #include <cstdint>
 
+#include "gpt2attn/dtype.hpp"
+
 namespace gpt2attn {
 
-enum class Precision { f32, bf16 };
-
-inline double unit_roundoff(Precision p) { return p == Precision::f32 ? 0x1p-24 : 0x1p-9; }
+// The unit roundoff u = 2^-p of a compute type with p significant bits, round to nearest: f32 p = 24, bf16 p = 8,
+// f16 p = 11. Integer types are not compute types (0).
+constexpr double unit_roundoff(DType t) {
+  return t == DType::f32 ? 0x1p-24 : t == DType::bf16 ? 0x1p-8 : t == DType::f16 ? 0x1p-11 : 0.0;
+}
 
 // Allowed |got - expected| is atol + rtol * |expected| for values produced by chained reductions of length
 // <= reduction_length. Rounding errors of a length-K sum grow like sqrt(K) for random data (worst case K);
@@ -23,7 +27,7 @@ struct Tolerance {
   }
 };
 
-inline Tolerance tolerance_for(Precision p, int64_t reduction_length, double max_abs_reference) {
+inline Tolerance tolerance_for(DType p, int64_t reduction_length, double max_abs_reference) {
   const double k = static_cast<double>(reduction_length < 1 ? 1 : reduction_length);
   const double rtol = 16.0 * unit_roundoff(p) * std::sqrt(k);
   return {rtol, rtol * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};

@@ -1,0 +1,33 @@
+// gpt2attn/dtype.hpp: the one element-type vocabulary of the library: tensor views, masks, compute and K/V storage
+// types, and the tolerance policy all name their element type with DType.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace gpt2attn {
+
+enum class DType : uint8_t {
+  f32,   // IEEE binary32
+  bf16,  // bfloat16: binary32's exponent, 8 significant bits
+  f16,   // IEEE binary16
+  i8,    // signed 8-bit integer (quantised storage)
+  u8,    // unsigned 8-bit integer; carries bool masks (0 / nonzero)
+};
+
+constexpr size_t size_of(DType t) {
+  switch (t) {
+    case DType::f32: return 4;
+    case DType::bf16:
+    case DType::f16: return 2;
+    case DType::i8:
+    case DType::u8: return 1;
+  }
+  return 0;
+}
+
+const char* to_string(DType t);             // "f32", "bf16", "f16", "i8", "u8"
+DType dtype_from_string(const std::string& s);  // the inverse; throws invalid_argument naming the known ones
+
+}  // namespace gpt2attn

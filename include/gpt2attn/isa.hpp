@@ -1,0 +1,23 @@
+// gpt2attn/isa.hpp: the instruction-set levels the kernel layer is compiled for, and what this CPU runs.
+// What each level needs from the CPU is listed once, in CMakeLists.txt (GPT2ATTN_ISA_FEATURES_<isa>): the
+// kernels of a level are compiled with -m<feature> for each, and the run-time check tests the same features.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace gpt2attn {
+
+// `best` takes the strongest level this CPU runs (GPT2ATTN_ISA=scalar|avx2|avx512 in the environment overrides
+// it); the others name a level.
+enum class Isa : uint8_t { best, scalar, avx2, avx512 };
+const char* to_string(Isa isa);
+Isa isa_from_string(const std::string& s);  // "best" | "scalar" | "avx2" | "avx512"
+Isa best_supported_isa();                   // what `best` resolves to on this machine
+bool isa_supported(Isa isa);
+std::vector<Isa> compiled_isas();           // every level built into the library, best first, scalar last
+// The CPU features a level needs ("avx512f", "fma", ...), as its kernels are compiled with them.
+std::vector<std::string> isa_features(Isa isa);
+
+}  // namespace gpt2attn
