@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/file_io.hpp"
 #include "engine/npy.hpp"
 #include "gpt2attn/gpt2attn.hpp"
 
@@ -32,7 +33,10 @@ const char* kUsage = R"(usage:
 forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semantics, batch_first) with the
          weights of a safetensors file (torch or Hugging Face GPT-2 naming) and writes float32 (B, T, E).
          Inputs are float32/float64 .npy; masks bool, uint8 or float; without --key/--value it is
-         self-attention. --context-length defaults to max(1024, T, Tk).
+         self-attention. --context-length defaults to max(1024, T, Tk). --output is written atomically (a
+         temporary file next to it, renamed onto it); a symbolic link is followed, so the link stays and its
+         target gets the data (a link to a missing file is refused), and an existing --output that is not a
+         regular file (a device such as /dev/null, a FIFO, a directory) is refused.
 bench    times the whole layer (QKV projection, causal attention, output projection) on random weights for
          each preset (default: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b; gpt3-175b at
          min(T, 128) unless --preset names it); the median of --repeats runs (default 5).
@@ -57,6 +61,17 @@ exit status: 0 success, 2 bad input or usage, 1 internal error.
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// Runs f, putting "--output " before the path a file error names, so the message says which option it was.
+template <class F>
+void naming_output(F&& f) {
+  try {
+    f();
+  } catch (const ga::Error& e) {
+    if (e.code() != ga::ErrorCode::bad_file) throw;
+    throw ga::Error(e.code(), std::string("--output ") + e.what());
+  }
+}
 
 // --name value options; flags have no value. Repeated options keep every value.
 struct Args {
@@ -149,6 +164,8 @@ int cmd_forward(int argc, char** argv) {
   const int64_t heads = a.integer("heads", 0, 1);
   if (!a.has("heads")) throw UsageError("missing required option --heads");
   const int64_t threads = a.integer("threads", 0, 1);
+  // The write checks again; checking now refuses a device or FIFO before any work is done.
+  naming_output([&] { ga::io::resolve_write_target(out_path); });
   if (a.has("key") != a.has("value")) throw UsageError("--key and --value must be given together");
   if (a.has("mask-kind") && !a.has("mask")) throw UsageError("--mask-kind given without --mask");
 
@@ -189,7 +206,7 @@ int cmd_forward(int argc, char** argv) {
   if (in.query.rank != 3) ga::invalid("query: expected shape (B, T, d_in), got " + in.query.shape_str());
   std::vector<float> out(static_cast<size_t>(in.query.shape[0] * T * cfg.d_model));
   mha.forward(in, out.data());
-  ga::npy::write_f32(out_path, out.data(), {in.query.shape[0], T, cfg.d_model});
+  naming_output([&] { ga::npy::write_f32(out_path, out.data(), {in.query.shape[0], T, cfg.d_model}); });
   return 0;
 }
 
