@@ -7,10 +7,12 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "engine/file_io.hpp"
@@ -55,12 +57,19 @@ bench    times the whole layer (QKV projection, causal attention, output project
          12 layers move about 190 MB per step), so every byte comes from memory.
 presets  lists the compiled-in presets.
 
+--threads N is 1 to 1024 (default: every core OpenMP offers); --repeats N is 1 to 2147483647; --heads,
+--context-length, --batch and --seq are 1 or more. A value out of range is refused, never narrowed.
+
 exit status: 0 success, 2 bad input or usage, 1 internal error.
 )";
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// The library's kMaxThreads (include/gpt2attn/attention.hpp), which refuses more too; checked here first so
+// the message names --threads.
+constexpr int kMaxThreads = 1024;
 
 // Runs f, putting "--output " before the path a file error names, so the message says which option it was.
 template <class F>
@@ -88,19 +97,27 @@ struct Args {
     if (!has(k)) throw UsageError("missing required option --" + k);
     return get(k);
   }
-  int64_t integer(const std::string& k, int64_t def, int64_t min_value) const {
+  // The value of integer option --k (`def` when absent) as the type I it is stored in, refused unless it lies in
+  // [min_value, max_value]: a value is never narrowed after the check (--threads 4294967296 is not 0).
+  template <class I>
+  I integer(const std::string& k, I def, I min_value, I max_value = std::numeric_limits<I>::max()) const {
+    static_assert(std::is_signed_v<I> && sizeof(I) <= sizeof(long long));
     if (!has(k)) return def;
     const std::string s = get(k);
-    size_t used = 0;
-    int64_t v = 0;
-    try {
-      v = std::stoll(s, &used);
-    } catch (const std::exception&) {
-      used = 0;
+    const size_t digits = !s.empty() && (s[0] == '+' || s[0] == '-') ? 1 : 0;  // one optional sign
+    if (s.size() == digits || s.find_first_not_of("0123456789", digits) != std::string::npos) {
+      throw UsageError("--" + k + ": expected an integer, got '" + s + "'");
     }
-    if (used != s.size() || s.empty()) throw UsageError("--" + k + ": expected an integer, got '" + s + "'");
-    if (v < min_value) throw UsageError("--" + k + ": must be >= " + std::to_string(min_value) + ", got " + s);
-    return v;
+    const std::string range =
+        "must be in [" + std::to_string(min_value) + ", " + std::to_string(max_value) + "], got " + s;
+    long long v = 0;
+    try {
+      v = std::stoll(s);
+    } catch (const std::out_of_range&) {  // beyond int64, so beyond every I
+      throw UsageError("--" + k + ": " + range + " (out of the 64-bit range)");
+    }
+    if (v < min_value || v > max_value) throw UsageError("--" + k + ": " + range);
+    return static_cast<I>(v);
   }
 };
 
@@ -161,9 +178,9 @@ int cmd_forward(int argc, char** argv) {
                        {"causal"});
   check_dtype(a);
   const std::string out_path = a.required("output");
-  const int64_t heads = a.integer("heads", 0, 1);
+  const auto heads = a.integer<int64_t>("heads", 0, 1);
   if (!a.has("heads")) throw UsageError("missing required option --heads");
-  const int64_t threads = a.integer("threads", 0, 1);
+  const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
   // The write checks again; checking now refuses a device or FIFO before any work is done.
   naming_output([&] { ga::io::resolve_write_target(out_path); });
   if (a.has("key") != a.has("value")) throw UsageError("--key and --value must be given together");
@@ -196,11 +213,11 @@ int cmd_forward(int argc, char** argv) {
   cfg.causal = a.flag("causal");
   const int64_t T = in.query.rank == 3 ? in.query.shape[1] : 0;
   const int64_t Tk = in.key.rank == 3 ? in.key.shape[1] : T;
-  cfg.context_length = a.integer("context-length", std::max<int64_t>({1024, T, Tk}), 1);
+  cfg.context_length = a.integer<int64_t>("context-length", std::max<int64_t>({1024, T, Tk}), 1);
   cfg.validate();
 
   ga::EngineOptions opts;
-  opts.threads = static_cast<int>(threads);
+  opts.threads = threads;
   opts.isa = ga::isa_from_string(a.get("isa", "best"));
   ga::MultiHeadAttention mha(cfg, layer.weights, opts);
   if (in.query.rank != 3) ga::invalid("query: expected shape (B, T, d_in), got " + in.query.shape_str());
@@ -406,9 +423,9 @@ int cmd_bench(int argc, char** argv) {
   const std::string cache = a.get("cache", "warm");
   if (cache != "warm" && cache != "cold") throw UsageError("--cache must be warm or cold, got " + cache);
   if (a.has("cache") && !decode) throw UsageError("--cache applies to --mode decode only");
-  const int64_t B = a.integer("batch", 1, 1), T = a.integer("seq", 1024, 1);
-  const int threads = static_cast<int>(a.integer("threads", 0, 1));
-  const int repeats = static_cast<int>(a.integer("repeats", 5, 1));
+  const auto B = a.integer<int64_t>("batch", 1, 1), T = a.integer<int64_t>("seq", 1024, 1);
+  const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
+  const int repeats = a.integer<int>("repeats", 5, 1);
   const bool json = a.flag("json");
   const bool check = a.flag("check") || (!json && !a.flag("no-check"));
   const ga::Isa isa = ga::isa_from_string(a.get("isa", "best"));

@@ -58,13 +58,13 @@ class Fixture:
         return ["forward"] + [str(x) for o in opts if o[0] not in drop for x in o] + [str(x) for x in extra]
 
 
-def expect_error(r, args, keywords, output=None, tail=(), output_exists=False):
+def expect_error(r, args, keywords, output=None, tail=(), with_output=True, output_exists=False):
     """Runs the CLI and checks the bad-input contract; keywords: any one must appear (case-insensitive).
-    --output comes after args, then tail (for an option left without its value at the very end).
-    output_exists: --output names something the case made beforehand."""
+    --output comes after args (unless with_output is False, as for bench), then tail (for an option left
+    without its value at the very end). output_exists: --output names something the case made beforehand."""
     wd = r.workdir()
     out = output or os.path.join(wd, "y.npy")
-    args = list(args) + ["--output", out] + [str(x) for x in tail]
+    args = list(args) + (["--output", out] if with_output else []) + [str(x) for x in tail]
     p = pc.run_cli(r.cli, args)
     cmd = pc.fmt_cmd(r.cli, args)
     check(p.returncode >= 0, "killed by signal %d: %s" % (-p.returncode, cmd))
@@ -139,6 +139,22 @@ def main():
     err("unwritable_output_dir", fx.fwd(), ["output", "no such", "cannot", "write", "open"],
         output=os.path.join(fx.dir, "no_such_dir", "y.npy"))
     r.case("dtype_bf16_accepted_or_refused", lambda: dtype_bf16(r, fx))
+
+    # --- integer options: checked against the range of the type they are stored in, never narrowed ---
+    err("threads_beyond_int_range", fx.fwd(extra=["--threads", "4294967296"]),
+        [r"--threads: must be in \[1, 1024\], got 4294967296"])
+    err("threads_above_kMaxThreads", fx.fwd(extra=["--threads", "1025"]), [r"--threads: must be in \[1, 1024\]"])
+    err("heads_beyond_int64", fx.fwd(drop=("--heads",), extra=["--heads", "99999999999999999999"]),
+        [r"--heads: must be in \[1, 9223372036854775807\], got 99999999999999999999"])
+    err("context_length_beyond_int64", fx.fwd(extra=["--context-length", "-99999999999999999999"]),
+        [r"--context-length: must be in \[1, 9223372036854775807\]"])
+    bench = ["bench", "--preset", "gpt2-small", "--seq", "4", "--json"]
+    err("bench_repeats_beyond_int_range", bench + ["--repeats", "4294967296"],  # was 0 runs, then a SIGSEGV
+        [r"--repeats: must be in \[1, 2147483647\], got 4294967296"], with_output=False)
+    err("bench_threads_beyond_int_range", bench + ["--threads", "4294967296"],
+        [r"--threads: must be in \[1, 1024\], got 4294967296"], with_output=False)
+    err("bench_batch_beyond_int64", bench + ["--batch", "99999999999999999999"],
+        [r"--batch: must be in \[1, 9223372036854775807\]"], with_output=False)
 
     # --- --output: links followed, special files refused and left as they were ---
     r.case("output_symlink_followed", output_symlink_followed, r, fx)
