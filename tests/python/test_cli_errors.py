@@ -7,6 +7,7 @@ import re
 import stat
 import struct
 import sys
+import time
 
 import numpy as np
 import torch
@@ -156,6 +157,18 @@ def main():
     err("bench_batch_beyond_int64", bench + ["--batch", "99999999999999999999"],
         [r"--batch: must be in \[1, 9223372036854775807\]"], with_output=False)
 
+    # --- bench sizes: products checked, and a case larger than physical memory refused before allocating ---
+    err("bench_batch_times_seq_overflows", ["bench", "--batch", "280379743338241", "--seq", "257",
+                                            "--preset", "gpt2-small"],
+        [r"--batch 280379743338241 --seq 257.*overflow"], with_output=False)
+    # Beyond this machine's memory by the input alone (d_in = 768 floats per token), at least 10M tokens.
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    big_t = max(10_000_000, phys // (768 * 4) + 1)
+    for mode in ("prefill", "decode"):
+        r.case("bench_%s_beyond_physical_memory" % mode, expect_fast, 5.0, expect_error, r,
+               ["bench", "--seq", big_t, "--preset", "gpt2-small", "--mode", mode],
+               [r"needs at least \d+ bytes.*physical memory"], with_output=False)
+
     # --- --output: links followed, special files refused and left as they were ---
     r.case("output_symlink_followed", output_symlink_followed, r, fx)
     r.case("output_fifo_refused", output_special_refused, r, fx, "fifo", False)
@@ -229,6 +242,15 @@ def expect_missing_output(r, fx):
     check(len(lines) == 1 and "output" in lines[0].lower(), "expected one stderr line naming --output, got %r"
           % p.stderr[-300:])
     return "stderr: %s" % lines[0]
+
+
+def expect_fast(seconds, fn, *args, **kwargs):
+    """fn(*args, **kwargs), which must return within `seconds` (a refusal, not an attempt)."""
+    t0 = time.monotonic()
+    extra = fn(*args, **kwargs)
+    elapsed = time.monotonic() - t0
+    check(elapsed < seconds, "took %.1f s, expected a refusal within %.0f s" % (elapsed, seconds))
+    return extra
 
 
 def output_symlink_followed(r, fx):
