@@ -1,7 +1,8 @@
-// engine/file_io.hpp: small pieces shared by the npy and safetensors readers: bad_file errors, checked file
-// sizes and reads, atomic writes, and f16/bf16 widening. No format knowledge lives here.
+// engine/file_io.hpp: small pieces shared by the npy and safetensors readers and writers: bad_file errors,
+// checked file sizes and reads, atomic writes (and where they may land), f16/bf16 widening. No format knowledge.
 #pragma once
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <bit>
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -57,12 +59,52 @@ inline uint64_t load_le_u64(const unsigned char* p) {
   return v;
 }
 
-// Writes through `body(std::ostream&)` into path + ".tmp.<pid>" and renames it onto `path`, so readers
-// see either the old file or the complete new one, never a partial one. The temporary is removed on
-// every failure path, including an exception from `body`.
+// Where a write to `path` lands: the one policy every writer shares, so that replacing a file by rename
+// never replaces something that is not a file.
+// - A symbolic link (or chain of links) to an existing file is followed: the data goes to the final target,
+//   written next to it and renamed onto it, and the link survives. A link to a missing file is refused
+//   rather than guessed at.
+// - A path that does not exist yet is created in its parent directory, itself resolved through links.
+// - An existing target that is not a regular file (a character device such as /dev/null, a FIFO, a socket,
+//   a directory) is refused: the rename would replace it with a regular file, and as root that means
+//   replacing /dev/null.
+// Returns the resolved path; throws bad_file naming `path`. The check and the later rename are not one
+// atomic step: a target swapped for a special file in between is still replaced.
+inline std::string resolve_write_target(const std::string& path) {
+  auto real = [&](const std::string& p, const std::string& what) {
+    char* r = ::realpath(p.c_str(), nullptr);
+    if (r == nullptr) file_error(path, "cannot write: " + what + ": " + std::strerror(errno));
+    std::string s = r;
+    std::free(r);
+    return s;
+  };
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {  // exists, links followed
+    const std::string target = real(path, "cannot resolve it");
+    if (!S_ISREG(st.st_mode)) {
+      struct stat lst {};
+      const bool link = ::lstat(path.c_str(), &lst) == 0 && S_ISLNK(lst.st_mode);
+      const std::string why = "the atomic write would rename a new file over it";
+      file_error(path, "not a regular file (" + (link ? "a link to " + target + "; " : std::string()) + why + ")");
+    }
+    return target;
+  }
+  if (errno != ENOENT) file_error(path, std::string("cannot write: ") + std::strerror(errno));
+  if (::lstat(path.c_str(), &st) == 0) file_error(path, "cannot write: a symbolic link to a missing file");
+  const std::filesystem::path p(path);
+  if (p.filename().empty()) file_error(path, "cannot write: not a file name");
+  const std::string dir = p.parent_path().empty() ? std::string(".") : p.parent_path().string();
+  return (std::filesystem::path(real(dir, "directory " + dir)) / p.filename()).string();
+}
+
+// Writes through `body(std::ostream&)` into a temporary file next to the target (resolve_write_target():
+// links followed, special files refused) and renames it onto the target, so readers see either the old
+// file or the complete new one, never a partial one. The temporary is removed on every failure path,
+// including an exception from `body`.
 template <class Body>
 void write_atomically(const std::string& path, Body&& body) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const std::string target = resolve_write_target(path);
+  const std::string tmp = target + ".tmp." + std::to_string(::getpid());
   try {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) file_error(path, "cannot create temporary file " + tmp + ": " + std::strerror(errno));
@@ -73,10 +115,10 @@ void write_atomically(const std::string& path, Body&& body) {
     std::remove(tmp.c_str());
     throw;
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (std::rename(tmp.c_str(), target.c_str()) != 0) {
     const int err = errno;
     std::remove(tmp.c_str());
-    file_error(path, "cannot rename " + tmp + " onto it: " + std::strerror(err));
+    file_error(path, "cannot rename " + tmp + " onto " + target + ": " + std::strerror(err));
   }
 }
 

@@ -1,18 +1,22 @@
 // tools/gpt2attn.cpp: the command-line tool: `forward` on .npy/.safetensors files, `bench` over the presets,
 // `presets`. Exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error. Only main() exits.
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "engine/file_io.hpp"
 #include "engine/npy.hpp"
 #include "gpt2attn/gpt2attn.hpp"
 
@@ -32,7 +36,10 @@ const char* kUsage = R"(usage:
 forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semantics, batch_first) with the
          weights of a safetensors file (torch or Hugging Face GPT-2 naming) and writes float32 (B, T, E).
          Inputs are float32/float64 .npy; masks bool, uint8 or float; without --key/--value it is
-         self-attention. --context-length defaults to max(1024, T, Tk).
+         self-attention. --context-length defaults to max(1024, T, Tk). --output is written atomically (a
+         temporary file next to it, renamed onto it); a symbolic link is followed, so the link stays and its
+         target gets the data (a link to a missing file is refused), and an existing --output that is not a
+         regular file (a device such as /dev/null, a FIFO, a directory) is refused.
 bench    times the whole layer (QKV projection, causal attention, output projection) on random weights for
          each preset (default: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b; gpt3-175b at
          min(T, 128) unless --preset names it); the median of --repeats runs (default 5).
@@ -48,8 +55,13 @@ bench    times the whole layer (QKV projection, causal attention, output project
          reference run causally over that sequence's whole token history. --cache warm (default) runs the
          steps back to back, so a small case's weights and K/V stay in the CPU caches; --cache cold streams
          256 MiB through the caches before each timed step, as a model's other layers would (GPT-2 small's
-         12 layers move about 190 MB per step), so every byte comes from memory.
+         12 layers move about 190 MB per step), so every byte comes from memory. A case whose weights and
+         activations (and KV cache) need more bytes than the machine's physical memory is refused before
+         anything is allocated.
 presets  lists the compiled-in presets.
+
+--threads N is 1 to 1024 (default: every core OpenMP offers); --repeats N is 1 to 2147483647; --heads,
+--context-length, --batch and --seq are 1 or more. A value out of range is refused, never narrowed.
 
 exit status: 0 success, 2 bad input or usage, 1 internal error.
 )";
@@ -57,6 +69,40 @@ exit status: 0 success, 2 bad input or usage, 1 internal error.
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// The library's kMaxThreads (include/gpt2attn/attention.hpp), which refuses more too; checked here first so
+// the message names --threads.
+constexpr int kMaxThreads = 1024;
+
+// a * b for element and byte counts, or an invalid_argument error naming `what` when it overflows int64: a
+// size from the command line or a file must never wrap into a small allocation that is then overrun.
+int64_t checked_mul(int64_t a, int64_t b, const std::string& what) {
+  int64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) {
+    ga::invalid(what + " overflows int64 (" + std::to_string(a) + " x " + std::to_string(b) + ")");
+  }
+  return r;
+}
+
+// a + b, likewise.
+int64_t checked_add(int64_t a, int64_t b, const std::string& what) {
+  int64_t r = 0;
+  if (__builtin_add_overflow(a, b, &r)) {
+    ga::invalid(what + " overflows int64 (" + std::to_string(a) + " + " + std::to_string(b) + ")");
+  }
+  return r;
+}
+
+// Runs f, putting "--output " before the path a file error names, so the message says which option it was.
+template <class F>
+void naming_output(F&& f) {
+  try {
+    f();
+  } catch (const ga::Error& e) {
+    if (e.code() != ga::ErrorCode::bad_file) throw;
+    throw ga::Error(e.code(), std::string("--output ") + e.what());
+  }
+}
 
 // --name value options; flags have no value. Repeated options keep every value.
 struct Args {
@@ -73,19 +119,27 @@ struct Args {
     if (!has(k)) throw UsageError("missing required option --" + k);
     return get(k);
   }
-  int64_t integer(const std::string& k, int64_t def, int64_t min_value) const {
+  // The value of integer option --k (`def` when absent) as the type I it is stored in, refused unless it lies in
+  // [min_value, max_value]: a value is never narrowed after the check (--threads 4294967296 is not 0).
+  template <class I>
+  I integer(const std::string& k, I def, I min_value, I max_value = std::numeric_limits<I>::max()) const {
+    static_assert(std::is_signed_v<I> && sizeof(I) <= sizeof(long long));
     if (!has(k)) return def;
     const std::string s = get(k);
-    size_t used = 0;
-    int64_t v = 0;
-    try {
-      v = std::stoll(s, &used);
-    } catch (const std::exception&) {
-      used = 0;
+    const size_t digits = !s.empty() && (s[0] == '+' || s[0] == '-') ? 1 : 0;  // one optional sign
+    if (s.size() == digits || s.find_first_not_of("0123456789", digits) != std::string::npos) {
+      throw UsageError("--" + k + ": expected an integer, got '" + s + "'");
     }
-    if (used != s.size() || s.empty()) throw UsageError("--" + k + ": expected an integer, got '" + s + "'");
-    if (v < min_value) throw UsageError("--" + k + ": must be >= " + std::to_string(min_value) + ", got " + s);
-    return v;
+    const std::string range =
+        "must be in [" + std::to_string(min_value) + ", " + std::to_string(max_value) + "], got " + s;
+    long long v = 0;
+    try {
+      v = std::stoll(s);
+    } catch (const std::out_of_range&) {  // beyond int64, so beyond every I
+      throw UsageError("--" + k + ": " + range + " (out of the 64-bit range)");
+    }
+    if (v < min_value || v > max_value) throw UsageError("--" + k + ": " + range);
+    return static_cast<I>(v);
   }
 };
 
@@ -146,9 +200,11 @@ int cmd_forward(int argc, char** argv) {
                        {"causal"});
   check_dtype(a);
   const std::string out_path = a.required("output");
-  const int64_t heads = a.integer("heads", 0, 1);
+  const auto heads = a.integer<int64_t>("heads", 0, 1);
   if (!a.has("heads")) throw UsageError("missing required option --heads");
-  const int64_t threads = a.integer("threads", 0, 1);
+  const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
+  // The write checks again; checking now refuses a device or FIFO before any work is done.
+  naming_output([&] { ga::io::resolve_write_target(out_path); });
   if (a.has("key") != a.has("value")) throw UsageError("--key and --value must be given together");
   if (a.has("mask-kind") && !a.has("mask")) throw UsageError("--mask-kind given without --mask");
 
@@ -179,17 +235,19 @@ int cmd_forward(int argc, char** argv) {
   cfg.causal = a.flag("causal");
   const int64_t T = in.query.rank == 3 ? in.query.shape[1] : 0;
   const int64_t Tk = in.key.rank == 3 ? in.key.shape[1] : T;
-  cfg.context_length = a.integer("context-length", std::max<int64_t>({1024, T, Tk}), 1);
+  cfg.context_length = a.integer<int64_t>("context-length", std::max<int64_t>({1024, T, Tk}), 1);
   cfg.validate();
 
   ga::EngineOptions opts;
-  opts.threads = static_cast<int>(threads);
+  opts.threads = threads;
   opts.isa = ga::isa_from_string(a.get("isa", "best"));
   ga::MultiHeadAttention mha(cfg, layer.weights, opts);
   if (in.query.rank != 3) ga::invalid("query: expected shape (B, T, d_in), got " + in.query.shape_str());
-  std::vector<float> out(static_cast<size_t>(in.query.shape[0] * T * cfg.d_model));
+  const int64_t B = in.query.shape[0];
+  std::vector<float> out(static_cast<size_t>(checked_mul(checked_mul(B, T, "output size B*T"), cfg.d_model,
+                                                          "output size B*T*E")));
   mha.forward(in, out.data());
-  ga::npy::write_f32(out_path, out.data(), {in.query.shape[0], T, cfg.d_model});
+  naming_output([&] { ga::npy::write_f32(out_path, out.data(), {B, T, cfg.d_model}); });
   return 0;
 }
 
@@ -237,6 +295,65 @@ double decode_step_bytes(const ga::Config& c, int64_t B, int64_t T) {
   return weights + kv;
 }
 
+constexpr int kDecodeWarmup = 2;  // untimed decode steps: the first touches the new blocks and the decode primitives
+
+// A bench case's buffers in elements, and the bytes it allocates for certain whatever the library's workspace
+// adds, from one function so that the sizes checked are the sizes allocated. Every product is checked: a
+// --batch and --seq whose product wraps int64 is refused, never allocated small and then overrun.
+//   prefill: x (B, T, d_in), y (B, T, E); bytes add the layer's projected Q, K, V and attention output
+//            (4 x (B, T, E)) and the weights (3E x d_in + E x E + 4E).
+//   decode:  x (B, d_in), y (B, E) per step; the prompt (T, d_in) and its output (T, E); the KV cache of
+//            kv_tokens = B x ceil((T + steps) / block) x block tokens (K and V, E floats each); the weights.
+struct BenchSizes {
+  int64_t x = 0, y = 0, prompt_x = 0, prompt_y = 0, kv_tokens = 0, bytes = 0;
+};
+
+BenchSizes bench_sizes(const std::string& name, int64_t B, int64_t T, bool decode, int repeats) {
+  const ga::Config cfg = ga::preset(name);
+  const std::string what = name + " at --batch " + std::to_string(B) + " --seq " + std::to_string(T);
+  const int64_t E = cfg.d_model, d_in = cfg.query_width();
+  auto mul = [&](int64_t a, int64_t b, const char* q) { return checked_mul(a, b, what + ": " + q); };
+  auto add = [&](int64_t a, int64_t b, const char* q) { return checked_add(a, b, what + ": " + q); };
+  BenchSizes s;
+  int64_t floats = add(mul(mul(3, E, "weights"), d_in, "weights"), mul(E, E + 4, "weights"), "weights");
+  if (!decode) {
+    const int64_t BT = mul(B, T, "B*T");
+    s.x = mul(BT, d_in, "input B*T*d_in");
+    s.y = mul(BT, E, "output B*T*E");
+    floats = add(add(floats, s.x, "activations"), mul(s.y, 5, "activations"), "activations");
+  } else {
+    const int64_t bt = ga::KvCache::default_block_tokens(cfg);
+    const int64_t tokens = add(T, kDecodeWarmup + repeats, "cached tokens T + steps");
+    s.kv_tokens = mul(B, mul(tokens / bt + (tokens % bt != 0), bt, "cached tokens"), "KV cache tokens");
+    s.x = mul(B, d_in, "step input B*d_in");
+    s.y = mul(B, E, "step output B*E");
+    s.prompt_x = mul(T, d_in, "prompt T*d_in");
+    s.prompt_y = mul(T, E, "prompt output T*E");
+    floats = add(floats, mul(mul(2, s.kv_tokens, "KV cache"), E, "KV cache"), "KV cache");
+    floats = add(add(floats, s.prompt_x, "activations"), s.prompt_y, "activations");
+  }
+  s.bytes = mul(floats, sizeof(float), "bytes");
+  return s;
+}
+
+// Physical memory in bytes; int64's maximum when the system does not say.
+int64_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  int64_t bytes = 0;
+  if (pages <= 0 || page <= 0 || __builtin_mul_overflow(pages, page, &bytes)) {
+    return std::numeric_limits<int64_t>::max();
+  }
+  return bytes;
+}
+
+// The median of the timed runs. Callers time at least one (--repeats >= 1); an empty list is still refused
+// rather than read past its end.
+double median(std::vector<double> ms) {
+  if (ms.empty()) ga::fail(ga::ErrorCode::internal, "bench: no timed runs to take the median of");
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
 std::vector<float> random_normal(size_t n, std::mt19937& rng) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> v(n);
@@ -261,6 +378,7 @@ void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref
 
 BenchResult bench_prefill(const std::string& name, int64_t B, int64_t T, int threads, ga::Isa isa, int repeats,
                           bool check) {
+  const BenchSizes sizes = bench_sizes(name, B, T, false, repeats);
   ga::Config cfg = ga::preset(name);
   cfg.context_length = std::max(cfg.context_length, T);
   const ga::Weights w = ga::Weights::random(cfg, 1234);
@@ -268,7 +386,7 @@ BenchResult bench_prefill(const std::string& name, int64_t B, int64_t T, int thr
   opts.threads = threads;
   opts.isa = isa;
   ga::CausalSelfAttention layer(cfg, w, opts);
-  std::vector<float> x(static_cast<size_t>(B * T * cfg.query_width())), y(static_cast<size_t>(B * T * cfg.d_model));
+  std::vector<float> x(static_cast<size_t>(sizes.x)), y(static_cast<size_t>(sizes.y));
   std::mt19937 rng(42);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (float& f : x) f = nd(rng);
@@ -281,8 +399,7 @@ BenchResult bench_prefill(const std::string& name, int64_t B, int64_t T, int thr
     layer.forward(x.data(), B, T, y.data());
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
-  std::sort(ms.begin(), ms.end());
-  BenchResult r{name, B, T, layer.layer().default_threads(), ms[ms.size() / 2], 0, ga::to_string(layer.layer().isa()),
+  BenchResult r{name, B, T, layer.layer().default_threads(), median(ms), 0, ga::to_string(layer.layer().isa()),
                 layer.layer().implementation()};
   r.gflops = causal_layer_flops(cfg, B, T) / (r.median_ms * 1e6);
 
@@ -313,8 +430,8 @@ void flush_caches() {
 // `cold`). The cache and the context length are sized so that the last step still fits.
 BenchResult bench_decode(const std::string& name, int64_t B, int64_t T, int threads, ga::Isa isa, int repeats,
                          bool check, bool cold) {
-  constexpr int kWarmup = 2;  // the first step touches the new blocks and the decode primitives
-  const int64_t steps = kWarmup + repeats;
+  const int64_t steps = kDecodeWarmup + repeats;
+  const BenchSizes sizes = bench_sizes(name, B, T, true, repeats);
   ga::Config cfg = ga::preset(name);
   cfg.context_length = std::max(cfg.context_length, T + steps + 1);
   const ga::Weights w = ga::Weights::random(cfg, 1234);
@@ -325,40 +442,38 @@ BenchResult bench_decode(const std::string& name, int64_t B, int64_t T, int thre
   const int64_t d_in = cfg.query_width(), E = cfg.d_model;
 
   // Blocks are per sequence, so each needs ceil((T + steps) / block_tokens) of them.
-  const int64_t bt = ga::KvCache::default_block_tokens(cfg);
   ga::KvCacheOptions kv_opts;
-  kv_opts.capacity_tokens = B * ((T + steps + bt - 1) / bt) * bt;
+  kv_opts.capacity_tokens = sizes.kv_tokens;
   ga::KvCache cache(cfg, kv_opts);
   layer.reserve_serving(T, B);
 
   std::mt19937 rng(42);
   std::vector<ga::SequenceId> seqs(static_cast<size_t>(B));
-  std::vector<float> history;  // sequence 0's inputs, (T + kWarmup + 1, d_in), for --check
+  std::vector<float> history;  // sequence 0's inputs, (T + kDecodeWarmup + 1, d_in), for --check
   {
-    std::vector<float> prompt_out(static_cast<size_t>(T * E));
+    std::vector<float> prompt_out(static_cast<size_t>(sizes.prompt_y));
     for (int64_t b = 0; b < B; ++b) {
-      const std::vector<float> prompt = random_normal(static_cast<size_t>(T * d_in), rng);
+      const std::vector<float> prompt = random_normal(static_cast<size_t>(sizes.prompt_x), rng);
       seqs[b] = cache.create();
       layer.extend(cache, seqs[b], prompt.data(), T, prompt_out.data());
       if (b == 0 && check) history = prompt;
     }
   }
 
-  std::vector<float> x(static_cast<size_t>(B * d_in)), y(static_cast<size_t>(B * E)), first_out;
+  std::vector<float> x(static_cast<size_t>(sizes.x)), y(static_cast<size_t>(sizes.y)), first_out;
   std::vector<double> ms;
   for (int64_t s = 0; s < steps; ++s) {
     x = random_normal(x.size(), rng);  // a new token per sequence, drawn outside the timed region
-    if (check && s <= kWarmup) history.insert(history.end(), x.begin(), x.begin() + d_in);
+    if (check && s <= kDecodeWarmup) history.insert(history.end(), x.begin(), x.begin() + d_in);
     if (cold) flush_caches();
     const auto t0 = std::chrono::steady_clock::now();
     layer.decode(cache, seqs.data(), B, x.data(), y.data());
     const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (s < kWarmup) continue;
+    if (s < kDecodeWarmup) continue;
     ms.push_back(t);
-    if (s == kWarmup) first_out.assign(y.begin(), y.begin() + E);
+    if (s == kDecodeWarmup) first_out.assign(y.begin(), y.begin() + E);
   }
-  std::sort(ms.begin(), ms.end());
-  BenchResult r{name, B, T, layer.layer().default_threads(), ms[ms.size() / 2], 0, ga::to_string(layer.layer().isa()),
+  BenchResult r{name, B, T, layer.layer().default_threads(), median(ms), 0, ga::to_string(layer.layer().isa()),
                 layer.layer().implementation()};
   r.gflops = decode_step_flops(cfg, B, T) / (r.median_ms * 1e6);
   r.tokens_per_s = static_cast<double>(B) / (r.median_ms * 1e-3);
@@ -366,7 +481,7 @@ BenchResult bench_decode(const std::string& name, int64_t B, int64_t T, int thre
   r.gbps = r.bytes_per_step / (r.median_ms * 1e6);
 
   if (check) {
-    // Sequence 0 has seen T prompt tokens, kWarmup decoded ones and the first timed one: the reference's
+    // Sequence 0 has seen T prompt tokens, kDecodeWarmup decoded ones and the first timed one: the reference's
     // causal last row over that history is exactly what decode computed for it.
     const int64_t n = static_cast<int64_t>(history.size()) / d_in;
     ga::AttentionInputs in;
@@ -389,9 +504,9 @@ int cmd_bench(int argc, char** argv) {
   const std::string cache = a.get("cache", "warm");
   if (cache != "warm" && cache != "cold") throw UsageError("--cache must be warm or cold, got " + cache);
   if (a.has("cache") && !decode) throw UsageError("--cache applies to --mode decode only");
-  const int64_t B = a.integer("batch", 1, 1), T = a.integer("seq", 1024, 1);
-  const int threads = static_cast<int>(a.integer("threads", 0, 1));
-  const int repeats = static_cast<int>(a.integer("repeats", 5, 1));
+  const auto B = a.integer<int64_t>("batch", 1, 1), T = a.integer<int64_t>("seq", 1024, 1);
+  const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
+  const int repeats = a.integer<int>("repeats", 5, 1);
   const bool json = a.flag("json");
   const bool check = a.flag("check") || (!json && !a.flag("no-check"));
   const ga::Isa isa = ga::isa_from_string(a.get("isa", "best"));
@@ -403,6 +518,22 @@ int cmd_bench(int argc, char** argv) {
   } else {
     presets = {"gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b"};
   }
+  // gpt3-175b's weights are 2.4 GB and its layer ~100x gpt2-small's: by default it runs at a small T.
+  auto seq_for = [&](const std::string& name) {
+    return (!explicit_presets && name == "gpt3-175b") ? std::min<int64_t>(T, 128) : T;
+  };
+  // Every case is sized before any runs: one this machine cannot hold is refused up front, naming the bytes,
+  // rather than failing (or swapping) partway through the table.
+  const int64_t physical = physical_memory_bytes();
+  for (const auto& name : presets) {
+    const int64_t need = bench_sizes(name, B, seq_for(name), decode, repeats).bytes;
+    if (need > physical) {
+      ga::invalid(name + " at --batch " + std::to_string(B) + " --seq " + std::to_string(seq_for(name)) +
+                  ": needs at least " + std::to_string(need) + " bytes for weights, activations" +
+                  (decode ? " and KV cache" : "") + ", more than the " + std::to_string(physical) +
+                  " bytes of physical memory");
+    }
+  }
 
   if (!json) {
     std::printf("%-12s %-8s %-5s %3s %6s %7s %10s %9s ", "preset", "mode", "dtype", "B", "T", "threads", "median_ms",
@@ -412,8 +543,7 @@ int cmd_bench(int argc, char** argv) {
   }
   bool all_ok = true;
   for (const auto& name : presets) {
-    // gpt3-175b's weights are 2.4 GB and its layer ~100x gpt2-small's: by default it runs at a small T.
-    const int64_t t = (!explicit_presets && name == "gpt3-175b") ? std::min<int64_t>(T, 128) : T;
+    const int64_t t = seq_for(name);
     const BenchResult r = decode ? bench_decode(name, B, t, threads, isa, repeats, check, cache == "cold")
                                  : bench_prefill(name, B, t, threads, isa, repeats, check);
     const bool ok = !r.checked || r.allowed >= 0;

@@ -1,10 +1,13 @@
 # tests/python/test_cli_errors.py: the CLI's bad-input contract. Every bad input exits 2 with exactly one
 # clear stderr line naming the problem, no signal or trace dump, and no output file left behind.
-# Also `gpt2attn presets` and `gpt2attn --help` succeed. Numerical results are the other scripts' business.
+# Also `gpt2attn presets` and `gpt2attn --help` succeed, and --output follows links but never replaces a
+# device or FIFO. Numerical results are the other scripts' business.
 import os
 import re
+import stat
 import struct
 import sys
+import time
 
 import numpy as np
 import torch
@@ -56,12 +59,13 @@ class Fixture:
         return ["forward"] + [str(x) for o in opts if o[0] not in drop for x in o] + [str(x) for x in extra]
 
 
-def expect_error(r, args, keywords, output=None, tail=()):
+def expect_error(r, args, keywords, output=None, tail=(), with_output=True, output_exists=False):
     """Runs the CLI and checks the bad-input contract; keywords: any one must appear (case-insensitive).
-    --output comes after args, then tail (for an option left without its value at the very end)."""
+    --output comes after args (unless with_output is False, as for bench), then tail (for an option left
+    without its value at the very end). output_exists: --output names something the case made beforehand."""
     wd = r.workdir()
     out = output or os.path.join(wd, "y.npy")
-    args = list(args) + ["--output", out] + [str(x) for x in tail]
+    args = list(args) + (["--output", out] if with_output else []) + [str(x) for x in tail]
     p = pc.run_cli(r.cli, args)
     cmd = pc.fmt_cmd(r.cli, args)
     check(p.returncode >= 0, "killed by signal %d: %s" % (-p.returncode, cmd))
@@ -72,7 +76,7 @@ def expect_error(r, args, keywords, output=None, tail=()):
         check(marker.lower() not in p.stderr.lower(), "stderr looks like a dump (%r): %r" % (marker, lines[0]))
     check(any(re.search(k, lines[0], re.I) for k in keywords),
           "stderr does not mention %s: %r (%s)" % (" / ".join(keywords), lines[0], cmd))
-    check(not os.path.exists(out), "output file exists after failure: %s" % cmd)
+    check(output_exists or not os.path.exists(out), "output file exists after failure: %s" % cmd)
     return "stderr: %s" % lines[0]
 
 
@@ -136,6 +140,42 @@ def main():
     err("unwritable_output_dir", fx.fwd(), ["output", "no such", "cannot", "write", "open"],
         output=os.path.join(fx.dir, "no_such_dir", "y.npy"))
     r.case("dtype_bf16_accepted_or_refused", lambda: dtype_bf16(r, fx))
+
+    # --- integer options: checked against the range of the type they are stored in, never narrowed ---
+    err("threads_beyond_int_range", fx.fwd(extra=["--threads", "4294967296"]),
+        [r"--threads: must be in \[1, 1024\], got 4294967296"])
+    err("threads_above_kMaxThreads", fx.fwd(extra=["--threads", "1025"]), [r"--threads: must be in \[1, 1024\]"])
+    err("heads_beyond_int64", fx.fwd(drop=("--heads",), extra=["--heads", "99999999999999999999"]),
+        [r"--heads: must be in \[1, 9223372036854775807\], got 99999999999999999999"])
+    err("context_length_beyond_int64", fx.fwd(extra=["--context-length", "-99999999999999999999"]),
+        [r"--context-length: must be in \[1, 9223372036854775807\]"])
+    bench = ["bench", "--preset", "gpt2-small", "--seq", "4", "--json"]
+    err("bench_repeats_beyond_int_range", bench + ["--repeats", "4294967296"],  # was 0 runs, then a SIGSEGV
+        [r"--repeats: must be in \[1, 2147483647\], got 4294967296"], with_output=False)
+    err("bench_threads_beyond_int_range", bench + ["--threads", "4294967296"],
+        [r"--threads: must be in \[1, 1024\], got 4294967296"], with_output=False)
+    err("bench_batch_beyond_int64", bench + ["--batch", "99999999999999999999"],
+        [r"--batch: must be in \[1, 9223372036854775807\]"], with_output=False)
+
+    # --- bench sizes: products checked, and a case larger than physical memory refused before allocating ---
+    err("bench_batch_times_seq_overflows", ["bench", "--batch", "280379743338241", "--seq", "257",
+                                            "--preset", "gpt2-small"],
+        [r"--batch 280379743338241 --seq 257.*overflow"], with_output=False)
+    # Beyond this machine's memory by the input alone (d_in = 768 floats per token), at least 10M tokens.
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    big_t = max(10_000_000, phys // (768 * 4) + 1)
+    for mode in ("prefill", "decode"):
+        r.case("bench_%s_beyond_physical_memory" % mode, expect_fast, 5.0, expect_error, r,
+               ["bench", "--seq", big_t, "--preset", "gpt2-small", "--mode", mode],
+               [r"needs at least \d+ bytes.*physical memory"], with_output=False)
+
+    # --- --output: links followed, special files refused and left as they were ---
+    r.case("output_symlink_followed", output_symlink_followed, r, fx)
+    r.case("output_fifo_refused", output_special_refused, r, fx, "fifo", False)
+    r.case("output_symlink_to_fifo_refused", output_special_refused, r, fx, "fifo", True)
+    r.case("output_char_device_refused", output_special_refused, r, fx, "chr", False)
+    r.case("output_dangling_symlink_refused", output_dangling_symlink_refused, r, fx)
+    err("output_directory_refused", fx.fwd(), ["not a regular file"], output=fx.dir, output_exists=True)
 
     # --- inputs ---
     err("query_rank_4", fx.fwd(query=fx.npy("q4.npy", np.zeros((1, B, T, E), np.float32))),
@@ -202,6 +242,81 @@ def expect_missing_output(r, fx):
     check(len(lines) == 1 and "output" in lines[0].lower(), "expected one stderr line naming --output, got %r"
           % p.stderr[-300:])
     return "stderr: %s" % lines[0]
+
+
+def expect_fast(seconds, fn, *args, **kwargs):
+    """fn(*args, **kwargs), which must return within `seconds` (a refusal, not an attempt)."""
+    t0 = time.monotonic()
+    extra = fn(*args, **kwargs)
+    elapsed = time.monotonic() - t0
+    check(elapsed < seconds, "took %.1f s, expected a refusal within %.0f s" % (elapsed, seconds))
+    return extra
+
+
+def output_symlink_followed(r, fx):
+    """--output through a link to an existing file in another directory: the data lands in the target, the
+    link stays a link, and no temporary file is left in either directory."""
+    wd = r.workdir()
+    os.makedirs(os.path.join(wd, "real"))
+    target = os.path.join(wd, "real", "y.npy")
+    with open(target, "wb") as f:
+        f.write(b"old contents")
+    link = os.path.join(wd, "link.npy")
+    os.symlink(os.path.join("real", "y.npy"), link)
+    args = fx.fwd(extra=["--output", link])
+    p = pc.run_cli(r.cli, args)
+    check(p.returncode == 0, "exit %d: %s; stderr %r" % (p.returncode, pc.fmt_cmd(r.cli, args), p.stderr[-300:]))
+    check(os.path.islink(link), "the link %s was replaced by a regular file" % link)
+    check(os.readlink(link) == os.path.join("real", "y.npy"), "the link now points to %s" % os.readlink(link))
+    y = np.load(target)
+    check(y.shape == (B, T, E) and y.dtype == np.float32, "target holds %s %s" % (y.shape, y.dtype))
+    left = sorted(os.listdir(wd)) + sorted(os.listdir(os.path.join(wd, "real")))
+    check(left == ["link.npy", "real", "y.npy"], "files left behind: %s" % left)
+    return None
+
+
+def make_special(path, kind):
+    """A FIFO, or a character device with /dev/null's numbers (made in the case's directory, so /dev is never
+    at risk); None when this system does not allow making one."""
+    try:
+        if kind == "fifo":
+            os.mkfifo(path)
+        else:
+            os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    except (OSError, AttributeError):
+        return None
+    return path
+
+
+def output_special_refused(r, fx, kind, via_link):
+    """--output naming a FIFO or a character device (or a link to one): exit 2 naming --output, and the
+    special file is left as it was (the atomic rename used to replace it with a regular file)."""
+    wd = r.workdir()
+    special = make_special(os.path.join(wd, kind), kind)
+    if special is None:
+        return "skipped: cannot make a %s here" % kind
+    is_kind = stat.S_ISFIFO if kind == "fifo" else stat.S_ISCHR
+    out = special
+    if via_link:
+        out = os.path.join(wd, "link.npy")
+        os.symlink(kind, out)
+    msg = expect_error(r, fx.fwd(), [r"--output .*not a regular file"], output=out, output_exists=True)
+    check(is_kind(os.lstat(special).st_mode), "%s is no longer a %s" % (special, kind))
+    check(not via_link or os.path.islink(out), "the link %s was replaced" % out)
+    expected = sorted([kind] + (["link.npy"] if via_link else []))
+    check(sorted(os.listdir(wd)) == expected, "files left behind: %s" % sorted(os.listdir(wd)))
+    return msg
+
+
+def output_dangling_symlink_refused(r, fx):
+    """--output through a link to a missing file: refused, and neither the link nor its target changes."""
+    wd = r.workdir()
+    link = os.path.join(wd, "link.npy")
+    os.symlink("missing.npy", link)
+    msg = expect_error(r, fx.fwd(), [r"--output .*symbolic link"], output=link, output_exists=True)
+    check(os.path.islink(link), "the link %s was replaced" % link)
+    check(sorted(os.listdir(wd)) == ["link.npy"], "files left behind: %s" % sorted(os.listdir(wd)))
+    return msg
 
 
 def dtype_bf16(r, fx):
