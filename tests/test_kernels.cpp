@@ -1,0 +1,679 @@
+// tests/test_kernels.cpp: every kernel instance against a plain double-precision loop on pre-projected Q/K/V, on
+// every instruction set this CPU runs: the tiled attention kernel on contiguous (strided, NaN-padded) and on paged
+// K/V, the split-KV decode kernel merged with merge_softmax_partials, and the few-row linear kernel. No GEMM sits
+// between the data and the kernel, so a kernel error cannot hide behind oneDNN's rounding. It does not test the
+// engine's planning, threads or validation (test_fastpath.cpp and test_kv_cache.cpp do).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <iterator>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine/dispatch.hpp"
+#include "kernels/attention_f32.hpp"
+#include "kernels/decode_attention_f32.hpp"
+#include "kernels/dropout.hpp"
+#include "kernels/linear_f32.hpp"
+#include "kernels/tiles.hpp"
+#include "tests/test_util.hpp"
+
+namespace gpt2attn {
+namespace {
+
+using test::all_close;
+using test::Dtype;
+using test::random_uniform;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+constexpr float kSentinel = -12345.5f;  // fills memory a kernel must not write: row gaps, the scratch guard
+constexpr int64_t kGuard = 64;          // sentinel floats after each scratch slice
+constexpr int kMaxReported = 8;         // failing cases printed in full per test; the rest are only counted
+
+// =============================================================================================================
+// Naive references: plain loops with double accumulation, on dense row-major data.
+
+struct NaiveDropout {
+  float p = 0.0f;  // 0 = off
+  uint64_t seed = 0;
+  int64_t bh = 0;  // b*H + h of the slice, for the draw index
+};
+
+// One head's attention. q (T, D), k and v (Tk, D); bias (T, Tk), or empty for none, holds the additive mask and
+// -inf wherever a key is masked (keep == 0, block != 0, key padding != 0, causal j > i + Tk - T):
+//   s_ij  = scale * q_i . k_j + bias_ij
+//   p_ij  = exp(s_ij - max_j s_ij) / sum_j exp(s_ij - max_j s_ij);   p_i = 0 when every s_ij is -inf
+//   with dropout (include/gpt2attn/attention.hpp's contract):
+//   p_ij *= [dropout_uniform(seed, ((b*H + h)*T + i)*Tk + j) >= p] / (1 - p)
+//   out_i = sum_j p_ij v_j
+std::vector<double> naive_attention(const std::vector<float>& q, const std::vector<float>& k,
+                                    const std::vector<float>& v, int64_t T, int64_t Tk, int64_t D,
+                                    const std::vector<double>& bias, double scale, const NaiveDropout& drop = {}) {
+  std::vector<double> out(static_cast<size_t>(T * D), 0.0), s(static_cast<size_t>(Tk));
+  for (int64_t i = 0; i < T; ++i) {
+    double mx = kNegInf;
+    for (int64_t j = 0; j < Tk; ++j) {
+      double dot = 0.0;
+      for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(q[i * D + d]) * k[j * D + d];
+      s[j] = scale * dot + (bias.empty() ? 0.0 : bias[i * Tk + j]);
+      mx = std::max(mx, s[j]);
+    }
+    if (mx == kNegInf) continue;  // every key masked: a zero row
+    double sum = 0.0;
+    for (int64_t j = 0; j < Tk; ++j) sum += (s[j] = std::exp(s[j] - mx));
+    for (int64_t j = 0; j < Tk; ++j) {
+      double p = s[j] / sum;
+      if (drop.p > 0.0f) {
+        const auto n = static_cast<uint64_t>((drop.bh * T + i) * Tk + j);
+        p *= kernels::dropout_uniform(drop.seed, n) >= drop.p ? 1.0 / (1.0 - drop.p) : 0.0;
+      }
+      for (int64_t d = 0; d < D; ++d) out[i * D + d] += p * v[j * D + d];
+    }
+  }
+  return out;
+}
+
+// y (M, N) = x (M, K) W^T + b:   y_mn = sum_k x_mk w_nk + b_n   (W (N, K) row-major; b = 0 when absent)
+std::vector<double> naive_linear(const std::vector<float>& x, const std::vector<float>& w, const std::vector<float>& b,
+                                 int64_t M, int64_t N, int64_t K) {
+  std::vector<double> y(static_cast<size_t>(M * N));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = b.empty() ? 0.0 : b[n];
+      for (int64_t k = 0; k < K; ++k) acc += static_cast<double>(x[m * K + k]) * w[n * K + k];
+      y[m * N + n] = acc;
+    }
+  }
+  return y;
+}
+
+// The tolerance's reduction length by test_util.hpp's rule (the longest dot product or sum behind an output
+// element) for one head of width D over Tk keys: a one-head layer of width D, so max(D, Tk).
+int64_t reduction_for_head(int64_t D, int64_t Tk) {
+  Config c;
+  c.d_model = D;
+  c.num_heads = 1;
+  return test::reduction_length(c, Tk);
+}
+
+// =============================================================================================================
+// Memory as the kernels see it: strided rows with poisoned gaps, paged blocks, guarded scratch.
+
+// Dense (rows, D) laid out with row stride ld >= D; the gaps hold NaN, so a stray read poisons the result.
+std::vector<float> strided(const std::vector<float>& dense, int64_t rows, int64_t D, int64_t ld) {
+  std::vector<float> mem(static_cast<size_t>(rows * ld), kNaN);
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(dense.begin() + r * D, D, mem.begin() + r * ld);
+  return mem;
+}
+
+// An output of (rows, D) with row stride ld: NaN where the kernel must write (an element it skips cannot pass),
+// the sentinel in the gaps (which it must leave alone).
+std::vector<float> output_buffer(int64_t rows, int64_t D, int64_t ld) {
+  std::vector<float> mem(static_cast<size_t>(rows * ld), kSentinel);
+  for (int64_t r = 0; r < rows; ++r) std::fill_n(mem.begin() + r * ld, D, kNaN);
+  return mem;
+}
+
+std::vector<float> unstrided(const std::vector<float>& mem, int64_t rows, int64_t D, int64_t ld) {
+  std::vector<float> dense(static_cast<size_t>(rows * D));
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(mem.begin() + r * ld, D, dense.begin() + r * D);
+  return dense;
+}
+
+// Gap elements (columns [D, ld) of each row) that no longer hold the sentinel.
+int64_t gap_writes(const std::vector<float>& mem, int64_t rows, int64_t D, int64_t ld) {
+  int64_t n = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = D; c < ld; ++c) n += mem[r * ld + c] != kSentinel;
+  return n;
+}
+
+// A scratch slice of `floats` NaN (a read before write poisons the result), then kGuard sentinels (a write past
+// the size the kernel asked for shows).
+std::vector<float> scratch_slice(size_t floats) {
+  std::vector<float> s(floats + kGuard, kNaN);
+  std::fill(s.begin() + static_cast<int64_t>(floats), s.end(), kSentinel);
+  return s;
+}
+bool guard_intact(const std::vector<float>& s, size_t floats) {
+  return std::all_of(s.begin() + static_cast<int64_t>(floats), s.end(), [](float x) { return x == kSentinel; });
+}
+
+// K/V of H heads in the KV cache's block layout (engine/kv_cache.hpp): a block holds K [H][bt][D] then V [H][bt][D],
+// head h's K tile at h*bt*D and its V tile at (H + h)*bt*D. The blocks sit in one pool in shuffled order with a
+// gap between neighbours; every float no written (head, token) row covers stays NaN.
+struct PagedStore {
+  int64_t H = 0, D = 0, bt = 0, stride = 0;  // stride: floats from one block's slot in the pool to the next
+  std::vector<float> pool;
+  std::vector<int64_t> slot;        // slot[b]: where block b of the sequence sits in the pool
+  std::vector<const float*> table;  // table[b]: block b, as the kernels receive it
+
+  PagedStore() = default;
+  PagedStore(int64_t heads, int64_t head_dim, int64_t block_tokens, int64_t tokens, std::mt19937_64& rng)
+      : H(heads), D(head_dim), bt(block_tokens), stride(2 * heads * block_tokens * head_dim + 7) {
+    const int64_t blocks = (tokens + bt - 1) / bt;
+    pool.assign(static_cast<size_t>(blocks * stride), kNaN);
+    for (int64_t b = 0; b < blocks; ++b) slot.push_back(b);
+    std::shuffle(slot.begin(), slot.end(), rng);
+    for (int64_t b = 0; b < blocks; ++b) table.push_back(pool.data() + slot[b] * stride);
+  }
+  // table points into pool: movable (a moved vector keeps its buffer), never copied.
+  PagedStore(PagedStore&&) = default;
+  PagedStore& operator=(PagedStore&&) = default;
+  PagedStore(const PagedStore&) = delete;
+  PagedStore& operator=(const PagedStore&) = delete;
+
+  int64_t k_offset(int64_t h) const { return h * bt * D; }
+  int64_t v_offset(int64_t h) const { return (H + h) * bt * D; }
+  // Stores token j's K and V rows (D floats each, from the dense (tokens, D) arrays) for head h.
+  void put(int64_t h, int64_t j, const std::vector<float>& k, const std::vector<float>& v) {
+    float* block = pool.data() + slot[j / bt] * stride;
+    std::copy_n(k.begin() + j * D, D, block + k_offset(h) + (j % bt) * D);
+    std::copy_n(v.begin() + j * D, D, block + v_offset(h) + (j % bt) * D);
+  }
+};
+
+// =============================================================================================================
+// Failure reporting: every case runs; the first kMaxReported failures print in full (ISA, case, element), the
+// rest are counted.
+
+template <class Case, class Check>
+void expect_all_cases(const std::string& isa, const std::vector<Case>& cases, Check&& check) {
+  ASSERT_FALSE(cases.empty());
+  int64_t failed = 0;
+  for (const Case& c : cases) {
+    const ::testing::AssertionResult r = check(c);
+    if (!r && failed++ < kMaxReported) ADD_FAILURE() << r.message();
+  }
+  EXPECT_EQ(failed, 0) << "[isa=" << isa << "] " << failed << " of " << cases.size() << " cases failed (at most "
+                       << kMaxReported << " shown above)";
+}
+
+// Every test is parameterised over the instruction set, like tests/test_fastpath.cpp; the prefix "Kernel" makes
+// --gtest_filter='Kernel*' select every test of this file.
+class KernelTest : public ::testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    if (!isa_supported(GetParam())) GTEST_SKIP() << "this CPU lacks " << to_string(GetParam());
+  }
+  Isa isa() const { return GetParam(); }
+};
+
+std::string isa_name(const ::testing::TestParamInfo<Isa>& info) { return to_string(info.param); }
+
+#define GPT2ATTN_KERNEL_INSTANTIATE_ISAS(Suite) \
+  INSTANTIATE_TEST_SUITE_P(Kernel, Suite, ::testing::Values(Isa::avx512, Isa::avx2, Isa::scalar), isa_name)
+
+// =============================================================================================================
+// 1-2. The tiled attention kernel, contiguous and paged K/V.
+
+enum class MaskVariant { none, additive_f32, keep_u8, block_u8, padding_u8, padding_f32, dropout };
+constexpr MaskVariant kMaskVariants[] = {MaskVariant::none,     MaskVariant::additive_f32, MaskVariant::keep_u8,
+                                         MaskVariant::block_u8, MaskVariant::padding_u8,   MaskVariant::padding_f32,
+                                         MaskVariant::dropout};
+
+// How each variant is stored, for failure messages. Rows i % 5 == 4 of the (T, Tk) masks mask every key; key 0 is
+// always padding (with causal T == Tk, row 0 then sees nothing; with Tk = 1, no row does).
+const char* describe(MaskVariant m) {
+  switch (m) {
+    case MaskVariant::none: return "none";
+    case MaskVariant::additive_f32: return "additive f32 (column-major, stride_j T+2; 15% -inf; rows i%5==4 all -inf)";
+    case MaskVariant::keep_u8: return "keep u8 (row stride Tk+3; 30% zero; rows i%5==4 all zero)";
+    case MaskVariant::block_u8: return "block u8 (row stride Tk+3; 30% nonzero; rows i%5==4 all nonzero)";
+    case MaskVariant::padding_u8: return "key padding u8 (key 0 and 30% padded)";
+    case MaskVariant::padding_f32: return "key padding f32 (stride_j 2; key 0 and 30% padded)";
+    case MaskVariant::dropout: return "dropout p=0.25 (b=1 h=2 of H=3)";
+  }
+  return "?";
+}
+
+constexpr float kDropoutP = 0.25f;
+constexpr int64_t kDropoutBh = 1 * 3 + 2;           // (b, h) = (1, 2) of H = 3: a nonzero dropout_base
+constexpr int64_t kPagedHeads = 3, kPagedHead = 1;  // paged K/V: the blocks hold 3 heads, the case reads head 1
+
+struct AttnCase {
+  int64_t T = 0, Tk = 0, D = 0;
+  bool causal = false;
+  MaskVariant mask = MaskVariant::none;
+  int64_t block_tokens = 0;  // 0: contiguous K/V with the row strides below; else paged, blocks of this many keys
+  bool one_call = false;     // run over [0, T) in one call; else one call per query tile, last tile first
+  uint64_t seed = 0;
+
+  // Row strides past D (NaN gaps), odd so rows are misaligned for vector loads.
+  int64_t ldq() const { return D + 3; }
+  int64_t ldk() const { return D + 5; }
+  int64_t ldv() const { return D + 1; }
+  int64_t ldo() const { return D + 2; }
+
+  std::string name() const {
+    std::ostringstream s;
+    s << "T=" << T << " Tk=" << Tk << " D=" << D;
+    if (causal) {
+      s << " causal(offset " << Tk - T << ")";
+    } else {
+      s << " non-causal";
+    }
+    s << " | mask " << describe(mask) << " | layout ";
+    if (block_tokens == 0) {
+      s << "contiguous(ldq=D+3 ldk=D+5 ldv=D+1 ldo=D+2)";
+    } else {
+      s << "paged(block_tokens=" << block_tokens << ", head " << kPagedHead << " of " << kPagedHeads
+        << ", blocks shuffled; ldq=D+3 ldo=D+2)";
+    }
+    s << " | " << (one_call ? "one run() over [0, T)" : "one run() per query tile, last first") << " | seed " << seed;
+    return s.str();
+  }
+};
+
+// T and Tk around the tile edges: one row, a few, a query tile -1/0/+1, two key tiles + 3, and 113.
+std::vector<int64_t> tile_lengths(const kernels::TileShape& t) {
+  std::vector<int64_t> n = {1, 7, t.query_tile - 1, t.query_tile, t.query_tile + 1, 2 * t.key_tile + 3, 113};
+  n.erase(std::remove_if(n.begin(), n.end(), [](int64_t x) { return x < 1; }), n.end());
+  std::sort(n.begin(), n.end());
+  n.erase(std::unique(n.begin(), n.end()), n.end());
+  return n;
+}
+
+constexpr int64_t kHeadDims[] = {1, 3, 16, 64, 65, 128};
+
+// Contiguous: every (T, Tk, D, causal) with every mask variant. Paged: every (T, Tk, D, causal, block_tokens),
+// the mask variant cycling with the case index (index mod 7, which meets every variant with every block size, head
+// size and causal setting). Whether the query tiles run in one call or one call each is drawn from
+// the seed, so both meet every shape family.
+std::vector<AttnCase> attention_cases(const kernels::TileShape& t, bool paged) {
+  std::vector<AttnCase> cases;
+  const std::vector<int64_t> lengths = tile_lengths(t);
+  const std::vector<int64_t> block_sizes = paged ? std::vector<int64_t>{1, 3, 16, 64} : std::vector<int64_t>{0};
+  for (int64_t T : lengths) {
+    for (int64_t Tk : lengths) {
+      for (int64_t D : kHeadDims) {
+        for (bool causal : {false, true}) {
+          for (int64_t bt : block_sizes) {
+            auto add = [&](MaskVariant m) {
+              const uint64_t seed = 1000 + cases.size();
+              cases.push_back({T, Tk, D, causal, m, bt, (kernels::splitmix64(seed) & 1) != 0, seed});
+            };
+            if (paged) {
+              add(kMaskVariants[cases.size() % std::size(kMaskVariants)]);
+            } else {
+              for (MaskVariant m : kMaskVariants) add(m);
+            }
+          }
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+// A case's mask as the kernel reads it (MaskRefs into owned storage: move it, never copy) and as the reference
+// does (bias).
+struct MaskData {
+  std::vector<float> f32;
+  std::vector<uint8_t> u8;
+  kernels::MaskRef mask, padding;
+  std::vector<double> bias;  // (T, Tk): the additive value, -inf where masked; empty when nothing is masked
+};
+
+MaskData make_mask(const AttnCase& c, std::mt19937_64& rng) {
+  const int64_t T = c.T, Tk = c.Tk;
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::uniform_int_distribution<int> nonzero(1, 255);
+  MaskData m;
+  if (c.mask == MaskVariant::none || c.mask == MaskVariant::dropout) return m;
+  m.bias.assign(static_cast<size_t>(T * Tk), 0.0);
+  const bool dead_row_kind =
+      c.mask == MaskVariant::additive_f32 || c.mask == MaskVariant::keep_u8 || c.mask == MaskVariant::block_u8;
+  auto dead_row = [&](int64_t i) { return dead_row_kind && i % 5 == 4; };
+
+  switch (c.mask) {
+    case MaskVariant::additive_f32: {  // column-major: stride_i 1, stride_j T + 2
+      m.mask = {nullptr, kernels::MaskDType::f32, kernels::MaskMode::additive, 1, T + 2};
+      m.f32.assign(static_cast<size_t>(Tk * (T + 2)), kNaN);
+      for (int64_t i = 0; i < T; ++i) {
+        for (int64_t j = 0; j < Tk; ++j) {
+          const float r = u(rng), x = -2.0f + 4.0f * u(rng);
+          const float val = dead_row(i) || r < 0.15f ? -INFINITY : x;
+          m.f32[i + j * (T + 2)] = val;
+          m.bias[i * Tk + j] = val;
+        }
+      }
+      m.mask.data = m.f32.data();
+      break;
+    }
+    case MaskVariant::keep_u8:
+    case MaskVariant::block_u8: {  // row-major, row stride Tk + 3; the gaps hold 0 for keep, 0xA5 for block
+      const bool keep = c.mask == MaskVariant::keep_u8;
+      m.mask = {nullptr, kernels::MaskDType::u8, keep ? kernels::MaskMode::keep : kernels::MaskMode::block, Tk + 3, 1};
+      m.u8.assign(static_cast<size_t>(T * (Tk + 3)), keep ? 0 : 0xA5);
+      for (int64_t i = 0; i < T; ++i) {
+        for (int64_t j = 0; j < Tk; ++j) {
+          const bool masked = dead_row(i) || u(rng) < 0.3f;
+          const int x = nonzero(rng);
+          m.u8[i * (Tk + 3) + j] = static_cast<uint8_t>(masked == keep ? 0 : x);  // keep: 0 masks; block: !0 masks
+          if (masked) m.bias[i * Tk + j] = kNegInf;
+        }
+      }
+      m.mask.data = m.u8.data();
+      break;
+    }
+    case MaskVariant::padding_u8:
+    case MaskVariant::padding_f32: {  // (1, Tk), nonzero = padding (mode block), as the engine passes it
+      const bool f32 = c.mask == MaskVariant::padding_f32;
+      const int64_t sj = f32 ? 2 : 1;
+      m.padding = {nullptr, f32 ? kernels::MaskDType::f32 : kernels::MaskDType::u8, kernels::MaskMode::block, 0, sj};
+      if (f32) {
+        m.f32.assign(static_cast<size_t>(Tk * sj), kNaN);
+      } else {
+        m.u8.assign(static_cast<size_t>(Tk), 0);
+      }
+      for (int64_t j = 0; j < Tk; ++j) {
+        const bool pad = j == 0 || u(rng) < 0.3f;
+        if (f32) {
+          m.f32[j * sj] = pad ? (u(rng) < 0.5f ? 1.0f : -0.5f) : 0.0f;
+        } else {
+          m.u8[j] = static_cast<uint8_t>(pad ? nonzero(rng) : 0);
+        }
+        if (pad)
+          for (int64_t i = 0; i < T; ++i) m.bias[i * Tk + j] = kNegInf;
+      }
+      m.padding.data = f32 ? static_cast<const void*>(m.f32.data()) : static_cast<const void*>(m.u8.data());
+      break;
+    }
+    case MaskVariant::none:
+    case MaskVariant::dropout: break;
+  }
+  return m;
+}
+
+// Runs one case through `kern` (one call over all query tiles, or one call per tile, last first, as the engine
+// schedules them; one scratch slice throughout) and checks: the output against naive_attention, rows with every key
+// masked exactly zero, the output's row gaps and the scratch guard untouched.
+::testing::AssertionResult check_attention(const kernels::AttentionKernel& kern, const AttnCase& c) {
+  const int64_t T = c.T, Tk = c.Tk, D = c.D, BQ = kern.tiles.query_tile, BK = kern.tiles.key_tile;
+  std::mt19937_64 rng(c.seed);
+  const std::vector<float> q = random_uniform(T * D, rng, -2.0f, 2.0f);
+  const std::vector<float> k = random_uniform(Tk * D, rng, -2.0f, 2.0f);
+  const std::vector<float> v = random_uniform(Tk * D, rng, -1.0f, 1.0f);
+  const MaskData mk = make_mask(c, rng);
+  std::vector<double> bias = mk.bias;
+  if (c.causal) {
+    if (bias.empty()) bias.assign(static_cast<size_t>(T * Tk), 0.0);
+    for (int64_t i = 0; i < T; ++i)
+      for (int64_t j = std::max<int64_t>(0, i + (Tk - T) + 1); j < Tk; ++j) bias[i * Tk + j] = kNegInf;
+  }
+
+  kernels::AttentionArgs a;
+  a.T = T, a.Tk = Tk, a.D = D;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const std::vector<float> q_mem = strided(q, T, D, c.ldq());
+  a.q = q_mem.data(), a.ldq = c.ldq();
+  std::vector<float> k_mem, v_mem;
+  PagedStore store;
+  if (c.block_tokens == 0) {
+    k_mem = strided(k, Tk, D, c.ldk());
+    v_mem = strided(v, Tk, D, c.ldv());
+    a.k = k_mem.data(), a.ldk = c.ldk();
+    a.v = v_mem.data(), a.ldv = c.ldv();
+  } else {  // as the engine's extend(): k, v, ldk, ldv unset; the contract reads rows at stride D from the blocks
+    store = PagedStore(kPagedHeads, D, c.block_tokens, Tk, rng);
+    for (int64_t j = 0; j < Tk; ++j) store.put(kPagedHead, j, k, v);
+    a.paged.blocks = store.table.data();
+    a.paged.block_tokens = c.block_tokens;
+    a.paged.k_offset = store.k_offset(kPagedHead);
+    a.paged.v_offset = store.v_offset(kPagedHead);
+  }
+  std::vector<float> out_mem = output_buffer(T, D, c.ldo());
+  a.out = out_mem.data(), a.ldo = c.ldo();
+
+  // The engine's causal band (engine/attention.cpp): center = BQ + BK, row[center + c] = c >= 0 ? 0 : -inf.
+  const int64_t center = BQ + BK;
+  std::vector<float> band(static_cast<size_t>(2 * center));
+  for (int64_t i = 0; i < 2 * center; ++i) band[i] = i - center >= 0 ? 0.0f : -INFINITY;
+  a.causal = c.causal;
+  a.causal_offset = Tk - T;
+  a.causal_bias = band.data() + center;
+  a.mask = mk.mask;
+  a.key_padding = mk.padding;
+  NaiveDropout drop;
+  if (c.mask == MaskVariant::dropout) {
+    drop = {kDropoutP, c.seed * 0x9e3779b97f4a7c15ull + 1, kDropoutBh};
+    a.dropout_p = drop.p;
+    a.dropout_seed = drop.seed;
+    a.dropout_base = static_cast<uint64_t>(kDropoutBh * T * Tk);
+  }
+
+  const size_t scratch_floats = kern.scratch_floats(D);
+  std::vector<float> scratch = scratch_slice(scratch_floats);
+  if (c.one_call) {
+    kern.run(a, 0, T, scratch.data());
+  } else {
+    for (int64_t q0 = (T - 1) / BQ * BQ; q0 >= 0; q0 -= BQ) kern.run(a, q0, std::min(q0 + BQ, T), scratch.data());
+  }
+
+  std::ostringstream ctx;
+  ctx << "[isa=" << kern.isa << " BQ=" << BQ << " BK=" << BK << "] " << c.name();
+  const std::vector<float> got = unstrided(out_mem, T, D, c.ldo());
+  const std::vector<double> want = naive_attention(q, k, v, T, Tk, D, bias, a.scale, drop);
+  ::testing::AssertionResult r =
+      all_close(got, want, Dtype::f32, reduction_for_head(D, Tk), ctx.str() + " | index i*D+d");
+  if (!r) return r;
+  for (int64_t i = 0; i < T && !bias.empty(); ++i) {
+    if (!std::all_of(bias.begin() + i * Tk, bias.begin() + (i + 1) * Tk, [](double b) { return b == kNegInf; }))
+      continue;
+    for (int64_t d = 0; d < D; ++d) {
+      if (got[i * D + d] != 0.0f) {
+        return ::testing::AssertionFailure() << ctx.str() << ": row " << i << " has every key masked, expected exact "
+                                             << "zeros, got " << got[i * D + d] << " at d=" << d;
+      }
+    }
+  }
+  if (const int64_t n = gap_writes(out_mem, T, D, c.ldo())) {
+    return ::testing::AssertionFailure() << ctx.str() << ": wrote " << n << " floats in the output's row gaps";
+  }
+  if (!guard_intact(scratch, scratch_floats)) {
+    return ::testing::AssertionFailure() << ctx.str() << ": wrote past scratch_floats(D)=" << scratch_floats;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+class KernelAttention : public KernelTest {};
+
+TEST_P(KernelAttention, ContiguousMatchesNaive) {
+  const kernels::AttentionKernel& kern = detail::attention_kernel(isa());
+  ASSERT_STREQ(kern.isa, to_string(isa()));
+  expect_all_cases(kern.isa, attention_cases(kern.tiles, false),
+                   [&](const AttnCase& c) { return check_attention(kern, c); });
+}
+
+TEST_P(KernelAttention, PagedMatchesNaive) {
+  const kernels::AttentionKernel& kern = detail::attention_kernel(isa());
+  ASSERT_STREQ(kern.isa, to_string(isa()));
+  expect_all_cases(kern.isa, attention_cases(kern.tiles, true),
+                   [&](const AttnCase& c) { return check_attention(kern, c); });
+}
+GPT2ATTN_KERNEL_INSTANTIATE_ISAS(KernelAttention);
+
+// =============================================================================================================
+// 3. The decode kernel: a sequence's keys in [j_begin, j_end) splits, merged with merge_softmax_partials.
+
+struct DecodeCase {
+  int64_t H = 0, D = 0, block_tokens = 0, n = 0;  // n keys cached, in blocks of block_tokens
+  std::vector<int64_t> cuts;                      // split s covers keys [cuts[s], cuts[s + 1]); 0 ... n
+  uint64_t seed = 0;
+
+  int64_t ldq() const { return D + 2; }  // q (H, D) rows, NaN gaps
+  std::string name() const {
+    std::ostringstream s;
+    s << "H=" << H << " D=" << D << " n=" << n << " block_tokens=" << block_tokens << " (score run "
+      << std::min<int64_t>(block_tokens, kernels::tiles::kDecodeMaxScoreKeys) << ") splits";
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) s << " [" << cuts[i] << "," << cuts[i + 1] << ")";
+    s << " | layout paged(blocks shuffled) ldq=D+2 | seed " << seed;
+    return s.str();
+  }
+};
+
+// Every (H, D, block_tokens, n, splits) with splits <= n; the cut points are random, so splits are ragged and
+// start mid-block. block_tokens 300 > kDecodeMaxScoreKeys = 256 scores a block in two runs.
+std::vector<DecodeCase> decode_cases() {
+  std::vector<DecodeCase> cases;
+  test::Rng r(77);
+  for (int64_t H : {1, 3, 12}) {
+    for (int64_t D : {1, 7, 64, 128}) {
+      for (int64_t bt : {1, 5, 64, 300}) {
+        for (int64_t n : {1, 7, 64, 257, 301, 613}) {
+          for (int64_t splits : {1, 2, 5}) {
+            if (splits > n) continue;
+            DecodeCase c{H, D, bt, n, {0, n}, 5000 + cases.size()};
+            while (static_cast<int64_t>(c.cuts.size()) < splits + 1) {
+              const int64_t x = r.between(1, n - 1);
+              if (std::find(c.cuts.begin(), c.cuts.end(), x) == c.cuts.end()) c.cuts.push_back(x);
+            }
+            std::sort(c.cuts.begin(), c.cuts.end());
+            cases.push_back(c);
+          }
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+// Runs every split through `kern` (in reverse order, through one scratch slice), merges per head as the engine
+// does (partials (splits, H) and (splits, H, D)), and checks against naive_attention of one query per head.
+::testing::AssertionResult check_decode(const kernels::DecodeKernel& kern, const DecodeCase& c) {
+  const int64_t H = c.H, D = c.D, n = c.n, S = static_cast<int64_t>(c.cuts.size()) - 1;
+  std::mt19937_64 rng(c.seed);
+  const std::vector<float> q = random_uniform(H * D, rng, -2.0f, 2.0f);
+  std::vector<std::vector<float>> k(H), v(H);  // per head, dense (n, D)
+  PagedStore store(H, D, c.block_tokens, n, rng);
+  for (int64_t h = 0; h < H; ++h) {
+    k[h] = random_uniform(n * D, rng, -2.0f, 2.0f);
+    v[h] = random_uniform(n * D, rng, -1.0f, 1.0f);
+    for (int64_t j = 0; j < n; ++j) store.put(h, j, k[h], v[h]);
+  }
+
+  kernels::DecodeArgs a;
+  const std::vector<float> q_mem = strided(q, H, D, c.ldq());
+  a.q = q_mem.data(), a.ldq = c.ldq();
+  a.blocks = store.table.data(), a.block_tokens = c.block_tokens;
+  a.H = H, a.D = D;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  std::vector<float> m(static_cast<size_t>(S * H), kNaN), l(m), acc(static_cast<size_t>(S * H * D), kNaN);
+  const size_t scratch_floats = kern.scratch_floats(H, D, c.block_tokens);
+  std::vector<float> scratch = scratch_slice(scratch_floats);
+  for (int64_t s = S - 1; s >= 0; --s) {
+    kern.run(a, c.cuts[s], c.cuts[s + 1], scratch.data(), m.data() + s * H, l.data() + s * H, acc.data() + s * H * D);
+  }
+  std::vector<float> got(static_cast<size_t>(H * D), kNaN);
+  for (int64_t h = 0; h < H; ++h) {
+    kernels::merge_softmax_partials(m.data() + h, l.data() + h, H, acc.data() + h * D, H * D, S, D, got.data() + h * D);
+  }
+
+  std::vector<double> want;
+  for (int64_t h = 0; h < H; ++h) {
+    const std::vector<float> qh(q.begin() + h * D, q.begin() + (h + 1) * D);
+    const std::vector<double> o = naive_attention(qh, k[h], v[h], 1, n, D, {}, a.scale);
+    want.insert(want.end(), o.begin(), o.end());
+  }
+  std::ostringstream ctx;
+  ctx << "[isa=" << kern.isa << "] decode " << c.name();
+  ::testing::AssertionResult r =
+      all_close(got, want, Dtype::f32, reduction_for_head(D, n), ctx.str() + " | index h*D+d");
+  if (!r) return r;
+  if (!guard_intact(scratch, scratch_floats)) {
+    return ::testing::AssertionFailure() << ctx.str()
+                                         << ": wrote past scratch_floats(H, D, block_tokens)=" << scratch_floats;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+class KernelDecode : public KernelTest {};
+
+TEST_P(KernelDecode, MergedSplitsMatchNaive) {
+  const kernels::DecodeKernel& kern = detail::decode_kernel(isa());
+  ASSERT_STREQ(kern.isa, to_string(isa()));
+  expect_all_cases(kern.isa, decode_cases(), [&](const DecodeCase& c) { return check_decode(kern, c); });
+}
+GPT2ATTN_KERNEL_INSTANTIATE_ISAS(KernelDecode);
+
+// =============================================================================================================
+// 4. The few-row linear kernel over every panel of the packed weights.
+
+struct LinearCase {
+  int64_t M = 0, N = 0, K = 0;
+  bool bias = false;
+  uint64_t seed = 0;
+
+  int64_t ldx() const { return K + 3; }  // NaN gaps
+  int64_t ldy() const { return N + 5; }  // sentinel gaps
+  std::string name() const {
+    std::ostringstream s;
+    s << "M=" << M << " N=" << N << " K=" << K << (bias ? " bias" : " no bias") << " | panels "
+      << kernels::linear_panels(N) << " (first half one call each, the rest in one), K chunks of "
+      << kernels::tiles::kLinearKChunk << " | ldx=K+3 ldy=N+5 | seed " << seed;
+    return s.str();
+  }
+};
+
+// M around the row blocks (AVX-512 8, AVX2 6, scalar 4), N around the 16-output panel, K up to past one
+// kLinearKChunk (512), so a second chunk accumulates on the first's partial sums in y.
+std::vector<LinearCase> linear_cases() {
+  std::vector<LinearCase> cases;
+  for (int64_t M : {1, 3, 8, 9, 19})
+    for (int64_t N : {1, 16, 17, 48})
+      for (int64_t K : {1, 5, 512, 700})
+        for (bool bias : {false, true}) cases.push_back({M, N, K, bias, 9000 + cases.size()});
+  return cases;
+}
+
+::testing::AssertionResult check_linear(const kernels::LinearKernel& kern, const LinearCase& c) {
+  const int64_t M = c.M, N = c.N, K = c.K;
+  std::mt19937_64 rng(c.seed);
+  const std::vector<float> x = random_uniform(M * K, rng);
+  const std::vector<float> w = random_uniform(N * K, rng);
+  const std::vector<float> b = c.bias ? random_uniform(N, rng) : std::vector<float>{};
+  std::vector<float> packed(static_cast<size_t>(kernels::linear_packed_floats(N, K)), kNaN);
+  kernels::pack_linear_weights(w.data(), N, K, packed.data());
+
+  kernels::LinearArgs a;
+  const std::vector<float> x_mem = strided(x, M, K, c.ldx());
+  std::vector<float> y_mem = output_buffer(M, N, c.ldy());
+  a.x = x_mem.data(), a.ldx = c.ldx();
+  a.w_packed = packed.data();
+  a.bias = c.bias ? b.data() : nullptr;
+  a.y = y_mem.data(), a.ldy = c.ldy();
+  a.M = M, a.N = N, a.K = K;
+  const int64_t panels = kernels::linear_panels(N), half = panels / 2;
+  for (int64_t p = 0; p < half; ++p) kern.run(a, p, p + 1);
+  kern.run(a, half, panels);
+
+  std::ostringstream ctx;
+  ctx << "[isa=" << kern.isa << "] linear " << c.name();
+  // The reduction is the K-long dot product (test_util.hpp's rule: the projection widths).
+  ::testing::AssertionResult r = all_close(unstrided(y_mem, M, N, c.ldy()), naive_linear(x, w, b, M, N, K), Dtype::f32,
+                                           K, ctx.str() + " | index m*N+n");
+  if (!r) return r;
+  if (const int64_t n = gap_writes(y_mem, M, N, c.ldy())) {
+    return ::testing::AssertionFailure() << ctx.str() << ": wrote " << n << " floats in y's row gaps (columns >= N)";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+class KernelLinear : public KernelTest {};
+
+TEST_P(KernelLinear, AllPanelsMatchNaive) {
+  const kernels::LinearKernel& kern = detail::linear_kernel(isa());
+  ASSERT_STREQ(kern.isa, to_string(isa()));
+  expect_all_cases(kern.isa, linear_cases(), [&](const LinearCase& c) { return check_linear(kern, c); });
+}
+GPT2ATTN_KERNEL_INSTANTIATE_ISAS(KernelLinear);
+
+}  // namespace
+}  // namespace gpt2attn
