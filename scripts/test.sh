@@ -2,7 +2,8 @@
 # The whole test suite: installs what is missing, builds, runs every test under ctest (GoogleTest suites for
 # every compiled instruction set, the C API test, the server examples, the allocation test and PyTorch parity
 # through the CLI), then the concurrency tests under ThreadSanitizer (scripts/tsan.sh; GPT2ATTN_SKIP_TSAN=1
-# skips them). Extra arguments go to the first ctest run.
+# skips them) and the suite under ASan + UBSan (scripts/asan.sh; GPT2ATTN_SKIP_ASAN=1 skips it). Extra arguments
+# go to the first ctest run.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${GPT2ATTN_BUILD_DIR:-$root/build}
@@ -10,4 +11,9 @@ bash "$root/scripts/build.sh"
 (cd "$build" && ctest --output-on-failure -j"$(nproc)" "$@")
 if [ "${GPT2ATTN_SKIP_TSAN:-0}" != 1 ]; then
   bash "$root/scripts/tsan.sh"
+fi
+# The suite again under AddressSanitizer + UndefinedBehaviorSanitizer (GPT2ATTN_SKIP_ASAN=1 skips it; CI never
+# does). The two long PyTorch parity sweeps run once, above: they drive the CLI, whose paths the CLI tests cover.
+if [ "${GPT2ATTN_SKIP_ASAN:-0}" != 1 ]; then
+  bash "$root/scripts/asan.sh" -E "python.test_torch_mha_parity|python.test_seed_modules"
 fi
