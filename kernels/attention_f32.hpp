@@ -9,15 +9,29 @@
 // at block boundaries, so every tile is still one contiguous (nk, D) slab.
 //
 // Algorithm. Queries sit in SIMD lanes: a query tile of BQ rows is packed transposed, qt (D, BQ), so the
-// score tile s (BK, BQ) = K_tile . qt is a register-blocked outer-product GEMM (qt is pre-scaled by
-// scale * log2(e), so scores are in log2 units and exp becomes a cheap exp2), and every per-query
-// quantity (running max m, running sum l, rescale alpha) is a vertical vector op. For each key tile:
+// score tile s (BK, BQ) = K_tile . qt is a register-blocked outer-product GEMM, and every per-query quantity
+// (running max m, running sum l, rescale alpha) is a vertical vector op. With c the units factor below, for
+// each key tile:
 //   m_new = max(m, max_j s_j)                 (m = -inf while every key so far was masked)
-//   alpha = 2^(m - m_new),  p_j = 2^(s_j - m_new)       (with m_new = 0 substituted when it is -inf)
+//   alpha = 2^((m - m_new) c),  p_j = 2^((s_j - m_new) c)   (with m_new = 0 substituted when it is -inf)
 //   l     = alpha * l + sum_j p_j
 //   acc   = alpha * acc + V_tile^T . p          (acc (D, BQ), unnormalised output, transposed)
 // and at the end out_i = acc_i / l_i, or 0 when l_i == 0 (a query that may attend to nothing).
 // Dropout multiplies p_j by keep/(1-p) after l has been accumulated: it acts on the normalised weights.
+//
+// Units, chosen once per call. Without an additive mask, qt is pre-scaled by scale * log2(e): scores are in
+// log2 units, c = 1, and exp is a cheap exp2 with no per-element multiply (the measured fast path). An
+// additive mask x must instead meet the score where torch adds it, s + x in fp32 natural units: in log2
+// units it would be x * log2(e), which is +-inf for |x| > FLT_MAX / log2(e) ~ 2.36e38. Hugging Face writes
+// torch.finfo(float32).min for masked positions; a row of it would turn into -inf (treated as fully masked:
+// output = the out-projection bias) where torch, whose s + finfo.min rounds to finfo.min for every key, gives
+// uniform attention; a mask of +3e38 would give inf - inf = NaN. So a call with an additive mask keeps the
+// scores in natural units: qt scaled by `scale` only, s_j = q.k * scale + x_j in fp32 exactly as torch, and
+// c = log2(e) applied inside the exponent, after the max subtraction. s_j - m_new <= 0 cannot overflow upward;
+// where it overflows downward (s_j = finfo.min, m_new >= 0) it is -inf and p_j = 0, also the exact value;
+// equal huge scores give s_j - m_new = 0, p_j = 1: the uniform row torch computes. Clamping x to
+// +-FLT_MAX / log2(e) instead would keep one path but merge distinct huge values (finfo.min and -2.4e38 would
+// weigh alike; torch gives the first exp(-1e38) = 0 of the second's weight).
 //
 // Causal work is skipped by index arithmetic: query i sees keys j <= i + causal_offset, so key tiles past
 // the last query's horizon are never touched, and only tiles crossing the diagonal read the layer's

@@ -15,6 +15,11 @@
 namespace gpt2attn::kernels {
 namespace {
 
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The units the scores are kept in (see "Units" in attention_f32.hpp), chosen once per call.
+enum class Units { log2, natural };
+
 template <class Arch, int QV, int R>
 struct AttentionF32 {
   using V = Vec<Arch>;
@@ -29,13 +34,28 @@ struct AttentionF32 {
 
   static void run(const AttentionArgs& a, int64_t q_begin, int64_t q_end, float* scratch) {
     // Paged K/V gets its own instantiation: the contiguous path keeps the code it had before paging existed
-    // (one shared body with run-time paging checks measured ~7% slower on the core).
-    for (int64_t i0 = q_begin; i0 < q_end; i0 += BQ) {
-      if (a.paged.blocks) {
-        tile<true>(a, i0, std::min<int64_t>(i0 + BQ, q_end), scratch);
+    // (one shared body with run-time paging checks measured ~7% slower on the core). So does an additive
+    // mask (natural units), so that every other call keeps the log2-unit instruction stream untouched.
+    const bool natural = a.mask.data && a.mask.mode == MaskMode::additive;
+    if (a.paged.blocks) {
+      if (natural) {
+        run_tiles<true, Units::natural>(a, q_begin, q_end, scratch);
       } else {
-        tile<false>(a, i0, std::min<int64_t>(i0 + BQ, q_end), scratch);
+        run_tiles<true, Units::log2>(a, q_begin, q_end, scratch);
       }
+    } else {
+      if (natural) {
+        run_tiles<false, Units::natural>(a, q_begin, q_end, scratch);
+      } else {
+        run_tiles<false, Units::log2>(a, q_begin, q_end, scratch);
+      }
+    }
+  }
+
+  template <bool paged, Units units>
+  static void run_tiles(const AttentionArgs& a, int64_t q_begin, int64_t q_end, float* scratch) {
+    for (int64_t i0 = q_begin; i0 < q_end; i0 += BQ) {
+      tile<paged, units>(a, i0, std::min<int64_t>(i0 + BQ, q_end), scratch);
     }
   }
 
@@ -52,8 +72,8 @@ struct AttentionF32 {
     }
   }
 
-  // s[j][lane] = K_j . qt_lane for RR key rows (qt is pre-scaled by scale*log2(e), so s is in log2 units);
-  // also folds the rows into the running column max mx. K rows are broadcast, queries are vectors.
+  // s[j][lane] = K_j . qt_lane for RR key rows (in the units qt was scaled to); also folds the rows into the
+  // running column max mx. K rows are broadcast, queries are vectors.
   template <int RR>
   static void score_rows(const float* k, int64_t ldk, const float* qt, int64_t D, float* s, B* mx) {
     B acc[RR][QV];
@@ -101,8 +121,9 @@ struct AttentionF32 {
                                      : static_cast<const float*>(mk.data)[at];
   }
 
-  template <bool paged>
+  template <bool paged, Units units>
   static void tile(const AttentionArgs& a, int64_t i0, int64_t i1, float* scratch) {
+    constexpr bool natural = units == Units::natural;
     const int64_t D = a.D, nq = i1 - i0;
     float* qt = scratch;
     float* s = qt + D * BQ;
@@ -112,8 +133,8 @@ struct AttentionF32 {
     float* alpha = l + BQ;
 
     // Pack the query tile transposed and pre-scaled, so scores come out as log2(e) * scale * q.k and the
-    // softmax runs on exp2; zero lanes past the last query.
-    const float qscale = a.scale * 1.4426950408889634f;
+    // softmax runs on exp2 (natural units: scale * q.k, as torch computes it); zero lanes past the last query.
+    const float qscale = natural ? a.scale : a.scale * kLog2e;
     for (int64_t d = 0; d < D; ++d) {
       for (int64_t i = 0; i < nq; ++i) qt[d * BQ + i] = a.q[(i0 + i) * a.ldq + d] * qscale;
       for (int64_t i = nq; i < BQ; ++i) qt[d * BQ + i] = 0.0f;
@@ -173,7 +194,7 @@ struct AttentionF32 {
             const float x = mask_value(a.mask, i0 + i, j0 + j);
             float& sc = s[j * BQ + i];
             switch (a.mask.mode) {
-              case MaskMode::additive: sc += x * 1.4426950408889634f; break;  // log2 units
+              case MaskMode::additive: sc += x; break;  // only in natural units: exactly torch's s + x
               case MaskMode::keep: if (x == 0.0f) sc = -INFINITY; break;
               case MaskMode::block: if (x != 0.0f) sc = -INFINITY; break;
             }
@@ -192,11 +213,15 @@ struct AttentionF32 {
         const B m_safe = V::finite_or_zero(m_new);
         B sum = V::set1(0.0f);
         for (int64_t j = 0; j < nk; ++j) {
-          const B p = V::exp2(V::load(s + j * BQ + v * W) - m_safe);
+          B x = V::load(s + j * BQ + v * W) - m_safe;
+          if constexpr (natural) x = x * V::set1(kLog2e);  // after the subtraction: cannot overflow upward
+          const B p = V::exp2(x);
           V::store(s + j * BQ + v * W, p);
           sum = sum + p;
         }
-        const B al = V::exp2(m_old - m_safe);
+        B dm = m_old - m_safe;
+        if constexpr (natural) dm = dm * V::set1(kLog2e);
+        const B al = V::exp2(dm);
         V::store(alpha + v * W, al);
         V::store(m + v * W, m_new);
         V::store(l + v * W, V::fma(V::load(l + v * W), al, sum));

@@ -1,12 +1,14 @@
 // tests/test_fastpath.cpp: the fast path (MultiHeadAttention: oneDNN projections + tiled SIMD kernel) against the
 // naive reference_forward, on every instruction set this CPU runs: a seeded random sweep over shapes, masks,
 // strides and options; tile-boundary shapes; a long causal sequence; dropout; threads and determinism; NaN
-// isolation; CausalSelfAttention. It does not test the reference itself (test_reference.cpp does that).
+// isolation; CausalSelfAttention; additive masks at float32's extremes.
+// It does not test the reference itself (test_reference.cpp does that), beyond its uniform rows in section 8.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -730,6 +732,102 @@ TEST_P(FastPathCausalSelf, LongerThanContextIsRefused) {
   }
 }
 GPT2ATTN_INSTANTIATE_ISAS(FastPathCausalSelf);
+
+// =============================================================================================================
+// 8. Additive masks at float32's extremes. torch adds the mask to the scaled scores in fp32, s + x: Hugging Face's
+// masked positions hold torch.finfo(float32).min, and a row of it is uniform attention there (s + finfo.min
+// rounds to finfo.min for every key), not a masked row; +3e38 and finfo.max are finite results too. Several
+// key tiles, so the online rescaling meets the extremes across tiles.
+
+class FastPathExtremeMasks : public FastPathTest {};
+
+constexpr float kFMin = std::numeric_limits<float>::lowest(), kFMax = std::numeric_limits<float>::max();
+
+// (B, T, E) output of uniform attention: row (b, i) averages the value projections of the keys row i sees.
+std::vector<double> uniform_attention(const Config& c, const Weights& w, const OwnedInputs& in, int64_t B, int64_t T,
+                                      int64_t Tk) {
+  const int64_t E = c.d_model, vdim = c.value_width();
+  std::vector<double> out(static_cast<size_t>(B * T * E));
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<double> vsum(static_cast<size_t>(E), 0.0);  // sum of the V rows seen so far
+    int64_t seen = 0;
+    for (int64_t i = 0; i < T; ++i) {
+      const int64_t n = c.causal ? std::min(Tk, i + (Tk - T) + 1) : Tk;
+      for (; seen < n; ++seen) {
+        for (int64_t e = 0; e < E; ++e) {
+          double v = w.b_v[e];
+          for (int64_t x = 0; x < vdim; ++x) {
+            v += static_cast<double>(in.value.f32[(b * Tk + seen) * vdim + x]) * w.w_v[e * vdim + x];
+          }
+          vsum[e] += v;
+        }
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        double o = w.b_o[e];
+        for (int64_t x = 0; x < E; ++x) o += vsum[x] / static_cast<double>(n) * w.w_o[e * E + x];
+        out[(b * T + i) * E + e] = o;
+      }
+    }
+  }
+  return out;
+}
+
+TEST_P(FastPathExtremeMasks, MatchReferenceAndTorchSemantics) {
+  const int64_t BQ = tiles().query_tile, BK = tiles().key_tile;
+  const int64_t B = 2, T = BQ + 1, Tk = 2 * BK + 3;
+  std::mt19937_64 rng(1500);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> normals(static_cast<size_t>(T * Tk));
+  for (float& x : normals) x = normal(rng);
+  // Row patterns for the last mask, by i % 8: extremes that meet across key tiles, and ordinary rows.
+  auto mixed_row = [&](int64_t i, int64_t j) -> float {
+    switch (i % 8) {
+      case 0: return kFMin;                                   // uniform
+      case 1: return j == Tk - 1 ? 0.0f : kFMin;              // running max jumps from finfo.min to a score
+      case 2: return j < BK ? kFMin : 3e38f;                  // ... from finfo.min to +3e38
+      case 3: return j == i % Tk ? 3e38f : kFMin;             // one key outweighs the rest
+      case 4: return j % 2 ? kFMin : -kInf;                   // -inf blocks; finfo.min still attends
+      case 5: return normals[i * Tk + j];                     // an ordinary additive mask
+      case 6: return j < BK ? kFMax : 0.0f;                   // the first tile outweighs the rest
+      default: return j >= Tk - 3 ? kFMin : 0.0f;             // Hugging Face padding at the end
+    }
+  };
+  struct Variant {
+    const char* name;
+    std::function<float(int64_t, int64_t)> value;
+    bool uniform;  // torch gives uniform attention over the keys each row sees
+  };
+  const Variant variants[] = {
+      {"finfo.min everywhere", [](int64_t, int64_t) { return kFMin; }, true},
+      {"finfo.min on even keys, 0 on odd", [](int64_t, int64_t j) { return j % 2 ? 0.0f : kFMin; }, false},
+      {"+3e38 everywhere", [](int64_t, int64_t) { return 3e38f; }, true},
+      {"finfo.max everywhere", [](int64_t, int64_t) { return kFMax; }, true},
+      {"-inf on the first half of the keys, finfo.min on the rest",
+       [&](int64_t, int64_t j) { return j < Tk / 2 ? -kInf : kFMin; }, false},
+      {"row patterns (i % 8)", mixed_row, false},
+  };
+  for (bool causal : {false, true}) {
+    const Config c = make_config(32, 2, 0, 24, 40, causal);
+    const Weights w = Weights::random(c, 1501 + causal);
+    OwnedInputs in = simple_inputs(c, B, T, Tk, false, 1503 + causal, 2.0f);
+    MultiHeadAttention l = layer(c, w, 2);
+    for (const Variant& v : variants) {
+      std::vector<float> m(static_cast<size_t>(T * Tk));
+      for (int64_t i = 0; i < T; ++i)
+        for (int64_t j = 0; j < Tk; ++j) m[i * Tk + j] = v.value(i, j);
+      in.attn_mask = make_tensor(m, {T, Tk}, DType::f32);
+      in.mask_kind = MaskKind::additive;
+      std::ostringstream d;
+      d << "additive mask: " << v.name << ", causal=" << causal << " B=" << B << " T=" << T << " Tk=" << Tk;
+      EXPECT_TRUE(fast_matches_reference(l, w, in.inputs(), RunOptions{}, d.str()));
+      if (v.uniform) {  // the reference itself against torch's semantics, computed without any softmax
+        EXPECT_TRUE(all_close(reference_forward(c, w, in.inputs()), uniform_attention(c, w, in, B, T, Tk), Dtype::f32,
+                              reduction_length(c, Tk), "reference vs uniform attention: " + d.str()));
+      }
+    }
+  }
+}
+GPT2ATTN_INSTANTIATE_ISAS(FastPathExtremeMasks);
 
 }  // namespace
 }  // namespace gpt2attn

@@ -153,6 +153,45 @@ def rand_block(g, shape, p=0.35):
     return mk
 
 
+def extreme_additive(r, seed, causal):
+    """Additive masks at float32's extremes, against torch.nn.MultiheadAttention in float32 (what Hugging Face
+    runs: its masked positions hold finfo(float32).min) and in float64. torch adds the mask to the scores,
+    s + x: finfo.min absorbs s, so a row of it is uniform attention, not a dead row; +3e38 and finfo.max rows
+    likewise; -inf still blocks."""
+    wd = r.workdir()
+    B, T, E, H = 2, 7, 16, 2
+    Tk = T if causal else 11
+    fmin, fmax = np.finfo(np.float32).min, np.finfo(np.float32).max
+    g = np.random.default_rng(seed)
+    mask = g.standard_normal((B, T, Tk)).astype(np.float32)
+    # rows 4-6 see at least 5 keys when causal (row i sees keys 0..i), so none of them is dead
+    mask[0, 0, :] = fmin                                      # a row of finfo.min: uniform
+    mask[0, 1, ::2], mask[0, 1, 1::2] = fmin, 0.0             # mixed: finfo.min and 0
+    mask[0, 2, :] = 3e38                                      # +3e38: uniform, finite
+    mask[0, 3, :] = fmax
+    mask[1, 4, :], mask[1, 4, :3] = fmin, -np.inf             # -inf blocks, finfo.min attends
+    mask[1, 5, 4:] = fmin                                     # padding at the end, as Hugging Face writes it
+    mask[1, 6, :], mask[1, 6, 6] = fmin, 3e38                 # one key outweighs the rest
+    m64 = make_mha(seed, E, H)
+    m32 = nn.MultiheadAttention(E, H, batch_first=True)
+    m32.load_state_dict({k: v.float() for k, v in m64.state_dict().items()})
+    x = g.standard_normal((B, T, E)).astype(np.float32)
+    kv = x if causal else g.standard_normal((B, Tk, E)).astype(np.float32)
+    t_mask = torch.from_numpy(np.repeat(mask, H, axis=0))     # torch's (B*H, T, Tk), batch-major
+    if causal:
+        t_mask = t_mask.masked_fill(pc.causal_block_mask(T, Tk), float("-inf"))
+    ref64 = pc.torch_mha(m64, x, kv, kv, attn_mask=t_mask)
+    ref32 = pc.torch_mha(m32, x, kv, kv, attn_mask=t_mask)
+    w = pc.write_safetensors(os.path.join(wd, "w.safetensors"), pc.state_dict_of(m64))
+    y = pc.forward(r.cli, wd, w, H, x, key=None if causal else kv, value=None if causal else kv, mask=mask,
+                   mask_kind="additive", causal=causal)
+    red = pc.reduction_length(E, Tk)
+    check(np.all(np.isfinite(ref32)), "test bug: torch float32 is not finite")
+    pc.compare(ref32, ref64, red, "torch float32 vs float64")  # the premise: fp32 torch gives the same rows
+    pc.compare(y, ref32, red, "ours vs torch float32")
+    return pc.compare(y, ref64, red, "ours vs torch float64")
+
+
 def main():
     r = pc.Runner(__doc__)
     case = lambda name, **kw: r.case(name, first(mha_case), r, **kw)  # noqa: E731
@@ -195,6 +234,10 @@ def main():
          mask=3 * g.standard_normal((2, 5, 7)), mask_kind="additive")
     case("additive_rank4_f32", seed=32, B=2, T=4, E=12, H=3,
          mask=g.standard_normal((2, 3, 4, 4)).astype(np.float32), mask_kind="additive")
+
+    # additive masks at float32's extremes (finfo.min rows, finfo.min mixed with 0, +3e38, finfo.max)
+    r.case("additive_extremes_cross_f32_and_f64_torch", extreme_additive, r, seed=33, causal=False)
+    r.case("additive_extremes_causal_self_f32_and_f64_torch", extreme_additive, r, seed=34, causal=True)
 
     # key padding
     kp = np.zeros((3, 6), dtype=bool)
