@@ -172,7 +172,7 @@ const gk::AttentionKernel& kernel_for(ga::Isa isa) {
 
 // Q, K, V as the engine's fused projection leaves them: one (T, 3E) buffer, [Q | K | V] per token, head h at
 // column offset h*D of each third; the output (T, E) with heads concatenated. The causal bias row is built
-// exactly as MultiHeadAttention::Impl builds `causal_row` for context_length = T.
+// the same way as MultiHeadAttention::Impl builds `causal_row` (kernels::fill_causal_band).
 struct Core {
   int64_t H, D, E, T;
   const gk::AttentionKernel* kernel;
@@ -189,11 +189,9 @@ struct Core {
     ctx = aligned_floats(static_cast<size_t>(T * E));
     scratch_stride = (static_cast<int64_t>(kernel->scratch_floats(D)) + 15) / 16 * 16;
     scratch = aligned_floats(static_cast<size_t>(max_threads * scratch_stride));
-    causal_center = T - 1;
-    causal_row.resize(static_cast<size_t>(causal_center + T + gk::kMaxQueryTile));
-    for (int64_t i = 0; i < static_cast<int64_t>(causal_row.size()); ++i) {
-      causal_row[i] = i - causal_center >= 0 ? 0.0f : -INFINITY;
-    }
+    causal_center = gk::causal_band_center(kernel->tiles);
+    causal_row.resize(static_cast<size_t>(2 * causal_center));
+    gk::fill_causal_band(kernel->tiles, causal_row.data());
   }
 
   // engine/attention.cpp's attend() for B = 1, causal, no mask, no dropout: (H, query tiles) items, longest

@@ -101,11 +101,9 @@ MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOp
   }
 
   // The band of the registered causal mask a diagonal tile reaches (see causal_row in layer.hpp).
-  causal_center = kset.prefill->tiles.query_tile + kset.prefill->tiles.key_tile;
+  causal_center = kernels::causal_band_center(kset.prefill->tiles);
   causal_row.resize(static_cast<size_t>(2 * causal_center));
-  for (int64_t i = 0; i < static_cast<int64_t>(causal_row.size()); ++i) {
-    causal_row[i] = i - causal_center >= 0 ? 0.0f : -INFINITY;
-  }
+  kernels::fill_causal_band(kset.prefill->tiles, causal_row.data());
 }
 
 int64_t MultiHeadAttention::Impl::scratch_stride() const {

@@ -51,6 +51,7 @@
 // registered causal bias row (0 where visible, -inf where not).
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -102,14 +103,19 @@ struct AttentionArgs {
   uint64_t dropout_base = 0;    // ((b*H + h)*T)*Tk: index of (i=0, j=0) in the dropout contract
 };
 
-// Widest query tile of any ISA; bounds the causal bias row the engine registers.
-inline constexpr int64_t kMaxQueryTile = 64;
-
 // The kernel's tile geometry for one instruction set (see kernels/tiles.hpp for the reasons).
 struct TileShape {
   int64_t query_tile;  // BQ: query rows per tile (lanes x query vectors of the micro-kernel)
   int64_t key_tile;    // BK: keys per tile
 };
+
+// The registered causal band a kernel of these tiles reads: causal_bias = row + center, with
+// row[center + c] = (c >= 0 ? 0 : -inf) for -center <= c < center, center = BQ + BK (see AttentionArgs).
+inline int64_t causal_band_center(const TileShape& t) { return t.query_tile + t.key_tile; }
+inline void fill_causal_band(const TileShape& t, float* row) {  // row holds 2 * causal_band_center(t) floats
+  const int64_t center = causal_band_center(t);
+  for (int64_t i = 0; i < 2 * center; ++i) row[i] = i - center >= 0 ? 0.0f : -INFINITY;
+}
 
 // One implementation per instruction set, chosen once by the engine.
 struct AttentionKernel {

@@ -27,7 +27,6 @@ struct AttentionF32 {
   static constexpr int W = V::W;
   static constexpr int BQ = QV * W;  // queries per tile, in lanes
   static constexpr int BK = tiles::kKeyTile;
-  static_assert(BQ <= kMaxQueryTile, "the registered causal row covers kMaxQueryTile query lanes");
 
   // Scratch: qt (D, BQ) | s (BK, BQ) | acc (D, BQ) | m (BQ) | l (BQ) | alpha (BQ).
   static size_t scratch_floats(int64_t D) { return static_cast<size_t>((2 * D + BK + 3) * BQ); }

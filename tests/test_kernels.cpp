@@ -432,10 +432,10 @@ MaskData make_mask(const AttnCase& c, std::mt19937_64& rng) {
   std::vector<float> out_mem = output_buffer(T, D, c.ldo());
   a.out = out_mem.data(), a.ldo = c.ldo();
 
-  // The engine's causal band (engine/attention.cpp): center = BQ + BK, row[center + c] = c >= 0 ? 0 : -inf.
-  const int64_t center = BQ + BK;
+  // The causal band as the engine registers it (kernels::fill_causal_band).
+  const int64_t center = kernels::causal_band_center(kern.tiles);
   std::vector<float> band(static_cast<size_t>(2 * center));
-  for (int64_t i = 0; i < 2 * center; ++i) band[i] = i - center >= 0 ? 0.0f : -INFINITY;
+  kernels::fill_causal_band(kern.tiles, band.data());
   a.causal = c.causal;
   a.causal_offset = Tk - T;
   a.causal_bias = band.data() + center;

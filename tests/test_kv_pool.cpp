@@ -20,14 +20,7 @@ using test::Dtype;
 using test::random_uniform;
 using test::reduction_length;
 
-Config small_config(int64_t context = 64) {
-  Config c;
-  c.d_model = 16;
-  c.num_heads = 2;
-  c.context_length = context;
-  c.causal = true;
-  return c;
-}
+Config small_config(int64_t context = 64) { return test::small_causal_config(context); }
 
 // The bytes of every block some sequence holds (a free block's bytes mean nothing), the lengths and the pool
 // counts: what "the cache is as it was" means.

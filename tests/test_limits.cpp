@@ -10,20 +10,14 @@
 #include <vector>
 
 #include "gpt2attn/gpt2attn.hpp"
+#include "tests/test_util.hpp"
 
 namespace gpt2attn {
 namespace {
 
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 
-Config small(int64_t context = 64) {
-  Config c;
-  c.d_model = 16;
-  c.num_heads = 2;
-  c.context_length = context;
-  c.causal = true;
-  return c;
-}
+Config small(int64_t context = 64) { return test::small_causal_config(context); }
 
 // Runs f, expecting Error(code) whose message contains every one of `words`.
 template <class F>

@@ -27,6 +27,16 @@ inline void PrintTo(Isa isa, std::ostream* os) { *os << to_string(isa); }
 
 namespace gpt2attn::test {
 
+// A small causal self-attention config (E = 16, H = 2) for tests of the pool, limits and bookkeeping.
+inline Config small_causal_config(int64_t context = 64) {
+  Config c;
+  c.d_model = 16;
+  c.num_heads = 2;
+  c.context_length = context;
+  c.causal = true;
+  return c;
+}
+
 // n floats uniform in [lo, hi), drawn from `rng` (seed it with a fixed value so failures reproduce).
 inline std::vector<float> random_uniform(size_t n, std::mt19937_64& rng, float lo = -1.0f, float hi = 1.0f) {
   std::uniform_real_distribution<float> u(lo, hi);
