@@ -40,7 +40,7 @@
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/kv_cache.hpp"
 #include "gpt2attn/weights.hpp"
-#include "kernels/attention_f32.hpp"
+#include "kernels/attention.hpp"
 
 namespace {
 
@@ -179,7 +179,6 @@ struct Core {
   Buffer qkv, ctx, scratch;
   int64_t scratch_stride;
   std::vector<float> causal_row;
-  int64_t causal_center;
 
   Core(int64_t H_, int64_t D_, int64_t T_, ga::Isa isa, int max_threads)
       : H(H_), D(D_), E(H_ * D_), T(T_), kernel(&kernel_for(isa)) {
@@ -189,22 +188,21 @@ struct Core {
     ctx = aligned_floats(static_cast<size_t>(T * E));
     scratch_stride = (static_cast<int64_t>(kernel->scratch_floats(D)) + 15) / 16 * 16;
     scratch = aligned_floats(static_cast<size_t>(max_threads * scratch_stride));
-    causal_center = gk::causal_band_center(kernel->tiles);
-    causal_row.resize(static_cast<size_t>(2 * causal_center));
-    gk::fill_causal_band(kernel->tiles, causal_row.data());
+    causal_row.resize(static_cast<size_t>(2 * gk::causal_band_center()));
+    gk::fill_causal_band(causal_row.data());
   }
 
   // engine/attention.cpp's attend() for B = 1, causal, no mask, no dropout: (H, query tiles) items, longest
   // (last) tiles first, taken dynamically.
   void run(int threads) {
     gk::AttentionArgs base;
-    base.ldq = base.ldk = base.ldv = 3 * E;
+    base.ldq = base.kv.ldk = base.kv.ldv = 3 * E;
     base.ldo = E;
     base.T = T, base.Tk = T, base.D = D;
     base.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
     base.causal = true;
     base.causal_offset = 0;
-    base.causal_bias = causal_row.data() + causal_center;
+    base.causal_bias = causal_row.data() + gk::causal_band_center();
     const int64_t BQ = kernel->tiles.query_tile;
     const int64_t tiles = (T + BQ - 1) / BQ, items = H * tiles;
     const float* qp = qkv.get();
@@ -217,8 +215,8 @@ struct Core {
         const int64_t tile = tiles - 1 - it / H, h = it % H;
         gk::AttentionArgs a = base;
         a.q = qp + h * D;
-        a.k = qp + E + h * D;
-        a.v = qp + 2 * E + h * D;
+        a.kv.k = qp + E + h * D;
+        a.kv.v = qp + 2 * E + h * D;
         a.out = out + h * D;
         kernel->run(a, tile * BQ, std::min(T, (tile + 1) * BQ), s);
       }

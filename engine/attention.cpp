@@ -18,7 +18,7 @@
 namespace gpt2attn {
 
 using detail::Linear;
-using detail::Shape;
+using detail::AttnShape;
 
 namespace {
 
@@ -101,9 +101,8 @@ MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOp
   }
 
   // The band of the registered causal mask a diagonal tile reaches (see causal_row in layer.hpp).
-  causal_center = kernels::causal_band_center(kset.prefill->tiles);
-  causal_row.resize(static_cast<size_t>(2 * causal_center));
-  kernels::fill_causal_band(kset.prefill->tiles, causal_row.data());
+  causal_row.resize(static_cast<size_t>(2 * kernels::causal_band_center()));
+  kernels::fill_causal_band(causal_row.data());
 }
 
 int64_t MultiHeadAttention::Impl::scratch_stride() const {
@@ -113,57 +112,54 @@ int64_t MultiHeadAttention::Impl::scratch_stride() const {
 kernels::AttentionArgs MultiHeadAttention::Impl::base_args(int64_t T, int64_t Tk) const {
   const int64_t D = cfg.head_dim();
   kernels::AttentionArgs a;
-  a.ldq = a.ldk = a.ldv = D;
+  a.ldq = D;
   a.ldo = cfg.d_model;
   a.T = T, a.Tk = Tk, a.D = D;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   a.causal = cfg.causal;
   a.causal_offset = Tk - T;
-  a.causal_bias = causal_row.data() + causal_center;
+  a.causal_bias = causal_row.data() + kernels::causal_band_center();
   return a;
 }
 
-// Workspace layout of forward (floats, each region 64-byte aligned), regions[] in this order:
-//   q            (B, H, T, D)     k, v   (B, H, Tk, D) each: the projections, head-major
-//   ctx          (B, T, E): attention output, heads concatenated, read by the output projection
-//   packed       copies of inputs whose strides oneDNN cannot read in place (query | key | value)
-//   scratch      threads x scratch_stride()
-enum ForwardRegion { kQ, kK, kV, kCtx, kPackedQ, kPackedK, kPackedV, kScratch, kForwardRegions };
-
-int64_t MultiHeadAttention::Impl::forward_plan(const Shape& s, bool pack_q, bool pack_k, bool pack_v, int threads,
-                                               int64_t* r) const {
-  WorkspacePlan p;
-  r[kQ] = p.region({s.B, s.T, s.E}, "forward: q");
-  r[kK] = p.region({s.B, s.Tk, s.E}, "forward: k");
-  r[kV] = p.region({s.B, s.Tk, s.E}, "forward: v");
-  r[kCtx] = p.region({s.B, s.T, s.E}, "forward: attention output");
-  r[kPackedQ] = p.region({pack_q, s.B, s.T, s.d_in}, "forward: packed query");
-  r[kPackedK] = p.region({pack_k, s.B, s.Tk, s.kdim}, "forward: packed key");
-  r[kPackedV] = p.region({pack_v, s.B, s.Tk, s.vdim}, "forward: packed value");
-  r[kScratch] = p.region({threads, scratch_stride()}, "forward: kernel scratch");
-  return p.total();
+ForwardPlan MultiHeadAttention::Impl::forward_plan(const AttnShape& s, bool pack_q, bool pack_k, bool pack_v,
+                                                   int threads) const {
+  detail::WorkspacePlan p;
+  ForwardPlan r;
+  r.q = p.region<float>({s.B, s.H, s.T, s.D}, "forward: q");
+  r.k = p.region<float>({s.B, s.H_kv, s.Tk, s.D}, "forward: k");
+  r.v = p.region<float>({s.B, s.H_kv, s.Tk, s.D}, "forward: v");
+  r.ctx = p.region<float>({s.B, s.T, s.E}, "forward: attention output");
+  r.packed_q = p.region<float>({pack_q, s.B, s.T, s.d_in}, "forward: packed query");
+  r.packed_k = p.region<float>({pack_k, s.B, s.Tk, s.kdim}, "forward: packed key");
+  r.packed_v = p.region<float>({pack_v, s.B, s.Tk, s.vdim}, "forward: packed value");
+  r.scratch = p.region<float>({threads, scratch_stride()}, "forward: kernel scratch");
+  r.bytes = p.bytes();
+  return r;
 }
 
 namespace {
 
-// Q (B, H, T, D), K and V (B, H, Tk, D) from inputs read as (B*N, width) row matrices. The 3H per-head
-// GEMMs run in parallel, one thread each: they are independent, so this scales without oneDNN's
+// Q (B, H, T, D), K and V (B, H_kv, Tk, D) from inputs read as (B*N, width) row matrices. The H + 2 H_kv
+// per-head GEMMs run in parallel, one thread each: they are independent, so this scales without oneDNN's
 // per-GEMM barriers.
-void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const Shape& s, Rows xq, Rows xk, Rows xv,
+void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnShape& s, Rows xq, Rows xk, Rows xv,
              float* q, float* k, float* v, int threads) {
-  const int64_t H = s.H, D = s.D, B = s.B;
+  const int64_t D = s.D, B = s.B;
   const Linear* lin[3] = {L.proj_q.data(), L.proj_k.data(), L.proj_v.data()};
   const Rows x[3] = {xq, xk, xv};
   float* dst[3] = {q, k, v};
   const int64_t n[3] = {s.T, s.Tk, s.Tk};
+  const int64_t heads[3] = {s.H, s.H_kv, s.H_kv};
   std::exception_ptr error;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t item = 0; item < 3 * H; ++item) {
-    const int64_t which = item / H, h = item % H;
+  for (int64_t item = 0; item < s.H + 2 * s.H_kv; ++item) {
+    const int64_t which = item < s.H ? 0 : 1 + (item - s.H) / s.H_kv;
+    const int64_t h = which == 0 ? item : (item - s.H) % s.H_kv;
     try {
       for (int64_t b = 0; b < B; ++b) {
         lin[which][h].run(ctx, x[which].data + b * n[which] * x[which].ld, n[which], x[which].ld,
-                          dst[which] + (b * H + h) * n[which] * D, D, 1);
+                          dst[which] + (b * heads[which] + h) * n[which] * D, D, 1);
       }
     } catch (...) {
 #pragma omp critical(gpt2attn_project_error)
@@ -177,19 +173,19 @@ void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const Shape&
 
 void MultiHeadAttention::Impl::forward(const AttentionInputs& in, float* out_data, const RunOptions& run,
                                        Workspace::Impl& ws) {
-  const Shape s = detail::validate_inputs(cfg, in, run);
+  const AttnShape s = detail::validate_inputs(cfg, in, run);
   if (!out_data) invalid("output: null pointer");
   const int threads = threads_for(run);
   const bool pack_q = needs_packing(in.query);
   const bool pack_k = !s.self_attention && needs_packing(in.key);
   const bool pack_v = !s.self_attention && needs_packing(in.value);
-  int64_t r[kForwardRegions];
-  float* w = ws.reserve(static_cast<size_t>(forward_plan(s, pack_q, pack_k, pack_v, threads, r)));
+  const ForwardPlan r = forward_plan(s, pack_q, pack_k, pack_v, threads);
+  std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
 
-  const Rows xq = as_rows(in.query, w + r[kPackedQ]);
-  const Rows xk = s.self_attention ? xq : as_rows(in.key, w + r[kPackedK]);
-  const Rows xv = s.self_attention ? xq : as_rows(in.value, w + r[kPackedV]);
-  project(*this, ws.exec, s, xq, xk, xv, w + r[kQ], w + r[kK], w + r[kV], threads);
+  const Rows xq = as_rows(in.query, r.packed_q.in(w));
+  const Rows xk = s.self_attention ? xq : as_rows(in.key, r.packed_k.in(w));
+  const Rows xv = s.self_attention ? xq : as_rows(in.value, r.packed_v.in(w));
+  project(*this, ws.exec, s, xq, xk, xv, r.q.in(w), r.k.in(w), r.v.in(w), threads);
 
   // The attention core: (B, H, query tiles) split across threads.
   const int64_t H = s.H, D = s.D, T = s.T, Tk = s.Tk, E = s.E;
@@ -200,13 +196,15 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, float* out_dat
   if (!in.attn_mask.empty()) mask = mask_ref(in.attn_mask, in.mask_kind);
   if (!in.key_padding.empty()) padding = mask_ref(in.key_padding, MaskKind::block);
   const TensorView& m = in.attn_mask;
-  const float *qp = w + r[kQ], *kp = w + r[kK], *vp = w + r[kV];
-  float* ctx = w + r[kCtx];
-  run_query_tiles(s.B * H, T, base, w + r[kScratch], threads, [&](kernels::AttentionArgs& a, int64_t bh) {
-    const int64_t b = bh / H, h = bh % H;
+  const float *qp = r.q.in(w), *kp = r.k.in(w), *vp = r.v.in(w);
+  float* ctx = r.ctx.in(w);
+  const int64_t H_kv = s.H_kv;
+  run_query_tiles(s.B * H, T, base, r.scratch.in(w), threads, [&](kernels::AttentionArgs& a, int64_t bh) {
+    const int64_t b = bh / H, h = bh % H, kv_slice = b * H_kv + s.kv_head(h);
     a.q = qp + bh * T * D;
-    a.k = kp + bh * Tk * D;
-    a.v = vp + bh * Tk * D;
+    a.kv.k = kp + kv_slice * Tk * D;
+    a.kv.v = vp + kv_slice * Tk * D;
+    a.kv.ldk = a.kv.ldv = D;
     a.out = ctx + b * T * E + h * D;
     if (mask.data) {
       a.mask = mask;
@@ -247,20 +245,17 @@ size_t MultiHeadAttention::workspace_bytes(int64_t B, int64_t T, int64_t Tk) con
             std::to_string(c.context_length) + ", got (B, T, Tk) = (" + std::to_string(B) + ", " + std::to_string(T) +
             ", " + std::to_string(Tk) + ")");
   }
-  Shape s;
-  s.B = B, s.T = T, s.Tk = Tk, s.E = c.d_model, s.H = c.num_heads, s.D = c.head_dim();
-  s.d_in = c.query_width(), s.kdim = c.key_width(), s.vdim = c.value_width();
+  AttnShape s = detail::shape_of(c);
+  s.B = B, s.T = T, s.Tk = Tk;
   // The worst case: cross-attention with every input packed.
-  int64_t r[kForwardRegions];
-  return static_cast<size_t>(detail::checked_mul(impl_->forward_plan(s, true, true, true, impl_->default_threads, r),
-                                                 sizeof(float), "forward: workspace bytes"));
+  return static_cast<size_t>(impl_->forward_plan(s, true, true, true, impl_->default_threads).bytes);
 }
 
 void MultiHeadAttention::reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws) {
-  const size_t floats = workspace_bytes(B, T, Tk) / sizeof(float);
+  const size_t bytes = workspace_bytes(B, T, Tk);
   const Impl& L = *impl_;
   auto prepare = [&](Workspace::Impl& w) {
-    w.reserve(floats);
+    w.reserve(bytes);
     // The GEMMs of a forward on contiguous inputs: per-head projections (one shape for all heads) on every
     // thread of the team, and the output projection.
     const int64_t D = L.cfg.head_dim(), E = L.cfg.d_model;

@@ -8,8 +8,8 @@
 
 #include "gpt2attn/dtype.hpp"
 #include "gpt2attn/isa.hpp"
-#include "kernels/attention_f32.hpp"
-#include "kernels/decode_attention_f32.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/decode_attention.hpp"
 #include "kernels/linear_f32.hpp"
 
 namespace gpt2attn::detail {

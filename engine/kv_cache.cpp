@@ -17,7 +17,6 @@ using detail::str;
 
 KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
   cfg.validate();
-  H = cfg.num_heads, D = cfg.head_dim();
   block_tokens = o.block_tokens == 0 ? KvCache::default_block_tokens(cfg) : o.block_tokens;
   if (block_tokens < 1) invalid("KvCacheOptions.block_tokens must be >= 1, got " + str(block_tokens));
   if (block_tokens > cfg.context_length) {
@@ -28,9 +27,13 @@ KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
             std::to_string(o.capacity_bytes) + ")");
   }
   if (o.capacity_tokens < 0) invalid("KvCacheOptions.capacity_tokens must be >= 0, got " + str(o.capacity_tokens));
-  block_floats = static_cast<size_t>(detail::checked_product({2, H, block_tokens, D}, "KvCache: block size"));
-  const size_t block_bytes =
-      static_cast<size_t>(detail::checked_mul(static_cast<int64_t>(block_floats), sizeof(float), "KvCache: block bytes"));
+  layout.dtype = DType::f32;
+  layout.heads = cfg.num_heads;
+  layout.block_tokens = block_tokens;
+  layout.D = cfg.head_dim();
+  // Checked here once: every offset the layout computes afterwards is smaller than this.
+  block_bytes = static_cast<size_t>(detail::checked_product(
+      {2, layout.heads, block_tokens, layout.D, static_cast<int64_t>(size_of(layout.dtype))}, "KvCache: block bytes"));
   nblocks = o.capacity_tokens > 0 ? ceil_div(o.capacity_tokens, block_tokens)
                                   : static_cast<int64_t>(o.capacity_bytes / block_bytes);
   if (nblocks < 1) {
@@ -43,7 +46,7 @@ KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
   const size_t bytes = static_cast<size_t>(
       detail::round_up(detail::checked_mul(nblocks, static_cast<int64_t>(block_bytes), "KvCache: pool bytes"), 64,
                        "KvCache: pool bytes"));
-  pool.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+  pool.reset(static_cast<std::byte*>(std::aligned_alloc(64, bytes)));
   if (!pool) fail(ErrorCode::out_of_memory, "KvCache: cannot allocate the pool of " + std::to_string(bytes) + " bytes");
   refcount.assign(static_cast<size_t>(nblocks), 0);
   pins.assign(static_cast<size_t>(nblocks), 0);
@@ -81,7 +84,7 @@ int32_t KvCache::Impl::shared_write_block(const Sequence& s) const {
 }
 
 void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t tokens, int64_t max_length,
-                                 const float** tables, int64_t table_stride, int64_t* lengths) {
+                                 std::byte** tables, int64_t table_stride, int64_t* lengths) {
   std::lock_guard<std::mutex> lock(mu);
   // Pass 1: checks and the block count, changing nothing.
   int64_t needed = 0;
@@ -118,7 +121,7 @@ void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t token
     if (shared_write_block(s) >= 0) {
       const int64_t b = s.length / block_tokens;
       const int32_t copy = take_block();
-      std::memcpy(block(copy), block(s.blocks[b]), block_floats * sizeof(float));
+      std::memcpy(block(copy), block(s.blocks[b]), block_bytes);
       // The sequence gives up its hold on the original but pins it until end_append, so that the original
       // cannot return to the pool (and be taken and written by another sequence) while the undo may still
       // hand it back: its other holders may be released in the meantime.
@@ -239,23 +242,43 @@ int64_t KvCache::num_sequences() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return static_cast<int64_t>(impl_->seqs.size());
 }
-size_t KvCache::block_bytes() const { return impl_->block_floats * sizeof(float); }
+size_t KvCache::block_bytes() const { return impl_->block_bytes; }
 size_t KvCache::capacity_bytes() const { return static_cast<size_t>(impl_->nblocks) * block_bytes(); }
 const Config& KvCache::config() const { return impl_->cfg; }
 
+void KvCache::Impl::store_row(std::byte* b, kernels::KvPart part, int64_t h, int64_t slot, const float* src) const {
+  std::memcpy(layout.row<float>(b, part, h, slot), src, static_cast<size_t>(layout.row_bytes()));
+}
+
+void KvCache::Impl::load_row(const std::byte* b, kernels::KvPart part, int64_t h, int64_t slot, float* dst) const {
+  std::memcpy(dst, layout.row<float>(b, part, h, slot), static_cast<size_t>(layout.row_bytes()));
+}
+
+int32_t KvCache::Impl::block_of(SequenceId seq, int64_t t) const {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = seqs.find(seq);
+  if (it == seqs.end()) invalid("KvCache: unknown sequence id " + str(seq));
+  if (t < 0 || t >= it->second.length) invalid("KvCache: token " + str(t) + " out of range [0, " + str(it->second.length) + ")");
+  return it->second.blocks[t / block_tokens];
+}
+
 namespace {
-const float* cached_row(KvCache::Impl& c, SequenceId seq, int64_t h, int64_t t, bool value) {
+void read_row(KvCache::Impl& c, SequenceId seq, int64_t h, int64_t t, float* dst, kernels::KvPart part) {
   std::lock_guard<std::mutex> lock(c.mu);
   const KvCache::Impl::Sequence& s = c.find(seq);
-  if (h < 0 || h >= c.H) invalid("KvCache: head " + str(h) + " out of range [0, " + str(c.H) + ")");
+  if (h < 0 || h >= c.layout.heads) invalid("KvCache: head " + str(h) + " out of range [0, " + str(c.layout.heads) + ")");
   if (t < 0 || t >= s.length) invalid("KvCache: token " + str(t) + " out of range [0, " + str(s.length) + ")");
-  const float* b = c.block(s.blocks[t / c.block_tokens]);
-  return b + (value ? c.v_offset(h) : c.k_offset(h)) + (t % c.block_tokens) * c.D;
+  if (!dst) invalid("KvCache: dst is a null pointer");
+  c.load_row(c.block(s.blocks[t / c.block_tokens]), part, h, t % c.block_tokens, dst);
 }
 }  // namespace
 
-const float* KvCache::key(SequenceId seq, int64_t h, int64_t t) const { return cached_row(*impl_, seq, h, t, false); }
-const float* KvCache::value(SequenceId seq, int64_t h, int64_t t) const { return cached_row(*impl_, seq, h, t, true); }
+void KvCache::read_key(SequenceId seq, int64_t h, int64_t t, float* dst) const {
+  read_row(*impl_, seq, h, t, dst, kernels::KvPart::key);
+}
+void KvCache::read_value(SequenceId seq, int64_t h, int64_t t, float* dst) const {
+  read_row(*impl_, seq, h, t, dst, kernels::KvPart::value);
+}
 
 std::string KvCache::Impl::audit() const {
   std::lock_guard<std::mutex> lock(mu);

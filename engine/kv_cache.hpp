@@ -1,6 +1,7 @@
-// engine/kv_cache.hpp: KvCache's internals: the block pool, reference counts, sequences' block tables, and the
-// two calls a layer makes around an append (begin_append reserves and leases, end_append commits). Holds no
-// attention code: the layer (engine/serving.cpp) writes K/V into the blocks and the kernels read them.
+// engine/kv_cache.hpp: KvCache's internals: the block pool, reference counts, sequences' block tables, the two
+// calls a layer makes around an append (begin_append reserves and leases, end_append commits), and the one K/V row
+// writer and reader. Holds no attention code: the layer (engine/serving.cpp) stores K/V into the blocks through
+// the layout (kernels/kv_layout.hpp) and the kernels read them in place.
 #pragma once
 
 #include <cstdint>
@@ -12,12 +13,13 @@
 #include <vector>
 
 #include "gpt2attn/kv_cache.hpp"
+#include "kernels/kv_layout.hpp"
 
 namespace gpt2attn {
 
 struct KvCache::Impl {
   struct FreeDeleter {
-    void operator()(float* p) const { std::free(p); }
+    void operator()(std::byte* p) const { std::free(p); }
   };
   struct Sequence {
     std::vector<int32_t> blocks;  // block table; capacity reserved for context_length at create()
@@ -29,10 +31,11 @@ struct KvCache::Impl {
   };
 
   Config cfg;
-  int64_t H = 0, D = 0, block_tokens = 0, max_blocks_per_seq = 0;
-  size_t block_floats = 0;  // 2 * H * block_tokens * D
+  kernels::KvLayout layout;  // every block's layout: dtype, H_kv heads, block_tokens, D
+  int64_t block_tokens = 0, max_blocks_per_seq = 0;
+  size_t block_bytes = 0;    // layout.block_bytes(), checked
   int64_t nblocks = 0;
-  std::unique_ptr<float, FreeDeleter> pool;  // nblocks x block_floats, 64-byte aligned
+  std::unique_ptr<std::byte, FreeDeleter> pool;  // nblocks x block_bytes, 64-byte aligned
   std::vector<int32_t> refcount;             // sequences holding each block
   std::vector<int32_t> pins;                 // running appends that may hand the block back (cow_original)
   std::vector<int32_t> free_list;            // a stack of the blocks with refcount == 0 and pins == 0
@@ -42,16 +45,20 @@ struct KvCache::Impl {
 
   Impl(const Config& c, const KvCacheOptions& o);
 
-  float* block(int32_t b) const { return pool.get() + static_cast<size_t>(b) * block_floats; }
-  int64_t k_offset(int64_t h) const { return h * block_tokens * D; }        // head h's K tile in a block
-  int64_t v_offset(int64_t h) const { return (H + h) * block_tokens * D; }  // head h's V tile in a block
+  std::byte* block(int32_t b) const { return pool.get() + static_cast<size_t>(b) * block_bytes; }
+
+  // The one K/V writer and reader: head h's row of token `slot` in `block`, stored from / loaded into D floats in
+  // the layout's element type (f32 today: a copy; a narrower format converts here and nowhere else). The layer's
+  // prefill GEMMs write f32 rows in place instead, at the same address (layout.row), when the format is f32.
+  void store_row(std::byte* block, kernels::KvPart part, int64_t h, int64_t slot, const float* src) const;
+  void load_row(const std::byte* block, kernels::KvPart part, int64_t h, int64_t slot, float* dst) const;
 
   // For an append of `tokens` to each of seqs[0..n): checks every id (known, not busy, not repeated) and the
   // lengths against `max_length`, then takes the blocks all of them need (new blocks and copy-on-write copies
   // of shared blocks about to be written) or throws out_of_memory with nothing changed. On success the
   // sequences are marked busy, lengths[i] = cached tokens before the append, and tables + i * table_stride
   // holds the block pointers covering [0, lengths[i] + tokens).
-  void begin_append(const SequenceId* seqs, int64_t n, int64_t tokens, int64_t max_length, const float** tables,
+  void begin_append(const SequenceId* seqs, int64_t n, int64_t tokens, int64_t max_length, std::byte** tables,
                     int64_t table_stride, int64_t* lengths);
   // Ends the lease: on success the lengths grow by `tokens`; on failure every block taken is returned and a
   // copy-on-write copy is replaced by the original again. Either way the sequences are free again.
@@ -73,6 +80,8 @@ struct KvCache::Impl {
   // pinned; each refcount equals the table entries that name the block; lengths fit their tables. Returns ""
   // when it holds, else what is wrong.
   std::string audit() const;
+  // The pool index of the block holding token t of `seq` (for tests that check which blocks are shared).
+  int32_t block_of(SequenceId seq, int64_t t) const;
 };
 
 }  // namespace gpt2attn

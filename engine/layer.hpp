@@ -16,26 +16,20 @@
 #include "engine/validate.hpp"
 #include "engine/workspace.hpp"
 #include "gpt2attn/attention.hpp"
-#include "kernels/attention_f32.hpp"
-#include "kernels/decode_attention_f32.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/decode_attention.hpp"
 #include "kernels/linear_f32.hpp"
 
 namespace gpt2attn {
 
-// Hands out 64-byte aligned regions of a workspace, in floats; used twice per call, once to size and once
-// to place, so the size and the layout can never disagree. A region is the product of its factors; every
-// product and sum is checked, so a call too large to allocate is refused (out_of_memory) before it is tried.
-class WorkspacePlan {
- public:
-  int64_t region(std::initializer_list<int64_t> factors, const char* what) {
-    const int64_t start = at_;
-    at_ = detail::checked_add(at_, detail::round_up(detail::checked_product(factors, what), 16, what), what);
-    return start;
-  }
-  int64_t total() const { return at_; }
-
- private:
-  int64_t at_ = 0;
+// Workspace layout of forward (each region 64-byte aligned), in this order:
+//   q (B, H, T, D) | k, v (B, H_kv, Tk, D): the projections, head-major
+//   ctx (B, T, E): attention output, heads concatenated, read by the output projection
+//   packed_*: copies of inputs whose strides oneDNN cannot read in place (query | key | value), or empty
+//   scratch (threads, scratch_stride()): the tiled kernel's per-thread slices
+struct ForwardPlan {
+  detail::Region<float> q, k, v, ctx, packed_q, packed_k, packed_v, scratch;
+  int64_t bytes = 0;
 };
 
 struct MultiHeadAttention::Impl {
@@ -59,10 +53,9 @@ struct MultiHeadAttention::Impl {
   // The registered causal mask. The seeds' triangular (context x context) buffer is Toeplitz, so one row
   // holds every entry: causal_row[center + c] = 0 if c = i + offset - j >= 0 else -inf. The kernel skips
   // every tile that lies wholly on one side of the diagonal, so it reads only the band a diagonal tile
-  // reaches, |c| < query_tile + key_tile (kernels/attention_f32.hpp): that band is what is registered, a few
-  // hundred floats whatever the context length.
+  // reaches, |c| < query_tile + key_tile (kernels/attention.hpp): a band of fixed width covering every kernel's
+  // tiles (kernels::causal_band_center()) is what is registered, 2 KiB whatever the context length.
   std::vector<float> causal_row;
-  int64_t causal_center = 0;
 
   Workspace own_ws;  // for calls that bring no Workspace; serialised by mu
   std::mutex mu;
@@ -90,7 +83,7 @@ struct MultiHeadAttention::Impl {
 
   // The batch forward (attention.cpp).
   void forward(const AttentionInputs& in, float* out, const RunOptions& run, Workspace::Impl& ws);
-  int64_t forward_plan(const detail::Shape& s, bool pack_q, bool pack_k, bool pack_v, int threads, int64_t* regions) const;
+  ForwardPlan forward_plan(const detail::AttnShape& s, bool pack_q, bool pack_k, bool pack_v, int threads) const;
 
   // Serving with a KV cache (serving.cpp).
   void extend(KvCache& cache, SequenceId seq, const float* x, int64_t T, float* out, const RunOptions& run,
@@ -98,8 +91,8 @@ struct MultiHeadAttention::Impl {
   void decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out, const RunOptions& run,
               Workspace::Impl& ws);
   int64_t decode_scratch_stride(int64_t block_tokens) const;  // floats of decode kernel scratch per thread
-  // Workspace floats reserve_serving() takes: enough for extend() and decode() with any cache.
-  int64_t serving_floats(int64_t max_extend_tokens, int64_t max_decode_batch, int threads) const;
+  // Workspace bytes reserve_serving() takes: enough for extend() and decode() with any cache.
+  int64_t serving_bytes(int64_t max_extend_tokens, int64_t max_decode_batch, int threads) const;
 
   // Runs the tiled kernel over (BH slices) x (query tiles of T rows), longest (latest) tiles first so the
   // causal triangle's uneven work balances; setup(args, bh) points args at slice bh's Q, K/V and output.

@@ -70,7 +70,7 @@ std::vector<double> reference_forward(const Config& config, const Weights& weigh
                                       const RunOptions& run) {
   config.validate();
   weights.validate(config);
-  const detail::Shape s = detail::validate_inputs(config, in, run);
+  const detail::AttnShape s = detail::validate_inputs(config, in, run);
   const int64_t B = s.B, T = s.T, Tk = s.Tk, E = s.E, H = s.H, D = s.D;
 
   // Q (B, T, E), K (B, Tk, E), V (B, Tk, E); self-attention projects the query three times.

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <exception>
 #include <string>
 
@@ -18,23 +17,11 @@
 namespace gpt2attn {
 namespace {
 
+using detail::AttnShape;
 using detail::ceil_div;
+using detail::Region;
 using detail::str;
-
-// Pointers and int64s stored in the float workspace take this many floats each.
-constexpr int64_t kFloatsPerWord = sizeof(int64_t) / sizeof(float);
-static_assert(sizeof(const float*) == sizeof(int64_t));
-
-// The cache must have been built for this layer's heads and widths.
-void check_cache(const Config& layer, const KvCache& cache, const RunOptions& run, const char* call) {
-  const Config& c = cache.config();
-  if (c.d_model != layer.d_model || c.num_heads != layer.num_heads) {
-    invalid(std::string(call) + ": the KV cache was built for E=" + str(c.d_model) + ", H=" + str(c.num_heads) +
-            " but the layer has E=" + str(layer.d_model) + ", H=" + str(layer.num_heads));
-  }
-  if (run.training) invalid(std::string(call) + ": the KV cache is for inference; RunOptions.training must be false");
-  detail::check_threads(run.threads, call, "run.threads");
-}
+using kernels::KvPart;
 
 int64_t max_length(const Config& layer, const KvCache& cache) {
   return std::min(layer.context_length, cache.config().context_length);
@@ -74,47 +61,54 @@ class AppendLease {
   bool committed_ = false;
 };
 
-// Workspace regions of extend() (floats, 64-byte aligned):
-//   q (H, T, D) | ctx (T, E) | tables (max blocks, pointers) | length (1 int64) | scratch (threads x stride)
-struct ExtendPlan {
-  int64_t q, ctx, tables, length, scratch, total;
-};
+// Workspace regions of extend() (64-byte aligned):
+//   q (H, T, D) | ctx (T, E) | tables (table_entries block pointers) | length (1) | scratch (threads, stride)
 // table_entries: the most blocks a sequence's table holds, ceil(context / block_tokens).
-ExtendPlan extend_plan(const Config& c, int64_t T, int threads, int64_t table_entries, int64_t scratch_stride) {
-  WorkspacePlan p;
+struct ExtendPlan {
+  Region<float> q, ctx;
+  Region<std::byte*> tables;
+  Region<int64_t> length;
+  Region<float> scratch;
+  int64_t bytes = 0;
+};
+ExtendPlan extend_plan(const AttnShape& s, int threads, int64_t table_entries, int64_t scratch_stride) {
+  detail::WorkspacePlan p;
   ExtendPlan r;
-  r.q = p.region({T, c.d_model}, "extend: q");
-  r.ctx = p.region({T, c.d_model}, "extend: attention output");
-  r.tables = p.region({table_entries, kFloatsPerWord}, "extend: block table");
-  r.length = p.region({kFloatsPerWord}, "extend: length");
-  r.scratch = p.region({threads, scratch_stride}, "extend: kernel scratch");
-  r.total = p.total();
+  r.q = p.region<float>({s.H, s.T, s.D}, "extend: q");
+  r.ctx = p.region<float>({s.T, s.E}, "extend: attention output");
+  r.tables = p.region<std::byte*>({table_entries}, "extend: block table");
+  r.length = p.region<int64_t>({1}, "extend: length");
+  r.scratch = p.region<float>({threads, scratch_stride}, "extend: kernel scratch");
+  r.bytes = p.bytes();
   return r;
 }
 
 // Workspace regions of decode():
-//   stage (B, 3E): the fused projection's output | ctx (B, E) | tables (B x max blocks, pointers)
-//   lengths (B int64) | item_base (B + 1 int64) | partials: m, l (items, H), acc (items, H, D) | scratch
-// The tables hold table_entries = ceil(context / block_tokens) per sequence. Split-KV items are bounded:
-// items <= B + kDecodeItemsPerThread * threads (see decode()).
+//   stage (B, 3E): the fused projection's output [q | k | v] per row | ctx (B, E) | tables (B, table_entries)
+//   lengths (B) | item_base (B + 1) | partials: m, l (items, H), acc (items, H, D) | scratch (threads, stride)
+// Split-KV items are bounded: items <= B + kDecodeItemsPerThread * threads (see decode()).
 struct DecodePlan {
-  int64_t stage, ctx, tables, lengths, item_base, m, l, acc, scratch, total, max_items;
+  Region<float> stage, ctx;
+  Region<std::byte*> tables;
+  Region<int64_t> lengths, item_base;
+  Region<float> m, l, acc, scratch;
+  int64_t bytes = 0, max_items = 0;
 };
-DecodePlan decode_plan(const Config& c, int64_t B, int threads, int64_t table_entries, int64_t scratch_stride) {
-  const int64_t E = c.d_model, H = c.num_heads, D = c.head_dim();
+DecodePlan decode_plan(const AttnShape& s, int threads, int64_t table_entries, int64_t scratch_stride) {
+  const int64_t B = s.B, E = s.E, H = s.H, D = s.D;
   DecodePlan r;
   r.max_items = detail::checked_add(B, int64_t{kernels::tiles::kDecodeItemsPerThread} * threads, "decode: work items");
-  WorkspacePlan p;
-  r.stage = p.region({B, 3, E}, "decode: qkv");
-  r.ctx = p.region({B, E}, "decode: attention output");
-  r.tables = p.region({B, table_entries, kFloatsPerWord}, "decode: block tables");
-  r.lengths = p.region({B, kFloatsPerWord}, "decode: lengths");
-  r.item_base = p.region({B + 1, kFloatsPerWord}, "decode: work items");
-  r.m = p.region({r.max_items, H}, "decode: partial maxima");
-  r.l = p.region({r.max_items, H}, "decode: partial sums");
-  r.acc = p.region({r.max_items, H, D}, "decode: partial outputs");
-  r.scratch = p.region({threads, scratch_stride}, "decode: kernel scratch");
-  r.total = p.total();
+  detail::WorkspacePlan p;
+  r.stage = p.region<float>({B, 3, E}, "decode: qkv");
+  r.ctx = p.region<float>({B, E}, "decode: attention output");
+  r.tables = p.region<std::byte*>({B, table_entries}, "decode: block tables");
+  r.lengths = p.region<int64_t>({B}, "decode: lengths");
+  r.item_base = p.region<int64_t>({B + 1}, "decode: work items");
+  r.m = p.region<float>({r.max_items, H}, "decode: partial maxima");
+  r.l = p.region<float>({r.max_items, H}, "decode: partial sums");
+  r.acc = p.region<float>({r.max_items, H, D}, "decode: partial outputs");
+  r.scratch = p.region<float>({threads, scratch_stride}, "decode: kernel scratch");
+  r.bytes = p.bytes();
   return r;
 }
 
@@ -125,65 +119,65 @@ int64_t MultiHeadAttention::Impl::decode_scratch_stride(int64_t block_tokens) co
                           16);
 }
 // Sized for any cache: block tables for 1-token blocks, kernel scratch for the largest run of keys.
-int64_t MultiHeadAttention::Impl::serving_floats(int64_t max_extend_tokens, int64_t max_decode_batch,
-                                                 int threads) const {
+int64_t MultiHeadAttention::Impl::serving_bytes(int64_t max_extend_tokens, int64_t max_decode_batch,
+                                                int threads) const {
   const int64_t C = cfg.context_length;
-  const int64_t extend = max_extend_tokens ? extend_plan(cfg, max_extend_tokens, threads, C, scratch_stride()).total : 0;
-  const int64_t decode =
-      max_decode_batch ? decode_plan(cfg, max_decode_batch, threads, C, decode_scratch_stride(C)).total : 0;
+  AttnShape s = detail::shape_of(cfg);
+  int64_t extend = 0, decode = 0;
+  if (max_extend_tokens) {
+    s.B = 1, s.T = max_extend_tokens;
+    extend = extend_plan(s, threads, C, scratch_stride()).bytes;
+  }
+  if (max_decode_batch) {
+    s.B = max_decode_batch, s.T = 1;
+    decode = decode_plan(s, threads, C, decode_scratch_stride(C)).bytes;
+  }
   return std::max(extend, decode);
 }
 
 void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const float* x, int64_t T, float* out_data,
                                       const RunOptions& run, Workspace::Impl& ws) {
-  check_cache(cfg, cache, run, "extend");
-  if (T < 1) invalid("extend: T must be >= 1, got " + str(T));
-  if (!x) invalid("extend: x is a null pointer");
-  if (!out_data) invalid("extend: out is a null pointer");
-  const int64_t d_in = cfg.query_width(), E = cfg.d_model, H = cfg.num_heads, D = cfg.head_dim();
-  if (T > cfg.context_length) {
-    invalid("extend: T=" + str(T) + " new tokens exceed context_length=" + str(cfg.context_length));
-  }
-  if (run.check_finite) detail::check_finite(TensorView::f32(x, {1, T, d_in}), "x", "t");
+  AttnShape s = detail::validate_extend(cfg, cache, x, T, out_data, run);
+  const int64_t d_in = s.d_in, E = s.E, H = s.H, D = s.D;
   const int threads = threads_for(run);
   KvCache::Impl& kv = cache.impl();
+  const kernels::KvLayout& layout = kv.layout;
 
-  const ExtendPlan r =
-      extend_plan(cfg, T, threads, ceil_div(max_length(cfg, cache), kv.block_tokens), scratch_stride());
-  float* w = ws.reserve(static_cast<size_t>(r.total));
-  const float** tables = reinterpret_cast<const float**>(w + r.tables);
-  int64_t& P = *reinterpret_cast<int64_t*>(w + r.length);  // tokens cached before this call
+  const ExtendPlan r = extend_plan(s, threads, ceil_div(max_length(cfg, cache), kv.block_tokens), scratch_stride());
+  std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
+  std::byte** tables = r.tables.in(w);
+  int64_t& P = *r.length.in(w);  // tokens cached before this call
   kv.begin_append(&seq, 1, T, max_length(cfg, cache), tables, 0, &P);
   AppendLease lease(kv, &seq, 1, T);
+  s.Tk = P + T;
 
-  // Projections: Q per head into (H, T, D); K and V per head and per block the new tokens touch, each GEMM
-  // writing its rows straight into the block: no K/V copy after the GEMM.
-  const int64_t bt = kv.block_tokens, first_block = P / bt;
+  // Projections: Q per head into (H, T, D); K and V per K/V head and per block the new tokens touch, each GEMM
+  // writing its f32 rows straight into the block at the layout's address: no K/V copy after the GEMM.
+  const int64_t bt = kv.block_tokens, first_block = P / bt, H_kv = s.H_kv;
   const int64_t segments = ceil_div(P + T, bt) - first_block;
-  float* q = w + r.q;
-  parallel_items(H + 2 * H * segments, threads, [&](int64_t item) {
+  float* q = r.q.in(w);
+  parallel_items(H + 2 * H_kv * segments, threads, [&](int64_t item) {
     if (item < H) {
       proj_q[item].run(ws.exec, x, T, d_in, q + item * T * D, D, 1);
       return;
     }
     item -= H;
-    const bool is_v = item >= H * segments;
-    const int64_t h = (item % (H * segments)) / segments, blk = first_block + item % segments;
+    const KvPart part = item >= H_kv * segments ? KvPart::value : KvPart::key;
+    const int64_t h = (item % (H_kv * segments)) / segments, blk = first_block + item % segments;
     const int64_t t0 = std::max(P, blk * bt) - P, t1 = std::min(P + T, (blk + 1) * bt) - P;  // new-token rows
-    float* dst = const_cast<float*>(tables[blk]) + (is_v ? kv.v_offset(h) : kv.k_offset(h)) + ((P + t0) % bt) * D;
-    (is_v ? proj_v : proj_k)[h].run(ws.exec, x + t0 * d_in, t1 - t0, d_in, dst, D, 1);
+    float* dst = layout.row<float>(tables[blk], part, h, (P + t0) % bt);
+    (part == KvPart::value ? proj_v : proj_k)[h].run(ws.exec, x + t0 * d_in, t1 - t0, d_in, dst, D, 1);
   });
 
   // Attention of the T new queries over all P + T cached keys (bottom-right causal), read from the blocks.
-  kernels::AttentionArgs base = base_args(T, P + T);
-  base.paged.blocks = tables;
-  base.paged.block_tokens = bt;
-  float* ctx = w + r.ctx;
-  run_query_tiles(H, T, base, w + r.scratch, threads, [&](kernels::AttentionArgs& a, int64_t h) {
+  kernels::AttentionArgs base = base_args(T, s.Tk);
+  base.kv.blocks = tables;
+  base.kv.layout = layout;
+  float* ctx = r.ctx.in(w);
+  run_query_tiles(H, T, base, r.scratch.in(w), threads, [&](kernels::AttentionArgs& a, int64_t h) {
     a.q = q + h * T * D;
     a.out = ctx + h * D;
-    a.paged.k_offset = kv.k_offset(h);
-    a.paged.v_offset = kv.v_offset(h);
+    a.kv.head = s.kv_head(h);
   });
   out.run(ws.exec, ctx, T, E, out_data, E, threads);
   lease.commit();
@@ -191,27 +185,22 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
 
 void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x,
                                       float* out_data, const RunOptions& run, Workspace::Impl& ws) {
-  check_cache(cfg, cache, run, "decode");
-  if (B < 1) invalid("decode: B must be >= 1, got " + str(B));
-  if (!seqs) invalid("decode: seqs is a null pointer");
-  if (!x) invalid("decode: x is a null pointer");
-  if (!out_data) invalid("decode: out is a null pointer");
-  const int64_t d_in = cfg.query_width(), E = cfg.d_model, H = cfg.num_heads, D = cfg.head_dim();
-  if (run.check_finite) detail::check_finite(TensorView::f32(x, {B, 1, d_in}), "x", "t");
+  const AttnShape s = detail::validate_decode(cfg, cache, seqs, B, x, out_data, run);
+  const int64_t d_in = s.d_in, E = s.E, H = s.H, H_kv = s.H_kv, D = s.D;
   const int threads = threads_for(run);
   KvCache::Impl& kv = cache.impl();
 
   const int64_t limit = max_length(cfg, cache), stride = ceil_div(limit, kv.block_tokens);  // table entries
   const int64_t sstride = decode_scratch_stride(kv.block_tokens);
-  const DecodePlan r = decode_plan(cfg, B, threads, stride, sstride);
-  float* w = ws.reserve(static_cast<size_t>(r.total));
-  const float** tables = reinterpret_cast<const float**>(w + r.tables);
-  int64_t* lengths = reinterpret_cast<int64_t*>(w + r.lengths);  // tokens cached before this step
+  const DecodePlan r = decode_plan(s, threads, stride, sstride);
+  std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
+  std::byte** tables = r.tables.in(w);
+  int64_t* lengths = r.lengths.in(w);  // tokens cached before this step
   kv.begin_append(seqs, B, 1, limit, tables, stride, lengths);
   AppendLease lease(kv, seqs, B, 1);
 
-  float* stage = w + r.stage;
-  float* ctx = w + r.ctx;
+  float* stage = r.stage.in(w);
+  float* ctx = r.ctx.in(w);
   kernels::LinearArgs proj_in;  // stage (B, 3E) = [q | k | v] per row = x (B, d_in) W_qkv^T + b_qkv
   proj_in.x = x, proj_in.ldx = d_in, proj_in.w_packed = qkv_packed.data();
   proj_in.bias = qkv_bias.empty() ? nullptr : qkv_bias.data();
@@ -230,30 +219,30 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   for (int64_t b = 0; b < B; ++b) total_keys += lengths[b] + 1;
   const int64_t split_len = std::max<int64_t>(kernels::tiles::kDecodeMinSplitKeys,
                                               ceil_div(total_keys, kernels::tiles::kDecodeItemsPerThread * threads));
-  int64_t* item_base = reinterpret_cast<int64_t*>(w + r.item_base);  // first item of sequence b
+  int64_t* item_base = r.item_base.in(w);  // first item of sequence b
   item_base[0] = 0;
   for (int64_t b = 0; b < B; ++b) item_base[b + 1] = item_base[b] + ceil_div(lengths[b] + 1, split_len);
   const int64_t items = item_base[B];
 
   const int64_t bt = kv.block_tokens;
-  float *pm = w + r.m, *pl = w + r.l, *pacc = w + r.acc;
+  float *pm = r.m.in(w), *pl = r.l.in(w), *pacc = r.acc.in(w);
   const kernels::DecodeKernel* kern = kset.decode;
   const kernels::LinearKernel* lin = kset.few_row_linear;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  float* scratch_base = w + r.scratch;
+  float* scratch_base = r.scratch.in(w);
   // One parallel region for the whole step; each `omp for` ends in a barrier, which orders the stages.
 #pragma omp parallel num_threads(threads)
   {
     // The QKV projection of the B new tokens, split by weight panels: each thread streams its share of W once.
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < in_panels; ++p) lin->run(proj_in, p, p + 1);
-    // The new token's K and V rows go to position lengths[b] of each head's tile in its block.
+    // The new token's K and V rows go to position lengths[b] of each K/V head's tile in its block.
 #pragma omp for
-    for (int64_t bh = 0; bh < B * H; ++bh) {
-      const int64_t b = bh / H, h = bh % H, t = lengths[b];
-      float* block = const_cast<float*>(tables[b * stride + t / bt]);
-      std::memcpy(block + kv.k_offset(h) + (t % bt) * D, stage + b * 3 * E + E + h * D, D * sizeof(float));
-      std::memcpy(block + kv.v_offset(h) + (t % bt) * D, stage + b * 3 * E + 2 * E + h * D, D * sizeof(float));
+    for (int64_t bh = 0; bh < B * H_kv; ++bh) {
+      const int64_t b = bh / H_kv, h = bh % H_kv, t = lengths[b];
+      std::byte* block = tables[b * stride + t / bt];
+      kv.store_row(block, KvPart::key, h, t % bt, stage + b * 3 * E + E + h * D);
+      kv.store_row(block, KvPart::value, h, t % bt, stage + b * 3 * E + 2 * E + h * D);
     }
     // (implicit barrier: every row is stored before any attention reads it)
     float* scratch = scratch_base + omp_get_thread_num() * sstride;
@@ -264,7 +253,7 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
       const int64_t chunk = ceil_div(n, splits);  // even chunks: no split much shorter than the others
       kernels::DecodeArgs a;
       a.q = stage + b * 3 * E, a.ldq = D;
-      a.blocks = tables + b * stride, a.block_tokens = bt;
+      a.blocks = tables + b * stride, a.layout = kv.layout;
       a.H = H, a.D = D, a.scale = scale;
       const int64_t j0 = s * chunk, j1 = std::min(n, j0 + chunk);
       kern->run(a, j0, j1, scratch, pm + it * H, pl + it * H, pacc + it * H * D);
@@ -303,17 +292,16 @@ size_t CausalSelfAttention::serving_workspace_bytes(int64_t max_extend_tokens, i
   }
   detail::check_threads(threads, "serving_workspace_bytes/reserve_serving", "threads");
   const int t = threads > 0 ? threads : L.default_threads;
-  return static_cast<size_t>(detail::checked_mul(L.serving_floats(max_extend_tokens, max_decode_batch, t),
-                                                 sizeof(float), "serving workspace bytes"));
+  return static_cast<size_t>(L.serving_bytes(max_extend_tokens, max_decode_batch, t));
 }
 
 void CausalSelfAttention::reserve_serving(int64_t max_extend_tokens, int64_t max_decode_batch, int threads,
                                           Workspace* ws) {
-  const size_t floats = serving_workspace_bytes(max_extend_tokens, max_decode_batch, threads) / sizeof(float);
+  const size_t bytes = serving_workspace_bytes(max_extend_tokens, max_decode_batch, threads);
   const MultiHeadAttention::Impl& L = *mha_.impl_;
   const int t = threads > 0 ? threads : L.default_threads;
   mha_.impl_->with_workspace(ws, "reserve_serving", [&](Workspace::Impl& w) {
-    w.reserve(floats);
+    w.reserve(bytes);
     if (max_extend_tokens == 0) return;
     // extend()'s GEMMs on every thread of the team: Q of a max_extend_tokens prompt, K and V of a whole block
     // at the default block size. Other chunk and segment lengths create theirs on first use.

@@ -1,5 +1,6 @@
-// engine/validate.cpp: the one check of a forward call's inputs (shapes, dtypes, strides, finiteness), shared by
-// MultiHeadAttention::forward and the naive reference. It never checks the Config or Weights (done at construction).
+// engine/validate.cpp: the one check of a call's inputs (shapes, dtypes, strides, finiteness): forward's, shared by
+// MultiHeadAttention::forward and the naive reference, and extend's and decode's. It never checks the Config or
+// Weights (done at construction).
 #include "engine/validate.hpp"
 
 #include <array>
@@ -118,14 +119,22 @@ void check_threads(int64_t threads, const char* call, const char* field) {
   }
 }
 
-Shape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run) {
-  check_threads(run.threads, "forward", "run.threads");
-
-  Shape s;
+AttnShape shape_of(const Config& config) {
+  AttnShape s;
   s.E = config.d_model;
   s.H = config.num_heads;
+  s.H_kv = config.num_heads;  // grouped K/V heads arrive with their own config field; one K/V head per head today
   s.D = config.head_dim();
   s.d_in = config.query_width();
+  s.kdim = config.key_width();
+  s.vdim = config.value_width();
+  return s;
+}
+
+AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run) {
+  check_threads(run.threads, "forward", "run.threads");
+
+  AttnShape s = shape_of(config);
 
   // query (B, T, d_in)
   const TensorView& q = in.query;
@@ -163,8 +172,6 @@ Shape validate_inputs(const Config& config, const AttentionInputs& in, const Run
     s.Tk = s.T;
     s.kdim = s.vdim = s.d_in;
   } else {
-    s.kdim = config.key_width();
-    s.vdim = config.value_width();
     require_dtype(k, "key", DType::f32);
     require_dtype(v, "value", DType::f32);
     if (k.rank != 3) {
@@ -236,6 +243,45 @@ Shape validate_inputs(const Config& config, const AttentionInputs& in, const Run
     if (!m.empty() && in.mask_kind == MaskKind::additive) check_additive_mask(m);
   }
   return s;
+}
+
+namespace {
+
+// What extend and decode share: the cache fits the layer, inference mode, threads, pointers and x's values.
+AttnShape serving_shape(const Config& config, const KvCache& cache, const float* x, int64_t B, int64_t T,
+                        const float* out, const RunOptions& run, const char* call) {
+  const Config& c = cache.config();
+  if (c.d_model != config.d_model || c.num_heads != config.num_heads) {
+    invalid(std::string(call) + ": the KV cache was built for E=" + str(c.d_model) + ", H=" + str(c.num_heads) +
+            " but the layer has E=" + str(config.d_model) + ", H=" + str(config.num_heads));
+  }
+  if (run.training) invalid(std::string(call) + ": the KV cache is for inference; RunOptions.training must be false");
+  check_threads(run.threads, call, "run.threads");
+  if (!x) invalid(std::string(call) + ": x is a null pointer");
+  if (!out) invalid(std::string(call) + ": out is a null pointer");
+  AttnShape s = shape_of(config);
+  s.B = B;
+  s.T = T;
+  if (run.check_finite) check_finite(TensorView::f32(x, {B, T, s.d_in}), "x", "t");
+  return s;
+}
+
+}  // namespace
+
+AttnShape validate_extend(const Config& config, const KvCache& cache, const float* x, int64_t T, const float* out,
+                          const RunOptions& run) {
+  if (T < 1) invalid("extend: T must be >= 1, got " + str(T));
+  if (T > config.context_length) {
+    invalid("extend: T=" + str(T) + " new tokens exceed context_length=" + str(config.context_length));
+  }
+  return serving_shape(config, cache, x, 1, T, out, run, "extend");
+}
+
+AttnShape validate_decode(const Config& config, const KvCache& cache, const SequenceId* seqs, int64_t B,
+                          const float* x, const float* out, const RunOptions& run) {
+  if (B < 1) invalid("decode: B must be >= 1, got " + str(B));
+  if (!seqs) invalid("decode: seqs is a null pointer");
+  return serving_shape(config, cache, x, B, 1, out, run, "decode");
 }
 
 }  // namespace gpt2attn::detail

@@ -1,21 +1,31 @@
-// engine/validate.hpp: checks one forward call's inputs against the config, once, at the API entry, and
-// condenses them into the Shape that the engine and the naive reference pass down. Kernels trust it.
+// engine/validate.hpp: checks one call's inputs against the config, once, at the API entry (forward, extend and
+// decode alike), and condenses them into the AttnShape that the engine and the naive reference pass down. Kernels
+// trust it.
 #pragma once
 
 #include <cstdint>
 
 #include "gpt2attn/attention.hpp"
+#include "gpt2attn/kv_cache.hpp"
 
 namespace gpt2attn::detail {
 
-struct Shape {
-  int64_t B = 0, T = 0, Tk = 0;      // batch, query length, key length
-  int64_t E = 0, H = 0, D = 0;       // model width, heads, head size
-  int64_t d_in = 0, kdim = 0, vdim = 0;
-  bool self_attention = true;        // key/value empty: K and V come from the query input
-  int mask_rank = 0;                 // 0 (none), 2 (T,Tk), 3 (B,T,Tk), 4 (B,H,T,Tk)
+// One call's shape in the library's one vocabulary: B batch, T query length, Tk key length, E model width,
+// H query heads, H_kv K/V heads (H_kv divides H; query head h reads K/V head kv_head(h)), D head size.
+// For extend and decode, Tk is the longest cached length plus T, known once the pool has leased the sequences.
+struct AttnShape {
+  int64_t B = 0, T = 0, Tk = 0;
+  int64_t E = 0, H = 0, H_kv = 0, D = 0;
+  int64_t d_in = 0, kdim = 0, vdim = 0;  // input widths of the query, key and value projections
+  bool self_attention = true;            // key/value empty: K and V come from the query input
+  int mask_rank = 0;                     // 0 (none), 2 (T,Tk), 3 (B,T,Tk), 4 (B,H,T,Tk)
   bool key_padding = false;
+
+  int64_t kv_head(int64_t h) const { return h / (H / H_kv); }
 };
+
+// The widths and heads of a layer built from `config` (B = T = Tk = 0): the part of every shape the config fixes.
+AttnShape shape_of(const Config& config);
 
 // Throws Error(invalid_argument) with a message naming the tensor, the expected and the actual shape:
 //  - query missing, not f32, not rank 3, or last dim != d_in; B == 0 or T == 0
@@ -29,7 +39,16 @@ struct Shape {
 //  - run.threads < 0 or > max_threads()
 //  - when run.check_finite: NaN/Inf in query/key/value, or NaN in an additive mask
 //    ("query contains NaN at (b, t, e) = (0, 3, 17)"); -inf in an additive mask is allowed
-Shape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run);
+AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run);
+
+// extend(): T new tokens x (1, T, d_in) of one sequence. Throws invalid_argument for a cache built for other heads
+// or widths, training mode, bad threads, T outside [1, context_length], null x or out, and (check_finite) a
+// non-finite x. The sequence id and its length are checked by the pool's lease (KvCache::Impl::begin_append).
+AttnShape validate_extend(const Config& config, const KvCache& cache, const float* x, int64_t T, const float* out,
+                          const RunOptions& run);
+// decode(): one new token for each of B sequences, x (B, 1, d_in). The same checks with B >= 1 and seqs non-null.
+AttnShape validate_decode(const Config& config, const KvCache& cache, const SequenceId* seqs, int64_t B,
+                          const float* x, const float* out, const RunOptions& run);
 
 // Throws invalid_argument naming "call: field" unless 0 <= threads <= max_threads() (0 = the default). Builds no
 // string unless it throws: it runs on every call.

@@ -9,15 +9,15 @@
 
 namespace gpt2attn {
 
-float* Workspace::Impl::reserve(size_t n) {
-  if (n <= floats && buffer) return buffer.get();
-  n = n > 0 ? n : 16;  // aligned_alloc(64, 0) may return null, which is not an out-of-memory
-  if (n > SIZE_MAX / sizeof(float) - 16) fail(ErrorCode::out_of_memory, "workspace: " + std::to_string(n) + " floats overflow size_t");
-  const size_t bytes = (n + 15) / 16 * 16 * sizeof(float);
-  float* p = static_cast<float*>(std::aligned_alloc(64, bytes));
-  if (!p) fail(ErrorCode::out_of_memory, "workspace: cannot allocate " + std::to_string(bytes) + " bytes");
+std::byte* Workspace::Impl::reserve(size_t n) {
+  if (n <= bytes && buffer) return buffer.get();
+  n = n > 0 ? n : 64;  // aligned_alloc(64, 0) may return null, which is not an out-of-memory
+  if (n > SIZE_MAX - 64) fail(ErrorCode::out_of_memory, "workspace: " + std::to_string(n) + " bytes overflow size_t");
+  const size_t size = (n + 63) / 64 * 64;  // aligned_alloc wants a multiple of the alignment
+  auto* p = static_cast<std::byte*>(std::aligned_alloc(64, size));
+  if (!p) fail(ErrorCode::out_of_memory, "workspace: cannot allocate " + std::to_string(size) + " bytes");
   buffer.reset(p);
-  floats = bytes / sizeof(float);
+  bytes = size;
   return p;
 }
 
@@ -25,7 +25,7 @@ Workspace::Workspace() : impl_(detail::translate_bad_alloc("Workspace", [] { ret
 Workspace::~Workspace() = default;
 Workspace::Workspace(Workspace&&) noexcept = default;
 Workspace& Workspace::operator=(Workspace&&) noexcept = default;
-size_t Workspace::bytes() const { return impl_->floats * sizeof(float); }
+size_t Workspace::bytes() const { return impl_->bytes; }
 
 namespace detail {
 

@@ -1,31 +1,61 @@
-// engine/workspace.hpp: what a Workspace holds (include/gpt2attn/attention.hpp): one aligned float buffer that
-// grows only when a call needs more, and the oneDNN execution state of every GEMM run with it.
+// engine/workspace.hpp: what a Workspace holds (include/gpt2attn/attention.hpp): one 64-byte aligned buffer of
+// bytes that grows only when a call needs more, and the oneDNN execution state of every GEMM run with it; and the
+// plan that cuts a call's buffer into typed regions.
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdlib>
+#include <initializer_list>
 #include <memory>
 
 #include "engine/linear.hpp"
+#include "engine/util.hpp"
 #include "gpt2attn/attention.hpp"
 
 namespace gpt2attn {
 
 struct Workspace::Impl {
   struct FreeDeleter {
-    void operator()(float* p) const { std::free(p); }
+    void operator()(std::byte* p) const { std::free(p); }
   };
 
   detail::ExecContext exec;
-  std::unique_ptr<float, FreeDeleter> buffer;  // 64-byte aligned
-  size_t floats = 0;
+  std::unique_ptr<std::byte, FreeDeleter> buffer;  // 64-byte aligned
+  size_t bytes = 0;
   std::atomic<bool> in_use{false};
 
-  // The buffer with room for at least n floats; reallocates (losing the contents) only when it is smaller.
-  float* reserve(size_t n);
+  // The buffer with room for at least n bytes; reallocates (losing the contents) only when it is smaller.
+  std::byte* reserve(size_t n);
 };
 
 namespace detail {
+
+// A region of a call's workspace holding elements of type T: a byte offset, 64-byte aligned. T is an
+// implicit-lifetime type (float, int64_t, a pointer), so the aligned_alloc'd bytes can hold it directly.
+template <class T>
+struct Region {
+  int64_t offset = 0;
+  T* in(std::byte* base) const { return reinterpret_cast<T*>(base + offset); }
+};
+
+// Hands out the regions of a workspace; used twice per call, once to size and once to place, so the size and the
+// layout can never disagree. A region is the product of its factors elements of T; every product and sum is
+// checked, so a call too large to allocate is refused (out_of_memory) before it is tried.
+class WorkspacePlan {
+ public:
+  template <class T>
+  Region<T> region(std::initializer_list<int64_t> factors, const char* what) {
+    const int64_t bytes = checked_mul(checked_product(factors, what), static_cast<int64_t>(sizeof(T)), what);
+    const Region<T> r{at_};
+    at_ = checked_add(at_, round_up(bytes, 64, what), what);
+    return r;
+  }
+  int64_t bytes() const { return at_; }
+
+ private:
+  int64_t at_ = 0;
+};
 
 // Marks a Workspace busy for one call, so two threads sharing one are told so instead of corrupting it.
 class WorkspaceLease {

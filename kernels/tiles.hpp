@@ -30,8 +30,14 @@ inline constexpr int kKeyTile = 64;
 // sqrt(D*C + D^2/C). 64 is the head size of every GPT-2 preset, whose instruction stream stays what it was
 // (one chunk, nothing spilled); larger heads pay one load and add of the score tile per chunk, 1/64 of their
 // score FMAs (Tiles/avx512/.../D:128: 33.8 ms before, 33.5 ms after). Accuracy figures: "Accuracy" in
-// attention_f32.hpp.
+// attention.hpp.
 inline constexpr int kScoreChunk = 64;
+
+// Half-width of the registered causal band (kernels/attention.hpp): a tile crossing the diagonal reads bias entries
+// |c| < BQ + BK, 128 for the largest tiles above. 256 leaves room for a retuned or wider kernel (a bf16 micro-kernel
+// with twice the keys per tile) without re-registering anything; 2 KiB in all. Each kernel instantiation checks that
+// its BQ + BK fits (make_attention_kernel).
+inline constexpr int kCausalBandCenter = 256;
 
 // Decode (one query per sequence): a work item is a range of one sequence's keys for every head. A sequence
 // is split into several items (split-KV) when it holds more keys than a thread's share of the step, so that

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "engine/dispatch.hpp"
-#include "kernels/attention_f32.hpp"
-#include "kernels/decode_attention_f32.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/decode_attention.hpp"
 #include "kernels/dropout.hpp"
 #include "kernels/linear_f32.hpp"
 #include "kernels/tiles.hpp"
@@ -145,23 +145,24 @@ bool guard_intact(const std::vector<float>& s, size_t floats) {
   return std::all_of(s.begin() + static_cast<int64_t>(floats), s.end(), [](float x) { return x == kSentinel; });
 }
 
-// K/V of H heads in the KV cache's block layout (engine/kv_cache.hpp): a block holds K [H][bt][D] then V [H][bt][D],
-// head h's K tile at h*bt*D and its V tile at (H + h)*bt*D. The blocks sit in one pool in shuffled order with a
-// gap between neighbours; every float no written (head, token) row covers stays NaN.
+// K/V of H heads in the KV cache's block layout (kernels/kv_layout.hpp, f32): a block holds K [H][bt][D] then
+// V [H][bt][D]. The blocks sit in one pool in shuffled order with a gap between neighbours; every float no written
+// (head, token) row covers stays NaN.
 struct PagedStore {
-  int64_t H = 0, D = 0, bt = 0, stride = 0;  // stride: floats from one block's slot in the pool to the next
+  kernels::KvLayout layout;
+  int64_t stride = 0;  // floats from one block's slot in the pool to the next
   std::vector<float> pool;
-  std::vector<int64_t> slot;        // slot[b]: where block b of the sequence sits in the pool
-  std::vector<const float*> table;  // table[b]: block b, as the kernels receive it
+  std::vector<int64_t> slot;             // slot[b]: where block b of the sequence sits in the pool
+  std::vector<const std::byte*> table;  // table[b]: block b, as the kernels receive it
 
   PagedStore() = default;
   PagedStore(int64_t heads, int64_t head_dim, int64_t block_tokens, int64_t tokens, std::mt19937_64& rng)
-      : H(heads), D(head_dim), bt(block_tokens), stride(2 * heads * block_tokens * head_dim + 7) {
-    const int64_t blocks = (tokens + bt - 1) / bt;
+      : layout{DType::f32, heads, block_tokens, head_dim}, stride(2 * heads * block_tokens * head_dim + 7) {
+    const int64_t blocks = (tokens + block_tokens - 1) / block_tokens;
     pool.assign(static_cast<size_t>(blocks * stride), kNaN);
     for (int64_t b = 0; b < blocks; ++b) slot.push_back(b);
     std::shuffle(slot.begin(), slot.end(), rng);
-    for (int64_t b = 0; b < blocks; ++b) table.push_back(pool.data() + slot[b] * stride);
+    for (int64_t b = 0; b < blocks; ++b) table.push_back(block(b));
   }
   // table points into pool: movable (a moved vector keeps its buffer), never copied.
   PagedStore(PagedStore&&) = default;
@@ -169,13 +170,12 @@ struct PagedStore {
   PagedStore(const PagedStore&) = delete;
   PagedStore& operator=(const PagedStore&) = delete;
 
-  int64_t k_offset(int64_t h) const { return h * bt * D; }
-  int64_t v_offset(int64_t h) const { return (H + h) * bt * D; }
+  std::byte* block(int64_t b) { return reinterpret_cast<std::byte*>(pool.data() + slot[b] * stride); }
   // Stores token j's K and V rows (D floats each, from the dense (tokens, D) arrays) for head h.
   void put(int64_t h, int64_t j, const std::vector<float>& k, const std::vector<float>& v) {
-    float* block = pool.data() + slot[j / bt] * stride;
-    std::copy_n(k.begin() + j * D, D, block + k_offset(h) + (j % bt) * D);
-    std::copy_n(v.begin() + j * D, D, block + v_offset(h) + (j % bt) * D);
+    const int64_t bt = layout.block_tokens, D = layout.D;
+    std::copy_n(k.begin() + j * D, D, layout.row<float>(block(j / bt), kernels::KvPart::key, h, j % bt));
+    std::copy_n(v.begin() + j * D, D, layout.row<float>(block(j / bt), kernels::KvPart::value, h, j % bt));
   }
 };
 
@@ -419,23 +419,22 @@ MaskData make_mask(const AttnCase& c, std::mt19937_64& rng) {
   if (c.block_tokens == 0) {
     k_mem = strided(k, Tk, D, c.ldk());
     v_mem = strided(v, Tk, D, c.ldv());
-    a.k = k_mem.data(), a.ldk = c.ldk();
-    a.v = v_mem.data(), a.ldv = c.ldv();
+    a.kv.k = k_mem.data(), a.kv.ldk = c.ldk();
+    a.kv.v = v_mem.data(), a.kv.ldv = c.ldv();
   } else {  // as the engine's extend(): k, v, ldk, ldv unset; the contract reads rows at stride D from the blocks
     store = PagedStore(kPagedHeads, D, c.block_tokens, Tk, rng);
     for (int64_t j = 0; j < Tk; ++j) store.put(kPagedHead, j, k, v);
-    a.paged.blocks = store.table.data();
-    a.paged.block_tokens = c.block_tokens;
-    a.paged.k_offset = store.k_offset(kPagedHead);
-    a.paged.v_offset = store.v_offset(kPagedHead);
+    a.kv.blocks = store.table.data();
+    a.kv.layout = store.layout;
+    a.kv.head = kPagedHead;
   }
   std::vector<float> out_mem = output_buffer(T, D, c.ldo());
   a.out = out_mem.data(), a.ldo = c.ldo();
 
   // The causal band as the engine registers it (kernels::fill_causal_band).
-  const int64_t center = kernels::causal_band_center(kern.tiles);
+  const int64_t center = kernels::causal_band_center();
   std::vector<float> band(static_cast<size_t>(2 * center));
-  kernels::fill_causal_band(kern.tiles, band.data());
+  kernels::fill_causal_band(band.data());
   a.causal = c.causal;
   a.causal_offset = Tk - T;
   a.causal_bias = band.data() + center;
@@ -504,14 +503,14 @@ GPT2ATTN_KERNEL_INSTANTIATE_ISAS(KernelAttention);
 // 3. The decode kernel: a sequence's keys in [j_begin, j_end) splits, merged with merge_softmax_partials.
 
 struct DecodeCase {
-  int64_t H = 0, D = 0, block_tokens = 0, n = 0;  // n keys cached, in blocks of block_tokens
+  int64_t H = 0, H_kv = 0, D = 0, block_tokens = 0, n = 0;  // n keys cached, in blocks of block_tokens
   std::vector<int64_t> cuts;                      // split s covers keys [cuts[s], cuts[s + 1]); 0 ... n
   uint64_t seed = 0;
 
   int64_t ldq() const { return D + 2; }  // q (H, D) rows, NaN gaps
   std::string name() const {
     std::ostringstream s;
-    s << "H=" << H << " D=" << D << " n=" << n << " block_tokens=" << block_tokens << " (score run "
+    s << "H=" << H << " H_kv=" << H_kv << " D=" << D << " n=" << n << " block_tokens=" << block_tokens << " (score run "
       << std::min<int64_t>(block_tokens, kernels::tiles::kDecodeMaxScoreKeys) << ") splits";
     for (size_t i = 0; i + 1 < cuts.size(); ++i) s << " [" << cuts[i] << "," << cuts[i + 1] << ")";
     s << " | layout paged(blocks shuffled) ldq=D+2 | seed " << seed;
@@ -520,7 +519,8 @@ struct DecodeCase {
 };
 
 // Every (H, D, block_tokens, n, splits) with splits <= n; the cut points are random, so splits are ragged and
-// start mid-block. block_tokens 300 > kDecodeMaxScoreKeys = 256 scores a block in two runs.
+// start mid-block. block_tokens 300 > kDecodeMaxScoreKeys = 256 scores a block in two runs. The K/V heads cycle
+// through H's divisors (one per head, grouped, one for all) with the case index, so grouping meets every shape.
 std::vector<DecodeCase> decode_cases() {
   std::vector<DecodeCase> cases;
   test::Rng r(77);
@@ -530,7 +530,11 @@ std::vector<DecodeCase> decode_cases() {
         for (int64_t n : {1, 7, 64, 257, 301, 613}) {
           for (int64_t splits : {1, 2, 5}) {
             if (splits > n) continue;
-            DecodeCase c{H, D, bt, n, {0, n}, 5000 + cases.size()};
+            const std::vector<int64_t> kv_heads = H == 12 ? std::vector<int64_t>{12, 4, 1}
+                                                  : H == 3  ? std::vector<int64_t>{3, 1}
+                                                            : std::vector<int64_t>{1};
+            const int64_t H_kv = kv_heads[cases.size() % kv_heads.size()];
+            DecodeCase c{H, H_kv, D, bt, n, {0, n}, 5000 + cases.size()};
             while (static_cast<int64_t>(c.cuts.size()) < splits + 1) {
               const int64_t x = r.between(1, n - 1);
               if (std::find(c.cuts.begin(), c.cuts.end(), x) == c.cuts.end()) c.cuts.push_back(x);
@@ -548,12 +552,12 @@ std::vector<DecodeCase> decode_cases() {
 // Runs every split through `kern` (in reverse order, through one scratch slice), merges per head as the engine
 // does (partials (splits, H) and (splits, H, D)), and checks against naive_attention of one query per head.
 ::testing::AssertionResult check_decode(const kernels::DecodeKernel& kern, const DecodeCase& c) {
-  const int64_t H = c.H, D = c.D, n = c.n, S = static_cast<int64_t>(c.cuts.size()) - 1;
+  const int64_t H = c.H, H_kv = c.H_kv, D = c.D, n = c.n, S = static_cast<int64_t>(c.cuts.size()) - 1;
   std::mt19937_64 rng(c.seed);
   const std::vector<float> q = random_uniform(H * D, rng, -2.0f, 2.0f);
-  std::vector<std::vector<float>> k(H), v(H);  // per head, dense (n, D)
-  PagedStore store(H, D, c.block_tokens, n, rng);
-  for (int64_t h = 0; h < H; ++h) {
+  std::vector<std::vector<float>> k(H_kv), v(H_kv);  // per K/V head, dense (n, D)
+  PagedStore store(H_kv, D, c.block_tokens, n, rng);
+  for (int64_t h = 0; h < H_kv; ++h) {
     k[h] = random_uniform(n * D, rng, -2.0f, 2.0f);
     v[h] = random_uniform(n * D, rng, -1.0f, 1.0f);
     for (int64_t j = 0; j < n; ++j) store.put(h, j, k[h], v[h]);
@@ -562,7 +566,7 @@ std::vector<DecodeCase> decode_cases() {
   kernels::DecodeArgs a;
   const std::vector<float> q_mem = strided(q, H, D, c.ldq());
   a.q = q_mem.data(), a.ldq = c.ldq();
-  a.blocks = store.table.data(), a.block_tokens = c.block_tokens;
+  a.blocks = store.table.data(), a.layout = store.layout;
   a.H = H, a.D = D;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   std::vector<float> m(static_cast<size_t>(S * H), kNaN), l(m), acc(static_cast<size_t>(S * H * D), kNaN);
@@ -579,7 +583,8 @@ std::vector<DecodeCase> decode_cases() {
   std::vector<double> want;
   for (int64_t h = 0; h < H; ++h) {
     const std::vector<float> qh(q.begin() + h * D, q.begin() + (h + 1) * D);
-    const std::vector<double> o = naive_attention(qh, k[h], v[h], 1, n, D, {}, a.scale);
+    const int64_t g = h / (H / H_kv);  // query head h reads K/V head g
+    const std::vector<double> o = naive_attention(qh, k[g], v[g], 1, n, D, {}, a.scale);
     want.insert(want.end(), o.begin(), o.end());
   }
   std::ostringstream ctx;

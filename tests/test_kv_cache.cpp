@@ -180,10 +180,9 @@ CacheSnapshot snapshot(const KvCache& cache, const std::vector<SequenceId>& ids)
     v.reserve(static_cast<size_t>(L * H * 2 * D));
     for (int64_t t = 0; t < L; ++t) {
       for (int64_t h = 0; h < H; ++h) {
-        const float* k = cache.key(id, h, t);
-        const float* vv = cache.value(id, h, t);
-        v.insert(v.end(), k, k + D);
-        v.insert(v.end(), vv, vv + D);
+        const std::vector<float> k = test::cached_key(cache, id, h, t), vv = test::cached_value(cache, id, h, t);
+        v.insert(v.end(), k.begin(), k.end());
+        v.insert(v.end(), vv.begin(), vv.end());
       }
     }
   }
@@ -229,7 +228,7 @@ CacheSnapshot snapshot(const KvCache& cache, const std::vector<SequenceId>& ids)
     const std::vector<float>& bm = which == 0 ? w.b_k : w.b_v;
     for (int64_t t = 0; t < L; ++t) {
       for (int64_t h = 0; h < H; ++h) {
-        const float* p = which == 0 ? cache.key(id, h, t) : cache.value(id, h, t);
+        const std::vector<float> p = which == 0 ? test::cached_key(cache, id, h, t) : test::cached_value(cache, id, h, t);
         for (int64_t d = 0; d < D; ++d) {
           const int64_t e = h * D + d;
           double acc = bm.empty() ? 0.0 : bm[e];
@@ -825,19 +824,19 @@ TEST_P(KvCacheScript, BlocksAreReusedAfterRelease) {
   SequenceId victim = a;
   for (int round = 0; round < 4; ++round) {
     const int64_t L = h.model.len.at(victim);
-    std::set<const float*> released_blocks;
-    for (int64_t t = 0; t < L; t += 4) released_blocks.insert(h.cache.key(victim, 0, t));
+    std::set<int32_t> released_blocks;
+    for (int64_t t = 0; t < L; t += 4) released_blocks.insert(test::block_of(h.cache, victim, t));
     EXPECT_TRUE(h.matches_reference(victim, "round " + std::to_string(round)));
     h.release(victim);
     EXPECT_TRUE(h.accounting("round " + std::to_string(round) + " after release"));
     const SequenceId n = h.create();
     h.extend(n, 9);
     for (int s = 0; s < 7 && h.model.needed(n, 1) <= h.model.free(); ++s) h.decode({n});
-    std::set<const float*> new_blocks;
-    for (int64_t t = 0; t < h.model.len.at(n); t += 4) new_blocks.insert(h.cache.key(n, 0, t));
-    for (const float* p : new_blocks) {
+    std::set<int32_t> new_blocks;
+    for (int64_t t = 0; t < h.model.len.at(n); t += 4) new_blocks.insert(test::block_of(h.cache, n, t));
+    for (int32_t p : new_blocks) {
       EXPECT_TRUE(released_blocks.count(p)) << h.ctx("round " + std::to_string(round)) << ": new sequence " << n
-                                            << " got a block at " << static_cast<const void*>(p)
+                                            << " got block " << p
                                             << " that the released one did not hold (the pool was full)";
     }
     EXPECT_TRUE(h.accounting("round " + std::to_string(round) + " after refill"));

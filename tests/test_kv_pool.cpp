@@ -32,10 +32,11 @@ struct Snapshot {
 };
 Snapshot snapshot(KvCache& cache, const std::vector<SequenceId>& ids) {
   KvCache::Impl& p = cache.impl();
-  Snapshot s{std::vector<uint32_t>(p.nblocks * p.block_floats), {}, cache.free_blocks()};
+  const int64_t words = static_cast<int64_t>(p.block_bytes / sizeof(uint32_t));
+  Snapshot s{std::vector<uint32_t>(p.nblocks * words), {}, cache.free_blocks()};
   std::memcpy(s.pool.data(), p.pool.get(), s.pool.size() * sizeof(uint32_t));
   for (int64_t b = 0; b < p.nblocks; ++b) {
-    if (p.refcount[b] == 0) std::fill_n(s.pool.begin() + b * p.block_floats, p.block_floats, 0u);
+    if (p.refcount[b] == 0) std::fill_n(s.pool.begin() + b * words, words, 0u);
   }
   for (SequenceId id : ids) s.lengths.push_back(cache.length(id));
   return s;
@@ -64,20 +65,20 @@ TEST(KvPool, FailedAppendIsUndone) {
   EXPECT_EQ(needed, 3);
 
   KvCache::Impl& p = cache.impl();
-  const float* tables[16];
+  std::byte* tables[16];
   int64_t length = -1;
   p.begin_append(&child, 1, 7, c.context_length, tables, 16, &length);
   EXPECT_EQ(length, 6);
   EXPECT_EQ(cache.free_blocks(), before.free_blocks - 3);
-  EXPECT_NE(tables[1], cache.key(parent, 0, 4));  // the child's block 1 is a copy now (head 0 starts the block)
+  EXPECT_NE(tables[1], p.block(test::block_of(cache, parent, 4)));  // the child's block 1 is a copy now
   p.end_append(&child, 1, 7, /*success=*/false);
 
   EXPECT_TRUE(snapshot(cache, ids) == before) << "pool bytes, lengths or free blocks changed by a failed call";
   EXPECT_EQ(cache.blocks_needed(child, 7), needed);
   // The child still shares the parent's block: a real append copies it and leaves the parent untouched.
-  const std::vector<float> parent_k(cache.key(parent, 1, 5), cache.key(parent, 1, 5) + c.head_dim());
+  const std::vector<float> parent_k = test::cached_key(cache, parent, 1, 5);
   fill(layer, cache, child, 7, rng);
-  EXPECT_EQ(std::vector<float>(cache.key(parent, 1, 5), cache.key(parent, 1, 5) + c.head_dim()), parent_k);
+  EXPECT_EQ(test::cached_key(cache, parent, 1, 5), parent_k);
   EXPECT_EQ(cache.free_blocks(), before.free_blocks - 3);
 }
 
@@ -110,7 +111,7 @@ TEST(KvPool, BusySequenceIsRefused) {
   const SequenceId seq = cache.create();
   fill(layer, cache, seq, 5, rng);
   KvCache::Impl& p = cache.impl();
-  const float* tables[16];
+  std::byte* tables[16];
   int64_t length = 0;
   p.begin_append(&seq, 1, 1, c.context_length, tables, 16, &length);
   const int64_t free_blocks = cache.free_blocks();
@@ -240,16 +241,15 @@ TEST(KvPool, FailedCopyOnWriteUndoKeepsTheOriginalOutOfThePool) {
   fill(layer, cache, parent, 6, rng);  // block 0 full, block 1 (X) half-filled
   const SequenceId child = cache.fork(parent);
   ASSERT_EQ(p.audit(), "");
-  const int64_t D = c.head_dim();
   std::vector<std::vector<float>> child_rows;  // every cached K and V row of the child, before the call
   for (int64_t h = 0; h < c.num_heads; ++h) {
     for (int64_t t = 0; t < 6; ++t) {
-      child_rows.emplace_back(cache.key(child, h, t), cache.key(child, h, t) + D);
-      child_rows.emplace_back(cache.value(child, h, t), cache.value(child, h, t) + D);
+      child_rows.push_back(test::cached_key(cache, child, h, t));
+      child_rows.push_back(test::cached_value(cache, child, h, t));
     }
   }
 
-  const float* tables[16];
+  std::byte* tables[16];
   int64_t length = -1;
   p.begin_append(&child, 1, 1, c.context_length, tables, 16, &length);  // copies X
   ASSERT_EQ(p.audit(), "");
@@ -265,9 +265,9 @@ TEST(KvPool, FailedCopyOnWriteUndoKeepsTheOriginalOutOfThePool) {
   size_t i = 0;
   for (int64_t h = 0; h < c.num_heads; ++h) {
     for (int64_t t = 0; t < 6; ++t) {
-      EXPECT_EQ(std::vector<float>(cache.key(child, h, t), cache.key(child, h, t) + D), child_rows[i++])
+      EXPECT_EQ(test::cached_key(cache, child, h, t), child_rows[i++])
           << "key h=" << h << " t=" << t << " is not the child's own";
-      EXPECT_EQ(std::vector<float>(cache.value(child, h, t), cache.value(child, h, t) + D), child_rows[i++])
+      EXPECT_EQ(test::cached_value(cache, child, h, t), child_rows[i++])
           << "value h=" << h << " t=" << t << " is not the child's own";
     }
   }
@@ -288,7 +288,7 @@ TEST(KvPool, CommittedCopyOnWriteReturnsAReleasedOriginal) {
   const SequenceId parent = cache.create();
   fill(layer, cache, parent, 6, rng);
   const SequenceId child = cache.fork(parent);
-  const float* tables[16];
+  std::byte* tables[16];
   int64_t length = -1;
   p.begin_append(&child, 1, 1, c.context_length, tables, 16, &length);
   cache.release(parent);

@@ -22,8 +22,8 @@ struct KvCacheOptions {
   size_t capacity_bytes = 0;    // ... or in bytes, rounded down to whole blocks. Exactly one is set.
 };
 
-// Block layout (floats), the "KV-friendly layout" the kernels read with no copy:
-//   K [H][block_tokens][D], then V [H][block_tokens][D]
+// Block layout, the "KV-friendly layout" the kernels read with no copy (kernels/kv_layout.hpp):
+//   K [H][block_tokens][D], then V [H][block_tokens][D], in f32
 // so one head's keys inside a block are one contiguous (block_tokens, D) tile, each token's D values
 // contiguous. A block's address never changes, so block tables hold plain pointers.
 //
@@ -58,13 +58,15 @@ class KvCache {
   int64_t total_blocks() const;
   int64_t free_blocks() const;
   int64_t num_sequences() const;
-  size_t block_bytes() const;     // 2 * H * block_tokens * D * sizeof(float)
+  size_t block_bytes() const;     // 2 * H * block_tokens * D * sizeof(float) for f32 storage
   size_t capacity_bytes() const;  // total_blocks() * block_bytes()
   const Config& config() const;
 
-  // Cached key / value of token t (0 <= t < length) and head h: D contiguous floats. For tests and tools.
-  const float* key(SequenceId seq, int64_t h, int64_t t) const;
-  const float* value(SequenceId seq, int64_t h, int64_t t) const;
+  // Copies the cached key / value of token t (0 <= t < length) and K/V head h into dst (D floats), converted from
+  // the storage format. For tests and tools: it takes the cache's lock. invalid_argument for an unknown sequence,
+  // a head or token out of range, or a null dst.
+  void read_key(SequenceId seq, int64_t h, int64_t t, float* dst) const;
+  void read_value(SequenceId seq, int64_t h, int64_t t, float* dst) const;
 
   struct Impl;  // engine-internal (engine/kv_cache.hpp)
   Impl& impl() { return *impl_; }

@@ -1,35 +1,39 @@
-// kernels/decode_attention_f32.hpp: fp32 attention of ONE new token (a decode step) against a range of a
-// sequence's keys in the paged KV cache, for every head, producing that range's partial softmax states; and the
-// exact merge of partial states (split-KV / flash-decoding). Pure compute on pointers: no allocation, threads
-// or oneDNN.
+// kernels/decode_attention.hpp: attention of ONE new token (a decode step) against a range of a sequence's keys in
+// the paged KV cache, for every head, producing that range's partial softmax states; and the exact merge of partial
+// states (split-KV / flash-decoding). Pure compute on pointers: no allocation, threads or oneDNN. Written once
+// (decode_attention_impl.hpp), generic over the instruction set and the K/V element type; instantiated per
+// (compute dtype, K/V dtype, ISA) in decode_attention_<dtypes>_<isa>.cpp.
 //
-// For each head h and keys j in [j_begin, j_end), with s_j = q_h . k_hj * scale * log2(e):
+// For each query head h, reading K/V head g = h / (H / H_kv), and keys j in [j_begin, j_end), with
+// s_j = q_h . k_gj * scale * log2(e):
 //   m = max_j s_j,   l = sum_j 2^(s_j - m),   acc = sum_j 2^(s_j - m) v_hj      (acc (D), unnormalised)
-// computed key block by key block with the online rescale of attention_f32.hpp (alpha = 2^(m_old - m_new)).
+// computed key block by key block with the online rescale of attention.hpp (alpha = 2^(m_old - m_new)).
 // Partial states of disjoint key ranges merge exactly:
 //   M = max_s m_s,   l = sum_s 2^(m_s - M) l_s,   out = sum_s 2^(m_s - M) acc_s / l   (0 when l == 0).
 // Why a kernel of its own: with one query the tiled kernel's query lanes would be 1/16 used; here the head
-// dimension D sits in the SIMD lanes. Why all heads in one call: a block stores K [H][bt][D] then V, so walking
-// the heads inside each block streams the block front to back, which the hardware prefetchers follow; one
-// (head, block) tile alone is only bt*D floats at an unrelated address.
+// dimension D sits in the SIMD lanes. Why all heads in one call: a block stores K [H_kv][bt][D] then V
+// (kernels/kv_layout.hpp), so walking the heads inside each block streams the block front to back, which the
+// hardware prefetchers follow; one (head, block) tile alone is only bt*D elements at an unrelated address.
 #pragma once
 
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/kv_layout.hpp"
 
 namespace gpt2attn::kernels {
 
 struct DecodeArgs {
-  const float* q = nullptr;               // (H, D): the new token's query, head h at q + h * ldq
+  const float* q = nullptr;                // (H, D): the new token's query, head h at q + h * ldq
   int64_t ldq = 0;
-  const float* const* blocks = nullptr;   // the sequence's block table: K [H][block_tokens][D], then V
-  int64_t block_tokens = 0;
-  int64_t H = 0, D = 0;
-  float scale = 1.0f;                     // 1 / sqrt(D)
+  const std::byte* const* blocks = nullptr;  // the sequence's block table, blocks laid out as `layout` says
+  KvLayout layout;                         // heads = H_kv, which divides H; D as below
+  int64_t H = 0, D = 0;                    // query heads, head size
+  float scale = 1.0f;                      // 1 / sqrt(D)
 };
 
+// One implementation per (compute dtype, K/V dtype, instruction set), chosen once by the engine.
 struct DecodeKernel {
   const char* isa;
   // Floats of scratch one call needs: the scaled queries and the scores of one run of keys (at most one block

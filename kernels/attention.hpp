@@ -1,12 +1,15 @@
-// kernels/attention_f32.hpp: the tiled fp32 attention core (flash-attention style, online softmax) for one
-// (batch, head) slice and a range of query rows. Pure compute on pointers and strides: no allocation,
-// no threads, no oneDNN. The engine plans the work and hands each call a scratch slice.
+// kernels/attention.hpp: the tiled attention core (flash-attention style, online softmax) for one (batch, head)
+// slice and a range of query rows: its arguments, its entry points and the algebra. Pure compute on pointers and
+// strides: no allocation, no threads, no oneDNN. The engine plans the work and hands each call a scratch slice.
+// The algorithm is written once (kernels/attention_impl.hpp), generic over the instruction set, the K/V element
+// type and where K/V come from; the micro-kernels (score and P.V tiles) are the only arithmetic a new compute type
+// replaces. Each (compute dtype, K/V dtype, ISA) is a one-line instantiation file, attention_<dtypes>_<isa>.cpp.
 //
 // Layouts (one head h of one sequence b; all pointers already offset to that slice):
-//   q   (T, D)  row stride ldq    k (Tk, D) row stride ldk    v (Tk, D) row stride ldv
-//   out (T, D)  row stride ldo    (each row's D values contiguous)
-// or, for the paged KV cache, K and V in blocks of block_tokens rows (see PagedKv): key tiles are then cut
-// at block boundaries, so every tile is still one contiguous (nk, D) slab.
+//   q   (T, D)  row stride ldq    out (T, D)  row stride ldo    (each row's D values contiguous)
+//   K, V (Tk, D): contiguous with row strides ldk / ldv, or the KV cache's blocks (kernels/kv_layout.hpp), as
+//   described by AttentionArgs::kv (kernels/kv_source.hpp). Key tiles end where a source's run ends (a block
+//   boundary), so every tile is one strided (nk, D) slab.
 //
 // Algorithm. Queries sit in SIMD lanes: a query tile of BQ rows is packed transposed, qt (D, BQ), so the
 // score tile s (BK, BQ) = K_tile . qt is a register-blocked outer-product GEMM (summed over D in chunks, see
@@ -55,6 +58,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/kv_source.hpp"
+#include "kernels/tiles.hpp"
+
 namespace gpt2attn::kernels {
 
 enum class MaskDType : uint8_t { u8, f32 };
@@ -68,32 +74,19 @@ struct MaskRef {
   int64_t stride_i = 0, stride_j = 0;
 };
 
-// K/V in the KV cache's blocks: key j of this head is the D floats at
-//   blocks[j / block_tokens] + k_offset + (j % block_tokens) * D, its value at ... + v_offset + ...
-struct PagedKv {
-  const float* const* blocks = nullptr;  // null = K/V are the contiguous k / v arrays
-  int64_t block_tokens = 0;
-  int64_t k_offset = 0, v_offset = 0;  // this head's K and V tiles inside a block, in floats
-
-  const float* key(int64_t j, int64_t D) const { return blocks[j / block_tokens] + k_offset + (j % block_tokens) * D; }
-  const float* value(int64_t j, int64_t D) const { return blocks[j / block_tokens] + v_offset + (j % block_tokens) * D; }
-  int64_t run_end(int64_t j) const { return (j / block_tokens + 1) * block_tokens; }  // first key of the next block
-};
-
 struct AttentionArgs {
-  const float* q = nullptr;  // (T, D)
-  const float* k = nullptr;  // (Tk, D), unless paged
-  const float* v = nullptr;  // (Tk, D), unless paged
-  PagedKv paged;             // when paged.blocks is set, K/V rows are read from there (row stride D)
-  float* out = nullptr;      // (T, D)
-  int64_t ldq = 0, ldk = 0, ldv = 0, ldo = 0;
+  const float* q = nullptr;  // (T, D), row stride ldq
+  KvRef kv;                  // K, V (Tk, D): contiguous or paged, of the kernel's K/V element type
+  float* out = nullptr;      // (T, D), row stride ldo
+  int64_t ldq = 0, ldo = 0;
   int64_t T = 0, Tk = 0, D = 0;
   float scale = 1.0f;  // 1 / sqrt(D)
 
   bool causal = false;
-  int64_t causal_offset = 0;          // Tk - T: bottom-right alignment
-  const float* causal_bias = nullptr;  // registered row: causal_bias[c] = (c >= 0 ? 0 : -inf) for c = i + offset - j,
-                                       // read only on tiles crossing the diagonal: -(BQ + BK) < c < BQ + BK
+  int64_t causal_offset = 0;           // Tk - T: bottom-right alignment
+  const float* causal_bias = nullptr;  // the registered band's center (see causal_band_center()):
+                                       // causal_bias[c] = (c >= 0 ? 0 : -inf) for c = i + offset - j, read only on
+                                       // tiles crossing the diagonal, where -(BQ + BK) < c < BQ + BK
 
   MaskRef mask;         // (T, Tk) user mask
   MaskRef key_padding;  // (1, Tk): stride_i unused; nonzero = padding (mode block)
@@ -109,15 +102,17 @@ struct TileShape {
   int64_t key_tile;    // BK: keys per tile
 };
 
-// The registered causal band a kernel of these tiles reads: causal_bias = row + center, with
-// row[center + c] = (c >= 0 ? 0 : -inf) for -center <= c < center, center = BQ + BK (see AttentionArgs).
-inline int64_t causal_band_center(const TileShape& t) { return t.query_tile + t.key_tile; }
-inline void fill_causal_band(const TileShape& t, float* row) {  // row holds 2 * causal_band_center(t) floats
-  const int64_t center = causal_band_center(t);
+// The registered causal band: row[center + c] = (c >= 0 ? 0 : -inf) for -center <= c < center, and
+// causal_bias = row + center. Its size is fixed (tiles::kCausalBandCenter), not derived from one kernel's tiles:
+// every kernel's BQ + BK must fit in it (checked where each kernel is instantiated), so one registered buffer
+// serves whichever kernel dispatch picks.
+constexpr int64_t causal_band_center() { return tiles::kCausalBandCenter; }
+inline void fill_causal_band(float* row) {  // row holds 2 * causal_band_center() floats
+  const int64_t center = causal_band_center();
   for (int64_t i = 0; i < 2 * center; ++i) row[i] = i - center >= 0 ? 0.0f : -INFINITY;
 }
 
-// One implementation per instruction set, chosen once by the engine.
+// One implementation per (compute dtype, K/V dtype, instruction set), chosen once by the engine.
 struct AttentionKernel {
   const char* isa;
   TileShape tiles;
@@ -127,8 +122,8 @@ struct AttentionKernel {
   void (*run)(const AttentionArgs& args, int64_t q_begin, int64_t q_end, float* scratch);
 };
 
-// Defined in the per-ISA translation units (attention_f32_<isa>.cpp). The avx2/avx512 ones must only be
-// called on CPUs that support them; the engine checks before choosing.
+// Defined in the per-ISA translation units (attention_f32_<isa>.cpp: f32 compute, f32 K/V). The avx2/avx512 ones
+// must only be called on CPUs that support them; the engine checks before choosing.
 const AttentionKernel& attention_f32_scalar();
 const AttentionKernel& attention_f32_avx2();
 const AttentionKernel& attention_f32_avx512();

@@ -1,13 +1,16 @@
-// kernels/attention_f32_impl.hpp: the tiled attention algorithm described in attention_f32.hpp, written once
-// over Vec<Arch>. Included only by the per-ISA instantiation files; everything here has internal linkage so
-// code compiled with AVX-512 flags can never be linked into the scalar path.
+// kernels/attention_impl.hpp: the tiled attention algorithm described in attention.hpp, written once: the tile
+// driver (TiledAttention: query packing, masks, online softmax, dropout, normalisation) over a micro-kernel that
+// does the arithmetic of a score tile and a P.V tile (MicroF32: f32 products of f32 queries with K/V elements of
+// type KvT widened on load). A bf16 compute type is a second micro-kernel, nothing else. Included only by the
+// one-line instantiation files; everything here has internal linkage so code compiled with AVX-512 flags can never
+// be linked into the scalar path.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
 
-#include "kernels/attention_f32.hpp"
+#include "kernels/attention.hpp"
 #include "kernels/dropout.hpp"
 #include "kernels/tiles.hpp"
 #include "kernels/vec.hpp"
@@ -17,57 +20,43 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// The units the scores are kept in (see "Units" in attention_f32.hpp), chosen once per call.
+// The units the scores are kept in (see "Units" in attention.hpp), chosen once per call.
 enum class Units { log2, natural };
 
-template <class Arch, int QV, int R>
-struct AttentionF32 {
+// Calls f(std::integral_constant<int, rem>) for 1 <= rem <= RR: a ragged block keeps full register blocking
+// instead of falling back to one row at a time.
+template <int RR, class F>
+void with_rows(int64_t rem, F&& f) {
+  if constexpr (RR >= 1) {
+    if (rem == RR) {
+      f(std::integral_constant<int, RR>{});
+    } else {
+      with_rows<RR - 1>(rem, f);
+    }
+  }
+}
+
+// The micro-kernels of the f32 compute type: QV query vectors (BQ = QV x lanes queries) x R rows of K (scores) or
+// of D (P.V) in registers (tiles::Blocking has the register budget). K/V elements of type KvT are widened to f32 as
+// they are broadcast (`widen`), so a narrower K/V storage type reuses this arithmetic unchanged.
+template <class Arch, int QV, int R, class KvT>
+struct MicroF32 {
   using V = Vec<Arch>;
   using B = typename V::B;
+  using Elem = KvT;
   static constexpr int W = V::W;
   static constexpr int BQ = QV * W;  // queries per tile, in lanes
-  static constexpr int BK = tiles::kKeyTile;
+  static constexpr int kRows = R;    // rows per register block
 
-  // Scratch: qt (D, BQ) | s (BK, BQ) | acc (D, BQ) | m (BQ) | l (BQ) | alpha (BQ).
-  static size_t scratch_floats(int64_t D) { return static_cast<size_t>((2 * D + BK + 3) * BQ); }
+  static float widen(float x) { return x; }
 
-  static void run(const AttentionArgs& a, int64_t q_begin, int64_t q_end, float* scratch) {
-    // Paged K/V gets its own instantiation: the contiguous path keeps the code it had before paging existed
-    // (one shared body with run-time paging checks measured ~7% slower on the core). So does an additive
-    // mask (natural units), so that every other call keeps the log2-unit instruction stream untouched.
-    const bool natural = a.mask.data && a.mask.mode == MaskMode::additive;
-    if (a.paged.blocks) {
-      if (natural) {
-        run_tiles<true, Units::natural>(a, q_begin, q_end, scratch);
-      } else {
-        run_tiles<true, Units::log2>(a, q_begin, q_end, scratch);
-      }
-    } else {
-      if (natural) {
-        run_tiles<false, Units::natural>(a, q_begin, q_end, scratch);
-      } else {
-        run_tiles<false, Units::log2>(a, q_begin, q_end, scratch);
-      }
-    }
-  }
-
-  template <bool paged, Units units>
-  static void run_tiles(const AttentionArgs& a, int64_t q_begin, int64_t q_end, float* scratch) {
-    for (int64_t i0 = q_begin; i0 < q_end; i0 += BQ) {
-      tile<paged, units>(a, i0, std::min<int64_t>(i0 + BQ, q_end), scratch);
-    }
-  }
-
-  // Calls f(std::integral_constant<int, rem>) for 1 <= rem <= RR: a ragged block keeps full register
-  // blocking instead of falling back to one row at a time.
-  template <int RR, class F>
-  static void with_rows(int64_t rem, F&& f) {
-    if constexpr (RR >= 1) {
-      if (rem == RR) {
-        f(std::integral_constant<int, RR>{});
-      } else {
-        with_rows<RR - 1>(rem, f);
-      }
+  // The query tile as score_rows reads it: transposed, qt (D, BQ), each row scaled by qscale; lanes past the last
+  // of the nq queries are zero.
+  static int64_t packed_query_floats(int64_t D) { return D * BQ; }
+  static void pack_queries(const float* q, int64_t ldq, int64_t nq, int64_t D, float qscale, float* qt) {
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t i = 0; i < nq; ++i) qt[d * BQ + i] = q[i * ldq + d] * qscale;
+      for (int64_t i = nq; i < BQ; ++i) qt[d * BQ + i] = 0.0f;
     }
   }
 
@@ -75,9 +64,9 @@ struct AttentionF32 {
   // running column max mx. K rows are broadcast, queries are vectors.
   // The sum over D runs in chunks of tiles::kScoreChunk, each in fresh registers, added to the partial score
   // spilled to s: with one accumulator over D = 256 this dot product was the largest error of the whole layer
-  // where scores are large (score error 1.1-1.3e-4 -> 4-6e-5; "Accuracy" in attention_f32.hpp has the figures).
+  // where scores are large (score error 1.1-1.3e-4 -> 4-6e-5; "Accuracy" in attention.hpp has the figures).
   template <int RR>
-  static void score_rows(const float* k, int64_t ldk, const float* qt, int64_t D, float* s, B* mx) {
+  static void score_rows(const KvT* k, int64_t ldk, const float* qt, int64_t D, float* s, B* mx) {
     B acc[RR][QV];
     for (int64_t d0 = 0;;) {
       const int64_t d1 = std::min<int64_t>(D, d0 + tiles::kScoreChunk);
@@ -87,7 +76,7 @@ struct AttentionF32 {
         B q[QV];
         for (int v = 0; v < QV; ++v) q[v] = V::load(qt + d * BQ + v * W);
         for (int r = 0; r < RR; ++r) {
-          const B kb = V::set1(k[r * ldk + d]);
+          const B kb = V::set1(widen(k[r * ldk + d]));
           for (int v = 0; v < QV; ++v) acc[r][v] = V::fma(kb, q[v], acc[r][v]);
         }
       }
@@ -110,7 +99,7 @@ struct AttentionF32 {
 
   // acc[d][lane] = alpha[lane] * acc[d][lane] + sum_j V[j][d] * p[j][lane] for RR consecutive d.
   template <int RR>
-  static void pv_rows(const float* vcol, int64_t ldv, const float* p, int64_t nk, const float* alpha, float* acc) {
+  static void pv_rows(const KvT* vcol, int64_t ldv, const float* p, int64_t nk, const float* alpha, float* acc) {
     B c[RR][QV];
     for (int v = 0; v < QV; ++v) {
       const B al = V::load(alpha + v * W);
@@ -120,12 +109,74 @@ struct AttentionF32 {
       B pj[QV];
       for (int v = 0; v < QV; ++v) pj[v] = V::load(p + j * BQ + v * W);
       for (int r = 0; r < RR; ++r) {
-        const B vb = V::set1(vcol[j * ldv + r]);
+        const B vb = V::set1(widen(vcol[j * ldv + r]));
         for (int v = 0; v < QV; ++v) c[r][v] = V::fma(vb, pj[v], c[r][v]);
       }
     }
     for (int r = 0; r < RR; ++r)
       for (int v = 0; v < QV; ++v) V::store(acc + r * BQ + v * W, c[r][v]);
+  }
+
+  // The whole score tile s (nk, BQ) = K (nk rows, stride ldk) . qt, register block by register block.
+  static void scores(const KvT* k, int64_t ldk, int64_t nk, const float* qt, int64_t D, float* s, B* mx) {
+    int64_t j = 0;
+    for (; j + R <= nk; j += R) score_rows<R>(k + j * ldk, ldk, qt, D, s + j * BQ, mx);
+    if (j < nk) {
+      with_rows<R - 1>(nk - j, [&](auto rr) { score_rows<decltype(rr)::value>(k + j * ldk, ldk, qt, D, s + j * BQ, mx); });
+    }
+  }
+
+  // acc (D, BQ) = alpha * acc + V^T (D x nk, V rows of stride ldv) . p (nk, BQ), R head dimensions at a time.
+  static void accumulate_pv(const KvT* v, int64_t ldv, int64_t nk, const float* p, const float* alpha, int64_t D,
+                            float* acc) {
+    int64_t d = 0;
+    for (; d + R <= D; d += R) pv_rows<R>(v + d, ldv, p, nk, alpha, acc + d * BQ);
+    if (d < D) {
+      with_rows<R - 1>(D - d, [&](auto rr) { pv_rows<decltype(rr)::value>(v + d, ldv, p, nk, alpha, acc + d * BQ); });
+    }
+  }
+};
+
+// The tile driver over a micro-kernel M (M::BQ queries per tile, M::Elem the K/V element type).
+template <class Arch, class M>
+struct TiledAttention {
+  using V = Vec<Arch>;
+  using B = typename V::B;
+  using KvT = typename M::Elem;
+  static constexpr int W = V::W;
+  static constexpr int QV = M::BQ / W;
+  static constexpr int BQ = M::BQ;
+  static constexpr int BK = tiles::kKeyTile;
+  static_assert(BQ + BK <= tiles::kCausalBandCenter, "the registered causal band must cover this kernel's tiles");
+
+  // Scratch: qt (the micro-kernel's packed queries) | s (BK, BQ) | acc (D, BQ) | m (BQ) | l (BQ) | alpha (BQ).
+  static size_t scratch_floats(int64_t D) {
+    return static_cast<size_t>(M::packed_query_floats(D) + (D + BK + 3) * BQ);
+  }
+
+  // The K/V source and the units are compile-time choices, made here once per call: paged K/V keeps its own
+  // instantiation, and so does an additive mask (natural units), so that every other call keeps the log2-unit
+  // instruction stream of the contiguous path untouched.
+  static void run(const AttentionArgs& a, int64_t q_begin, int64_t q_end, float* scratch) {
+    const bool natural = a.mask.data && a.mask.mode == MaskMode::additive;
+    if (a.kv.blocks) {
+      with_units<PagedKv<KvT>>(natural, a, q_begin, q_end, scratch);
+    } else {
+      with_units<ContiguousKv<KvT>>(natural, a, q_begin, q_end, scratch);
+    }
+  }
+
+  template <class Src>
+  static void with_units(bool natural, const AttentionArgs& a, int64_t q_begin, int64_t q_end, float* scratch) {
+    const Src src(a.kv);
+    for (int64_t i0 = q_begin; i0 < q_end; i0 += BQ) {
+      const int64_t i1 = std::min<int64_t>(i0 + BQ, q_end);
+      if (natural) {
+        tile<Units::natural>(a, src, i0, i1, scratch);
+      } else {
+        tile<Units::log2>(a, src, i0, i1, scratch);
+      }
+    }
   }
 
   static float mask_value(const MaskRef& mk, int64_t i, int64_t j) {
@@ -134,56 +185,37 @@ struct AttentionF32 {
                                      : static_cast<const float*>(mk.data)[at];
   }
 
-  template <bool paged, Units units>
-  static void tile(const AttentionArgs& a, int64_t i0, int64_t i1, float* scratch) {
+  template <Units units, class Src>
+  static void tile(const AttentionArgs& a, const Src& src, int64_t i0, int64_t i1, float* scratch) {
     constexpr bool natural = units == Units::natural;
     const int64_t D = a.D, nq = i1 - i0;
     float* qt = scratch;
-    float* s = qt + D * BQ;
+    float* s = qt + M::packed_query_floats(D);
     float* acc = s + BK * BQ;
     float* m = acc + D * BQ;
     float* l = m + BQ;
     float* alpha = l + BQ;
 
-    // Pack the query tile transposed and pre-scaled, so scores come out as log2(e) * scale * q.k and the
-    // softmax runs on exp2 (natural units: scale * q.k, as torch computes it); zero lanes past the last query.
-    const float qscale = natural ? a.scale : a.scale * kLog2e;
-    for (int64_t d = 0; d < D; ++d) {
-      for (int64_t i = 0; i < nq; ++i) qt[d * BQ + i] = a.q[(i0 + i) * a.ldq + d] * qscale;
-      for (int64_t i = nq; i < BQ; ++i) qt[d * BQ + i] = 0.0f;
-    }
+    // Pack the query tile pre-scaled, so scores come out as log2(e) * scale * q.k and the softmax runs on exp2
+    // (natural units: scale * q.k, as torch computes it).
+    M::pack_queries(a.q + i0 * a.ldq, a.ldq, nq, D, natural ? a.scale : a.scale * kLog2e, qt);
     std::fill(acc, acc + D * BQ, 0.0f);
     std::fill(m, m + BQ, -INFINITY);
     std::fill(l, l + BQ, 0.0f);
 
     // The last query of the tile sees keys up to i1 - 1 + offset; nothing beyond is touched.
     const int64_t kend = a.causal ? std::clamp<int64_t>(i1 + a.causal_offset, 0, a.Tk) : a.Tk;
-    const int64_t ldk = paged ? D : a.ldk, ldv = paged ? D : a.ldv;
+    const int64_t ldk = src.key_stride(), ldv = src.value_stride();
     int64_t nk = 0;
     for (int64_t j0 = 0; j0 < kend; j0 += nk) {
-      // A key tile is BK keys, or fewer at the end and, when paged, at a block boundary.
-      const float *kt, *vt;
-      if constexpr (paged) {
-        nk = std::min<int64_t>(BK, std::min(kend, a.paged.run_end(j0)) - j0);
-        kt = a.paged.key(j0, D);
-        vt = a.paged.value(j0, D);
-      } else {
-        nk = std::min<int64_t>(BK, kend - j0);
-        kt = a.k + j0 * ldk;
-        vt = a.v + j0 * ldv;
-      }
+      // A key tile is BK keys, or fewer at the end and where the source's run ends (a block boundary).
+      nk = std::min<int64_t>(BK, std::min(kend, src.run_end(j0)) - j0);
+      const KvT* kt = src.keys(j0);
+      const KvT* vt = src.values(j0);
 
       B mx[QV];
       for (int v = 0; v < QV; ++v) mx[v] = V::load(m + v * W);
-      {
-        int64_t j = 0;
-        for (; j + R <= nk; j += R) score_rows<R>(kt + j * ldk, ldk, qt, D, s + j * BQ, mx);
-        if (j < nk) {
-          with_rows<R - 1>(nk - j, [&](auto rr) {
-            score_rows<decltype(rr)::value>(kt + j * ldk, ldk, qt, D, s + j * BQ, mx);
-          });
-        }
-      }
+      M::scores(kt, ldk, nk, qt, D, s, mx);
       bool masked = false;  // any mask changes scores after mx was taken: recompute it then
 
       // Only tiles crossing the diagonal (some key past the first query's horizon) are masked.
@@ -250,15 +282,7 @@ struct AttentionF32 {
         }
       }
 
-      {
-        int64_t d = 0;
-        for (; d + R <= D; d += R) pv_rows<R>(vt + d, ldv, s, nk, alpha, acc + d * BQ);
-        if (d < D) {
-          with_rows<R - 1>(D - d, [&](auto rr) {
-            pv_rows<decltype(rr)::value>(vt + d, ldv, s, nk, alpha, acc + d * BQ);
-          });
-        }
-      }
+      M::accumulate_pv(vt, ldv, nk, s, alpha, D, acc);
     }
 
     // out_i = acc_i / l_i; a query that saw no key (l == 0) gets zeros, never NaN.
@@ -270,9 +294,10 @@ struct AttentionF32 {
   }
 };
 
-template <class Arch, tiles::Blocking Bl>
+// The kernel of f32 compute over K/V stored as KvT, with register blocking Bl, for instruction set Arch.
+template <class Arch, tiles::Blocking Bl, class KvT>
 const AttentionKernel& make_attention_kernel(const char* isa) {
-  using K = AttentionF32<Arch, Bl.query_vectors, Bl.row_block>;
+  using K = TiledAttention<Arch, MicroF32<Arch, Bl.query_vectors, Bl.row_block, KvT>>;
   static const AttentionKernel kernel{isa, {K::BQ, K::BK}, &K::scratch_floats, &K::run};
   return kernel;
 }

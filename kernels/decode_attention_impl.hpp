@@ -1,29 +1,34 @@
-// kernels/decode_attention_f32_impl.hpp: the one-query attention of decode_attention_f32.hpp, written once over
+// kernels/decode_attention_impl.hpp: the one-query attention of decode_attention.hpp, written once over
 // Vec<Arch>. Included only by the per-ISA instantiation files (internal linkage, like attention_f32_impl.hpp).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 
-#include "kernels/decode_attention_f32.hpp"
+#include "kernels/decode_attention.hpp"
 #include "kernels/tiles.hpp"
 #include "kernels/vec.hpp"
 
 namespace gpt2attn::kernels {
 namespace {
 
-template <class Arch>
-struct DecodeAttentionF32 {
+template <class Arch, class KvT>
+struct DecodeAttention {
   using V = Vec<Arch>;
   using B = typename V::B;
   static constexpr int W = V::W;
+
+  // K/V elements as f32: W of them into a vector, or one.
+  static B load_kv(const float* p) { return V::load(p); }
+  static float widen(float x) { return x; }
   static constexpr int kKeys = 4;  // keys scored at once: 4 independent FMA chains over D
   // Heads' tiles are contiguous in a block, so prefetching rows ahead runs on into the next head's tile.
   static constexpr int64_t kAhead = tiles::kDecodePrefetchRows;
 
-  // One prefetch per 64-byte line of `rows` rows of D floats starting kAhead rows after p.
-  static void prefetch_rows(const float* p, int64_t rows, int64_t D) {
-    for (int64_t i = 0; i < rows * D; i += 16) prefetch(p, static_cast<size_t>(kAhead * D + i) * sizeof(float));
+  // One prefetch per 64-byte line of `rows` rows of D elements starting kAhead rows after p.
+  static constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(KvT));  // elements per cache line
+  static void prefetch_rows(const KvT* p, int64_t rows, int64_t D) {
+    for (int64_t i = 0; i < rows * D; i += kLine) prefetch(p, static_cast<size_t>(kAhead * D + i) * sizeof(KvT));
   }
 
   // Scratch: qs (H, D padded to W) | s (score_keys, padded to W), where a run of keys scored at once is at most
@@ -36,37 +41,37 @@ struct DecodeAttentionF32 {
 
   // s[r] = qs . k_r for RR consecutive keys (rows D apart).
   template <int RR>
-  static void dots(const float* qs, const float* k, int64_t D, float* s) {
+  static void dots(const float* qs, const KvT* k, int64_t D, float* s) {
     B acc[RR];
     for (int r = 0; r < RR; ++r) acc[r] = V::set1(0.0f);
     prefetch_rows(k, RR, D);
     int64_t d = 0;
     for (; d + W <= D; d += W) {
       const B q = V::load(qs + d);
-      for (int r = 0; r < RR; ++r) acc[r] = V::fma(q, V::load(k + r * D + d), acc[r]);
+      for (int r = 0; r < RR; ++r) acc[r] = V::fma(q, load_kv(k + r * D + d), acc[r]);
     }
     for (int r = 0; r < RR; ++r) {
       float t = V::sum(acc[r]);
-      for (int64_t e = d; e < D; ++e) t += qs[e] * k[r * D + e];
+      for (int64_t e = d; e < D; ++e) t += qs[e] * widen(k[r * D + e]);
       s[r] = t;
     }
   }
 
   // acc[d..d+N*W) = alpha * acc + sum_j p_j v_j[d..d+N*W) for nk keys (rows D apart).
   template <int N>
-  static void pv(const float* v, int64_t D, const float* p, int64_t nk, float alpha, float* acc) {
+  static void pv(const KvT* v, int64_t D, const float* p, int64_t nk, float alpha, float* acc) {
     B c[N];
     for (int n = 0; n < N; ++n) c[n] = V::load(acc + n * W) * V::set1(alpha);
     for (int64_t j = 0; j < nk; ++j) {
-      for (int n = 0; n < N * W; n += 16) prefetch(v, static_cast<size_t>((j + kAhead) * D + n) * sizeof(float));
+      for (int n = 0; n < N * W; n += kLine) prefetch(v, static_cast<size_t>((j + kAhead) * D + n) * sizeof(KvT));
       const B pj = V::set1(p[j]);
-      for (int n = 0; n < N; ++n) c[n] = V::fma(pj, V::load(v + j * D + n * W), c[n]);
+      for (int n = 0; n < N; ++n) c[n] = V::fma(pj, load_kv(v + j * D + n * W), c[n]);
     }
     for (int n = 0; n < N; ++n) V::store(acc + n * W, c[n]);
   }
 
   // One head over nk keys of one block: scores, online softmax update of (m, l), acc += p V.
-  static void head_block(const float* qs, const float* k, const float* v, int64_t nk, int64_t D, float* s, float& m,
+  static void head_block(const float* qs, const KvT* k, const KvT* v, int64_t nk, int64_t D, float* s, float& m,
                          float& l, float* acc) {
     int64_t j = 0;
     for (; j + kKeys <= nk; j += kKeys) dots<kKeys>(qs, k + j * D, D, s + j);
@@ -92,14 +97,15 @@ struct DecodeAttentionF32 {
     for (; d + W <= D; d += W) pv<1>(v + d, D, s, nk, alpha, acc + d);
     for (; d < D; ++d) {
       float c = acc[d] * alpha;
-      for (j = 0; j < nk; ++j) c += s[j] * v[j * D + d];
+      for (j = 0; j < nk; ++j) c += s[j] * widen(v[j * D + d]);
       acc[d] = c;
     }
   }
 
   static void run(const DecodeArgs& a, int64_t j_begin, int64_t j_end, float* scratch, float* m, float* l,
                   float* acc) {
-    const int64_t H = a.H, D = a.D, bt = a.block_tokens, ldqs = padded(D);
+    const KvLayout& kv = a.layout;
+    const int64_t H = a.H, D = a.D, bt = kv.block_tokens, ldqs = padded(D), group = H / kv.heads;
     float* qs = scratch;
     float* s = scratch + H * ldqs;
     // Scores in log2 units, so the softmax runs on exp2 (as in the tiled kernel).
@@ -115,18 +121,20 @@ struct DecodeAttentionF32 {
     for (int64_t j0 = j_begin; j0 < j_end; j0 += nk) {
       const int64_t off = j0 % bt;
       nk = std::min({j_end - j0, bt - off, score_keys(bt)});  // keys left in this block, at most a score run
-      const float* k = a.blocks[j0 / bt] + off * D;  // head h's keys at k + h * bt * D, values after all K
-      const float* v = k + H * bt * D;
-      for (int64_t h = 0; h < H; ++h) {
-        head_block(qs + h * ldqs, k + h * bt * D, v + h * bt * D, nk, D, s, m[h], l[h], acc + h * D);
+      const std::byte* block = a.blocks[j0 / bt];
+      for (int64_t h = 0; h < H; ++h) {  // query heads in order: their K/V heads h / group stream front to back
+        const int64_t g = h / group;
+        head_block(qs + h * ldqs, kv.row<KvT>(block, KvPart::key, g, off), kv.row<KvT>(block, KvPart::value, g, off),
+                   nk, D, s, m[h], l[h], acc + h * D);
       }
     }
   }
 };
 
-template <class Arch>
+// The decode kernel of f32 compute over K/V stored as KvT, for instruction set Arch.
+template <class Arch, class KvT>
 const DecodeKernel& make_decode_kernel(const char* isa) {
-  using K = DecodeAttentionF32<Arch>;
+  using K = DecodeAttention<Arch, KvT>;
   static const DecodeKernel kernel{isa, &K::scratch_floats, &K::run};
   return kernel;
 }
