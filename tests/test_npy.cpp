@@ -6,7 +6,7 @@
 #include <cstring>
 #include <limits>
 
-#include "engine/npy.hpp"
+#include "tools/npy.hpp"
 #include "tests/file_test_util.hpp"
 
 namespace gpt2attn {

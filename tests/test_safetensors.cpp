@@ -8,8 +8,8 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
-#include "engine/file_io.hpp"
-#include "engine/safetensors.hpp"
+#include "engine/io/file_io.hpp"
+#include "engine/io/safetensors.hpp"
 #include "gpt2attn/weights.hpp"
 #include "tests/file_test_util.hpp"
 

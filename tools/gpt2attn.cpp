@@ -16,8 +16,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "engine/file_io.hpp"
-#include "engine/npy.hpp"
+#include "engine/io/file_io.hpp"
+#include "tools/npy.hpp"
 #include "gpt2attn/gpt2attn.hpp"
 
 namespace ga = gpt2attn;

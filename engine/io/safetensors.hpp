@@ -1,4 +1,4 @@
-// engine/safetensors.hpp: a strict reader of the safetensors format (8-byte LE header length, JSON header,
+// engine/io/safetensors.hpp: a strict reader of the safetensors format (8-byte LE header length, JSON header,
 // raw little-endian tensor bytes). Only the parsing; mapping names to Weights is in weights_io.cpp.
 #pragma once
 

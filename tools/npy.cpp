@@ -1,13 +1,13 @@
-// engine/npy.cpp: the .npy reader (versions 1.0-3.0; float16/32/64 widen to f32, uint8/bool to u8) and the
+// tools/npy.cpp: the .npy reader (versions 1.0-3.0; float16/32/64 widen to f32, uint8/bool to u8) and the
 // atomic float32 writer. The header dict is parsed by a small literal parser, never evaluated.
-#include "engine/npy.hpp"
+#include "tools/npy.hpp"
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
 #include <string_view>
 
-#include "engine/file_io.hpp"
+#include "engine/io/file_io.hpp"
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn::npy {

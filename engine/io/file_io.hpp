@@ -1,4 +1,4 @@
-// engine/file_io.hpp: small pieces shared by the npy and safetensors readers and writers: bad_file errors,
+// engine/io/file_io.hpp: small pieces shared by the npy and safetensors readers and writers: bad_file errors,
 // checked file sizes and reads, atomic writes (and where they may land), f16/bf16 widening. No format knowledge.
 #pragma once
 

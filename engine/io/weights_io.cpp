@@ -1,9 +1,9 @@
-// engine/weights_io.cpp: maps one attention layer of a safetensors file (torch or Hugging Face GPT-2 naming)
+// engine/io/weights_io.cpp: maps one attention layer of a safetensors file (torch or Hugging Face GPT-2 naming)
 // onto Weights in torch layout. Byte-level checks are safetensors.cpp's; checks against a Config are validate()'s.
 #include <string>
 #include <vector>
 
-#include "engine/safetensors.hpp"
+#include "engine/io/safetensors.hpp"
 #include "gpt2attn/error.hpp"
 #include "gpt2attn/weights.hpp"
 

@@ -1,4 +1,5 @@
-// engine/npy.hpp: NumPy .npy reading and writing for the CLI and the tests (format versions 1.0-3.0).
+// tools/npy.hpp: NumPy .npy reading and writing for the CLI and the tests (format versions 1.0-3.0). Not part of the
+// library: servers embedding gpt2attn pass TensorViews and need no file parser linked in.
 // Reads trust nothing in the file; writes are atomic (temporary file + rename), so no partial output exists.
 #pragma once
 

@@ -1,6 +1,6 @@
-// engine/safetensors.cpp: the strict safetensors reader (every header field, offset and size checked before
+// engine/io/safetensors.cpp: the strict safetensors reader (every header field, offset and size checked before
 // any data is trusted), F32/F16/BF16 widening, and the atomic F32 writer. Knows nothing of attention layers.
-#include "engine/safetensors.hpp"
+#include "engine/io/safetensors.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/file_io.hpp"
+#include "engine/io/file_io.hpp"
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn::safetensors {
