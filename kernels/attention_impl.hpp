@@ -18,8 +18,6 @@
 namespace gpt2attn::kernels {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // The units the scores are kept in (see "Units" in attention.hpp), chosen once per call.
 enum class Units { log2, natural };
 
@@ -38,7 +36,7 @@ void with_rows(int64_t rem, F&& f) {
 
 // The micro-kernels of the f32 compute type: QV query vectors (BQ = QV x lanes queries) x R rows of K (scores) or
 // of D (P.V) in registers (tiles::Blocking has the register budget). K/V elements of type KvT are widened to f32 as
-// they are broadcast (`widen`), so a narrower K/V storage type reuses this arithmetic unchanged.
+// they are broadcast (`widen`, kernels/vec.hpp), so a narrower K/V storage type reuses this arithmetic unchanged.
 template <class Arch, int QV, int R, class KvT>
 struct MicroF32 {
   using V = Vec<Arch>;
@@ -47,8 +45,6 @@ struct MicroF32 {
   static constexpr int W = V::W;
   static constexpr int BQ = QV * W;  // queries per tile, in lanes
   static constexpr int kRows = R;    // rows per register block
-
-  static float widen(float x) { return x; }
 
   // The query tile as score_rows reads it: transposed, qt (D, BQ), each row scaled by qscale; lanes past the last
   // of the nq queries are zero.

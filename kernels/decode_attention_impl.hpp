@@ -18,9 +18,6 @@ struct DecodeAttention {
   using B = typename V::B;
   static constexpr int W = V::W;
 
-  // K/V elements as f32: W of them into a vector, or one.
-  static B load_kv(const float* p) { return V::load(p); }
-  static float widen(float x) { return x; }
   static constexpr int kKeys = 4;  // keys scored at once: 4 independent FMA chains over D
   // Heads' tiles are contiguous in a block, so prefetching rows ahead runs on into the next head's tile.
   static constexpr int64_t kAhead = tiles::kDecodePrefetchRows;
@@ -48,7 +45,7 @@ struct DecodeAttention {
     int64_t d = 0;
     for (; d + W <= D; d += W) {
       const B q = V::load(qs + d);
-      for (int r = 0; r < RR; ++r) acc[r] = V::fma(q, load_kv(k + r * D + d), acc[r]);
+      for (int r = 0; r < RR; ++r) acc[r] = V::fma(q, V::load(k + r * D + d), acc[r]);
     }
     for (int r = 0; r < RR; ++r) {
       float t = V::sum(acc[r]);
@@ -65,7 +62,7 @@ struct DecodeAttention {
     for (int64_t j = 0; j < nk; ++j) {
       for (int n = 0; n < N * W; n += kLine) prefetch(v, static_cast<size_t>((j + kAhead) * D + n) * sizeof(KvT));
       const B pj = V::set1(p[j]);
-      for (int n = 0; n < N; ++n) c[n] = V::fma(pj, load_kv(v + j * D + n * W), c[n]);
+      for (int n = 0; n < N; ++n) c[n] = V::fma(pj, V::load(v + j * D + n * W), c[n]);
     }
     for (int n = 0; n < N; ++n) V::store(acc + n * W, c[n]);
   }
@@ -109,7 +106,7 @@ struct DecodeAttention {
     float* qs = scratch;
     float* s = scratch + H * ldqs;
     // Scores in log2 units, so the softmax runs on exp2 (as in the tiled kernel).
-    const float qscale = a.scale * 1.4426950408889634f;
+    const float qscale = a.scale * kLog2e;
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t d = 0; d < D; ++d) qs[h * ldqs + d] = a.q[h * a.ldq + d] * qscale;
       m[h] = -INFINITY;

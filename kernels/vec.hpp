@@ -1,5 +1,7 @@
 // kernels/vec.hpp: the few vector operations the kernels use, over xsimd::batch<float, Arch>, with a
-// plain-float twin (ScalarArch) so the scalar fallback runs the very same algorithm without SIMD flags.
+// plain-float twin (ScalarArch) so the scalar fallback runs the very same algorithm without SIMD flags; and the
+// element conversions into f32 arithmetic (widen, Vec::load), the one place a new storage element type (bf16 or
+// int8 K/V) adds its loads: the kernels call them by overload, generic over the element type.
 #pragma once
 
 #include <cmath>
@@ -23,6 +25,12 @@ inline constexpr float kExp2Taylor[7] = {1.0f, 0.693147180559945f, 0.24022650695
 inline void prefetch(const void* p, size_t bytes) {
   __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + bytes));
 }
+
+// log2(e): scores are kept in log2 units so the softmax runs on exp2 (kernels/attention.hpp, "Units").
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+// One stored element as f32 (f32 storage: itself).
+inline float widen(float x) { return x; }
 
 template <class Arch>
 struct Vec;
