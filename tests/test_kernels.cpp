@@ -2,7 +2,7 @@
 // every instruction set this CPU runs: the tiled attention kernel on contiguous (strided, NaN-padded) and on paged
 // K/V, the split-KV decode kernel merged with merge_softmax_partials, and the few-row linear kernel. No GEMM sits
 // between the data and the kernel, so a kernel error cannot hide behind oneDNN's rounding. It does not test the
-// engine's planning, threads or validation (test_fastpath.cpp and test_kv_cache.cpp do).
+// engine's planning, threads or validation (test_fastpath_*.cpp and test_kv_cache_*.cpp do).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,6 +21,7 @@
 #include "kernels/dropout.hpp"
 #include "kernels/linear_f32.hpp"
 #include "kernels/tiles.hpp"
+#include "tests/isa_param.hpp"
 #include "tests/test_util.hpp"
 
 namespace gpt2attn {
@@ -195,20 +196,9 @@ void expect_all_cases(const std::string& isa, const std::vector<Case>& cases, Ch
                        << kMaxReported << " shown above)";
 }
 
-// Every test is parameterised over the instruction set, like tests/test_fastpath.cpp; the prefix "Kernel" makes
+// Every test is parameterised over the instruction set (tests/isa_param.hpp); the prefix "Kernel" makes
 // --gtest_filter='Kernel*' select every test of this file.
-class KernelTest : public ::testing::TestWithParam<Isa> {
- protected:
-  void SetUp() override {
-    if (!isa_supported(GetParam())) GTEST_SKIP() << "this CPU lacks " << to_string(GetParam());
-  }
-  Isa isa() const { return GetParam(); }
-};
-
-std::string isa_name(const ::testing::TestParamInfo<Isa>& info) { return to_string(info.param); }
-
-#define GPT2ATTN_KERNEL_INSTANTIATE_ISAS(Suite) \
-  INSTANTIATE_TEST_SUITE_P(Kernel, Suite, ::testing::Values(Isa::avx512, Isa::avx2, Isa::scalar), isa_name)
+using KernelTest = test::IsaTest;
 
 // =============================================================================================================
 // 1-2. The tiled attention kernel, contiguous and paged K/V.
@@ -497,7 +487,7 @@ TEST_P(KernelAttention, PagedMatchesNaive) {
   expect_all_cases(kern.isa, attention_cases(kern.tiles, true),
                    [&](const AttnCase& c) { return check_attention(kern, c); });
 }
-GPT2ATTN_KERNEL_INSTANTIATE_ISAS(KernelAttention);
+GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelAttention);
 
 // =============================================================================================================
 // 3. The decode kernel: a sequence's keys in [j_begin, j_end) splits, merged with merge_softmax_partials.
@@ -606,7 +596,7 @@ TEST_P(KernelDecode, MergedSplitsMatchNaive) {
   ASSERT_STREQ(kern.isa, to_string(isa()));
   expect_all_cases(kern.isa, decode_cases(), [&](const DecodeCase& c) { return check_decode(kern, c); });
 }
-GPT2ATTN_KERNEL_INSTANTIATE_ISAS(KernelDecode);
+GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelDecode);
 
 // =============================================================================================================
 // 4. The few-row linear kernel over every panel of the packed weights.
@@ -678,7 +668,7 @@ TEST_P(KernelLinear, AllPanelsMatchNaive) {
   ASSERT_STREQ(kern.isa, to_string(isa()));
   expect_all_cases(kern.isa, linear_cases(), [&](const LinearCase& c) { return check_linear(kern, c); });
 }
-GPT2ATTN_KERNEL_INSTANTIATE_ISAS(KernelLinear);
+GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelLinear);
 
 }  // namespace
 }  // namespace gpt2attn

@@ -1,7 +1,7 @@
 // tests/test_kv_pool.cpp: the KV pool's lease protocol (engine/kv_cache.hpp) that the layer's calls rely on: a
 // failed call is undone exactly, copy-on-write is counted once per block across a batch, busy sequences are
 // refused; and decode at thread counts above the machine's cores, and with a cache whose context differs from
-// the layer's. The layer-level behaviour lives in test_kv_cache.cpp.
+// the layer's. The layer-level behaviour lives in test_kv_cache_*.cpp.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -10,12 +10,16 @@
 
 #include "engine/kv_cache.hpp"
 #include "gpt2attn/gpt2attn.hpp"
+#include "tests/kv_harness.hpp"
 #include "tests/test_util.hpp"
 
 namespace gpt2attn {
 namespace {
 
 using test::all_close;
+using test::block_of;
+using test::cached_key;
+using test::cached_value;
 using test::Dtype;
 using test::random_uniform;
 using test::reduction_length;
@@ -70,15 +74,15 @@ TEST(KvPool, FailedAppendIsUndone) {
   p.begin_append(&child, 1, 7, c.context_length, tables, 16, &length);
   EXPECT_EQ(length, 6);
   EXPECT_EQ(cache.free_blocks(), before.free_blocks - 3);
-  EXPECT_NE(tables[1], p.block(test::block_of(cache, parent, 4)));  // the child's block 1 is a copy now
+  EXPECT_NE(tables[1], p.block(block_of(cache, parent, 4)));  // the child's block 1 is a copy now
   p.end_append(&child, 1, 7, /*success=*/false);
 
   EXPECT_TRUE(snapshot(cache, ids) == before) << "pool bytes, lengths or free blocks changed by a failed call";
   EXPECT_EQ(cache.blocks_needed(child, 7), needed);
   // The child still shares the parent's block: a real append copies it and leaves the parent untouched.
-  const std::vector<float> parent_k = test::cached_key(cache, parent, 1, 5);
+  const std::vector<float> parent_k = cached_key(cache, parent, 1, 5);
   fill(layer, cache, child, 7, rng);
-  EXPECT_EQ(test::cached_key(cache, parent, 1, 5), parent_k);
+  EXPECT_EQ(cached_key(cache, parent, 1, 5), parent_k);
   EXPECT_EQ(cache.free_blocks(), before.free_blocks - 3);
 }
 
@@ -192,7 +196,7 @@ TEST(KvPool, DecodeProjectionsAtOddWidthsMatchReference) {
   c.context_length = 32;
   c.causal = true;
   const Weights w = Weights::random(c, 12);
-  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar}) {
+  for (Isa isa : compiled_isas()) {
     if (!isa_supported(isa)) continue;
     CausalSelfAttention layer(c, w, {.threads = 2, .isa = isa});
     KvCache cache(c, KvCacheOptions{.block_tokens = 8, .capacity_tokens = 19 * 16});
@@ -244,8 +248,8 @@ TEST(KvPool, FailedCopyOnWriteUndoKeepsTheOriginalOutOfThePool) {
   std::vector<std::vector<float>> child_rows;  // every cached K and V row of the child, before the call
   for (int64_t h = 0; h < c.num_heads; ++h) {
     for (int64_t t = 0; t < 6; ++t) {
-      child_rows.push_back(test::cached_key(cache, child, h, t));
-      child_rows.push_back(test::cached_value(cache, child, h, t));
+      child_rows.push_back(cached_key(cache, child, h, t));
+      child_rows.push_back(cached_value(cache, child, h, t));
     }
   }
 
@@ -265,9 +269,9 @@ TEST(KvPool, FailedCopyOnWriteUndoKeepsTheOriginalOutOfThePool) {
   size_t i = 0;
   for (int64_t h = 0; h < c.num_heads; ++h) {
     for (int64_t t = 0; t < 6; ++t) {
-      EXPECT_EQ(test::cached_key(cache, child, h, t), child_rows[i++])
+      EXPECT_EQ(cached_key(cache, child, h, t), child_rows[i++])
           << "key h=" << h << " t=" << t << " is not the child's own";
-      EXPECT_EQ(test::cached_value(cache, child, h, t), child_rows[i++])
+      EXPECT_EQ(cached_value(cache, child, h, t), child_rows[i++])
           << "value h=" << h << " t=" << t << " is not the child's own";
     }
   }

@@ -16,9 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/kv_cache.hpp"
 #include "gpt2attn/attention.hpp"
-#include "gpt2attn/kv_cache.hpp"
 #include "gpt2attn/reference.hpp"
 #include "tests/tolerance.hpp"
 
@@ -225,19 +223,5 @@ class Rng {
   }
   std::mt19937_64 g;
 };
-
-// A cached K or V row (D floats, converted from the storage format), and the pool block holding token t: the only
-// ways the tests read a KvCache's contents.
-inline std::vector<float> cached_key(const KvCache& cache, SequenceId seq, int64_t h, int64_t t) {
-  std::vector<float> row(static_cast<size_t>(cache.config().head_dim()));
-  cache.read_key(seq, h, t, row.data());
-  return row;
-}
-inline std::vector<float> cached_value(const KvCache& cache, SequenceId seq, int64_t h, int64_t t) {
-  std::vector<float> row(static_cast<size_t>(cache.config().head_dim()));
-  cache.read_value(seq, h, t, row.data());
-  return row;
-}
-inline int32_t block_of(const KvCache& cache, SequenceId seq, int64_t t) { return cache.impl().block_of(seq, t); }
 
 }  // namespace gpt2attn::test

@@ -6,7 +6,7 @@
 // map on every primitive execution; for them the test requires no allocation outside oneDNN and the same oneDNN
 // count on a repeat of the same work (a primitive created on the first run would make the counts differ).
 // A separate executable, not a GoogleTest suite: replacing malloc must not leak into gpt2attn_tests, and it cannot
-// run under a sanitizer (which replaces malloc itself). It does not check results (test_kv_cache.cpp does).
+// run under a sanitizer (which replaces malloc itself). It does not check results (tests/test_kv_cache_*.cpp do).
 #include <execinfo.h>
 #include <link.h>
 #include <unistd.h>
@@ -430,7 +430,7 @@ int main() {
   void* frames[2];
   backtrace(frames, 2);
   dl_iterate_phdr(find_library_ranges, nullptr);
-  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar}) {
+  for (Isa isa : compiled_isas()) {  // every level built in, best first
     if (!isa_supported(isa)) {
       std::printf("skip  [isa=%s] not supported by this CPU\n", to_string(isa));
       continue;

@@ -1,0 +1,33 @@
+// tests/isa_param.hpp: the one instruction-set parameterisation of the tests: a fixture that skips on a CPU
+// lacking the level, and one macro that instantiates a suite over every level the library was compiled for.
+// It knows nothing of what a test checks; suites add their own helpers by deriving from IsaTest.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "gpt2attn/isa.hpp"
+#include "tests/test_util.hpp"  // gpt2attn::PrintTo(Isa): gtest prints the parameter as "avx2", not raw bytes
+
+namespace gpt2attn::test {
+
+// A test run once per instruction set, forced; a level this CPU cannot run is skipped, never passed.
+class IsaTest : public ::testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    if (!isa_supported(GetParam())) GTEST_SKIP() << "this CPU lacks " << to_string(GetParam());
+  }
+  Isa isa() const { return GetParam(); }
+};
+
+// The test-name suffix: "Isa/FastPathSweep.RandomConfigsMatchReference/avx2".
+inline std::string isa_name(const ::testing::TestParamInfo<Isa>& info) { return to_string(info.param); }
+
+}  // namespace gpt2attn::test
+
+// Instantiates `Suite` (deriving from test::IsaTest) once per compiled level, best first, scalar last, so a build
+// without a level lists no test for it. `Prefix` names the file's tests as a group: --gtest_filter='Prefix*'.
+#define GPT2ATTN_INSTANTIATE_ISAS(Prefix, Suite)                                                \
+  INSTANTIATE_TEST_SUITE_P(Prefix, Suite, ::testing::ValuesIn(::gpt2attn::compiled_isas()), \
+                           ::gpt2attn::test::isa_name)

@@ -1,0 +1,270 @@
+// tests/test_fastpath_run.cpp: the fast path against the naive reference_forward under its run options and entry
+// points, on every instruction set this CPU runs: dropout's hash contract, thread counts and bitwise determinism,
+// one layer reused across shapes, NaN isolation and propagation, and CausalSelfAttention (the GPT-2 block).
+// Shapes chosen for the kernel's tiles live in test_fastpath_tiles.cpp, the random sweep in test_fastpath_sweep.cpp.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gpt2attn/error.hpp"
+#include "tests/fastpath_util.hpp"
+
+namespace gpt2attn {
+namespace {
+
+using test::all_close;
+using test::Dtype;
+using test::fast_matches_reference;
+using test::FastPathTest;
+using test::make_config;
+using test::make_tensor;
+using test::OwnedInputs;
+using test::random_uniform;
+using test::reduction_length;
+using test::simple_inputs;
+
+// =============================================================================================================
+// 1. Dropout follows the documented hash contract exactly, so training mode matches the reference.
+
+class FastPathDropout : public FastPathTest {};
+
+TEST_P(FastPathDropout, TrainingMatchesReferenceForTwoSeeds) {
+  // T != Tk on every ISA (BQ may equal BK), so a draw index built with T where Tk belongs cannot pass.
+  const int64_t BQ = tiles().query_tile, BK = tiles().key_tile;
+  const int64_t B = 2, T = 2 * BQ + 3, Tk = 2 * BK + 7;
+  for (bool self : {false, true}) {
+    Config c = make_config(64, 4, 0, self ? 0 : 24, self ? 0 : 40, true);
+    c.dropout = 0.3f;
+    const Weights w = Weights::random(c, 800 + self);
+    OwnedInputs in = simple_inputs(c, B, T, self ? T : Tk, self, 810 + self, 2.0f);
+    std::mt19937_64 rng(820);
+    std::vector<float> keep = random_uniform(B * T * (self ? T : Tk), rng, 0.0f, 1.0f);
+    for (float& x : keep) x = x < 0.2f ? 0.0f : 1.0f;
+    in.attn_mask = make_tensor(keep, {B, T, self ? T : Tk}, DType::u8);
+    for (int threads : {1, 2}) {
+      MultiHeadAttention l = layer(c, w, threads);
+      const std::vector<double> inference = reference_forward(c, w, in.inputs());
+      for (uint64_t seed : {uint64_t{1}, uint64_t{0x8000000000000005ull}}) {
+        const RunOptions run{.training = true, .dropout_seed = seed};
+        std::ostringstream d;
+        d << "dropout p=0.3 seed " << seed << (self ? " self" : " cross") << " B=" << B << " T=" << T;
+        EXPECT_TRUE(fast_matches_reference(l, w, in.inputs(), run, d.str()));
+        // The comparison above means something only if dropout changed the result.
+        const std::vector<double> trained = reference_forward(c, w, in.inputs(), run);
+        EXPECT_FALSE(all_close(trained, inference, Dtype::f32, reduction_length(c, Tk), "dropout had no effect"))
+            << d.str();
+      }
+      // Outside training, dropout is off.
+      EXPECT_TRUE(fast_matches_reference(l, w, in.inputs(), RunOptions{.training = false, .dropout_seed = 1},
+                                         "p=0.3 inference"));
+    }
+  }
+}
+
+TEST_P(FastPathDropout, ZeroProbabilityTrainingEqualsInference) {
+  const Config c = make_config(64, 4, 0, 0, 0, true);  // dropout = 0
+  const Weights w = Weights::random(c, 850);
+  const OwnedInputs in = simple_inputs(c, 2, 77, 77, true, 851, 2.0f);
+  MultiHeadAttention l = layer(c, w, 2);
+  const std::vector<float> inference = test::run_fast(l, in.inputs());
+  const std::vector<float> training = test::run_fast(l, in.inputs(), RunOptions{.training = true, .dropout_seed = 9});
+  ASSERT_EQ(inference.size(), training.size());
+  for (size_t i = 0; i < inference.size(); ++i) {
+    ASSERT_EQ(std::memcmp(&inference[i], &training[i], sizeof(float)), 0)
+        << "[isa=" << to_string(isa()) << "] p=0: training differs from inference at [" << i << "]: inference "
+        << inference[i] << " training " << training[i];
+  }
+  EXPECT_TRUE(
+      fast_matches_reference(l, w, in.inputs(), RunOptions{.training = true, .dropout_seed = 9}, "p=0 training"));
+}
+GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathDropout);
+
+// =============================================================================================================
+// 2. Threads, determinism, and one layer reused across shapes.
+
+class FastPathThreads : public FastPathTest {};
+
+TEST_P(FastPathThreads, ThreadCountDoesNotChangeResult) {
+  const Config c = make_config(128, 4, 0, 0, 0, true);
+  const Weights w = Weights::random(c, 900);
+  const OwnedInputs in = simple_inputs(c, 2, 130, 130, true, 901, 2.0f);
+  MultiHeadAttention l = layer(c, w, 1);
+  const std::vector<float> one = test::run_fast(l, in.inputs(), RunOptions{.threads = 1});
+  const std::vector<float> two = test::run_fast(l, in.inputs(), RunOptions{.threads = 2});
+  EXPECT_TRUE(fast_matches_reference(l, w, in.inputs(), RunOptions{.threads = 1}, "threads=1"));
+  EXPECT_TRUE(fast_matches_reference(l, w, in.inputs(), RunOptions{.threads = 2}, "threads=2"));
+  EXPECT_TRUE(all_close(two, std::vector<double>(one.begin(), one.end()), Dtype::f32, reduction_length(c, 130),
+                        test::fast_context(l, {}, "threads=2 (got) vs threads=1 (expected)")));
+}
+
+TEST_P(FastPathThreads, RepeatedCallsAreBitwiseIdentical) {
+  Config c = make_config(96, 3, 40, 24, 56, true);
+  const Weights w = Weights::random(c, 950);
+  OwnedInputs in = simple_inputs(c, 3, 113, 130, false, 951, 2.0f);
+  for (int threads : {1, 2}) {
+    MultiHeadAttention l = layer(c, w, threads);
+    const std::vector<float> first = test::run_fast(l, in.inputs());
+    for (int rep = 1; rep <= 3; ++rep) {
+      const std::vector<float> again = test::run_fast(l, in.inputs());
+      for (size_t i = 0; i < first.size(); ++i) {
+        ASSERT_EQ(std::memcmp(&first[i], &again[i], sizeof(float)), 0)
+            << "[isa=" << to_string(isa()) << " threads=" << threads << "] call " << rep + 1
+            << " differs from call 1 at [" << i << "]: first " << first[i] << " now " << again[i];
+      }
+    }
+  }
+}
+
+// One layer, one workspace, calls whose T and Tk change up and down (and switch self/cross and masks).
+TEST_P(FastPathThreads, LayerReusedAcrossShapes) {
+  const Config c = make_config(64, 4, 0, 0, 0, false);
+  const Weights w = Weights::random(c, 1000);
+  MultiHeadAttention l = layer(c, w, 2);
+  struct Call {
+    int64_t B, T, Tk;
+    bool self, mask;
+  };
+  const Call calls[] = {{2, 130, 130, true, false},  {1, 7, 7, true, true},    {3, 1, 113, false, true},
+                        {2, 64, 33, false, false},   {1, 130, 2, false, true}, {2, 33, 33, true, true},
+                        {3, 113, 130, false, false}, {1, 1, 1, true, false}};
+  uint64_t seed = 1010;
+  for (const Call& k : calls) {
+    OwnedInputs in = simple_inputs(c, k.B, k.T, k.Tk, k.self, ++seed, 2.0f);
+    if (k.mask) {
+      std::mt19937_64 rng(seed);
+      std::vector<float> m = random_uniform(k.T * k.Tk, rng, -1.0f, 1.0f);
+      in.attn_mask = make_tensor(m, {k.T, k.Tk}, DType::f32);
+      in.mask_kind = MaskKind::additive;
+    }
+    std::ostringstream d;
+    d << "reused layer: B=" << k.B << " T=" << k.T << " Tk=" << k.Tk << (k.self ? " self" : " cross")
+      << (k.mask ? " additive mask" : "");
+    EXPECT_TRUE(fast_matches_reference(l, w, in.inputs(), RunOptions{}, d.str()));
+  }
+}
+GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathThreads);
+
+// =============================================================================================================
+// 3. NaN isolation: with check_finite off, a NaN in batch 0 stays in batch 0.
+
+class FastPathNaN : public FastPathTest {
+ protected:
+  // Compares batch 1 of the fast output with batch 1 of the reference (which sees the same NaN), and requires it
+  // finite.
+  void check_batch1(MultiHeadAttention& l, const Weights& w, const AttentionInputs& in, const std::string& what) {
+    const RunOptions run{.check_finite = false};
+    const int64_t T = in.query.shape[1], E = l.config().d_model;
+    const int64_t Tk = in.key.empty() ? T : in.key.shape[1];
+    const std::vector<double> ref = reference_forward(l.config(), w, in, run);
+    const std::vector<float> got = test::run_fast(l, in, run);
+    const std::vector<double> want1(ref.begin() + T * E, ref.begin() + 2 * T * E);
+    const std::vector<float> got1(got.begin() + T * E, got.begin() + 2 * T * E);
+    for (double x : want1) ASSERT_TRUE(std::isfinite(x)) << what << ": the reference's batch 1 is not finite";
+    EXPECT_TRUE(all_close(got1, want1, Dtype::f32, reduction_length(l.config(), Tk),
+                          test::fast_context(l, run, what + ": batch 1; index into (T, E)")));
+  }
+};
+
+TEST_P(FastPathNaN, NaNInBatch0QueryLeavesBatch1Intact) {
+  for (bool causal : {false, true}) {
+    const Config c = make_config(64, 4, 0, 0, 0, causal);
+    const Weights w = Weights::random(c, 1100);
+    OwnedInputs in = simple_inputs(c, 2, 70, 70, true, 1101);
+    in.query.f32[(0 * 70 + 3) * 64 + 5] = std::numeric_limits<float>::quiet_NaN();
+    MultiHeadAttention l = layer(c, w, 2);
+    check_batch1(l, w, in.inputs(), std::string("NaN at query (0, 3, 5), self, causal=") + (causal ? "1" : "0"));
+  }
+}
+
+TEST_P(FastPathNaN, NaNInBatch0KeyOrValueLeavesBatch1Intact) {
+  const Config c = make_config(64, 4, 0, 24, 40, false);
+  const Weights w = Weights::random(c, 1200);
+  for (bool in_key : {true, false}) {
+    OwnedInputs in = simple_inputs(c, 2, 33, 70, false, 1201);
+    if (in_key) {
+      in.key.f32[(0 * 70 + 69) * 24 + 1] = std::numeric_limits<float>::quiet_NaN();
+    } else {
+      in.value.f32[(0 * 70 + 0) * 40 + 39] = std::numeric_limits<float>::infinity();
+    }
+    MultiHeadAttention l = layer(c, w, 2);
+    check_batch1(l, w, in.inputs(), in_key ? "NaN at key (0, 69, 1)" : "+Inf at value (0, 0, 39)");
+  }
+}
+// With check_finite off, a NaN input must poison the rows it reaches, as in the reference and in torch
+// (torch.nn.MultiheadAttention gives NaN for both cases below); a finite result there hides the bad input.
+// Smallest cases: one query, two keys, one head.
+TEST_P(FastPathNaN, NaNPropagatesToItsRowsLikeReference) {
+  const Config c = make_config(4, 1, 0, 2, 2, false);
+  const Weights w = Weights::random(c, 1);
+  for (bool in_key : {true, false}) {
+    OwnedInputs in = simple_inputs(c, 1, 1, 2, false, 2);
+    if (in_key) {
+      in.key.f32[1 * 2 + 0] = std::numeric_limits<float>::quiet_NaN();
+    } else {
+      in.query.f32[2] = std::numeric_limits<float>::quiet_NaN();
+    }
+    MultiHeadAttention l = layer(c, w, 1);
+    EXPECT_TRUE(fast_matches_reference(l, w, in.inputs(), RunOptions{.check_finite = false},
+                                       in_key ? "NaN at key (0, 1, 0), B=1 T=1 Tk=2: the reference's row is NaN"
+                                              : "NaN at query (0, 0, 2), B=1 T=1 Tk=2: the reference's row is NaN"));
+  }
+}
+GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathNaN);
+
+// =============================================================================================================
+// 4. CausalSelfAttention (the GPT-2 block) against the reference with a causal config.
+
+class FastPathCausalSelf : public FastPathTest {};
+
+TEST_P(FastPathCausalSelf, MatchesCausalReference) {
+  Config c = make_config(64, 4, 48, 0, 0, false);  // causal off here: the block must turn it on
+  c.context_length = 128;
+  const Weights w = Weights::random(c, 1300);
+  CausalSelfAttention block(c, w, EngineOptions{.threads = 2, .isa = isa()});
+  ASSERT_EQ(block.layer().isa(), isa());
+  ASSERT_TRUE(block.layer().config().causal);
+  Config causal = c;
+  causal.causal = true;
+  for (int64_t T : {int64_t{1}, int64_t{50}, int64_t{128}}) {
+    const OwnedInputs in = simple_inputs(c, 2, T, T, true, 1301 + T, 2.0f);
+    std::vector<float> got(static_cast<size_t>(2 * T * 64), std::numeric_limits<float>::quiet_NaN());
+    block.forward(in.query.f32.data(), 2, T, got.data());
+    const std::vector<double> want = reference_forward(causal, w, in.inputs());
+    EXPECT_TRUE(
+        all_close(got, want, Dtype::f32, reduction_length(causal, T),
+                  test::fast_context(block.layer(), {},
+                                     "CausalSelfAttention T=" + std::to_string(T) + " | " + test::describe(causal))));
+  }
+}
+
+TEST_P(FastPathCausalSelf, LongerThanContextIsRefused) {
+  Config c = make_config(32, 2);
+  c.context_length = 64;
+  const Weights w = Weights::random(c, 1400);
+  CausalSelfAttention block(c, w, EngineOptions{.threads = 2, .isa = isa()});
+  const int64_t T = 65;
+  std::mt19937_64 rng(1401);
+  const std::vector<float> x = random_uniform(T * 32, rng);
+  std::vector<float> out(T * 32, 12345.0f);
+  try {
+    block.forward(x.data(), 1, T, out.data());
+    ADD_FAILURE() << "[isa=" << to_string(isa()) << "] T=65 > context_length=64 was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("context_length"), std::string::npos) << e.what();
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    ASSERT_EQ(out[i], 12345.0f) << "[isa=" << to_string(isa()) << "] refused call wrote out[" << i << "]";
+  }
+}
+GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathCausalSelf);
+
+}  // namespace
+}  // namespace gpt2attn

@@ -1,0 +1,157 @@
+// tests/test_kv_cache_concurrency.cpp: concurrent callers of one layer and one KV pool give bit-identical results
+// to the same work run sequentially, on every instruction set this CPU runs; scripts/tsan.sh runs this suite
+// (KvCacheConcurrency) under ThreadSanitizer. Beyond one sequence against the reference it checks no numerics.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/kv_harness.hpp"
+
+namespace gpt2attn {
+namespace {
+
+using test::all_close;
+using test::Dtype;
+using test::IsaTest;
+using test::kNaN;
+using test::label;
+using test::make_block;
+using test::make_config;
+using test::pool;
+using test::random_uniform;
+using test::reduction_length;
+using test::reference_sequence;
+
+// =============================================================================================================
+// Concurrency: 4 caller threads on one shared layer and pool, each with its own sequences (and its own
+// Workspace, or none: the layer's own, serialised), give bit-identical results to the same work run
+// sequentially. Each thread also forks and releases a scratch sequence off its own, so the pool's shared
+// bookkeeping and copy on write race with the others' appends. Run under ThreadSanitizer by scripts/tsan.sh.
+
+class KvCacheConcurrency : public IsaTest {};
+
+constexpr int kThreads = 4, kSteps = 20;
+
+struct ThreadWork {
+  int64_t T[2];
+  std::vector<float> prefill[2];  // (T[s], d_in)
+  std::vector<float> steps;       // (kSteps, 2, d_in)
+  std::vector<float> scratch;     // (kSteps, d_in): tokens for the forked scratch sequences
+};
+
+ThreadWork make_work(int t, int64_t W) {
+  ThreadWork k;
+  std::mt19937_64 rng(200 + t);
+  k.T[0] = 17 + 9 * t;
+  k.T[1] = 40 - 5 * t;
+  for (int s = 0; s < 2; ++s) k.prefill[s] = random_uniform(static_cast<size_t>(k.T[s] * W), rng, -2.0f, 2.0f);
+  k.steps = random_uniform(static_cast<size_t>(kSteps * 2 * W), rng, -2.0f, 2.0f);
+  k.scratch = random_uniform(static_cast<size_t>(kSteps * W), rng, -2.0f, 2.0f);
+  return k;
+}
+
+// One thread's work; returns the outputs of its two sequences, prefill rows then decode rows.
+std::vector<float> run_work(CausalSelfAttention& block, KvCache& cache, const ThreadWork& k, Workspace* ws) {
+  const int64_t W = block.config().query_width(), E = block.config().d_model;
+  const RunOptions run{.threads = 1};
+  std::vector<float> result;
+  SequenceId ids[2] = {cache.create(), cache.create()};
+  for (int s = 0; s < 2; ++s) {
+    std::vector<float> out(static_cast<size_t>(k.T[s] * E), kNaN);
+    block.extend(cache, ids[s], k.prefill[s].data(), k.T[s], out.data(), run, ws);
+    result.insert(result.end(), out.begin(), out.end());
+  }
+  std::vector<float> out(static_cast<size_t>(2 * E), kNaN), scratch_out(static_cast<size_t>(E));
+  for (int step = 0; step < kSteps; ++step) {
+    block.decode(cache, ids, 2, k.steps.data() + step * 2 * W, out.data(), run, ws);
+    result.insert(result.end(), out.begin(), out.end());
+    if (step % 4 == 1) {  // a scratch fork appends into (a copy of) the shared last block, then goes away
+      const SequenceId f = cache.fork(ids[step % 2]);
+      block.decode(cache, &f, 1, k.scratch.data() + step * W, scratch_out.data(), run, ws);
+      cache.release(f);
+    }
+  }
+  cache.release(ids[0]);
+  cache.release(ids[1]);
+  return result;
+}
+
+void concurrent_matches_sequential(Isa isa, bool own_workspaces) {
+  const Config c = make_config(64, 4, 48, 128);
+  const Weights w = Weights::random(c, 210);
+  CausalSelfAttention block = make_block(c, w, isa, 1);
+  const int64_t W = block.config().query_width();
+  std::vector<ThreadWork> work;
+  for (int t = 0; t < kThreads; ++t) work.push_back(make_work(t, W));
+
+  // Sequential: the same work, one thread after the other, on a fresh pool of the same size.
+  std::vector<std::vector<float>> want(kThreads);
+  {
+    KvCache cache(block.config(), pool(16, 1024));
+    Workspace ws;
+    for (int t = 0; t < kThreads; ++t) want[t] = run_work(block, cache, work[t], own_workspaces ? &ws : nullptr);
+    ASSERT_EQ(cache.free_blocks(), cache.total_blocks());
+  }
+  // Concurrent: all threads released together.
+  KvCache cache(block.config(), pool(16, 1024));
+  std::vector<std::vector<float>> got(kThreads);
+  std::vector<std::string> errors(kThreads);
+  std::atomic<int> ready{0};
+  std::vector<std::thread> pool_threads;
+  for (int t = 0; t < kThreads; ++t) {
+    pool_threads.emplace_back([&, t] {
+      Workspace ws;
+      ready.fetch_add(1);
+      while (ready.load() < kThreads) std::this_thread::yield();
+      try {
+        got[t] = run_work(block, cache, work[t], own_workspaces ? &ws : nullptr);
+      } catch (const std::exception& e) {
+        errors[t] = e.what();
+      }
+    });
+  }
+  for (std::thread& th : pool_threads) th.join();
+  const std::string ctx = label(isa, 1, own_workspaces ? "4 threads, own Workspaces" : "4 threads, no Workspace");
+  for (int t = 0; t < kThreads; ++t) {
+    ASSERT_TRUE(errors[t].empty()) << ctx << ": thread " << t << " threw: " << errors[t];
+    ASSERT_EQ(got[t].size(), want[t].size()) << ctx << ": thread " << t;
+    for (size_t i = 0; i < got[t].size(); ++i) {
+      ASSERT_EQ(std::memcmp(&got[t][i], &want[t][i], sizeof(float)), 0)
+          << ctx << ": thread " << t << " output [" << i << "] (prefill rows, then (step, slot, e)): concurrent "
+          << got[t][i] << " sequential " << want[t][i];
+    }
+  }
+  EXPECT_EQ(cache.free_blocks(), cache.total_blocks()) << ctx;
+  EXPECT_EQ(cache.num_sequences(), 0) << ctx;
+
+  // And the sequential results are right: thread 0's first sequence against the reference.
+  const ThreadWork& k = work[0];
+  std::vector<float> x = k.prefill[0];
+  const int64_t E = block.config().d_model;
+  std::vector<float> out0(want[0].begin(), want[0].begin() + k.T[0] * E);
+  const int64_t decode_base = (k.T[0] + k.T[1]) * E;
+  for (int step = 0; step < kSteps; ++step) {
+    x.insert(x.end(), k.steps.begin() + step * 2 * W, k.steps.begin() + step * 2 * W + W);
+    out0.insert(out0.end(), want[0].begin() + decode_base + step * 2 * E,
+                want[0].begin() + decode_base + step * 2 * E + E);
+  }
+  EXPECT_TRUE(all_close(out0, reference_sequence(block.config(), w, x), Dtype::f32,
+                        reduction_length(block.config(), k.T[0] + kSteps),
+                        ctx + " | thread 0 sequence 0 vs reference; index token*E+e"));
+}
+
+TEST_P(KvCacheConcurrency, ThreadsWithOwnWorkspacesMatchSequential) { concurrent_matches_sequential(isa(), true); }
+TEST_P(KvCacheConcurrency, ThreadsSharingLayerWorkspaceMatchSequential) {
+  concurrent_matches_sequential(isa(), false);
+}
+GPT2ATTN_INSTANTIATE_ISAS(KvCache, KvCacheConcurrency);
+
+}  // namespace
+}  // namespace gpt2attn
