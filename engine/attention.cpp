@@ -71,25 +71,25 @@ MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOp
       kset(detail::kernels_for(isa, DType::f32, DType::f32)),
       default_threads(o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads())),
       out(w.w_o.data(), cfg.out_bias ? w.b_o.data() : nullptr, cfg.d_model, cfg.d_model) {
-  const int64_t H = cfg.num_heads, D = cfg.head_dim(), E = cfg.d_model;
-  auto per_head = [&](std::vector<Linear>& dst, const std::vector<float>& weight, const std::vector<float>& bias,
-                      int64_t width) {
-    for (int64_t h = 0; h < H; ++h) {
+  const int64_t D = cfg.head_dim(), E = cfg.d_model, KW = cfg.kv_width();
+  auto per_head = [&](std::vector<Linear>& dst, int64_t heads, const std::vector<float>& weight,
+                      const std::vector<float>& bias, int64_t width) {
+    for (int64_t h = 0; h < heads; ++h) {
       dst.emplace_back(weight.data() + h * D * width, cfg.qkv_bias ? bias.data() + h * D : nullptr, D, width);
     }
   };
-  per_head(proj_q, w.w_q, w.b_q, cfg.query_width());
-  per_head(proj_k, w.w_k, w.b_k, cfg.key_width());
-  per_head(proj_v, w.w_v, w.b_v, cfg.value_width());
+  per_head(proj_q, cfg.num_heads, w.w_q, w.b_q, cfg.query_width());
+  per_head(proj_k, cfg.kv_heads(), w.w_k, w.b_k, cfg.key_width());
+  per_head(proj_v, cfg.kv_heads(), w.w_v, w.b_v, cfg.value_width());
 
   if (cfg.causal && cfg.same_input_widths()) {
-    const int64_t d_in = cfg.query_width();
-    std::vector<float> w_qkv(static_cast<size_t>(3 * E * d_in));
+    const int64_t d_in = cfg.query_width(), N = E + 2 * KW;  // [q | k | v] per token
+    std::vector<float> w_qkv(static_cast<size_t>(N * d_in));
     std::copy(w.w_q.begin(), w.w_q.end(), w_qkv.begin());
     std::copy(w.w_k.begin(), w.w_k.end(), w_qkv.begin() + E * d_in);
-    std::copy(w.w_v.begin(), w.w_v.end(), w_qkv.begin() + 2 * E * d_in);
-    qkv_packed.resize(static_cast<size_t>(kernels::linear_packed_floats(3 * E, d_in)));
-    kernels::pack_linear_weights(w_qkv.data(), 3 * E, d_in, qkv_packed.data());
+    std::copy(w.w_v.begin(), w.w_v.end(), w_qkv.begin() + (E + KW) * d_in);
+    qkv_packed.resize(static_cast<size_t>(kernels::linear_packed_floats(N, d_in)));
+    kernels::pack_linear_weights(w_qkv.data(), N, d_in, qkv_packed.data());
     if (cfg.qkv_bias) {
       qkv_bias.insert(qkv_bias.end(), w.b_q.begin(), w.b_q.end());
       qkv_bias.insert(qkv_bias.end(), w.b_k.begin(), w.b_k.end());

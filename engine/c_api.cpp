@@ -93,6 +93,7 @@ ga::Config to_cpp(const gpt2attn_config_t& c) {
   ga::Config cfg;
   cfg.d_model = c.d_model;
   cfg.num_heads = c.num_heads;
+  cfg.num_kv_heads = c.num_kv_heads;
   cfg.d_in = c.d_in;
   cfg.context_length = c.context_length;
   cfg.qkv_bias = c.qkv_bias != 0;
@@ -105,6 +106,7 @@ gpt2attn_config_t to_c(const ga::Config& cfg) {
   gpt2attn_config_t c{};
   c.d_model = cfg.d_model;
   c.num_heads = cfg.num_heads;
+  c.num_kv_heads = cfg.kv_heads();
   c.d_in = cfg.query_width();
   c.context_length = cfg.context_length;
   c.qkv_bias = cfg.qkv_bias ? 1 : 0;
@@ -195,17 +197,18 @@ gpt2attn_status_t gpt2attn_layer_create(const gpt2attn_config_t* config, const f
       ga::invalid(cfg.out_bias ? "out_proj_bias is NULL but config.out_bias is set"
                                : "out_proj_bias given but config.out_bias is 0");
     }
-    cfg.validate();  // sizes below are computed from E and d_in: check them first
-    const size_t E = static_cast<size_t>(cfg.d_model), d_in = static_cast<size_t>(cfg.query_width());
-    // in_proj_weight is torch's [W_q; W_k; W_v] stacked along rows, in_proj_bias likewise.
+    cfg.validate();  // sizes below are computed from E, KW and d_in: check them first
+    const size_t E = static_cast<size_t>(cfg.d_model), KW = static_cast<size_t>(cfg.kv_width()),
+                 d_in = static_cast<size_t>(cfg.query_width());
+    // in_proj_weight is torch's [W_q; W_k; W_v] stacked along rows (E, KW and KW of them), in_proj_bias likewise.
     ga::Weights w;
     w.w_q.assign(in_proj_weight, in_proj_weight + E * d_in);
-    w.w_k.assign(in_proj_weight + E * d_in, in_proj_weight + 2 * E * d_in);
-    w.w_v.assign(in_proj_weight + 2 * E * d_in, in_proj_weight + 3 * E * d_in);
+    w.w_k.assign(in_proj_weight + E * d_in, in_proj_weight + (E + KW) * d_in);
+    w.w_v.assign(in_proj_weight + (E + KW) * d_in, in_proj_weight + (E + 2 * KW) * d_in);
     if (in_proj_bias) {
       w.b_q.assign(in_proj_bias, in_proj_bias + E);
-      w.b_k.assign(in_proj_bias + E, in_proj_bias + 2 * E);
-      w.b_v.assign(in_proj_bias + 2 * E, in_proj_bias + 3 * E);
+      w.b_k.assign(in_proj_bias + E, in_proj_bias + E + KW);
+      w.b_v.assign(in_proj_bias + E + KW, in_proj_bias + E + 2 * KW);
     }
     w.w_o.assign(out_proj_weight, out_proj_weight + E * E);
     if (out_proj_bias) w.b_o.assign(out_proj_bias, out_proj_bias + E);

@@ -31,13 +31,18 @@ void Config::validate() const {
   if (d_model % num_heads != 0) {
     invalid("config: num_heads=" + std::to_string(num_heads) + " does not divide d_model=" + std::to_string(d_model));
   }
+  in_range("num_kv_heads", num_kv_heads, 0, num_heads, " (0 = num_heads)");
+  if (num_heads % kv_heads() != 0) {
+    invalid("config: num_kv_heads=" + std::to_string(num_kv_heads) + " does not divide num_heads=" +
+            std::to_string(num_heads));
+  }
   if (!(dropout >= 0.0f && dropout < 1.0f)) {
     invalid("config: dropout must be in [0, 1), got " + std::to_string(dropout));
   }
 }
 
-static const std::vector<std::string> kKeys = {"d_model", "num_heads", "d_in", "kdim", "vdim", "context_length",
-                                               "qkv_bias", "out_bias", "causal", "dropout"};
+static const std::vector<std::string> kKeys = {"d_model", "num_heads", "num_kv_heads", "d_in", "kdim", "vdim",
+                                               "context_length", "qkv_bias", "out_bias", "causal", "dropout"};
 
 Config config_from_json(const std::string& json_text, const std::string& origin) {
   nlohmann::json j;
@@ -65,6 +70,7 @@ Config config_from_json(const std::string& json_text, const std::string& origin)
   };
   get_int("d_model", c.d_model);
   get_int("num_heads", c.num_heads);
+  get_int("num_kv_heads", c.num_kv_heads);
   get_int("d_in", c.d_in);
   get_int("kdim", c.kdim);
   get_int("vdim", c.vdim);
@@ -93,7 +99,8 @@ Config load_config(const std::string& path) {
 }
 
 std::string to_json(const Config& c) {
-  nlohmann::json j = {{"d_model", c.d_model}, {"num_heads", c.num_heads}, {"d_in", c.query_width()},
+  nlohmann::json j = {{"d_model", c.d_model}, {"num_heads", c.num_heads}, {"num_kv_heads", c.kv_heads()},
+                      {"d_in", c.query_width()},
                       {"kdim", c.key_width()}, {"vdim", c.value_width()}, {"context_length", c.context_length},
                       {"qkv_bias", c.qkv_bias}, {"out_bias", c.out_bias}, {"causal", c.causal},
                       {"dropout", c.dropout}};

@@ -28,7 +28,7 @@ KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
   }
   if (o.capacity_tokens < 0) invalid("KvCacheOptions.capacity_tokens must be >= 0, got " + str(o.capacity_tokens));
   layout.dtype = DType::f32;
-  layout.heads = cfg.num_heads;
+  layout.heads = cfg.kv_heads();
   layout.block_tokens = block_tokens;
   layout.D = cfg.head_dim();
   // Checked here once: every offset the layout computes afterwards is smaller than this.

@@ -38,16 +38,17 @@ struct MultiHeadAttention::Impl {
   const detail::KernelSet& kset;  // the dispatch table's row for (isa, f32, f32)
   int default_threads;
 
-  // One (D, width) projection per head and per Q/K/V, so that each GEMM writes its head's (T, D) rows
-  // contiguously: Q, K and V land head-major, [B][H][T][D], or in the KV cache's blocks, exactly where
-  // attention reads them. Self-attention feeds the query to all three; cross-attention feeds query, key, value.
+  // One (D, width) projection per head: H for Q, H_kv each for K and V, so that each GEMM writes its head's (T, D)
+  // rows contiguously: Q lands head-major [B][H][T][D], K and V [B][H_kv][Tk][D] or in the KV cache's blocks,
+  // exactly where attention reads them. Self-attention feeds the query to all three; cross-attention feeds query,
+  // key, value.
   std::vector<detail::Linear> proj_q, proj_k, proj_v;
   detail::Linear out;
   // Decode's projections have M = B rows: they stream the weights, and run on our few-row kernel
-  // (kernels/linear_f32.hpp) over panel-packed copies: the fused (3E, d_in) QKV, so one pass over the B new
+  // (kernels/linear_f32.hpp) over panel-packed copies: the fused (E + 2 H_kv D, d_in) QKV, so one pass over the B new
   // tokens reads the QKV weights once, and the (E, E) output projection. Built only for causal
   // self-attention layers (the ones that can serve a KV cache).
-  std::vector<float> qkv_packed, qkv_bias;  // pack_linear_weights(W_qkv (3E, d_in)), (3E) or empty
+  std::vector<float> qkv_packed, qkv_bias;  // pack_linear_weights(W_qkv (E + 2 H_kv D, d_in)), its bias or empty
   std::vector<float> out_packed, out_bias;  // pack_linear_weights(W_o (E, E)), (E) or empty
 
   // The registered causal mask. The seeds' triangular (context x context) buffer is Toeplitz, so one row

@@ -48,16 +48,16 @@ double padding_at(const TensorView& kp, int64_t b, int64_t j) {
   return static_cast<const float*>(kp.data)[off];
 }
 
-// Y (B, L, E) = X W^T + bias, with X (B, L, width) read through its strides and W (E, width) row-major.
+// Y (B, L, N) = X W^T + bias, with X (B, L, width) read through its strides and W (N, width) row-major.
 std::vector<double> project(const TensorView& x, int64_t B, int64_t L, int64_t width, const std::vector<float>& w,
-                            const std::vector<float>& bias, int64_t E) {
-  std::vector<double> y(static_cast<size_t>(B * L * E));
+                            const std::vector<float>& bias, int64_t N) {
+  std::vector<double> y(static_cast<size_t>(B * L * N));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < L; ++t) {
-      for (int64_t e = 0; e < E; ++e) {
+      for (int64_t e = 0; e < N; ++e) {
         double acc = bias.empty() ? 0.0 : static_cast<double>(bias[e]);
         for (int64_t c = 0; c < width; ++c) acc += at3(x, b, t, c) * static_cast<double>(w[e * width + c]);
-        y[(b * L + t) * E + e] = acc;
+        y[(b * L + t) * N + e] = acc;
       }
     }
   }
@@ -72,13 +72,14 @@ std::vector<double> reference_forward(const Config& config, const Weights& weigh
   weights.validate(config);
   const detail::AttnShape s = detail::validate_inputs(config, in, run);
   const int64_t B = s.B, T = s.T, Tk = s.Tk, E = s.E, H = s.H, D = s.D;
+  const int64_t KW = config.kv_width(), group = H / config.kv_heads();  // query head h reads K/V head h / group
 
-  // Q (B, T, E), K (B, Tk, E), V (B, Tk, E); self-attention projects the query three times.
+  // Q (B, T, E), K (B, Tk, KW), V (B, Tk, KW); self-attention projects the query three times.
   const TensorView& key_in = s.self_attention ? in.query : in.key;
   const TensorView& value_in = s.self_attention ? in.query : in.value;
   const std::vector<double> Q = project(in.query, B, T, s.d_in, weights.w_q, weights.b_q, E);
-  const std::vector<double> K = project(key_in, B, Tk, s.kdim, weights.w_k, weights.b_k, E);
-  const std::vector<double> V = project(value_in, B, Tk, s.vdim, weights.w_v, weights.b_v, E);
+  const std::vector<double> K = project(key_in, B, Tk, s.kdim, weights.w_k, weights.b_k, KW);
+  const std::vector<double> V = project(value_in, B, Tk, s.vdim, weights.w_v, weights.b_v, KW);
 
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const bool dropout = run.training && config.dropout > 0.0f;
@@ -93,7 +94,7 @@ std::vector<double> reference_forward(const Config& config, const Weights& weigh
       for (int64_t i = 0; i < T; ++i) {
         const double* q = &Q[(b * T + i) * E + h * D];
         for (int64_t j = 0; j < Tk; ++j) {
-          const double* k = &K[(b * Tk + j) * E + h * D];
+          const double* k = &K[(b * Tk + j) * KW + (h / group) * D];
           double dot = 0.0;
           for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
           double sj = dot * scale;
@@ -137,7 +138,7 @@ std::vector<double> reference_forward(const Config& config, const Weights& weigh
             p = dropout_uniform(run.dropout_seed, n) >= p_drop ? p * keep_scale : 0.0;
           }
           if (masked[j]) continue;  // p is exactly 0; skipping also keeps a masked key's NaN/Inf value out (0 * NaN)
-          const double* v = &V[(b * Tk + j) * E + h * D];
+          const double* v = &V[(b * Tk + j) * KW + (h / group) * D];
           for (int64_t d = 0; d < D; ++d) c[d] += p * v[d];
         }
       }

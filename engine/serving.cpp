@@ -84,7 +84,8 @@ ExtendPlan extend_plan(const AttnShape& s, int threads, int64_t table_entries, i
 }
 
 // Workspace regions of decode():
-//   stage (B, 3E): the fused projection's output [q | k | v] per row | ctx (B, E) | tables (B, table_entries)
+//   stage (B, E + 2 KW): the fused projection's output [q | k | v] per row, KW = H_kv D | ctx (B, E)
+//   tables (B, table_entries)
 //   lengths (B) | item_base (B + 1) | partials: m, l (items, H), acc (items, H, D) | scratch (threads, stride)
 // Split-KV items are bounded: items <= B + kDecodeItemsPerThread * threads (see decode()).
 struct DecodePlan {
@@ -95,11 +96,11 @@ struct DecodePlan {
   int64_t bytes = 0, max_items = 0;
 };
 DecodePlan decode_plan(const AttnShape& s, int threads, int64_t table_entries, int64_t scratch_stride) {
-  const int64_t B = s.B, E = s.E, H = s.H, D = s.D;
+  const int64_t B = s.B, E = s.E, H = s.H, D = s.D, KW = s.H_kv * s.D;
   DecodePlan r;
   r.max_items = detail::checked_add(B, int64_t{kernels::tiles::kDecodeItemsPerThread} * threads, "decode: work items");
   detail::WorkspacePlan p;
-  r.stage = p.region<float>({B, 3, E}, "decode: qkv");
+  r.stage = p.region<float>({B, E + 2 * KW}, "decode: qkv");
   r.ctx = p.region<float>({B, E}, "decode: attention output");
   r.tables = p.region<std::byte*>({B, table_entries}, "decode: block tables");
   r.lengths = p.region<int64_t>({B}, "decode: lengths");
@@ -201,15 +202,16 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
 
   float* stage = r.stage.in(w);
   float* ctx = r.ctx.in(w);
-  kernels::LinearArgs proj_in;  // stage (B, 3E) = [q | k | v] per row = x (B, d_in) W_qkv^T + b_qkv
+  const int64_t KW = H_kv * D, ldstage = E + 2 * KW;
+  kernels::LinearArgs proj_in;  // stage (B, E + 2 KW) = [q | k | v] per row = x (B, d_in) W_qkv^T + b_qkv
   proj_in.x = x, proj_in.ldx = d_in, proj_in.w_packed = qkv_packed.data();
   proj_in.bias = qkv_bias.empty() ? nullptr : qkv_bias.data();
-  proj_in.y = stage, proj_in.ldy = 3 * E, proj_in.M = B, proj_in.N = 3 * E, proj_in.K = d_in;
+  proj_in.y = stage, proj_in.ldy = ldstage, proj_in.M = B, proj_in.N = ldstage, proj_in.K = d_in;
   kernels::LinearArgs proj_out;  // out (B, E) = ctx (B, E) W_o^T + b_o
   proj_out.x = ctx, proj_out.ldx = E, proj_out.w_packed = out_packed.data();
   proj_out.bias = out_bias.empty() ? nullptr : out_bias.data();
   proj_out.y = out_data, proj_out.ldy = E, proj_out.M = B, proj_out.N = E, proj_out.K = E;
-  const int64_t in_panels = kernels::linear_panels(3 * E), out_panels = kernels::linear_panels(E);
+  const int64_t in_panels = kernels::linear_panels(ldstage), out_panels = kernels::linear_panels(E);
 
   // Split-KV plan: a work item is one sequence's key range, for every head. Sequence b's n_b = lengths[b] + 1
   // keys go in splits_b = ceil(n_b / split_len) items, split_len = max(kDecodeMinSplitKeys, (all keys) /
@@ -241,8 +243,8 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
     for (int64_t bh = 0; bh < B * H_kv; ++bh) {
       const int64_t b = bh / H_kv, h = bh % H_kv, t = lengths[b];
       std::byte* block = tables[b * stride + t / bt];
-      kv.store_row(block, KvPart::key, h, t % bt, stage + b * 3 * E + E + h * D);
-      kv.store_row(block, KvPart::value, h, t % bt, stage + b * 3 * E + 2 * E + h * D);
+      kv.store_row(block, KvPart::key, h, t % bt, stage + b * ldstage + E + h * D);
+      kv.store_row(block, KvPart::value, h, t % bt, stage + b * ldstage + E + KW + h * D);
     }
     // (implicit barrier: every row is stored before any attention reads it)
     float* scratch = scratch_base + omp_get_thread_num() * sstride;
@@ -252,7 +254,7 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
       const int64_t n = lengths[b] + 1, splits = item_base[b + 1] - item_base[b], s = it - item_base[b];
       const int64_t chunk = ceil_div(n, splits);  // even chunks: no split much shorter than the others
       kernels::DecodeArgs a;
-      a.q = stage + b * 3 * E, a.ldq = D;
+      a.q = stage + b * ldstage, a.ldq = D;
       a.blocks = tables + b * stride, a.layout = kv.layout;
       a.H = H, a.D = D, a.scale = scale;
       const int64_t j0 = s * chunk, j1 = std::min(n, j0 + chunk);

@@ -123,7 +123,7 @@ AttnShape shape_of(const Config& config) {
   AttnShape s;
   s.E = config.d_model;
   s.H = config.num_heads;
-  s.H_kv = config.num_heads;  // grouped K/V heads arrive with their own config field; one K/V head per head today
+  s.H_kv = config.kv_heads();
   s.D = config.head_dim();
   s.d_in = config.query_width();
   s.kdim = config.key_width();
@@ -251,9 +251,10 @@ namespace {
 AttnShape serving_shape(const Config& config, const KvCache& cache, const float* x, int64_t B, int64_t T,
                         const float* out, const RunOptions& run, const char* call) {
   const Config& c = cache.config();
-  if (c.d_model != config.d_model || c.num_heads != config.num_heads) {
+  if (c.d_model != config.d_model || c.num_heads != config.num_heads || c.kv_heads() != config.kv_heads()) {
     invalid(std::string(call) + ": the KV cache was built for E=" + str(c.d_model) + ", H=" + str(c.num_heads) +
-            " but the layer has E=" + str(config.d_model) + ", H=" + str(config.num_heads));
+            ", H_kv=" + str(c.kv_heads()) + " but the layer has E=" + str(config.d_model) + ", H=" +
+            str(config.num_heads) + ", H_kv=" + str(config.kv_heads()));
   }
   if (run.training) invalid(std::string(call) + ": the KV cache is for inference; RunOptions.training must be false");
   check_threads(run.threads, call, "run.threads");

@@ -9,7 +9,7 @@
 namespace gpt2attn {
 
 void Weights::validate(const Config& c) const {
-  const int64_t E = c.d_model;
+  const int64_t E = c.d_model, KW = c.kv_width();
   auto check = [](const char* name, const std::vector<float>& w, int64_t rows, int64_t cols) {
     if (static_cast<int64_t>(w.size()) != rows * cols) {
       invalid(std::string("weights: ") + name + " has " + std::to_string(w.size()) + " values, expected (" +
@@ -18,13 +18,13 @@ void Weights::validate(const Config& c) const {
     }
   };
   check("w_q", w_q, E, c.query_width());
-  check("w_k", w_k, E, c.key_width());
-  check("w_v", w_v, E, c.value_width());
+  check("w_k", w_k, KW, c.key_width());
+  check("w_v", w_v, KW, c.value_width());
   check("w_o", w_o, E, E);
   if (c.qkv_bias) {
     check("b_q", b_q, E, 1);
-    check("b_k", b_k, E, 1);
-    check("b_v", b_v, E, 1);
+    check("b_k", b_k, KW, 1);
+    check("b_v", b_v, KW, 1);
   } else if (!b_q.empty() || !b_k.empty() || !b_v.empty()) {
     invalid("weights: Q/K/V biases given but config.qkv_bias is false");
   }
@@ -44,16 +44,16 @@ Weights Weights::random(const Config& c, uint64_t seed) {
     w.resize(static_cast<size_t>(n));
     for (float& x : w) x = u(rng);
   };
-  const int64_t E = c.d_model;
+  const int64_t E = c.d_model, KW = c.kv_width();
   Weights w;
   fill(w.w_q, E * c.query_width(), c.query_width());
-  fill(w.w_k, E * c.key_width(), c.key_width());
-  fill(w.w_v, E * c.value_width(), c.value_width());
+  fill(w.w_k, KW * c.key_width(), c.key_width());
+  fill(w.w_v, KW * c.value_width(), c.value_width());
   fill(w.w_o, E * E, E);
   if (c.qkv_bias) {
     fill(w.b_q, E, c.query_width());
-    fill(w.b_k, E, c.key_width());
-    fill(w.b_v, E, c.value_width());
+    fill(w.b_k, KW, c.key_width());
+    fill(w.b_v, KW, c.value_width());
   }
   if (c.out_bias) fill(w.b_o, E, E);
   return w;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "gpt2attn/attention.hpp"
 #include "gpt2attn/dtype.hpp"
@@ -48,7 +49,7 @@ inline const char* to_string(KeyPadding p) {
 
 struct AttnCase {
   int64_t B = 1, T = 1, Tk = 1;  // batch, query length, key length (Tk == T for self-attention)
-  int64_t H = 1, H_kv = 1;       // query heads, K/V heads (H_kv divides H; H_kv == H until grouped K/V lands)
+  int64_t H = 1, H_kv = 1;       // query heads, K/V heads (H_kv divides H: grouped-query, 1 = multi-query)
   int64_t D = 1;                 // head size
   bool self = true;              // self-attention (key = value = query) or cross-attention
   bool causal = false;
@@ -71,5 +72,16 @@ struct AttnCase {
     return s.str();
   }
 };
+
+// The K/V head count of case `index` for H query heads: H's divisors in turn, largest first (plain multi-head,
+// then grouped, ..., multi-query), so a sweep meets every grouping of every head count it draws. It uses the
+// index, not the random stream, so the other axes of a case stay what they were.
+inline int64_t kv_heads_for(int64_t H, int index) {
+  std::vector<int64_t> divisors;
+  for (int64_t d = H; d >= 1; --d) {
+    if (H % d == 0) divisors.push_back(d);
+  }
+  return divisors[static_cast<size_t>(index / 2) % divisors.size()];  // index / 2: index % 2 picks the threads
+}
 
 }  // namespace gpt2attn::test

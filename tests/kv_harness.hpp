@@ -167,7 +167,7 @@ struct CacheSnapshot {
 
 inline CacheSnapshot snapshot(const KvCache& cache, const std::vector<SequenceId>& ids) {
   CacheSnapshot s;
-  const int64_t H = cache.config().num_heads, D = cache.config().head_dim();
+  const int64_t H = cache.config().kv_heads(), D = cache.config().head_dim();
   for (SequenceId id : ids) {
     const int64_t L = cache.length(id);
     s.len[id] = L;
@@ -215,7 +215,7 @@ inline ::testing::AssertionResult same_snapshot(const CacheSnapshot& before, con
 inline ::testing::AssertionResult kv_matches_projection(const KvCache& cache, SequenceId id, const Config& c,
                                                         const Weights& w, const std::vector<float>& x,
                                                         const std::string& ctx) {
-  const int64_t L = cache.length(id), H = c.num_heads, D = c.head_dim(), W = c.query_width();
+  const int64_t L = cache.length(id), H = c.kv_heads(), D = c.head_dim(), W = c.query_width();
   std::vector<float> got;
   std::vector<double> want;
   for (int which = 0; which < 2; ++which) {

@@ -74,13 +74,15 @@ SweepCase make_sweep_case(int index) {
   a.seed = seed;
   const int64_t B = a.B = r.between(1, 3);
   const int64_t D = a.D = r.pick(kHeadDims);
-  const int64_t H = a.H = a.H_kv = r.between(1, std::min<int64_t>(16, 512 / D));
+  const int64_t H = a.H = r.between(1, std::min<int64_t>(16, 512 / D));
+  a.H_kv = test::kv_heads_for(H, index);
   a.self = r.chance(0.45);
   const int64_t T = a.T = r.pick(kLens);
   const int64_t Tk = a.Tk = a.self ? T : r.pick(kLens);
   Config& c = k.cfg;
   c.d_model = H * D;
   c.num_heads = H;
+  c.num_kv_heads = a.H_kv;
   c.d_in = r.chance(0.5) ? 0 : r.between(3, 96);
   if (!a.self) {
     c.kdim = r.chance(0.25) ? 0 : r.between(3, 96);
@@ -195,7 +197,7 @@ class FastPathSweep : public FastPathTest {};
 TEST_P(FastPathSweep, RandomConfigsMatchReference) {
   const int cases = kSweepCases;
   int self = 0, cross = 0, causal_cross_ragged = 0, d_in_differs = 0, strided_qkv = 0, strided_mask = 0;
-  int fully_masked = 0, no_bias = 0, threads2 = 0;
+  int fully_masked = 0, no_bias = 0, threads2 = 0, grouped = 0, multi_query = 0;
   int by_rank[5] = {}, by_variant[std::size(test::kMaskVariants) + 1] = {}, by_padding[3] = {};
   int failures = 0;
   for (int i = 0; i < cases; ++i) {
@@ -213,6 +215,8 @@ TEST_P(FastPathSweep, RandomConfigsMatchReference) {
     fully_masked += k.fully_masked;
     no_bias += !k.cfg.qkv_bias || !k.cfg.out_bias;
     threads2 += a.threads == 2;
+    grouped += a.H_kv > 1 && a.H_kv < a.H;
+    multi_query += a.H_kv == 1 && a.H > 1;
     by_rank[k.mask_rank]++;
     by_variant[static_cast<int>(a.mask)]++;
     by_padding[static_cast<int>(a.padding)]++;
@@ -228,6 +232,8 @@ TEST_P(FastPathSweep, RandomConfigsMatchReference) {
   EXPECT_GE(fully_masked, 2 * min);
   EXPECT_GE(no_bias, 2 * min);
   EXPECT_GE(threads2, cases / 2);
+  EXPECT_GE(grouped, 2 * min) << "grouped K/V heads (1 < H_kv < H)";
+  EXPECT_GE(multi_query, 2 * min) << "multi-query (H_kv = 1 < H)";
   for (int rank = 2; rank <= 4; ++rank) EXPECT_GE(by_rank[rank], 2 * min) << "mask rank " << rank;
   for (MaskVariant v : test::kMaskVariants) EXPECT_GE(by_variant[static_cast<int>(v)], min) << to_string(v);
   EXPECT_GE(by_padding[static_cast<int>(KeyPadding::u8)], min) << "key padding u8";

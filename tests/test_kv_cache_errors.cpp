@@ -268,11 +268,14 @@ TEST_P(KvCacheErrors, CacheBuiltForAnotherShape) {
   wider.d_model = 48;  // H = 2, D = 24
   Config more_heads = h->cfg;
   more_heads.num_heads = 4;  // E = 32, D = 8
-  for (const Config* other : {&wider, &more_heads}) {
+  Config one_kv_head = h->cfg;
+  one_kv_head.num_kv_heads = 1;  // same E, H and D: only the K/V heads differ (multi-query)
+  ASSERT_GT(h->cfg.kv_heads(), 1);
+  for (const Config* other : {&wider, &more_heads, &one_kv_head}) {
     KvCache foreign(*other, pool(4, 20));
     const SequenceId f = foreign.create();
     const std::string shape = "a cache for E=" + std::to_string(other->d_model) +
-                              " H=" + std::to_string(other->num_heads);
+                              " H=" + std::to_string(other->num_heads) + " H_kv=" + std::to_string(other->kv_heads());
     expect_refused("extend into " + shape, ErrorCode::invalid_argument,
                    {{"d_model", "num_heads", "heads", "width", "E="}}, out,
                    [&] { h->block.extend(foreign, f, x.data(), 1, out.data()); });

@@ -123,7 +123,8 @@ ShapeCase make_shape_case(int index) {
   a.D = kD[index % 8];
   k.block_tokens = kBlock[index % 5];
   // E <= 512: cheap reference
-  a.H = a.H_kv = r.between(1, std::min<int64_t>(16, std::max<int64_t>(1, 512 / a.D)));
+  a.H = r.between(1, std::min<int64_t>(16, std::max<int64_t>(1, 512 / a.D)));
+  a.H_kv = test::kv_heads_for(a.H, index);
   k.steps = r.between(1, 3);
   a.Tk = a.T + k.steps;
   a.threads = 1 + index % 2;
@@ -132,6 +133,7 @@ ShapeCase make_shape_case(int index) {
   // The pool refuses blocks longer than the context (KvCache: block_tokens <= context_length).
   const int64_t context = std::max(a.T + k.steps + slack, k.block_tokens);
   k.cfg = make_config(a.E(), a.H, d_in, context, r.chance(0.7), r.chance(0.7));
+  k.cfg.num_kv_heads = a.H_kv;
   k.desc = "shape case " + std::to_string(index) + ": " + a.name();
   return k;
 }
@@ -139,7 +141,7 @@ ShapeCase make_shape_case(int index) {
 TEST_P(KvCachePrefillDecode, RandomShapes) {
   static std::map<std::string, std::vector<double>> refs;
   constexpr int kCases = 32;
-  int d_in_differs = 0, no_bias = 0, at_context = 0, threads2 = 0;
+  int d_in_differs = 0, no_bias = 0, at_context = 0, threads2 = 0, grouped = 0;
   std::set<int64_t> heads;
   for (int i = 0; i < kCases; ++i) {
     const ShapeCase k = make_shape_case(i);
@@ -154,12 +156,14 @@ TEST_P(KvCachePrefillDecode, RandomShapes) {
     at_context += a.Tk == k.cfg.context_length;
     threads2 += a.threads == 2;
     heads.insert(k.cfg.num_heads);
+    grouped += a.H_kv < a.H;
   }
   EXPECT_GE(d_in_differs, kCases / 2);
   EXPECT_GE(no_bias, 4);
   EXPECT_GE(at_context, 3);
   EXPECT_GE(threads2, kCases / 2);
   EXPECT_GE(heads.size(), 6u);
+  EXPECT_GE(grouped, 4) << "grouped or multi-query K/V heads";
 }
 
 // One prefill through extend() and CausalSelfAttention::forward on the same tokens agree (and both match the

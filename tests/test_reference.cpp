@@ -258,6 +258,39 @@ TEST(ReferenceProperties, HeadsMatchSingleHeadWithBlockDiagonalWeights) {
   }
 }
 
+// Grouped K/V heads are multi-head attention whose K/V weights repeat across each group: H_kv = 2 K/V heads
+// shared by H = 6 query heads (groups of 3) give exactly the MHA output with K/V head g's rows copied to query
+// heads 3g, 3g + 1, 3g + 2; and H_kv = 1 (multi-query) likewise. Cross-attention with a causal mask and T != Tk, so
+// a wrong head map or a wrong K/V row stride would show.
+TEST(ReferenceProperties, GroupedKvHeadsEqualMultiHeadWithRepeatedKvWeights) {
+  const int64_t H = 6, D = 3, E = H * D, B = 2, T = 4, Tk = 7, kdim = 5, vdim = 4;
+  for (int64_t H_kv : {2, 1}) {
+    Config gqa = make_config(E, H);
+    gqa.num_kv_heads = H_kv;
+    gqa.kdim = kdim, gqa.vdim = vdim;
+    gqa.causal = true;
+    const Weights w = Weights::random(gqa, 11 + static_cast<uint64_t>(H_kv));
+    Config mha = gqa;
+    mha.num_kv_heads = 0;
+    Weights wm = w;
+    wm.w_k.clear(), wm.w_v.clear(), wm.b_k.clear(), wm.b_v.clear();
+    const int64_t group = H / H_kv;
+    for (int64_t h = 0; h < H; ++h) {  // query head h gets K/V head h / group's D rows
+      const int64_t g = h / group;
+      wm.w_k.insert(wm.w_k.end(), w.w_k.begin() + g * D * kdim, w.w_k.begin() + (g + 1) * D * kdim);
+      wm.w_v.insert(wm.w_v.end(), w.w_v.begin() + g * D * vdim, w.w_v.begin() + (g + 1) * D * vdim);
+      wm.b_k.insert(wm.b_k.end(), w.b_k.begin() + g * D, w.b_k.begin() + (g + 1) * D);
+      wm.b_v.insert(wm.b_v.end(), w.b_v.begin() + g * D, w.b_v.begin() + (g + 1) * D);
+    }
+    const std::vector<float> q = uniform(B * T * E, 3), k = uniform(B * Tk * kdim, 4), v = uniform(B * Tk * vdim, 5);
+    AttentionInputs in;
+    in.query = TensorView::f32(q.data(), {B, T, E});
+    in.key = TensorView::f32(k.data(), {B, Tk, kdim});
+    in.value = TensorView::f32(v.data(), {B, Tk, vdim});
+    EXPECT_TRUE(near(reference_forward(gqa, w, in), reference_forward(mha, wm, in))) << "H_kv=" << H_kv;
+  }
+}
+
 // keep(m) == block(!m) == additive(m ? 0 : -inf), for u8 and f32 masks, at every rank. Cross-attention with
 // T != Tk so that a transposed mask would be caught.
 TEST(ReferenceMasks, KeepBlockAdditiveAgreeAtEveryRank) {

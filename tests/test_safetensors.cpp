@@ -520,6 +520,55 @@ TEST_F(Safetensors, ApplyLoadedShapesCompletesTheConfig) {
   EXPECT_EQ(r.context_length, 77);
 }
 
+// Grouped-query checkpoints: K and V have KW = H_kv * D rows. E = 8, D = 2 (4 heads), KW = 4 (2 K/V heads), in each
+// layout the loader takes; the rows are split at E and E + KW, and the K/V head count comes from the file unless the
+// config names one, which must then agree.
+TEST_F(Safetensors, GroupedKvHeadsLoadInEveryLayout) {
+  const int64_t E = 8, KW = 4, d_in = 3;
+  const std::vector<std::vector<Entry>> layouts = {
+      {f32("in_proj_weight", {E + 2 * KW, d_in}), f32("in_proj_bias", {E + 2 * KW}, 500),
+       f32("out_proj.weight", {E, E})},
+      {f32("q_proj_weight", {E, d_in}), f32("k_proj_weight", {KW, d_in}, E * d_in),
+       f32("v_proj_weight", {KW, d_in}, (E + KW) * d_in), f32("in_proj_bias", {E + 2 * KW}, 500),
+       f32("out_proj.weight", {E, E})},
+      {f32("c_attn.weight", {d_in, E + 2 * KW}), f32("c_attn.bias", {E + 2 * KW}, 500),
+       f32("c_proj.weight", {E, E})},
+  };
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const LoadedLayer l = load_safetensors_layer(file(st_file(layouts[i])));
+    EXPECT_EQ(l.kv_width, KW) << "layout " << i;
+    ASSERT_EQ(l.weights.w_k.size(), static_cast<size_t>(KW * d_in)) << "layout " << i;
+    ASSERT_EQ(l.weights.w_v.size(), static_cast<size_t>(KW * d_in)) << "layout " << i;
+    // Rows E..E+KW of the fused [q | k | v] are K, the next KW are V (torch layout after the Conv1D transpose).
+    for (int64_t r = 0; r < KW; ++r) {
+      for (int64_t c = 0; c < d_in; ++c) {
+        const float k = i == 2 ? static_cast<float>(c * (E + 2 * KW) + E + r) : static_cast<float>((E + r) * d_in + c);
+        const float v = i == 2 ? static_cast<float>(c * (E + 2 * KW) + E + KW + r)
+                               : static_cast<float>((E + KW + r) * d_in + c);
+        EXPECT_EQ(l.weights.w_k[r * d_in + c], k) << "layout " << i << " K row " << r << " col " << c;
+        EXPECT_EQ(l.weights.w_v[r * d_in + c], v) << "layout " << i << " V row " << r << " col " << c;
+      }
+    }
+    EXPECT_EQ(l.weights.b_k.front(), 500.0f + E) << "layout " << i;
+    EXPECT_EQ(l.weights.b_v.front(), 500.0f + E + KW) << "layout " << i;
+
+    Config c;
+    c.num_heads = 4;
+    const Config inferred = apply_loaded_shapes(c, l);
+    EXPECT_EQ(inferred.kv_heads(), 2) << "layout " << i;
+    EXPECT_NO_THROW(l.weights.validate(inferred)) << "layout " << i;
+    c.num_kv_heads = 4;  // plain multi-head: the file's K/V are too narrow
+    EXPECT_TRUE(ThrowsError([&] { apply_loaded_shapes(c, l); }, ErrorCode::invalid_argument, "set num_kv_heads to 2"))
+        << "layout " << i;
+    c.num_kv_heads = 0;
+    c.num_heads = 8;  // D = 1: KW = 4 would be 4 K/V heads, fine; 3 heads cannot divide E = 8 at all
+    EXPECT_EQ(apply_loaded_shapes(c, l).kv_heads(), 4) << "layout " << i;
+    c.num_heads = 3;
+    EXPECT_TRUE(ThrowsError([&] { apply_loaded_shapes(c, l); }, ErrorCode::invalid_argument, "does not divide"))
+        << "layout " << i;
+  }
+}
+
 TEST_F(Safetensors, WrongPrefixListsTheNamesPresent) {
   const std::string p = file(st_file({f32("h.3.attn.c_attn.weight", {4, 12}), f32("h.3.attn.c_proj.weight", {4, 4}),
                                       f32("h.3.ln_1.weight", {4})}));
@@ -537,7 +586,8 @@ TEST_F(Safetensors, RejectsLayerShapesThatDisagree) {
     const char* word;
   };
   const std::vector<Case> cases = {
-      {{f32("in_proj_weight", {10, E}), f32("out_proj.weight", {E, E})}, "not divisible by 3"},
+      {{f32("in_proj_weight", {11, E}), f32("out_proj.weight", {E, E})}, "not E + 2 x a K/V width"},
+      {{f32("in_proj_weight", {E, E}), f32("out_proj.weight", {E, E})}, "not E + 2 x a K/V width"},
       {{f32("in_proj_weight", {3, E, E}), f32("out_proj.weight", {E, E})}, "rank 2"},
       {{f32("in_proj_weight", {3 * E, E}), f32("out_proj.weight", {E, E + 1})}, "'out_proj.weight' has shape [4, 5], expected [4, 4]"},
       {{f32("in_proj_weight", {3 * E, E})}, "missing tensor 'out_proj.weight'"},
@@ -546,12 +596,12 @@ TEST_F(Safetensors, RejectsLayerShapesThatDisagree) {
       {{f32("in_proj_weight", {3 * E, E}), f32("out_proj.weight", {E, E}), f32("out_proj.bias", {3})}, "out_proj.bias"},
       {{f32("q_proj_weight", {E, 6}), f32("k_proj_weight", {3, 5}), f32("v_proj_weight", {E, 7}),
         f32("out_proj.weight", {E, E})},
-       "'k_proj_weight' has shape [3, 5], expected [4, 5]"},
+       "'v_proj_weight' has shape [4, 7], expected [3, 7]"},
       {{f32("q_proj_weight", {E, 6}), f32("k_proj_weight", {E, 5}), f32("out_proj.weight", {E, E})},
        "missing tensor 'v_proj_weight'"},
       {{f32("in_proj_weight", {3 * E, E}), f32("q_proj_weight", {E, E}), f32("out_proj.weight", {E, E})}, "ambiguous"},
       {{f32("in_proj_weight", {3 * E, E}), f32("out_proj.weight", {E, E}), f32("bias_k", {1, 1, E})}, "add_bias_kv"},
-      {{f32("c_attn.weight", {E, 10}), f32("c_proj.weight", {E, E})}, "not divisible by 3"},
+      {{f32("c_attn.weight", {E, 11}), f32("c_proj.weight", {E, E})}, "not E + 2 x a K/V width"},
       {{f32("c_attn.weight", {E, 3 * E}), f32("c_proj.weight", {E, 3})}, "'c_proj.weight' has shape [4, 3]"},
       {{f32("c_attn.weight", {E, 3 * E}), f32("c_attn.bias", {E}), f32("c_proj.weight", {E, E})}, "c_attn.bias"},
       {{f32("c_attn.weight", {E, 3 * E}), f32("c_proj.weight", {E, E}), f32("c_proj.bias", {2 * E})}, "c_proj.bias"},

@@ -321,6 +321,10 @@ TEST_F(Validation, BadConfig) {
       {"dropout 1", [](Config& c) { c.dropout = 1.0f; }, {"dropout"}},
       {"dropout NaN", [](Config& c) { c.dropout = NAN; }, {"dropout"}},
       {"context_length 0", [](Config& c) { c.context_length = 0; }, {"context_length"}},
+      {"num_kv_heads not dividing num_heads", [](Config& c) { c.num_heads = 4, c.num_kv_heads = 3; },
+       {"num_kv_heads", "num_heads"}},
+      {"num_kv_heads above num_heads", [](Config& c) { c.num_kv_heads = 2 * c.num_heads; }, {"num_kv_heads"}},
+      {"negative num_kv_heads", [](Config& c) { c.num_kv_heads = -1; }, {"num_kv_heads"}},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(k.what);
@@ -337,6 +341,20 @@ TEST_F(Validation, BadWeights) {
   w = Weights::random(cfg, 1);
   w.b_o.clear();
   expect_construction_rejected(cfg, w, self(), {"b_o"});
+  // Multi-head K/V weights for a config with one K/V head (a GQA checkpoint and config that disagree).
+  Config mq = cfg;
+  mq.num_kv_heads = 1;
+  expect_construction_rejected(mq, Weights::random(cfg, 1), self(), {"w_k"});
+}
+
+// num_kv_heads survives the JSON round trip, and 0 (the default) reads back as num_heads.
+TEST_F(Validation, KvHeadsInConfigJson) {
+  Config c = cfg;
+  c.num_kv_heads = 1;
+  EXPECT_EQ(config_from_json(to_json(c)).kv_heads(), 1);
+  c.num_kv_heads = 0;
+  EXPECT_EQ(config_from_json(to_json(c)).num_kv_heads, c.num_heads);
+  EXPECT_THROW(config_from_json(R"({"d_model": 8, "num_heads": 4, "num_kv_heads": 3})"), Error);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -25,32 +25,36 @@ namespace ga = gpt2attn;
 namespace {
 
 const char* kUsage = R"(usage:
-  gpt2attn forward --weights W.safetensors [--prefix P] --heads H --query q.npy
+  gpt2attn forward --weights W.safetensors [--prefix P] --heads H [--kv-heads N] --query q.npy
                    [--key k.npy --value v.npy] [--mask m.npy --mask-kind keep|block|additive]
                    [--key-padding kp.npy] [--causal] [--context-length N] [--dtype f32]
                    [--threads N] [--isa best|avx512|avx2|scalar] --output y.npy
-  gpt2attn bench   [--preset NAME ...] [--batch B] [--seq T] [--mode prefill|decode] [--dtype f32]
+  gpt2attn bench   [--preset NAME ...] [--batch B] [--seq T] [--mode prefill|decode] [--dtype f32] [--kv-heads N]
                    [--threads N] [--isa ...] [--repeats N] [--cache warm|cold] [--check | --no-check] [--json]
   gpt2attn presets
 
 forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semantics, batch_first) with the
          weights of a safetensors file (torch or Hugging Face GPT-2 naming) and writes float32 (B, T, E).
          Inputs are float32/float64 .npy; masks bool, uint8 or float; without --key/--value it is
-         self-attention. --context-length defaults to max(1024, T, Tk). --output is written atomically (a
+         self-attention. --kv-heads N (grouped-query attention: N K/V heads, dividing H) must match the
+         file's K/V width; without it the K/V heads are read from that width. --context-length defaults to
+         max(1024, T, Tk). --output is written atomically (a
          temporary file next to it, renamed onto it); a symbolic link is followed, so the link stays and its
          target gets the data (a link to a missing file is refused), and an existing --output that is not a
          regular file (a device such as /dev/null, a FIFO, a directory) is refused.
 bench    times the whole layer (QKV projection, causal attention, output projection) on random weights for
          each preset (default: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b; gpt3-175b at
-         min(T, 128) unless --preset names it); the median of --repeats runs (default 5).
+         min(T, 128) unless --preset names it); the median of --repeats runs (default 5). --kv-heads N gives
+         every preset N K/V heads (grouped-query attention; N must divide its heads; default: as many as heads).
          --mode prefill (default): B sequences of T tokens through forward(). GFLOP/s counts causal
-         attention once (the lower triangle): 2*B*T*d_in*3E + 2*B*T*E*E + 4*E*B*T*(T+1)/2. --check (default
+         attention once (the lower triangle): 2*B*T*d_in*(E+2KW) + 2*B*T*E*E + 4*E*B*T*(T+1)/2, where KW = E
+         unless --kv-heads groups K/V heads (KW = N*D). --check (default
          in the table, off with --json) compares the first rows of batch 0 with the naive reference.
          --mode decode: B sequences in a KV cache, each prefilled with T tokens by extend(); one timed step
          is decode() of one new token for each of the B sequences (QKV projection, attention over the cache,
          output projection); every step appends, so the cache grows by 2 + repeats tokens per sequence
-         (context length raised to fit). GFLOP/s: 2*B*d_in*3E + 2*B*E*E + 4*E*B*(T+1); tokens/s = B / step;
-         bytes per step = weights (3E*d_in + E*E)*4 + K/V read 2*B*T*E*4; GB/s = bytes per step / step.
+         (context length raised to fit). GFLOP/s: 2*B*d_in*(E+2KW) + 2*B*E*E + 4*E*B*(T+1); tokens/s = B / step;
+         bytes per step = weights ((E+2KW)*d_in + E*E)*4 + K/V read 2*B*T*KW*4; GB/s = bytes per step / step.
          --check compares sequence 0's output of the first timed step with the last row of the naive
          reference run causally over that sequence's whole token history. --cache warm (default) runs the
          steps back to back, so a small case's weights and K/V stay in the CPU caches; --cache cold streams
@@ -61,7 +65,7 @@ bench    times the whole layer (QKV projection, causal attention, output project
 presets  lists the compiled-in presets.
 
 --threads N is 1 to 1024 (default: every core OpenMP offers); --repeats N is 1 to 2147483647; --heads,
---context-length, --batch and --seq are 1 or more. A value out of range is refused, never narrowed.
+--kv-heads, --context-length, --batch and --seq are 1 or more. A value out of range is refused, never narrowed.
 
 exit status: 0 success, 2 bad input or usage, 1 internal error.
 )";
@@ -195,13 +199,14 @@ ga::npy::Array read_float_input(const std::string& path, const std::string& what
 
 int cmd_forward(int argc, char** argv) {
   const Args a = parse(argc, argv, 2,
-                       {"weights", "prefix", "heads", "query", "key", "value", "mask", "mask-kind", "key-padding",
-                        "context-length", "dtype", "threads", "isa", "output"},
+                       {"weights", "prefix", "heads", "kv-heads", "query", "key", "value", "mask", "mask-kind",
+                        "key-padding", "context-length", "dtype", "threads", "isa", "output"},
                        {"causal"});
   check_dtype(a);
   const std::string out_path = a.required("output");
   const auto heads = a.integer<int64_t>("heads", 0, 1);
   if (!a.has("heads")) throw UsageError("missing required option --heads");
+  const auto kv_heads = a.integer<int64_t>("kv-heads", 0, 1);
   const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
   // The write checks again; checking now refuses a device or FIFO before any work is done.
   naming_output([&] { ga::io::resolve_write_target(out_path); });
@@ -231,6 +236,7 @@ int cmd_forward(int argc, char** argv) {
 
   ga::Config cfg;
   cfg.num_heads = heads;
+  cfg.num_kv_heads = kv_heads;
   cfg = ga::apply_loaded_shapes(cfg, layer);
   cfg.causal = a.flag("causal");
   const int64_t T = in.query.rank == 3 ? in.query.shape[1] : 0;
@@ -275,14 +281,16 @@ struct BenchResult {
 
 double causal_layer_flops(const ga::Config& c, int64_t B, int64_t T) {
   const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
+  const double KW = static_cast<double>(c.kv_width());
   const double b = static_cast<double>(B), t = static_cast<double>(T);
-  return 2 * b * t * d_in * 3 * E + 2 * b * t * E * E + 4 * E * b * t * (t + 1) / 2;
+  return 2 * b * t * d_in * (E + 2 * KW) + 2 * b * t * E * E + 4 * E * b * t * (t + 1) / 2;
 }
 
 double decode_step_flops(const ga::Config& c, int64_t B, int64_t T) {
   const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
+  const double KW = static_cast<double>(c.kv_width());
   const double b = static_cast<double>(B), t = static_cast<double>(T);
-  return 2 * b * d_in * 3 * E + 2 * b * E * E + 4 * E * b * (t + 1);
+  return 2 * b * d_in * (E + 2 * KW) + 2 * b * E * E + 4 * E * b * (t + 1);
 }
 
 // What one decode step has to read from memory: every weight once (QKV and output projections; biases
@@ -290,8 +298,9 @@ double decode_step_flops(const ga::Config& c, int64_t B, int64_t T) {
 // token per step, which the figure ignores (it understates the traffic by (warm-up + repeats) / T at most).
 double decode_step_bytes(const ga::Config& c, int64_t B, int64_t T) {
   const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
-  const double weights = (3 * E * d_in + E * E) * sizeof(float);
-  const double kv = 2.0 * static_cast<double>(B) * static_cast<double>(T) * E * sizeof(float);
+  const double KW = static_cast<double>(c.kv_width());
+  const double weights = ((E + 2 * KW) * d_in + E * E) * sizeof(float);
+  const double kv = 2.0 * static_cast<double>(B) * static_cast<double>(T) * KW * sizeof(float);
   return weights + kv;
 }
 
@@ -301,15 +310,15 @@ constexpr int kDecodeWarmup = 2;  // untimed decode steps: the first touches the
 // adds, from one function so that the sizes checked are the sizes allocated. Every product is checked: a
 // --batch and --seq whose product wraps int64 is refused, never allocated small and then overrun.
 //   prefill: x (B, T, d_in), y (B, T, E); bytes add the layer's projected Q, K, V and attention output
-//            (4 x (B, T, E)) and the weights (3E x d_in + E x E + 4E).
+//            (4 x (B, T, E), an upper bound with grouped K/V heads) and the weights (3E x d_in + E x E + 4E, ditto).
 //   decode:  x (B, d_in), y (B, E) per step; the prompt (T, d_in) and its output (T, E); the KV cache of
-//            kv_tokens = B x ceil((T + steps) / block) x block tokens (K and V, E floats each); the weights.
+//            kv_tokens = B x ceil((T + steps) / block) x block tokens (K and V, KW floats each); the weights.
 struct BenchSizes {
   int64_t x = 0, y = 0, prompt_x = 0, prompt_y = 0, kv_tokens = 0, bytes = 0;
 };
 
-BenchSizes bench_sizes(const std::string& name, int64_t B, int64_t T, bool decode, int repeats) {
-  const ga::Config cfg = ga::preset(name);
+BenchSizes bench_sizes(const std::string& name, const ga::Config& cfg, int64_t B, int64_t T, bool decode,
+                       int repeats) {
   const std::string what = name + " at --batch " + std::to_string(B) + " --seq " + std::to_string(T);
   const int64_t E = cfg.d_model, d_in = cfg.query_width();
   auto mul = [&](int64_t a, int64_t b, const char* q) { return checked_mul(a, b, what + ": " + q); };
@@ -329,7 +338,7 @@ BenchSizes bench_sizes(const std::string& name, int64_t B, int64_t T, bool decod
     s.y = mul(B, E, "step output B*E");
     s.prompt_x = mul(T, d_in, "prompt T*d_in");
     s.prompt_y = mul(T, E, "prompt output T*E");
-    floats = add(floats, mul(mul(2, s.kv_tokens, "KV cache"), E, "KV cache"), "KV cache");
+    floats = add(floats, mul(mul(2, s.kv_tokens, "KV cache"), cfg.kv_width(), "KV cache"), "KV cache");
     floats = add(add(floats, s.prompt_x, "activations"), s.prompt_y, "activations");
   }
   s.bytes = mul(floats, sizeof(float), "bytes");
@@ -376,10 +385,9 @@ void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref
   }
 }
 
-BenchResult bench_prefill(const std::string& name, int64_t B, int64_t T, int threads, ga::Isa isa, int repeats,
-                          bool check) {
-  const BenchSizes sizes = bench_sizes(name, B, T, false, repeats);
-  ga::Config cfg = ga::preset(name);
+BenchResult bench_prefill(const std::string& name, ga::Config cfg, int64_t B, int64_t T, int threads, ga::Isa isa,
+                          int repeats, bool check) {
+  const BenchSizes sizes = bench_sizes(name, cfg, B, T, false, repeats);
   cfg.context_length = std::max(cfg.context_length, T);
   const ga::Weights w = ga::Weights::random(cfg, 1234);
   ga::EngineOptions opts;
@@ -428,11 +436,10 @@ void flush_caches() {
 // B sequences of T cached tokens in a paged KvCache (prefilled one by one with extend()), then warm-up and
 // `repeats` timed decode steps, each appending one token to every sequence (after a cache flush with
 // `cold`). The cache and the context length are sized so that the last step still fits.
-BenchResult bench_decode(const std::string& name, int64_t B, int64_t T, int threads, ga::Isa isa, int repeats,
-                         bool check, bool cold) {
+BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int64_t T, int threads, ga::Isa isa,
+                         int repeats, bool check, bool cold) {
   const int64_t steps = kDecodeWarmup + repeats;
-  const BenchSizes sizes = bench_sizes(name, B, T, true, repeats);
-  ga::Config cfg = ga::preset(name);
+  const BenchSizes sizes = bench_sizes(name, cfg, B, T, true, repeats);
   cfg.context_length = std::max(cfg.context_length, T + steps + 1);
   const ga::Weights w = ga::Weights::random(cfg, 1234);
   ga::EngineOptions opts;
@@ -493,7 +500,8 @@ BenchResult bench_decode(const std::string& name, int64_t B, int64_t T, int thre
 }
 
 int cmd_bench(int argc, char** argv) {
-  const Args a = parse(argc, argv, 2, {"preset", "batch", "seq", "mode", "dtype", "threads", "isa", "repeats", "cache"},
+  const Args a = parse(argc, argv, 2,
+                       {"preset", "batch", "seq", "mode", "dtype", "kv-heads", "threads", "isa", "repeats", "cache"},
                        {"check", "no-check", "json"});
   check_dtype(a);
   const std::string mode = a.get("mode", "prefill");
@@ -510,11 +518,22 @@ int cmd_bench(int argc, char** argv) {
   const bool json = a.flag("json");
   const bool check = a.flag("check") || (!json && !a.flag("no-check"));
   const ga::Isa isa = ga::isa_from_string(a.get("isa", "best"));
+  const auto kv_heads = a.integer<int64_t>("kv-heads", 0, 1);
+  // A preset with --kv-heads applied; a count that does not divide its heads is refused naming the flag.
+  auto config_for = [&](const std::string& name) {
+    ga::Config c = ga::preset(name);
+    if (kv_heads > 0 && c.num_heads % kv_heads != 0) {
+      throw UsageError("--kv-heads " + std::to_string(kv_heads) + " does not divide " + name + "'s " +
+                       std::to_string(c.num_heads) + " heads");
+    }
+    c.num_kv_heads = kv_heads;
+    return c;
+  };
   std::vector<std::string> presets;
   const bool explicit_presets = a.has("preset");
   if (explicit_presets) {
     presets = a.values.at("preset");
-    for (const auto& p : presets) (void)ga::preset(p);  // unknown names fail before any timing
+    for (const auto& p : presets) (void)config_for(p);  // unknown names and bad --kv-heads fail before any timing
   } else {
     presets = {"gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b"};
   }
@@ -526,7 +545,7 @@ int cmd_bench(int argc, char** argv) {
   // rather than failing (or swapping) partway through the table.
   const int64_t physical = physical_memory_bytes();
   for (const auto& name : presets) {
-    const int64_t need = bench_sizes(name, B, seq_for(name), decode, repeats).bytes;
+    const int64_t need = bench_sizes(name, config_for(name), B, seq_for(name), decode, repeats).bytes;
     if (need > physical) {
       ga::invalid(name + " at --batch " + std::to_string(B) + " --seq " + std::to_string(seq_for(name)) +
                   ": needs at least " + std::to_string(need) + " bytes for weights, activations" +
@@ -544,12 +563,14 @@ int cmd_bench(int argc, char** argv) {
   bool all_ok = true;
   for (const auto& name : presets) {
     const int64_t t = seq_for(name);
-    const BenchResult r = decode ? bench_decode(name, B, t, threads, isa, repeats, check, cache == "cold")
-                                 : bench_prefill(name, B, t, threads, isa, repeats, check);
+    const ga::Config cfg = config_for(name);
+    const BenchResult r = decode ? bench_decode(name, cfg, B, t, threads, isa, repeats, check, cache == "cold")
+                                 : bench_prefill(name, cfg, B, t, threads, isa, repeats, check);
     const bool ok = !r.checked || r.allowed >= 0;
     all_ok = all_ok && ok;
     if (json) {
-      nlohmann::json j = {{"preset", r.preset}, {"mode", mode}, {"dtype", "f32"}, {"batch", r.B}, {"seq", r.T},
+      nlohmann::json j = {{"preset", r.preset}, {"mode", mode}, {"dtype", "f32"}, {"kv_heads", cfg.kv_heads()},
+                          {"batch", r.B}, {"seq", r.T},
                           {"threads", r.threads}, {"median_ms", r.median_ms}, {"gflops", r.gflops},
                           {"isa", r.isa}, {"implementation", r.impl}};
       if (decode) {
@@ -573,7 +594,7 @@ int cmd_bench(int argc, char** argv) {
     }
     std::fflush(stdout);
   }
-  if (!json) std::printf("implementation: %s\n", bench_prefill("gpt2-small", 1, 1, threads, isa, 1, false).impl.c_str());
+  if (!json) std::printf("implementation: %s\n", bench_prefill("gpt2-small", ga::preset("gpt2-small"), 1, 1, threads, isa, 1, false).impl.c_str());
   if (!all_ok) {
     std::fprintf(stderr, "gpt2attn: bench: check against the naive reference FAILED\n");
     return 1;

@@ -57,11 +57,22 @@ class Layer {
   std::string p_;
 };
 
-// Splits a (3E) bias into the three per-projection biases.
-void split_qkv_bias(const std::vector<float>& b, int64_t E, Weights& w) {
+// Splits an (E + 2 KW) bias into the three per-projection biases (KW = H_kv * D, E for plain multi-head).
+void split_qkv_bias(const std::vector<float>& b, int64_t E, int64_t KW, Weights& w) {
   w.b_q.assign(b.begin(), b.begin() + E);
-  w.b_k.assign(b.begin() + E, b.begin() + 2 * E);
-  w.b_v.assign(b.begin() + 2 * E, b.begin() + 3 * E);
+  w.b_k.assign(b.begin() + E, b.begin() + E + KW);
+  w.b_v.assign(b.begin() + E + KW, b.begin() + E + 2 * KW);
+}
+
+// The K/V width KW of a fused [q | k | v] projection with `rows` outputs (E + 2 KW) under an output projection of
+// width E: 3E for plain multi-head, less for grouped K/V heads.
+int64_t fused_kv_width(const Layer& L, const std::string& name, const std::vector<int64_t>& s, int64_t rows,
+                       int64_t E, const char* expected) {
+  if (rows <= E || (rows - E) % 2 != 0)
+    L.bad("tensor '" + L.prefix() + name + "' has shape " + shape_text(s) + ", expected " + expected + " with E=" +
+          std::to_string(E) + " from the output projection: " + std::to_string(rows) +
+          " outputs are not E + 2 x a K/V width (3E for multi-head attention)");
+  return (rows - E) / 2;
 }
 
 const char* const kTorchNames[] = {"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
@@ -69,7 +80,8 @@ const char* const kTorchNames[] = {"in_proj_weight", "q_proj_weight", "k_proj_we
 const char* const kHfNames[] = {"c_attn.weight", "c_proj.weight"};
 
 // torch.nn.MultiheadAttention.state_dict(): in_proj_weight (3E, d_in) when q, k and v share a width,
-// otherwise q_proj_weight (E, d_in), k_proj_weight (E, kdim), v_proj_weight (E, vdim).
+// otherwise q_proj_weight (E, d_in), k_proj_weight (E, kdim), v_proj_weight (E, vdim). Grouped K/V heads
+// (KW = H_kv * D < E) give in_proj_weight (E + 2 KW, d_in), or k/v_proj_weight (KW, kdim/vdim).
 LoadedLayer load_torch(const Layer& L) {
   // add_bias_kv appends learned rows to K and V; silently dropping them would give wrong outputs.
   if (L.has("bias_k") || L.has("bias_v"))
@@ -81,27 +93,26 @@ LoadedLayer load_torch(const Layer& L) {
   LoadedLayer l;
   l.naming = "torch";
   Weights& w = l.weights;
-  int64_t E = 0;
+  const int64_t E = L.matrix("out_proj.weight", "(E, E)")[0];
+  L.expect("out_proj.weight", {E, E}, "(E, E)");
+  int64_t KW = 0;
   if (!separate) {
     const auto& s = L.matrix("in_proj_weight", "(3E, d_in)");
-    if (s[0] % 3 != 0)
-      L.bad("tensor '" + L.prefix() + "in_proj_weight' has shape " + shape_text(s) +
-            ", expected (3E, d_in): its row count is not divisible by 3");
-    E = s[0] / 3;
+    KW = fused_kv_width(L, "in_proj_weight", s, s[0], E, "(E + 2 KW, d_in)");
     l.d_in = l.kdim = l.vdim = s[1];
     const std::vector<float> in = L.load("in_proj_weight");
-    const int64_t n = E * l.d_in;
-    w.w_q.assign(in.begin(), in.begin() + n);
-    w.w_k.assign(in.begin() + n, in.begin() + 2 * n);
-    w.w_v.assign(in.begin() + 2 * n, in.begin() + 3 * n);
+    const int64_t nq = E * l.d_in, nkv = KW * l.d_in;
+    w.w_q.assign(in.begin(), in.begin() + nq);
+    w.w_k.assign(in.begin() + nq, in.begin() + nq + nkv);
+    w.w_v.assign(in.begin() + nq + nkv, in.begin() + nq + 2 * nkv);
   } else {
     const auto& sq = L.matrix("q_proj_weight", "(E, d_in)");
-    E = sq[0];
+    if (sq[0] != E) L.expect("q_proj_weight", {E, sq[1]}, "(E, d_in) with E from out_proj.weight");
     l.d_in = sq[1];
-    const auto& sk = L.matrix("k_proj_weight", "(E, kdim)");
-    const auto& sv = L.matrix("v_proj_weight", "(E, vdim)");
-    if (sk[0] != E) L.expect("k_proj_weight", {E, sk[1]}, "(E, kdim) with E from q_proj_weight");
-    if (sv[0] != E) L.expect("v_proj_weight", {E, sv[1]}, "(E, vdim) with E from q_proj_weight");
+    const auto& sk = L.matrix("k_proj_weight", "(KW, kdim)");
+    const auto& sv = L.matrix("v_proj_weight", "(KW, vdim)");
+    KW = sk[0];
+    if (sv[0] != KW) L.expect("v_proj_weight", {KW, sv[1]}, "(KW, vdim) with the K/V width KW from k_proj_weight");
     l.kdim = sk[1];
     l.vdim = sv[1];
     w.w_q = L.load("q_proj_weight");
@@ -109,13 +120,13 @@ LoadedLayer load_torch(const Layer& L) {
     w.w_v = L.load("v_proj_weight");
   }
   l.d_model = E;
+  l.kv_width = KW;
 
   l.qkv_bias = L.has("in_proj_bias");
   if (l.qkv_bias) {
-    L.expect("in_proj_bias", {3 * E}, "(3E)");
-    split_qkv_bias(L.load("in_proj_bias"), E, w);
+    L.expect("in_proj_bias", {E + 2 * KW}, "(E + 2 KW)");
+    split_qkv_bias(L.load("in_proj_bias"), E, KW, w);
   }
-  L.expect("out_proj.weight", {E, E}, "(E, E)");
   w.w_o = L.load("out_proj.weight");
   l.out_bias = L.has("out_proj.bias");
   if (l.out_bias) {
@@ -131,32 +142,32 @@ LoadedLayer load_hf_gpt2(const Layer& L) {
   LoadedLayer l;
   l.naming = "hf-gpt2";
   Weights& w = l.weights;
+  const int64_t E = L.matrix("c_proj.weight", "(E, E) Conv1D weight")[0];
+  L.expect("c_proj.weight", {E, E}, "(E, E) Conv1D weight");
   const auto& s = L.matrix("c_attn.weight", "(d_in, 3E) Conv1D weight");
-  if (s[1] % 3 != 0)
-    L.bad("tensor '" + L.prefix() + "c_attn.weight' has shape " + shape_text(s) +
-          ", expected (d_in, 3E): its column count is not divisible by 3");
-  const int64_t E = s[1] / 3, d_in = s[0];
+  const int64_t KW = fused_kv_width(L, "c_attn.weight", s, s[1], E, "(d_in, E + 2 KW)"), d_in = s[0];
   l.d_model = E;
+  l.kv_width = KW;
   l.d_in = l.kdim = l.vdim = d_in;
 
-  const std::vector<float> W = L.load("c_attn.weight");  // (d_in, 3E)
-  const int64_t ld = 3 * E;
+  const std::vector<float> W = L.load("c_attn.weight");  // (d_in, E + 2 KW)
+  const int64_t ld = E + 2 * KW;
   w.w_q.resize(E * d_in);
-  w.w_k.resize(E * d_in);
-  w.w_v.resize(E * d_in);
-  for (int64_t i = 0; i < d_in; ++i)
-    for (int64_t e = 0; e < E; ++e) {
-      w.w_q[e * d_in + i] = W[i * ld + e];
+  w.w_k.resize(KW * d_in);
+  w.w_v.resize(KW * d_in);
+  for (int64_t i = 0; i < d_in; ++i) {
+    for (int64_t e = 0; e < E; ++e) w.w_q[e * d_in + i] = W[i * ld + e];
+    for (int64_t e = 0; e < KW; ++e) {
       w.w_k[e * d_in + i] = W[i * ld + E + e];
-      w.w_v[e * d_in + i] = W[i * ld + 2 * E + e];
+      w.w_v[e * d_in + i] = W[i * ld + E + KW + e];
     }
+  }
   l.qkv_bias = L.has("c_attn.bias");
   if (l.qkv_bias) {
-    L.expect("c_attn.bias", {3 * E}, "(3E)");
-    split_qkv_bias(L.load("c_attn.bias"), E, w);
+    L.expect("c_attn.bias", {E + 2 * KW}, "(E + 2 KW)");
+    split_qkv_bias(L.load("c_attn.bias"), E, KW, w);
   }
 
-  L.expect("c_proj.weight", {E, E}, "(E, E) Conv1D weight");
   const std::vector<float> P = L.load("c_proj.weight");  // (E in, E out)
   w.w_o.resize(E * E);
   for (int64_t i = 0; i < E; ++i)
@@ -226,6 +237,20 @@ Config apply_loaded_shapes(Config c, const LoadedLayer& l) {
   c.vdim = l.vdim;
   c.qkv_bias = l.qkv_bias;
   c.out_bias = l.out_bias;
+  c.validate();  // d_model from the file against the caller's num_heads
+  // num_kv_heads = 0 takes the file's K/V width (a grouped-query checkpoint needs no flag); a value must match it.
+  if (c.num_kv_heads == 0 && l.kv_width != c.d_model && l.kv_width % c.head_dim() == 0) {
+    c.num_kv_heads = l.kv_width / c.head_dim();
+    c.validate();  // the count must divide num_heads
+  }
+  if (l.kv_width != c.kv_width()) {
+    invalid("the file's K/V projections have " + std::to_string(l.kv_width) + " outputs but the config asks for " +
+            std::to_string(c.kv_heads()) + " K/V heads x head size " + std::to_string(c.head_dim()) + " = " +
+            std::to_string(c.kv_width()) + " (set num_kv_heads to " +
+            (c.head_dim() > 0 && l.kv_width % c.head_dim() == 0 ? std::to_string(l.kv_width / c.head_dim())
+                                                                 : std::string("a K/V head count that fits")) +
+            ")");
+  }
   return c;
 }
 

@@ -15,10 +15,12 @@ inline constexpr int64_t kMaxWidth = int64_t{1} << 20;          // d_model, d_in
 inline constexpr int64_t kMaxContextLength = int64_t{1} << 24;  // 16,777,216 tokens
 
 // Vocabulary used at every boundary: B batch, T query length, Tk key length, E model width (d_model),
-// H heads, D = E / H head size. Input widths: d_in (query), kdim (key), vdim (value).
+// H heads, H_kv K/V heads, D = E / H head size. Input widths: d_in (query), kdim (key), vdim (value).
 struct Config {
   int64_t d_model = 0;          // E: width of Q, K, V after projection and of the output
   int64_t num_heads = 0;        // H; must divide E
+  int64_t num_kv_heads = 0;     // H_kv: K/V heads, shared by groups of H / H_kv query heads (grouped-query
+                                // attention; 1 = multi-query); must divide H; 0 means H (plain multi-head)
   int64_t d_in = 0;             // query input width; 0 means E (seed 004's d_in != d_out when set)
   int64_t kdim = 0;             // key input width; 0 means d_in (torch.nn.MultiheadAttention's kdim)
   int64_t vdim = 0;             // value input width; 0 means d_in
@@ -30,6 +32,8 @@ struct Config {
   float dropout = 0.0f;         // probability of zeroing an attention weight, training mode only
 
   int64_t head_dim() const { return num_heads > 0 ? d_model / num_heads : 0; }
+  int64_t kv_heads() const { return num_kv_heads ? num_kv_heads : num_heads; }
+  int64_t kv_width() const { return kv_heads() * head_dim(); }  // width of K and V after projection: H_kv * D
   int64_t query_width() const { return d_in ? d_in : d_model; }
   int64_t key_width() const { return kdim ? kdim : query_width(); }
   int64_t value_width() const { return vdim ? vdim : query_width(); }
@@ -37,7 +41,8 @@ struct Config {
   bool same_input_widths() const { return key_width() == query_width() && value_width() == query_width(); }
 
   // Throws Error(invalid_argument) naming the first bad field: a size <= 0 (or < 0 where 0 means the default),
-  // above its bound (kMaxWidth, kMaxContextLength), heads that do not divide d_model, dropout outside [0, 1).
+  // above its bound (kMaxWidth, kMaxContextLength), heads that do not divide d_model, K/V heads that do not
+  // divide num_heads, dropout outside [0, 1).
   void validate() const;
 };
 

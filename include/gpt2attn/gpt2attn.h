@@ -55,6 +55,7 @@ typedef struct gpt2attn_config {
   int64_t context_length; /* longest sequence (cached + new tokens) accepted */
   int32_t qkv_bias;       /* nonzero: biases on the Q/K/V projections */
   int32_t out_bias;       /* nonzero: bias on the output projection */
+  int64_t num_kv_heads;   /* H_kv: K/V heads shared by groups of query heads; must divide H; 0 means H */
 } gpt2attn_config_t;
 
 /* ---- library ---------------------------------------------------------------------------------------------- */
@@ -75,17 +76,19 @@ gpt2attn_status_t gpt2attn_config_preset(const char* name, gpt2attn_config_t* ou
 /* A layer with random weights (uniform +-1/sqrt(fan_in), reproducible from seed) for `config`. */
 gpt2attn_status_t gpt2attn_layer_create_random(const gpt2attn_config_t* config, uint64_t seed,
                                                gpt2attn_layer_t** out);
-/* From torch MHA arrays (copied): in_proj_weight (3E, d_in), in_proj_bias (3E) or NULL iff !qkv_bias, out_proj_*. */
+/* From torch MHA arrays (copied): in_proj_weight (E + 2 KW, d_in), in_proj_bias (E + 2 KW) or NULL iff !qkv_bias,
+   out_proj_*; KW = H_kv * D, which is E (3E rows in all) unless num_kv_heads groups the K/V heads. */
 gpt2attn_status_t gpt2attn_layer_create(const gpt2attn_config_t* config, const float* in_proj_weight,
                                         const float* in_proj_bias, const float* out_proj_weight,
                                         const float* out_proj_bias, gpt2attn_layer_t** out);
-/* From safetensors (torch or HF GPT-2 names after prefix, e.g. "h.3.attn."; NULL = ""); E, d_in from shapes. */
+/* From safetensors (torch or HF GPT-2 names after prefix, e.g. "h.3.attn."; NULL = ""); E, d_in and the K/V heads
+   (grouped-query checkpoints) from the shapes. */
 gpt2attn_status_t gpt2attn_layer_load_safetensors(const char* path, const char* prefix, int64_t num_heads,
                                                   int64_t context_length, gpt2attn_layer_t** out);
 /* Frees the layer; NULL is a no-op. Caches and workspaces used with it stay valid. */
 void gpt2attn_layer_destroy(gpt2attn_layer_t* layer);
 
-/* *out = the layer's sizes (E, H, d_in, context_length, biases). */
+/* *out = the layer's sizes (E, H, d_in, context_length, biases, H_kv). */
 gpt2attn_status_t gpt2attn_layer_config(const gpt2attn_layer_t* layer, gpt2attn_config_t* out);
 /* *isa ("avx512"...) and *implementation (kernels + GEMMs), each optional; strings live as long as the layer. */
 gpt2attn_status_t gpt2attn_layer_describe(const gpt2attn_layer_t* layer, const char** isa,

@@ -23,7 +23,7 @@ struct KvCacheOptions {
 };
 
 // Block layout, the "KV-friendly layout" the kernels read with no copy (kernels/kv_layout.hpp):
-//   K [H][block_tokens][D], then V [H][block_tokens][D], in f32
+//   K [H_kv][block_tokens][D], then V [H_kv][block_tokens][D], in f32 (H_kv = config.kv_heads())
 // so one head's keys inside a block are one contiguous (block_tokens, D) tile, each token's D values
 // contiguous. A block's address never changes, so block tables hold plain pointers.
 //
@@ -38,7 +38,7 @@ class KvCache {
  public:
   // Allocates the whole pool now (Error out_of_memory if that fails); nothing is allocated later except
   // each sequence's block table, which grows to at most ceil(context_length / block_tokens) entries and is
-  // reserved at create(). The pool serves layers whose config has the same num_heads and d_model.
+  // reserved at create(). The pool serves layers whose config has the same d_model, num_heads and num_kv_heads.
   KvCache(const Config& config, const KvCacheOptions& options);
   ~KvCache();
   KvCache(KvCache&&) noexcept;
@@ -58,7 +58,7 @@ class KvCache {
   int64_t total_blocks() const;
   int64_t free_blocks() const;
   int64_t num_sequences() const;
-  size_t block_bytes() const;     // 2 * H * block_tokens * D * sizeof(float) for f32 storage
+  size_t block_bytes() const;     // 2 * H_kv * block_tokens * D * sizeof(float) for f32 storage
   size_t capacity_bytes() const;  // total_blocks() * block_bytes()
   const Config& config() const;
 

@@ -12,9 +12,9 @@ namespace gpt2attn {
 
 struct Weights {
   std::vector<float> w_q;  // (E, d_in)
-  std::vector<float> w_k;  // (E, kdim)
-  std::vector<float> w_v;  // (E, vdim)
-  std::vector<float> b_q, b_k, b_v;  // (E) each, or all empty when the config has qkv_bias = false
+  std::vector<float> w_k;  // (H_kv * D, kdim): E rows unless the config groups K/V heads
+  std::vector<float> w_v;  // (H_kv * D, vdim)
+  std::vector<float> b_q, b_k, b_v;  // (E), (H_kv * D), (H_kv * D), or all empty when qkv_bias = false
   std::vector<float> w_o;  // (E, E)
   std::vector<float> b_o;  // (E), or empty when out_bias = false
 
@@ -29,6 +29,7 @@ struct Weights {
 struct LoadedLayer {
   Weights weights;
   int64_t d_model = 0, d_in = 0, kdim = 0, vdim = 0;
+  int64_t kv_width = 0;  // rows of the K and V projections: d_model, or H_kv * D with grouped K/V heads
   bool qkv_bias = false, out_bias = false;
   std::string naming;  // "torch" (nn.MultiheadAttention state_dict) or "hf-gpt2" (Conv1D c_attn/c_proj)
 };
@@ -38,11 +39,15 @@ struct LoadedLayer {
 //            out_proj.weight (E, E), out_proj.bias (E)
 //   hf-gpt2: c_attn.weight (d_in, 3E) [Conv1D: x @ W + b], c_attn.bias (3E), c_proj.weight (E, E),
 //            c_proj.bias (E)
+// With grouped K/V heads, K and V have KW = H_kv * D rows instead of E: in_proj (E + 2 KW, d_in), k/v_proj_weight
+// (KW, kdim/vdim), c_attn (d_in, E + 2 KW), biases (E + 2 KW); E comes from the output projection.
 // F32, F16 and BF16 load. Other tensors are ignored. Every header field, offset and size is checked;
 // a bad file throws Error(bad_file) naming the file and the problem.
 LoadedLayer load_safetensors_layer(const std::string& path, const std::string& prefix = "");
 
-// Completes `c` from what the file said (d_model, d_in, kdim, vdim, biases); heads etc. stay the caller's.
+// Completes `c` from what the file said (d_model, d_in, kdim, vdim, biases, and num_kv_heads when it is 0: the K/V
+// width over the head size); num_heads etc. stay the caller's. Throws invalid_argument when the result is not a
+// valid config or the file's K/V width is not c.kv_heads() x the head size.
 Config apply_loaded_shapes(Config c, const LoadedLayer& l);
 
 }  // namespace gpt2attn

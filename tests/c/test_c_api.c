@@ -355,7 +355,7 @@ static void test_pool_exhaustion(gpt2attn_layer_t* layer, const float* xa, const
  * This pins in_proj_weight's row order ([W_q; W_k; W_v]) and the bias slices. */
 static void test_explicit_weights(void) {
   enum { e = 8, h = 2, t = 3 };
-  gpt2attn_config_t c = {e, h, 0, 8, 1, 1};
+  gpt2attn_config_t c = {e, h, 0, 8, 1, 1, 0};
   static float w_in[3 * e * e], b_in[3 * e], w_out[e * e], b_out[e];
   for (int i = 0; i < e; ++i) {
     w_in[(2 * e + i) * e + i] = 1.0f; /* W_v = I */
@@ -382,8 +382,41 @@ static void test_explicit_weights(void) {
   gpt2attn_layer_destroy(layer);
 }
 
+/* Multi-query (num_kv_heads = 1): in_proj_weight is (E + 2 KW, E) with KW = D = 4. With Q = K = 0 and W_v taking
+ * x[0..4), both query heads read the one K/V head, so row t is [mean x[0..t][0..4) twice] + b_v + b_o. */
+static void test_grouped_kv_heads(void) {
+  enum { e = 8, h = 2, d = 4, t = 3 };
+  gpt2attn_config_t c = {e, h, 0, 8, 0, 1, 3};
+  gpt2attn_layer_t* layer = NULL;
+  static float w_in[(e + 2 * d) * e], w_out[e * e], b_out[e];
+  CHECK_ERR(gpt2attn_layer_create_random(&c, 1, &layer), GPT2ATTN_ERR_INVALID_ARGUMENT, "num_kv_heads");
+  c.num_kv_heads = 1;
+  for (int i = 0; i < d; ++i) w_in[(e + d + i) * e + i] = 1.0f; /* W_v rows: x[0..4) */
+  for (int i = 0; i < e; ++i) {
+    w_out[i * e + i] = 1.0f;
+    b_out[i] = 0.25f;
+  }
+  CHECK_OK(gpt2attn_layer_create(&c, w_in, NULL, w_out, b_out, &layer));
+  if (!layer) return;
+  gpt2attn_config_t back;
+  CHECK_OK(gpt2attn_layer_config(layer, &back));
+  CHECK(back.num_kv_heads == 1, "layer_config reports num_kv_heads = 1");
+  float x[t * e], y[t * e], want[t * e];
+  fill(x, t * e, 4);
+  for (int r = 0; r < t; ++r) {
+    for (int i = 0; i < e; ++i) {
+      float sum = 0.0f;
+      for (int k = 0; k <= r; ++k) sum += x[k * e + i % d];
+      want[r * e + i] = sum / (float)(r + 1) + 0.25f;
+    }
+  }
+  CHECK_OK(gpt2attn_layer_forward(layer, x, 1, t, y, 1, NULL));
+  check_rows("multi-query: both heads read the one K/V head", y, want, t * e);
+  gpt2attn_layer_destroy(layer);
+}
+
 int main(void) {
-  gpt2attn_config_t cfg = {E, H, 0, CTX, 1, 1};
+  gpt2attn_config_t cfg = {E, H, 0, CTX, 1, 1, 0};
   gpt2attn_layer_t* layer = NULL;
   if (gpt2attn_layer_create_random(&cfg, 1234, &layer) != GPT2ATTN_OK) {
     fprintf(stderr, "cannot create the layer: %s\n0 passed, 1 failed\n", gpt2attn_last_error());
@@ -399,6 +432,7 @@ int main(void) {
   test_context_limit(layer);
   test_pool_exhaustion(layer, xa, xb, ref_a, ref_b);
   test_explicit_weights();
+  test_grouped_kv_heads();
   gpt2attn_layer_destroy(layer);
 
   printf("%d passed, %d failed\n", g_passed, g_failed);
