@@ -13,7 +13,9 @@
 // Why a kernel of its own: with one query the tiled kernel's query lanes would be 1/16 used; here the head
 // dimension D sits in the SIMD lanes. Why all heads in one call: a block stores K [H_kv][bt][D] then V
 // (kernels/kv_layout.hpp), so walking the heads inside each block streams the block front to back, which the
-// hardware prefetchers follow; one (head, block) tile alone is only bt*D elements at an unrelated address.
+// hardware prefetchers follow; one (head, block) tile alone is only bt*D elements at an unrelated address. With
+// grouped K/V heads, each K/V head's run is read once for its whole query group: keys outer, the group's heads
+// inner, so every row streams from memory once (heads outer left memory idle while later heads re-read L1).
 #pragma once
 
 #include <cmath>

@@ -19,6 +19,9 @@ struct DecodeAttention {
   static constexpr int W = V::W;
 
   static constexpr int kKeys = 4;  // keys scored at once: 4 independent FMA chains over D
+  // Query heads of one group accumulated together in P.V: kHeadBlock x 4 vectors of acc in registers, plus 4 V
+  // vectors and a broadcast (AVX-512: 16 + 5 of 32 registers; AVX2: 8 + 5 of 16; scalar: the compiler's choice).
+  static constexpr int kHeadBlock = W >= 16 ? 4 : 2;
   // Heads' tiles are contiguous in a block, so prefetching rows ahead runs on into the next head's tile.
   static constexpr int64_t kAhead = tiles::kDecodePrefetchRows;
 
@@ -28,20 +31,22 @@ struct DecodeAttention {
     for (int64_t i = 0; i < rows * D; i += kLine) prefetch(p, static_cast<size_t>(kAhead * D + i) * sizeof(KvT));
   }
 
-  // Scratch: qs (H, D padded to W) | s (score_keys, padded to W), where a run of keys scored at once is at most
-  // one block and at most kDecodeMaxScoreKeys, so the scratch does not grow with the block size.
+  // Scratch: qs (H, D padded to W) | s (H, score_keys padded to W) | alpha (H), where a run of keys scored at once is
+  // at most one block and at most kDecodeMaxScoreKeys, so the scratch does not grow with the block size. The scores
+  // of one group (at most H heads) are live at once.
   static int64_t padded(int64_t n) { return (n + W - 1) / W * W; }
   static int64_t score_keys(int64_t block_tokens) { return std::min<int64_t>(block_tokens, tiles::kDecodeMaxScoreKeys); }
   static size_t scratch_floats(int64_t H, int64_t D, int64_t block_tokens) {
-    return static_cast<size_t>(H * padded(D) + padded(score_keys(block_tokens)));
+    return static_cast<size_t>(H * padded(D) + H * padded(score_keys(block_tokens)) + H);
   }
 
-  // s[r] = qs . k_r for RR consecutive keys (rows D apart).
+  // s[r] = qs . k_r for RR consecutive keys (rows D apart); `fetch`: prefetch the rows kAhead ahead (the first
+  // head of a group does, the others read the same rows from L1).
   template <int RR>
-  static void dots(const float* qs, const KvT* k, int64_t D, float* s) {
+  static void dots(const float* qs, const KvT* k, int64_t D, float* s, bool fetch) {
     B acc[RR];
     for (int r = 0; r < RR; ++r) acc[r] = V::set1(0.0f);
-    prefetch_rows(k, RR, D);
+    if (fetch) prefetch_rows(k, RR, D);
     int64_t d = 0;
     for (; d + W <= D; d += W) {
       const B q = V::load(qs + d);
@@ -54,48 +59,87 @@ struct DecodeAttention {
     }
   }
 
-  // acc[d..d+N*W) = alpha * acc + sum_j p_j v_j[d..d+N*W) for nk keys (rows D apart).
-  template <int N>
-  static void pv(const KvT* v, int64_t D, const float* p, int64_t nk, float alpha, float* acc) {
-    B c[N];
-    for (int n = 0; n < N; ++n) c[n] = V::load(acc + n * W) * V::set1(alpha);
+  // For HB heads g (p, alpha and acc rows lds, 1 and D apart): acc_g[0..N*W) = alpha_g * acc_g + sum_j p_gj v_j[...]
+  // over nk keys (V rows D apart). Each V row is loaded once for all HB heads.
+  template <int HB, int N>
+  static void pv(const KvT* v, int64_t D, const float* p, int64_t lds, int64_t nk, const float* alpha, float* acc) {
+    B c[HB][N];
+    for (int g = 0; g < HB; ++g)
+      for (int n = 0; n < N; ++n) c[g][n] = V::load(acc + g * D + n * W) * V::set1(alpha[g]);
     for (int64_t j = 0; j < nk; ++j) {
       for (int n = 0; n < N * W; n += kLine) prefetch(v, static_cast<size_t>((j + kAhead) * D + n) * sizeof(KvT));
-      const B pj = V::set1(p[j]);
-      for (int n = 0; n < N; ++n) c[n] = V::fma(pj, V::load(v + j * D + n * W), c[n]);
+      B vj[N];
+      for (int n = 0; n < N; ++n) vj[n] = V::load(v + j * D + n * W);
+      for (int g = 0; g < HB; ++g) {
+        const B pj = V::set1(p[g * lds + j]);
+        for (int n = 0; n < N; ++n) c[g][n] = V::fma(pj, vj[n], c[g][n]);
+      }
     }
-    for (int n = 0; n < N; ++n) V::store(acc + n * W, c[n]);
+    for (int g = 0; g < HB; ++g)
+      for (int n = 0; n < N; ++n) V::store(acc + g * D + n * W, c[g][n]);
   }
 
-  // One head over nk keys of one block: scores, online softmax update of (m, l), acc += p V.
-  static void head_block(const float* qs, const KvT* k, const KvT* v, int64_t nk, int64_t D, float* s, float& m,
-                         float& l, float* acc) {
-    int64_t j = 0;
-    for (; j + kKeys <= nk; j += kKeys) dots<kKeys>(qs, k + j * D, D, s + j);
-    for (; j < nk; ++j) dots<1>(qs, k + j * D, D, s + j);
-    float m_new = m;
-    for (j = 0; j < nk; ++j) m_new = std::max(m_new, s[j]);
-    for (j = nk; j < padded(nk); ++j) s[j] = -INFINITY;  // pad lanes: exp2 gives 0
-
-    // p_j = 2^(s_j - m_new) in place, l = alpha * l + sum_j p_j.
-    const float m_safe = m_new == -INFINITY ? 0.0f : m_new;
-    B sum = V::set1(0.0f);
-    for (j = 0; j < nk; j += W) {
-      const B p = V::exp2(V::load(s + j) - V::set1(m_safe));
-      V::store(s + j, p);
-      sum = sum + p;
+  // pv<HB, N> for the G heads of a group, in blocks of kHeadBlock (the last block ragged, still in registers).
+  template <int N>
+  static void pv_heads(const KvT* v, int64_t D, const float* s, int64_t lds, int64_t nk, int64_t G,
+                       const float* alpha, float* acc) {
+    for (int64_t g = 0; g < G; g += kHeadBlock) {
+      const int64_t hb = std::min<int64_t>(kHeadBlock, G - g);
+      const float* p = s + g * lds;
+      float* a = acc + g * D;
+      if (hb == kHeadBlock) {
+        pv<kHeadBlock, N>(v, D, p, lds, nk, alpha + g, a);
+      } else if (hb == 3) {
+        pv<3, N>(v, D, p, lds, nk, alpha + g, a);
+      } else if (hb == 2) {
+        pv<2, N>(v, D, p, lds, nk, alpha + g, a);
+      } else {
+        pv<1, N>(v, D, p, lds, nk, alpha + g, a);
+      }
     }
-    const float alpha = std::exp2(m - m_safe);
-    l = l * alpha + V::sum(sum);
-    m = m_new;
+  }
+
+  // One K/V head's run of nk keys for the G query heads that read it (qs, s, m, l, acc rows of those heads):
+  // scores, the online softmax update of (m, l), acc += p V. Keys are the outer loop and the group's heads the
+  // inner one, so every K and V row comes from memory once and serves the whole group while it sits in L1; with
+  // heads outer, only the first head of a group would stream memory and the others would leave it idle.
+  static void group_block(const float* qs, int64_t ldqs, int64_t G, const KvT* k, const KvT* v, int64_t nk, int64_t D,
+                          float* s, int64_t lds, float* alpha, float* m, float* l, float* acc) {
+    int64_t j = 0;
+    for (; j + kKeys <= nk; j += kKeys) {
+      for (int64_t g = 0; g < G; ++g) dots<kKeys>(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
+    }
+    for (; j < nk; ++j) {
+      for (int64_t g = 0; g < G; ++g) dots<1>(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
+    }
+
+    // Per head: p_j = 2^(s_j - m_new) in place, l = alpha * l + sum_j p_j.
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s + g * lds;
+      float m_new = m[g];
+      for (j = 0; j < nk; ++j) m_new = std::max(m_new, sg[j]);
+      for (j = nk; j < padded(nk); ++j) sg[j] = -INFINITY;  // pad lanes: exp2 gives 0
+      const float m_safe = m_new == -INFINITY ? 0.0f : m_new;
+      B sum = V::set1(0.0f);
+      for (j = 0; j < nk; j += W) {
+        const B p = V::exp2(V::load(sg + j) - V::set1(m_safe));
+        V::store(sg + j, p);
+        sum = sum + p;
+      }
+      alpha[g] = std::exp2(m[g] - m_safe);
+      l[g] = l[g] * alpha[g] + V::sum(sum);
+      m[g] = m_new;
+    }
 
     int64_t d = 0;
-    for (; d + 4 * W <= D; d += 4 * W) pv<4>(v + d, D, s, nk, alpha, acc + d);
-    for (; d + W <= D; d += W) pv<1>(v + d, D, s, nk, alpha, acc + d);
+    for (; d + 4 * W <= D; d += 4 * W) pv_heads<4>(v + d, D, s, lds, nk, G, alpha, acc + d);
+    for (; d + W <= D; d += W) pv_heads<1>(v + d, D, s, lds, nk, G, alpha, acc + d);
     for (; d < D; ++d) {
-      float c = acc[d] * alpha;
-      for (j = 0; j < nk; ++j) c += s[j] * widen(v[j * D + d]);
-      acc[d] = c;
+      for (int64_t g = 0; g < G; ++g) {
+        float c = acc[g * D + d] * alpha[g];
+        for (j = 0; j < nk; ++j) c += s[g * lds + j] * widen(v[j * D + d]);
+        acc[g * D + d] = c;
+      }
     }
   }
 
@@ -103,8 +147,10 @@ struct DecodeAttention {
                   float* acc) {
     const KvLayout& kv = a.layout;
     const int64_t H = a.H, D = a.D, bt = kv.block_tokens, ldqs = padded(D), group = H / kv.heads;
+    const int64_t lds = padded(score_keys(bt));
     float* qs = scratch;
-    float* s = scratch + H * ldqs;
+    float* s = qs + H * ldqs;
+    float* alpha = s + H * lds;
     // Scores in log2 units, so the softmax runs on exp2 (as in the tiled kernel).
     const float qscale = a.scale * kLog2e;
     for (int64_t h = 0; h < H; ++h) {
@@ -119,16 +165,16 @@ struct DecodeAttention {
       const int64_t off = j0 % bt;
       nk = std::min({j_end - j0, bt - off, score_keys(bt)});  // keys left in this block, at most a score run
       const std::byte* block = a.blocks[j0 / bt];
-      for (int64_t h = 0; h < H; ++h) {  // query heads in order: their K/V heads h / group stream front to back
-        const int64_t g = h / group;
-        head_block(qs + h * ldqs, kv.row<KvT>(block, KvPart::key, g, off), kv.row<KvT>(block, KvPart::value, g, off),
-                   nk, D, s, m[h], l[h], acc + h * D);
+      // K/V heads in order, so the block streams front to back; query heads g * group ... read K/V head g.
+      for (int64_t g = 0; g < kv.heads; ++g) {
+        const int64_t h0 = g * group;
+        group_block(qs + h0 * ldqs, ldqs, group, kv.row<KvT>(block, KvPart::key, g, off),
+                    kv.row<KvT>(block, KvPart::value, g, off), nk, D, s, lds, alpha, m + h0, l + h0, acc + h0 * D);
       }
     }
   }
 };
 
-// The decode kernel of f32 compute over K/V stored as KvT, for instruction set Arch.
 template <class Arch, class KvT>
 const DecodeKernel& make_decode_kernel(const char* isa) {
   using K = DecodeAttention<Arch, KvT>;
