@@ -48,9 +48,10 @@ inline int32_t block_of(const KvCache& cache, SequenceId seq, int64_t t) { retur
 // =============================================================================================================
 // Builders and the reference.
 
-// A causal config; the KV cache serves CausalSelfAttention only.
-inline Config make_config(int64_t E, int64_t H, int64_t d_in = 0, int64_t context = 1024, bool qkv_bias = true,
-                          bool out_bias = true) {
+// A causal config for the KV-cache tests (the cache serves CausalSelfAttention only); named apart from
+// fastpath_util.hpp's make_config, whose positional arguments mean other things.
+inline Config serving_config(int64_t E, int64_t H, int64_t d_in = 0, int64_t context = 1024, bool qkv_bias = true,
+                              bool out_bias = true) {
   Config c;
   c.d_model = E;
   c.num_heads = H;

@@ -23,7 +23,7 @@ using test::IsaTest;
 using test::kNaN;
 using test::label;
 using test::make_block;
-using test::make_config;
+using test::serving_config;
 using test::pool;
 using test::random_uniform;
 using test::reduction_length;
@@ -84,7 +84,7 @@ std::vector<float> run_work(CausalSelfAttention& block, KvCache& cache, const Th
 }
 
 void concurrent_matches_sequential(Isa isa, bool own_workspaces) {
-  const Config c = make_config(64, 4, 48, 128);
+  const Config c = serving_config(64, 4, 48, 128);
   const Weights w = Weights::random(c, 210);
   CausalSelfAttention block = make_block(c, w, isa, 1);
   const int64_t W = block.config().query_width();

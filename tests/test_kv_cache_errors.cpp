@@ -24,7 +24,7 @@ using test::Harness;
 using test::IsaTest;
 using test::kNaN;
 using test::kSentinel;
-using test::make_config;
+using test::serving_config;
 using test::pool;
 using test::random_uniform;
 using test::same_snapshot;
@@ -44,7 +44,7 @@ class KvCacheErrors : public IsaTest {
     rebuild(20);
   }
   void rebuild(int64_t capacity_tokens) {
-    h = std::make_unique<Harness>(make_config(32, 2, 24, 16), isa(), 4, capacity_tokens, 170, 2);
+    h = std::make_unique<Harness>(serving_config(32, 2, 24, 16), isa(), 4, capacity_tokens, 170, 2);
     a = h->create();
     b = h->create();
     h->extend(a, 6);

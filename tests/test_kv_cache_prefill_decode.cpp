@@ -31,7 +31,7 @@ using test::kNaN;
 using test::kv_matches_projection;
 using test::label;
 using test::make_block;
-using test::make_config;
+using test::serving_config;
 using test::pool;
 using test::random_uniform;
 using test::reduction_length;
@@ -132,7 +132,7 @@ ShapeCase make_shape_case(int index) {
   const int64_t slack = r.chance(0.3) ? 0 : r.between(1, 200);  // 0: the last decode reaches context_length
   // The pool refuses blocks longer than the context (KvCache: block_tokens <= context_length).
   const int64_t context = std::max(a.T + k.steps + slack, k.block_tokens);
-  k.cfg = make_config(a.E(), a.H, d_in, context, r.chance(0.7), r.chance(0.7));
+  k.cfg = serving_config(a.E(), a.H, d_in, context, r.chance(0.7), r.chance(0.7));
   k.cfg.num_kv_heads = a.H_kv;
   k.desc = "shape case " + std::to_string(index) + ": " + a.name();
   return k;
@@ -169,7 +169,7 @@ TEST_P(KvCachePrefillDecode, RandomShapes) {
 // One prefill through extend() and CausalSelfAttention::forward on the same tokens agree (and both match the
 // reference).
 TEST_P(KvCachePrefillDecode, ExtendOfEmptySequenceEqualsForward) {
-  const Config c = make_config(96, 3, 40, 256);
+  const Config c = serving_config(96, 3, 40, 256);
   const Weights w = Weights::random(c, 70);
   CausalSelfAttention block = make_block(c, w, isa(), 2);
   KvCache cache(block.config(), pool(16, 512));
@@ -199,9 +199,9 @@ TEST_P(KvCachePrefillDecode, ChunkedPrefillEqualsOnePrefill) {
     int threads;
   };
   const Setup setups[] = {
-      {make_config(96, 3, 50, 256), 100, 16, 2},
-      {make_config(66, 2, 0, 64, false, false), 40, 3, 1},
-      {make_config(64, 1, 24, 256), 130, 64, 2},
+      {serving_config(96, 3, 50, 256), 100, 16, 2},
+      {serving_config(66, 2, 0, 64, false, false), 40, 3, 1},
+      {serving_config(64, 1, 24, 256), 130, 64, 2},
   };
   uint64_t seed = 80;
   for (const Setup& s : setups) {
@@ -281,7 +281,7 @@ GPT2ATTN_INSTANTIATE_ISAS(KvCache, KvCachePrefillDecode);
 class KvCacheDecode : public IsaTest {};
 
 TEST_P(KvCacheDecode, BatchOfDifferentLengthsEqualsEachAlone) {
-  const Config c = make_config(64, 4, 48, 256);
+  const Config c = serving_config(64, 4, 48, 256);
   // 19 sequences: the decode projections' row blocks (8 rows on AVX-512, 6 on AVX2, 4 scalar) full and ragged.
   const int64_t lens[] = {1, 3, 16, 17, 64, 65, 130, 2, 5, 9, 33, 40, 70, 90, 100, 110, 120, 7, 11};
   const int64_t B = std::size(lens), steps = 3, W = 48, E = 64;
@@ -326,7 +326,7 @@ TEST_P(KvCacheDecode, BatchOfDifferentLengthsEqualsEachAlone) {
 // threads and the partial softmax states merged. threads=1 and threads=2 must agree, both with the reference.
 TEST_P(KvCacheDecode, LongContextFewHeadsSplitKv) {
   for (int64_t H : {int64_t{1}, int64_t{2}}) {
-    const Config c = make_config(32 * H, H, 0, 1100);
+    const Config c = serving_config(32 * H, H, 0, 1100);
     const int64_t T = 1030, T2 = 700, steps = 3;
     Harness one(c, isa(), 64, 2 * 1100, 100 + H, 1), two(c, isa(), 64, 2 * 1100, 100 + H, 2);
     std::mt19937_64 rng(110 + H);
@@ -366,7 +366,7 @@ TEST_P(KvCacheDecode, LongContextFewHeadsSplitKv) {
 // One-token prefills, then decoding; block_tokens 1 (every token a new block) and 64.
 TEST_P(KvCacheDecode, SingleTokenPrefill) {
   for (int64_t bt : {int64_t{1}, int64_t{64}}) {
-    Harness h(make_config(48, 3, 20, 64), isa(), bt, 256, 120 + bt, 2);
+    Harness h(serving_config(48, 3, 20, 64), isa(), bt, 256, 120 + bt, 2);
     const SequenceId a = h.create(), b = h.create();
     h.extend(a, 1);
     h.extend(b, 1);

@@ -22,7 +22,7 @@ using test::BlockModel;
 using test::CacheSnapshot;
 using test::Harness;
 using test::IsaTest;
-using test::make_config;
+using test::serving_config;
 using test::pool;
 using test::Rng;
 using test::same_snapshot;
@@ -37,7 +37,7 @@ class KvCacheScript : public IsaTest {};
 // always holds the live set; the bookkeeping follows the block model after every operation, each sequence's
 // outputs match the reference over its own history when it is released, and blocks are reused.
 TEST_P(KvCacheScript, RandomCreateExtendDecodeForkRelease) {
-  Harness h(make_config(48, 3, 40, 96), isa(), 8, 24 * 8, 130, 2);
+  Harness h(serving_config(48, 3, 40, 96), isa(), 8, 24 * 8, 130, 2);
   Rng& r = h.rng;
   ASSERT_EQ(h.cache.total_blocks(), 24);
   const int64_t context = h.cfg.context_length;
@@ -129,7 +129,7 @@ TEST_P(KvCacheScript, RandomCreateExtendDecodeForkRelease) {
 // A full pool, one sequence released, a new one of the same size: it fits, and takes exactly the released
 // blocks (the only free ones). Repeated, so blocks go round several times.
 TEST_P(KvCacheScript, BlocksAreReusedAfterRelease) {
-  Harness h(make_config(32, 2, 0, 64), isa(), 4, 40, 140, 1);  // 10 blocks
+  Harness h(serving_config(32, 2, 0, 64), isa(), 4, 40, 140, 1);  // 10 blocks
   ASSERT_EQ(h.cache.total_blocks(), 10);
   const SequenceId a = h.create(), b = h.create();
   h.extend(a, 18);  // 5 blocks
@@ -162,7 +162,7 @@ TEST_P(KvCacheScript, BlocksAreReusedAfterRelease) {
 // Pool sizing as kv_cache.hpp states it: tokens round up to whole blocks, bytes round down; exactly one is set;
 // block_tokens 0 = min(64, context_length).
 TEST_P(KvCacheScript, PoolSizing) {
-  const Config c = make_config(48, 3, 0, 1024);  // D = 16
+  const Config c = serving_config(48, 3, 0, 1024);  // D = 16
   const size_t block_bytes = 2 * 3 * 16 * 16 * sizeof(float);
   KvCache by_tokens(c, pool(16, 100));
   EXPECT_EQ(by_tokens.block_tokens(), 16);
@@ -205,7 +205,7 @@ class KvCacheFork : public IsaTest {};
 // cached K/V changes when the other appends.
 TEST_P(KvCacheFork, ChildDivergesWithCopyOnWrite) {
   for (int64_t L : {int64_t{6}, int64_t{8}}) {
-    Harness h(make_config(32, 2, 24, 64), isa(), 4, 64, 150 + L, 2);
+    Harness h(serving_config(32, 2, 24, 64), isa(), 4, 64, 150 + L, 2);
     const SequenceId p = h.create();
     h.extend(p, L);
     const int64_t free_before = h.cache.free_blocks();
@@ -250,7 +250,7 @@ TEST_P(KvCacheFork, ChildDivergesWithCopyOnWrite) {
 }
 
 TEST_P(KvCacheFork, ForkOfEmptySequence) {
-  Harness h(make_config(32, 2, 0, 64), isa(), 4, 64, 160, 1);
+  Harness h(serving_config(32, 2, 0, 64), isa(), 4, 64, 160, 1);
   const SequenceId p = h.create();
   const SequenceId c = h.fork(p);
   ASSERT_TRUE(h.accounting("fork of an empty sequence"));
