@@ -100,13 +100,21 @@ MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOp
     if (cfg.out_bias) out_bias = w.b_o;
   }
 
+  // Every K/V storage dtype the table serves at this level (a layer serves caches of any of them).
+  serving_sets[static_cast<size_t>(DType::f32)] = &kset;
+  for (const detail::KernelSet& row : detail::kernel_table()) {
+    if (row.compute == DType::f32 && row.kv != DType::f32 && !serving_sets[static_cast<size_t>(row.kv)]) {
+      serving_sets[static_cast<size_t>(row.kv)] = &detail::kernels_for(isa, DType::f32, row.kv);
+    }
+  }
+
   // The band of the registered causal mask a diagonal tile reaches (see causal_row in layer.hpp).
   causal_row.resize(static_cast<size_t>(2 * kernels::causal_band_center()));
   kernels::fill_causal_band(causal_row.data());
 }
 
-int64_t MultiHeadAttention::Impl::scratch_stride() const {
-  return detail::round_up(static_cast<int64_t>(kset.prefill->scratch_floats(cfg.head_dim())), 16);
+int64_t MultiHeadAttention::Impl::scratch_stride(const kernels::AttentionKernel& k) const {
+  return detail::round_up(static_cast<int64_t>(k.scratch_floats(cfg.head_dim())), 16);
 }
 
 kernels::AttentionArgs MultiHeadAttention::Impl::base_args(int64_t T, int64_t Tk) const {
@@ -133,7 +141,7 @@ ForwardPlan MultiHeadAttention::Impl::forward_plan(const AttnShape& s, bool pack
   r.packed_q = p.region<float>({pack_q, s.B, s.T, s.d_in}, "forward: packed query");
   r.packed_k = p.region<float>({pack_k, s.B, s.Tk, s.kdim}, "forward: packed key");
   r.packed_v = p.region<float>({pack_v, s.B, s.Tk, s.vdim}, "forward: packed value");
-  r.scratch = p.region<float>({threads, scratch_stride()}, "forward: kernel scratch");
+  r.scratch = p.region<float>({threads, scratch_stride(*kset.prefill)}, "forward: kernel scratch");
   r.bytes = p.bytes();
   return r;
 }
@@ -199,7 +207,8 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, float* out_dat
   const float *qp = r.q.in(w), *kp = r.k.in(w), *vp = r.v.in(w);
   float* ctx = r.ctx.in(w);
   const int64_t H_kv = s.H_kv;
-  run_query_tiles(s.B * H, T, base, r.scratch.in(w), threads, [&](kernels::AttentionArgs& a, int64_t bh) {
+  const kernels::AttentionKernel& kern = *kset.prefill;
+  run_query_tiles(kern, s.B * H, T, base, r.scratch.in(w), threads, [&](kernels::AttentionArgs& a, int64_t bh) {
     const int64_t b = bh / H, h = bh % H, kv_slice = b * H_kv + s.kv_head(h);
     a.q = qp + bh * T * D;
     a.kv.k = kp + kv_slice * Tk * D;

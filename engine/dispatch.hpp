@@ -36,12 +36,13 @@ Isa resolve_isa(Isa requested);
 // whose level this CPU runs. Throws invalid_argument naming the combination when none does.
 const KernelSet& kernels_for(Isa resolved, DType compute, DType kv);
 
-// The f32 row's kernels at level `resolved`, for the tests and benchmarks that drive one kernel directly.
-inline const kernels::AttentionKernel& attention_kernel(Isa resolved) {
-  return *kernels_for(resolved, DType::f32, DType::f32).prefill;
+// The f32-compute row's kernels at level `resolved` for K/V stored as `kv`, for the tests and benchmarks that drive
+// one kernel directly.
+inline const kernels::AttentionKernel& attention_kernel(Isa resolved, DType kv = DType::f32) {
+  return *kernels_for(resolved, DType::f32, kv).prefill;
 }
-inline const kernels::DecodeKernel& decode_kernel(Isa resolved) {
-  return *kernels_for(resolved, DType::f32, DType::f32).decode;
+inline const kernels::DecodeKernel& decode_kernel(Isa resolved, DType kv = DType::f32) {
+  return *kernels_for(resolved, DType::f32, kv).decode;
 }
 inline const kernels::LinearKernel& linear_kernel(Isa resolved) {
   return *kernels_for(resolved, DType::f32, DType::f32).few_row_linear;

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "engine/util.hpp"
+#include "kernels/bf16.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/tiles.hpp"
 
@@ -27,7 +28,10 @@ KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
             std::to_string(o.capacity_bytes) + ")");
   }
   if (o.capacity_tokens < 0) invalid("KvCacheOptions.capacity_tokens must be >= 0, got " + str(o.capacity_tokens));
-  layout.dtype = DType::f32;
+  if (o.dtype != DType::f32 && o.dtype != DType::bf16) {
+    invalid(std::string("KvCacheOptions.dtype: ") + to_string(o.dtype) + " is not a K/V storage format (f32, bf16)");
+  }
+  layout.dtype = o.dtype;
   layout.heads = cfg.kv_heads();
   layout.block_tokens = block_tokens;
   layout.D = cfg.head_dim();
@@ -243,15 +247,26 @@ int64_t KvCache::num_sequences() const {
   return static_cast<int64_t>(impl_->seqs.size());
 }
 size_t KvCache::block_bytes() const { return impl_->block_bytes; }
+DType KvCache::dtype() const { return impl_->layout.dtype; }
 size_t KvCache::capacity_bytes() const { return static_cast<size_t>(impl_->nblocks) * block_bytes(); }
 const Config& KvCache::config() const { return impl_->cfg; }
 
 void KvCache::Impl::store_row(std::byte* b, kernels::KvPart part, int64_t h, int64_t slot, const float* src) const {
-  std::memcpy(layout.row<float>(b, part, h, slot), src, static_cast<size_t>(layout.row_bytes()));
+  if (layout.dtype == DType::bf16) {
+    kernels::bf16* dst = layout.row<kernels::bf16>(b, part, h, slot);
+    for (int64_t d = 0; d < layout.D; ++d) dst[d] = kernels::to_bf16(src[d]);
+  } else {
+    std::memcpy(layout.row<float>(b, part, h, slot), src, static_cast<size_t>(layout.row_bytes()));
+  }
 }
 
 void KvCache::Impl::load_row(const std::byte* b, kernels::KvPart part, int64_t h, int64_t slot, float* dst) const {
-  std::memcpy(dst, layout.row<float>(b, part, h, slot), static_cast<size_t>(layout.row_bytes()));
+  if (layout.dtype == DType::bf16) {
+    const kernels::bf16* src = layout.row<kernels::bf16>(b, part, h, slot);
+    for (int64_t d = 0; d < layout.D; ++d) dst[d] = kernels::widen(src[d]);
+  } else {
+    std::memcpy(dst, layout.row<float>(b, part, h, slot), static_cast<size_t>(layout.row_bytes()));
+  }
 }
 
 int32_t KvCache::Impl::block_of(SequenceId seq, int64_t t) const {

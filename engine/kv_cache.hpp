@@ -48,8 +48,9 @@ struct KvCache::Impl {
   std::byte* block(int32_t b) const { return pool.get() + static_cast<size_t>(b) * block_bytes; }
 
   // The one K/V writer and reader: head h's row of token `slot` in `block`, stored from / loaded into D floats in
-  // the layout's element type (f32 today: a copy; a narrower format converts here and nowhere else). The layer's
-  // prefill GEMMs write f32 rows in place instead, at the same address (layout.row), when the format is f32.
+  // the layout's element type (f32: a copy; bf16: rounded to nearest even / widened; a new format converts here and
+  // nowhere else). The layer's prefill GEMMs write f32 rows in place instead, at the same address (layout.row),
+  // when the format is f32.
   void store_row(std::byte* block, kernels::KvPart part, int64_t h, int64_t slot, const float* src) const;
   void load_row(const std::byte* block, kernels::KvPart part, int64_t h, int64_t slot, float* dst) const;
 

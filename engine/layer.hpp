@@ -5,6 +5,7 @@
 
 #include <omp.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -26,7 +27,7 @@ namespace gpt2attn {
 //   q (B, H, T, D) | k, v (B, H_kv, Tk, D): the projections, head-major
 //   ctx (B, T, E): attention output, heads concatenated, read by the output projection
 //   packed_*: copies of inputs whose strides oneDNN cannot read in place (query | key | value), or empty
-//   scratch (threads, scratch_stride()): the tiled kernel's per-thread slices
+//   scratch (threads, scratch_stride(kernel)): the tiled kernel's per-thread slices
 struct ForwardPlan {
   detail::Region<float> q, k, v, ctx, packed_q, packed_k, packed_v, scratch;
   int64_t bytes = 0;
@@ -35,7 +36,10 @@ struct ForwardPlan {
 struct MultiHeadAttention::Impl {
   Config cfg;
   Isa isa;
-  const detail::KernelSet& kset;  // the dispatch table's row for (isa, f32, f32)
+  const detail::KernelSet& kset;  // the dispatch table's row for (isa, f32, f32): forward, and f32 KV caches
+  // The row serving a KV cache of each storage dtype (indexed by DType; null where the table has none), looked up
+  // once here so that extend and decode pick theirs by the cache's dtype without searching the table.
+  std::array<const detail::KernelSet*, kNumDTypes> serving_sets{};
   int default_threads;
 
   // One (D, width) projection per head: H for Q, H_kv each for K and V, so that each GEMM writes its head's (T, D)
@@ -79,7 +83,10 @@ struct MultiHeadAttention::Impl {
       }
     });
   }
-  int64_t scratch_stride() const;  // floats of the tiled kernel's scratch per thread (forward and extend)
+  // Floats of the tiled kernel's scratch per thread (forward and extend).
+  int64_t scratch_stride(const kernels::AttentionKernel& k) const;
+  // The kernels for a cache storing K/V as `kv`; invalid_argument naming `call` when no row serves it.
+  const detail::KernelSet& serving_kernels(DType kv, const char* call) const;
   kernels::AttentionArgs base_args(int64_t T, int64_t Tk) const;
 
   // The batch forward (attention.cpp).
@@ -91,24 +98,25 @@ struct MultiHeadAttention::Impl {
               Workspace::Impl& ws);
   void decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out, const RunOptions& run,
               Workspace::Impl& ws);
-  int64_t decode_scratch_stride(int64_t block_tokens) const;  // floats of decode kernel scratch per thread
+  // Floats of decode kernel scratch per thread.
+  int64_t decode_scratch_stride(const kernels::DecodeKernel& k, int64_t block_tokens) const;
   // Workspace bytes reserve_serving() takes: enough for extend() and decode() with any cache.
   int64_t serving_bytes(int64_t max_extend_tokens, int64_t max_decode_batch, int threads) const;
 
-  // Runs the tiled kernel over (BH slices) x (query tiles of T rows), longest (latest) tiles first so the
+  // Runs the tiled kernel `kern` over (BH slices) x (query tiles of T rows), longest (latest) tiles first so the
   // causal triangle's uneven work balances; setup(args, bh) points args at slice bh's Q, K/V and output.
   template <class Setup>
-  void run_query_tiles(int64_t BH, int64_t T, const kernels::AttentionArgs& base, float* scratch_base, int threads,
-                       Setup&& setup) const;
+  void run_query_tiles(const kernels::AttentionKernel& kern, int64_t BH, int64_t T, const kernels::AttentionArgs& base,
+                       float* scratch_base, int threads, Setup&& setup) const;
 };
 
 template <class Setup>
-void MultiHeadAttention::Impl::run_query_tiles(int64_t BH, int64_t T, const kernels::AttentionArgs& base,
-                                               float* scratch_base, int threads, Setup&& setup) const {
-  const int64_t BQ = kset.prefill->tiles.query_tile;
+void MultiHeadAttention::Impl::run_query_tiles(const kernels::AttentionKernel& kern, int64_t BH, int64_t T,
+                                               const kernels::AttentionArgs& base, float* scratch_base, int threads,
+                                               Setup&& setup) const {
+  const int64_t BQ = kern.tiles.query_tile;
   const int64_t tiles = (T + BQ - 1) / BQ, items = BH * tiles;
-  const int64_t stride = scratch_stride();
-  const kernels::AttentionKernel* kern = kset.prefill;
+  const int64_t stride = scratch_stride(kern);
 #pragma omp parallel num_threads(threads)
   {
     float* scratch = scratch_base + omp_get_thread_num() * stride;
@@ -117,7 +125,7 @@ void MultiHeadAttention::Impl::run_query_tiles(int64_t BH, int64_t T, const kern
       const int64_t tile = tiles - 1 - it / BH, bh = it % BH;
       kernels::AttentionArgs a = base;
       setup(a, bh);
-      kern->run(a, tile * BQ, std::min(T, (tile + 1) * BQ), scratch);
+      kern.run(a, tile * BQ, std::min(T, (tile + 1) * BQ), scratch);
     }
   }
 }

@@ -62,19 +62,22 @@ class AppendLease {
 };
 
 // Workspace regions of extend() (64-byte aligned):
-//   q (H, T, D) | ctx (T, E) | tables (table_entries block pointers) | length (1) | scratch (threads, stride)
+//   q (H, T, D) | kv_stage (2, H_kv, T, D) f32 K and V rows before they are stored in a non-f32 cache (empty for
+//   an f32 cache, whose blocks the GEMMs write in place) | ctx (T, E) | tables (table_entries block pointers)
+//   length (1) | scratch (threads, stride)
 // table_entries: the most blocks a sequence's table holds, ceil(context / block_tokens).
 struct ExtendPlan {
-  Region<float> q, ctx;
+  Region<float> q, kv_stage, ctx;
   Region<std::byte*> tables;
   Region<int64_t> length;
   Region<float> scratch;
   int64_t bytes = 0;
 };
-ExtendPlan extend_plan(const AttnShape& s, int threads, int64_t table_entries, int64_t scratch_stride) {
+ExtendPlan extend_plan(const AttnShape& s, bool stage, int threads, int64_t table_entries, int64_t scratch_stride) {
   detail::WorkspacePlan p;
   ExtendPlan r;
   r.q = p.region<float>({s.H, s.T, s.D}, "extend: q");
+  r.kv_stage = p.region<float>({stage, 2, s.H_kv, s.T, s.D}, "extend: K/V staging");
   r.ctx = p.region<float>({s.T, s.E}, "extend: attention output");
   r.tables = p.region<std::byte*>({table_entries}, "extend: block table");
   r.length = p.region<int64_t>({1}, "extend: length");
@@ -115,25 +118,38 @@ DecodePlan decode_plan(const AttnShape& s, int threads, int64_t table_entries, i
 
 }  // namespace
 
-int64_t MultiHeadAttention::Impl::decode_scratch_stride(int64_t block_tokens) const {
-  return detail::round_up(static_cast<int64_t>(kset.decode->scratch_floats(cfg.num_heads, cfg.head_dim(), block_tokens)),
-                          16);
+int64_t MultiHeadAttention::Impl::decode_scratch_stride(const kernels::DecodeKernel& k, int64_t block_tokens) const {
+  return detail::round_up(static_cast<int64_t>(k.scratch_floats(cfg.num_heads, cfg.head_dim(), block_tokens)), 16);
 }
-// Sized for any cache: block tables for 1-token blocks, kernel scratch for the largest run of keys.
+
+const detail::KernelSet& MultiHeadAttention::Impl::serving_kernels(DType kv, const char* call) const {
+  const detail::KernelSet* row = serving_sets[static_cast<size_t>(kv)];
+  if (!row) {
+    invalid(std::string(call) + ": no kernels serve a KV cache of dtype " + to_string(kv) + " at instruction set " +
+            to_string(isa));
+  }
+  return *row;
+}
+
+// Sized for any cache: block tables for 1-token blocks, K/V staging, kernel scratch for the largest run of keys of
+// every storage dtype's kernels.
 int64_t MultiHeadAttention::Impl::serving_bytes(int64_t max_extend_tokens, int64_t max_decode_batch,
                                                 int threads) const {
   const int64_t C = cfg.context_length;
   AttnShape s = detail::shape_of(cfg);
-  int64_t extend = 0, decode = 0;
-  if (max_extend_tokens) {
-    s.B = 1, s.T = max_extend_tokens;
-    extend = extend_plan(s, threads, C, scratch_stride()).bytes;
+  int64_t bytes = 0;
+  for (const detail::KernelSet* row : serving_sets) {
+    if (!row) continue;
+    if (max_extend_tokens) {
+      s.B = 1, s.T = max_extend_tokens;
+      bytes = std::max(bytes, extend_plan(s, true, threads, C, scratch_stride(*row->prefill)).bytes);
+    }
+    if (max_decode_batch) {
+      s.B = max_decode_batch, s.T = 1;
+      bytes = std::max(bytes, decode_plan(s, threads, C, decode_scratch_stride(*row->decode, C)).bytes);
+    }
   }
-  if (max_decode_batch) {
-    s.B = max_decode_batch, s.T = 1;
-    decode = decode_plan(s, threads, C, decode_scratch_stride(C)).bytes;
-  }
-  return std::max(extend, decode);
+  return bytes;
 }
 
 void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const float* x, int64_t T, float* out_data,
@@ -143,8 +159,11 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   const int threads = threads_for(run);
   KvCache::Impl& kv = cache.impl();
   const kernels::KvLayout& layout = kv.layout;
+  const detail::KernelSet& ks = serving_kernels(layout.dtype, "extend");
+  const bool in_place = layout.dtype == DType::f32;  // the GEMMs can write the cache's rows themselves
 
-  const ExtendPlan r = extend_plan(s, threads, ceil_div(max_length(cfg, cache), kv.block_tokens), scratch_stride());
+  const ExtendPlan r = extend_plan(s, !in_place, threads, ceil_div(max_length(cfg, cache), kv.block_tokens),
+                                   scratch_stride(*ks.prefill));
   std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
   std::byte** tables = r.tables.in(w);
   int64_t& P = *r.length.in(w);  // tokens cached before this call
@@ -152,11 +171,13 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   AppendLease lease(kv, &seq, 1, T);
   s.Tk = P + T;
 
-  // Projections: Q per head into (H, T, D); K and V per K/V head and per block the new tokens touch, each GEMM
-  // writing its f32 rows straight into the block at the layout's address: no K/V copy after the GEMM.
+  // Projections: Q per head into (H, T, D); K and V per K/V head and per block the new tokens touch. For an f32
+  // cache each GEMM writes its rows straight into the block at the layout's address (no K/V copy after the GEMM);
+  // for another format it writes them to kv_stage (2, H_kv, T, D), and the cache's writer converts them in.
   const int64_t bt = kv.block_tokens, first_block = P / bt, H_kv = s.H_kv;
   const int64_t segments = ceil_div(P + T, bt) - first_block;
   float* q = r.q.in(w);
+  float* stage = r.kv_stage.in(w);
   parallel_items(H + 2 * H_kv * segments, threads, [&](int64_t item) {
     if (item < H) {
       proj_q[item].run(ws.exec, x, T, d_in, q + item * T * D, D, 1);
@@ -166,8 +187,12 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     const KvPart part = item >= H_kv * segments ? KvPart::value : KvPart::key;
     const int64_t h = (item % (H_kv * segments)) / segments, blk = first_block + item % segments;
     const int64_t t0 = std::max(P, blk * bt) - P, t1 = std::min(P + T, (blk + 1) * bt) - P;  // new-token rows
-    float* dst = layout.row<float>(tables[blk], part, h, (P + t0) % bt);
+    float* staged = stage + ((part == KvPart::value ? H_kv : 0) + h) * T * D + t0 * D;
+    float* dst = in_place ? layout.row<float>(tables[blk], part, h, (P + t0) % bt) : staged;
     (part == KvPart::value ? proj_v : proj_k)[h].run(ws.exec, x + t0 * d_in, t1 - t0, d_in, dst, D, 1);
+    if (!in_place) {
+      for (int64_t t = t0; t < t1; ++t) kv.store_row(tables[blk], part, h, (P + t) % bt, staged + (t - t0) * D);
+    }
   });
 
   // Attention of the T new queries over all P + T cached keys (bottom-right causal), read from the blocks.
@@ -175,7 +200,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   base.kv.blocks = tables;
   base.kv.layout = layout;
   float* ctx = r.ctx.in(w);
-  run_query_tiles(H, T, base, r.scratch.in(w), threads, [&](kernels::AttentionArgs& a, int64_t h) {
+  run_query_tiles(*ks.prefill, H, T, base, r.scratch.in(w), threads, [&](kernels::AttentionArgs& a, int64_t h) {
     a.q = q + h * T * D;
     a.out = ctx + h * D;
     a.kv.head = s.kv_head(h);
@@ -191,8 +216,9 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   const int threads = threads_for(run);
   KvCache::Impl& kv = cache.impl();
 
+  const detail::KernelSet& ks = serving_kernels(kv.layout.dtype, "decode");
   const int64_t limit = max_length(cfg, cache), stride = ceil_div(limit, kv.block_tokens);  // table entries
-  const int64_t sstride = decode_scratch_stride(kv.block_tokens);
+  const int64_t sstride = decode_scratch_stride(*ks.decode, kv.block_tokens);
   const DecodePlan r = decode_plan(s, threads, stride, sstride);
   std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
   std::byte** tables = r.tables.in(w);
@@ -228,8 +254,8 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
 
   const int64_t bt = kv.block_tokens;
   float *pm = r.m.in(w), *pl = r.l.in(w), *pacc = r.acc.in(w);
-  const kernels::DecodeKernel* kern = kset.decode;
-  const kernels::LinearKernel* lin = kset.few_row_linear;
+  const kernels::DecodeKernel* kern = ks.decode;
+  const kernels::LinearKernel* lin = ks.few_row_linear;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   float* scratch_base = r.scratch.in(w);
   // One parallel region for the whole step; each `omp for` ends in a barrier, which orders the stages.

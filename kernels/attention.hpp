@@ -127,5 +127,9 @@ struct AttentionKernel {
 const AttentionKernel& attention_f32_scalar();
 const AttentionKernel& attention_f32_avx2();
 const AttentionKernel& attention_f32_avx512();
+// f32 compute over K/V stored bf16 (attention_f32_kvbf16_<isa>.cpp): the paged K/V of a bf16 KV cache.
+const AttentionKernel& attention_f32_kvbf16_scalar();
+const AttentionKernel& attention_f32_kvbf16_avx2();
+const AttentionKernel& attention_f32_kvbf16_avx512();
 
 }  // namespace gpt2attn::kernels

@@ -48,6 +48,10 @@ struct DecodeKernel {
 const DecodeKernel& decode_attention_f32_scalar();
 const DecodeKernel& decode_attention_f32_avx2();
 const DecodeKernel& decode_attention_f32_avx512();
+// f32 compute over K/V stored bf16 (decode_attention_f32_kvbf16_<isa>.cpp).
+const DecodeKernel& decode_attention_f32_kvbf16_scalar();
+const DecodeKernel& decode_attention_f32_kvbf16_avx2();
+const DecodeKernel& decode_attention_f32_kvbf16_avx512();
 
 // Merges `parts` partial states into out (D), as in the header comment: part s has m[s * stride], l[s * stride]
 // and acc + s * acc_stride.

@@ -7,10 +7,13 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #if !defined(GPT2ATTN_SCALAR_ONLY)
 #include <xsimd/xsimd.hpp>
 #endif
+
+#include "kernels/bf16.hpp"
 
 namespace gpt2attn::kernels {
 
@@ -29,7 +32,7 @@ inline void prefetch(const void* p, size_t bytes) {
 // log2(e): scores are kept in log2 units so the softmax runs on exp2 (kernels/attention.hpp, "Units").
 inline constexpr float kLog2e = 1.4426950408889634f;
 
-// One stored element as f32 (f32 storage: itself).
+// One stored element as f32 (f32 storage: itself; bf16: kernels/bf16.hpp).
 inline float widen(float x) { return x; }
 
 template <class Arch>
@@ -41,6 +44,18 @@ struct Vec {
   using B = xsimd::batch<float, Arch>;
   static constexpr int W = static_cast<int>(B::size);
   static B load(const float* p) { return B::load_unaligned(p); }
+  // W bf16 values widened to f32: zero-extend each 16-bit value to 32 and shift it into the high half (exact).
+  // One raw intrinsic sequence per instruction set; the scalar twin is widen().
+  static B load(const bf16* p) {
+    if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      return B(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    } else {
+      static_assert(W == 8, "bf16 loads are written for AVX-512 (16 lanes) and AVX2 (8 lanes)");
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      return B(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+  }
   static void store(float* p, B v) { v.store_unaligned(p); }
   static B set1(float x) { return B(x); }
   static B fma(B a, B b, B c) { return xsimd::fma(a, b, c); }
@@ -70,6 +85,7 @@ struct Vec<ScalarArch> {
   using B = float;
   static constexpr int W = 1;
   static B load(const float* p) { return *p; }
+  static B load(const bf16* p) { return widen(*p); }
   static void store(float* p, B v) { *p = v; }
   static B set1(float x) { return x; }
   static B fma(B a, B b, B c) { return std::fma(a, b, c); }

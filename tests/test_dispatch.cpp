@@ -8,6 +8,7 @@
 #include "engine/dispatch.hpp"
 #include "gpt2attn/error.hpp"
 #include "gpt2attn/tolerance.hpp"
+#include "tests/test_util.hpp"  // gpt2attn::PrintTo(Isa): every TU that prints an Isa must see the same printer
 
 namespace gpt2attn {
 namespace {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <iterator>
 #include <limits>
 #include <random>
@@ -17,6 +18,7 @@
 
 #include "engine/dispatch.hpp"
 #include "kernels/attention.hpp"
+#include "kernels/bf16.hpp"
 #include "kernels/decode_attention.hpp"
 #include "kernels/dropout.hpp"
 #include "kernels/linear_f32.hpp"
@@ -146,9 +148,25 @@ bool guard_intact(const std::vector<float>& s, size_t floats) {
   return std::all_of(s.begin() + static_cast<int64_t>(floats), s.end(), [](float x) { return x == kSentinel; });
 }
 
-// K/V of H heads in the KV cache's block layout (kernels/kv_layout.hpp, f32): a block holds K [H][bt][D] then
-// V [H][bt][D]. The blocks sit in one pool in shuffled order with a gap between neighbours; every float no written
-// (head, token) row covers stays NaN.
+// A float whose two halves are both bf16 NaNs (0x7fc0): pool gaps read as f32 or as bf16 are NaN either way.
+float pool_nan() {
+  const uint32_t u = 0x7fc07fc0u;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Rounds x to what a K/V block of `dtype` holds (bf16: nearest even), so the naive loops read exactly the values
+// the kernel reads: the storage rounding is the cache's (KvCache::Impl::store_row), not the kernel's, error.
+void round_to_storage(std::vector<float>& x, DType dtype) {
+  if (dtype == DType::bf16) {
+    for (float& e : x) e = kernels::widen(kernels::to_bf16(e));
+  }
+}
+
+// K/V of H heads in the KV cache's block layout (kernels/kv_layout.hpp), elements f32 or bf16: a block holds
+// K [H][bt][D] then V [H][bt][D]. The blocks sit in one pool in shuffled order with a gap between neighbours; every
+// element no written (head, token) row covers stays NaN.
 struct PagedStore {
   kernels::KvLayout layout;
   int64_t stride = 0;  // floats from one block's slot in the pool to the next
@@ -157,10 +175,12 @@ struct PagedStore {
   std::vector<const std::byte*> table;  // table[b]: block b, as the kernels receive it
 
   PagedStore() = default;
-  PagedStore(int64_t heads, int64_t head_dim, int64_t block_tokens, int64_t tokens, std::mt19937_64& rng)
-      : layout{DType::f32, heads, block_tokens, head_dim}, stride(2 * heads * block_tokens * head_dim + 7) {
+  PagedStore(int64_t heads, int64_t head_dim, int64_t block_tokens, int64_t tokens, std::mt19937_64& rng,
+             DType dtype = DType::f32)
+      : layout{dtype, heads, block_tokens, head_dim},
+        stride((2 * heads * block_tokens * head_dim * static_cast<int64_t>(size_of(dtype)) + 3) / 4 + 7) {
     const int64_t blocks = (tokens + block_tokens - 1) / block_tokens;
-    pool.assign(static_cast<size_t>(blocks * stride), kNaN);
+    pool.assign(static_cast<size_t>(blocks * stride), pool_nan());
     for (int64_t b = 0; b < blocks; ++b) slot.push_back(b);
     std::shuffle(slot.begin(), slot.end(), rng);
     for (int64_t b = 0; b < blocks; ++b) table.push_back(block(b));
@@ -172,11 +192,19 @@ struct PagedStore {
   PagedStore& operator=(const PagedStore&) = delete;
 
   std::byte* block(int64_t b) { return reinterpret_cast<std::byte*>(pool.data() + slot[b] * stride); }
-  // Stores token j's K and V rows (D floats each, from the dense (tokens, D) arrays) for head h.
+  // Stores token j's K and V rows (D values each, from the dense (tokens, D) arrays, already round_to_storage'd)
+  // for head h.
   void put(int64_t h, int64_t j, const std::vector<float>& k, const std::vector<float>& v) {
     const int64_t bt = layout.block_tokens, D = layout.D;
-    std::copy_n(k.begin() + j * D, D, layout.row<float>(block(j / bt), kernels::KvPart::key, h, j % bt));
-    std::copy_n(v.begin() + j * D, D, layout.row<float>(block(j / bt), kernels::KvPart::value, h, j % bt));
+    for (auto [part, src] : {std::pair{kernels::KvPart::key, &k}, std::pair{kernels::KvPart::value, &v}}) {
+      std::byte* b = block(j / bt);
+      if (layout.dtype == DType::bf16) {
+        kernels::bf16* dst = layout.row<kernels::bf16>(b, part, h, j % bt);
+        for (int64_t d = 0; d < D; ++d) dst[d] = kernels::to_bf16((*src)[j * D + d]);
+      } else {
+        std::copy_n(src->begin() + j * D, D, layout.row<float>(b, part, h, j % bt));
+      }
+    }
   }
 };
 
@@ -234,6 +262,7 @@ struct AttnCase {
   int64_t block_tokens = 0;  // 0: contiguous K/V with the row strides below; else paged, blocks of this many keys
   bool one_call = false;     // run over [0, T) in one call; else one call per query tile, last tile first
   uint64_t seed = 0;
+  DType kv = DType::f32;     // K/V element type (paged cases only: the cache's storage format)
 
   // Row strides past D (NaN gaps), odd so rows are misaligned for vector loads.
   int64_t ldq() const { return D + 3; }
@@ -253,8 +282,8 @@ struct AttnCase {
     if (block_tokens == 0) {
       s << "contiguous(ldq=D+3 ldk=D+5 ldv=D+1 ldo=D+2)";
     } else {
-      s << "paged(block_tokens=" << block_tokens << ", head " << kPagedHead << " of " << kPagedHeads
-        << ", blocks shuffled; ldq=D+3 ldo=D+2)";
+      s << "paged(" << to_string(kv) << ", block_tokens=" << block_tokens << ", head " << kPagedHead << " of "
+        << kPagedHeads << ", blocks shuffled; ldq=D+3 ldo=D+2)";
     }
     s << " | " << (one_call ? "one run() over [0, T)" : "one run() per query tile, last first") << " | seed " << seed;
     return s.str();
@@ -276,7 +305,7 @@ constexpr int64_t kHeadDims[] = {1, 3, 16, 64, 65, 128};
 // the mask variant cycling with the case index (index mod 7, which meets every variant with every block size, head
 // size and causal setting). Whether the query tiles run in one call or one call each is drawn from
 // the seed, so both meet every shape family.
-std::vector<AttnCase> attention_cases(const kernels::TileShape& t, bool paged) {
+std::vector<AttnCase> attention_cases(const kernels::TileShape& t, bool paged, DType kv = DType::f32) {
   std::vector<AttnCase> cases;
   const std::vector<int64_t> lengths = tile_lengths(t);
   const std::vector<int64_t> block_sizes = paged ? std::vector<int64_t>{1, 3, 16, 64} : std::vector<int64_t>{0};
@@ -287,7 +316,7 @@ std::vector<AttnCase> attention_cases(const kernels::TileShape& t, bool paged) {
           for (int64_t bt : block_sizes) {
             auto add = [&](MaskVariant m) {
               const uint64_t seed = 1000 + cases.size();
-              cases.push_back({T, Tk, D, causal, m, bt, (kernels::splitmix64(seed) & 1) != 0, seed});
+              cases.push_back({T, Tk, D, causal, m, bt, (kernels::splitmix64(seed) & 1) != 0, seed, kv});
             };
             if (paged) {
               add(kMaskVariants[cases.size() % std::size(kMaskVariants)]);
@@ -389,8 +418,10 @@ MaskData make_mask(const AttnCase& c, std::mt19937_64& rng) {
   const int64_t T = c.T, Tk = c.Tk, D = c.D, BQ = kern.tiles.query_tile, BK = kern.tiles.key_tile;
   std::mt19937_64 rng(c.seed);
   const std::vector<float> q = random_uniform(T * D, rng, -2.0f, 2.0f);
-  const std::vector<float> k = random_uniform(Tk * D, rng, -2.0f, 2.0f);
-  const std::vector<float> v = random_uniform(Tk * D, rng, -1.0f, 1.0f);
+  std::vector<float> k = random_uniform(Tk * D, rng, -2.0f, 2.0f);
+  std::vector<float> v = random_uniform(Tk * D, rng, -1.0f, 1.0f);
+  round_to_storage(k, c.kv);
+  round_to_storage(v, c.kv);
   const MaskData mk = make_mask(c, rng);
   std::vector<double> bias = mk.bias;
   if (c.causal) {
@@ -412,7 +443,7 @@ MaskData make_mask(const AttnCase& c, std::mt19937_64& rng) {
     a.kv.k = k_mem.data(), a.kv.ldk = c.ldk();
     a.kv.v = v_mem.data(), a.kv.ldv = c.ldv();
   } else {  // as the engine's extend(): k, v, ldk, ldv unset; the contract reads rows at stride D from the blocks
-    store = PagedStore(kPagedHeads, D, c.block_tokens, Tk, rng);
+    store = PagedStore(kPagedHeads, D, c.block_tokens, Tk, rng, c.kv);
     for (int64_t j = 0; j < Tk; ++j) store.put(kPagedHead, j, k, v);
     a.kv.blocks = store.table.data();
     a.kv.layout = store.layout;
@@ -487,6 +518,15 @@ TEST_P(KernelAttention, PagedMatchesNaive) {
   expect_all_cases(kern.isa, attention_cases(kern.tiles, true),
                    [&](const AttnCase& c) { return check_attention(kern, c); });
 }
+
+// The kernel for a bf16 KV cache over the same paged cases, on bf16-rounded K/V (the naive loops read the same
+// rounded values, so the f32 tolerance applies: only the kernel's own arithmetic is under test).
+TEST_P(KernelAttention, PagedBf16KvMatchesNaive) {
+  const kernels::AttentionKernel& kern = detail::attention_kernel(isa(), DType::bf16);
+  ASSERT_STREQ(kern.isa, to_string(isa()));
+  expect_all_cases(kern.isa, attention_cases(kern.tiles, true, DType::bf16),
+                   [&](const AttnCase& c) { return check_attention(kern, c); });
+}
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelAttention);
 
 // =============================================================================================================
@@ -496,6 +536,7 @@ struct DecodeCase {
   int64_t H = 0, H_kv = 0, D = 0, block_tokens = 0, n = 0;  // n keys cached, in blocks of block_tokens
   std::vector<int64_t> cuts;                      // split s covers keys [cuts[s], cuts[s + 1]); 0 ... n
   uint64_t seed = 0;
+  DType kv = DType::f32;                          // K/V element type in the blocks
 
   int64_t ldq() const { return D + 2; }  // q (H, D) rows, NaN gaps
   std::string name() const {
@@ -503,7 +544,7 @@ struct DecodeCase {
     s << "H=" << H << " H_kv=" << H_kv << " D=" << D << " n=" << n << " block_tokens=" << block_tokens << " (score run "
       << std::min<int64_t>(block_tokens, kernels::tiles::kDecodeMaxScoreKeys) << ") splits";
     for (size_t i = 0; i + 1 < cuts.size(); ++i) s << " [" << cuts[i] << "," << cuts[i + 1] << ")";
-    s << " | layout paged(blocks shuffled) ldq=D+2 | seed " << seed;
+    s << " | layout paged(" << to_string(kv) << ", blocks shuffled) ldq=D+2 | seed " << seed;
     return s.str();
   }
 };
@@ -511,7 +552,7 @@ struct DecodeCase {
 // Every (H, D, block_tokens, n, splits) with splits <= n; the cut points are random, so splits are ragged and
 // start mid-block. block_tokens 300 > kDecodeMaxScoreKeys = 256 scores a block in two runs. The K/V heads cycle
 // through H's divisors (one per head, grouped, one for all) with the case index, so grouping meets every shape.
-std::vector<DecodeCase> decode_cases() {
+std::vector<DecodeCase> decode_cases(DType kv = DType::f32) {
   std::vector<DecodeCase> cases;
   test::Rng r(77);
   for (int64_t H : {1, 3, 12}) {
@@ -524,7 +565,7 @@ std::vector<DecodeCase> decode_cases() {
                                                   : H == 3  ? std::vector<int64_t>{3, 1}
                                                             : std::vector<int64_t>{1};
             const int64_t H_kv = kv_heads[cases.size() % kv_heads.size()];
-            DecodeCase c{H, H_kv, D, bt, n, {0, n}, 5000 + cases.size()};
+            DecodeCase c{H, H_kv, D, bt, n, {0, n}, 5000 + cases.size(), kv};
             while (static_cast<int64_t>(c.cuts.size()) < splits + 1) {
               const int64_t x = r.between(1, n - 1);
               if (std::find(c.cuts.begin(), c.cuts.end(), x) == c.cuts.end()) c.cuts.push_back(x);
@@ -546,10 +587,12 @@ std::vector<DecodeCase> decode_cases() {
   std::mt19937_64 rng(c.seed);
   const std::vector<float> q = random_uniform(H * D, rng, -2.0f, 2.0f);
   std::vector<std::vector<float>> k(H_kv), v(H_kv);  // per K/V head, dense (n, D)
-  PagedStore store(H_kv, D, c.block_tokens, n, rng);
+  PagedStore store(H_kv, D, c.block_tokens, n, rng, c.kv);
   for (int64_t h = 0; h < H_kv; ++h) {
     k[h] = random_uniform(n * D, rng, -2.0f, 2.0f);
     v[h] = random_uniform(n * D, rng, -1.0f, 1.0f);
+    round_to_storage(k[h], c.kv);
+    round_to_storage(v[h], c.kv);
     for (int64_t j = 0; j < n; ++j) store.put(h, j, k[h], v[h]);
   }
 
@@ -595,6 +638,14 @@ TEST_P(KernelDecode, MergedSplitsMatchNaive) {
   const kernels::DecodeKernel& kern = detail::decode_kernel(isa());
   ASSERT_STREQ(kern.isa, to_string(isa()));
   expect_all_cases(kern.isa, decode_cases(), [&](const DecodeCase& c) { return check_decode(kern, c); });
+}
+
+// The decode kernel of a bf16 KV cache (Vec::load(const bf16*) in the vector loops, widen in the tails), on
+// bf16-rounded K/V, every shape and grouping of the f32 cases.
+TEST_P(KernelDecode, Bf16KvMatchesNaive) {
+  const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::bf16);
+  ASSERT_STREQ(kern.isa, to_string(isa()));
+  expect_all_cases(kern.isa, decode_cases(DType::bf16), [&](const DecodeCase& c) { return check_decode(kern, c); });
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelDecode);
 

@@ -30,6 +30,7 @@ const char* kUsage = R"(usage:
                    [--key-padding kp.npy] [--causal] [--context-length N] [--dtype f32]
                    [--threads N] [--isa best|avx512|avx2|scalar] --output y.npy
   gpt2attn bench   [--preset NAME ...] [--batch B] [--seq T] [--mode prefill|decode] [--dtype f32] [--kv-heads N]
+                   [--kv-dtype f32|bf16]
                    [--threads N] [--isa ...] [--repeats N] [--cache warm|cold] [--check | --no-check] [--json]
   gpt2attn presets
 
@@ -55,8 +56,10 @@ bench    times the whole layer (QKV projection, causal attention, output project
          output projection); every step appends, so the cache grows by 2 + repeats tokens per sequence
          (context length raised to fit). GFLOP/s: 2*B*d_in*(E+2KW) + 2*B*E*E + 4*E*B*(T+1); tokens/s = B / step;
          bytes per step = weights ((E+2KW)*d_in + E*E)*4 + K/V read 2*B*T*KW*4; GB/s = bytes per step / step.
+         --kv-dtype bf16 stores the cache's K/V in bf16 (half the K/V bytes; default f32).
          --check compares sequence 0's output of the first timed step with the last row of the naive
-         reference run causally over that sequence's whole token history. --cache warm (default) runs the
+         reference run causally over that sequence's whole token history (with a bf16 cache, within the
+         bound of gpt2attn/tolerance.hpp's kv_storage_tolerance). --cache warm (default) runs the
          steps back to back, so a small case's weights and K/V stay in the CPU caches; --cache cold streams
          256 MiB through the caches before each timed step, as a model's other layers would (GPT-2 small's
          12 layers move about 190 MB per step), so every byte comes from memory. A case whose weights and
@@ -296,11 +299,11 @@ double decode_step_flops(const ga::Config& c, int64_t B, int64_t T) {
 // What one decode step has to read from memory: every weight once (QKV and output projections; biases
 // ignored) and the cached K and V of every sequence. T is the nominal cached length; the cache grows by one
 // token per step, which the figure ignores (it understates the traffic by (warm-up + repeats) / T at most).
-double decode_step_bytes(const ga::Config& c, int64_t B, int64_t T) {
+double decode_step_bytes(const ga::Config& c, int64_t B, int64_t T, ga::DType kv_dtype) {
   const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
   const double KW = static_cast<double>(c.kv_width());
   const double weights = ((E + 2 * KW) * d_in + E * E) * sizeof(float);
-  const double kv = 2.0 * static_cast<double>(B) * static_cast<double>(T) * KW * sizeof(float);
+  const double kv = 2.0 * static_cast<double>(B) * static_cast<double>(T) * KW * ga::size_of(kv_dtype);
   return weights + kv;
 }
 
@@ -372,10 +375,11 @@ std::vector<float> random_normal(size_t n, std::mt19937& rng) {
 
 // The check both modes share: `got` against the reference rows `ref`, with the library's one tolerance for
 // chained reductions of `reduction_length`, scaled by the largest reference value compared.
-void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref, int64_t reduction_length) {
+void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref, int64_t reduction_length,
+                ga::DType kv = ga::DType::f32) {
   double max_ref = 0;
   for (double e : ref) max_ref = std::max(max_ref, std::fabs(e));
-  const ga::Tolerance tol = ga::tolerance_for(ga::DType::f32, reduction_length, max_ref);
+  const ga::Tolerance tol = ga::kv_storage_tolerance(kv, reduction_length, max_ref);
   r.checked = true;
   r.allowed = tol.atol;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -437,7 +441,7 @@ void flush_caches() {
 // `repeats` timed decode steps, each appending one token to every sequence (after a cache flush with
 // `cold`). The cache and the context length are sized so that the last step still fits.
 BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int64_t T, int threads, ga::Isa isa,
-                         int repeats, bool check, bool cold) {
+                         int repeats, bool check, bool cold, ga::DType kv_dtype) {
   const int64_t steps = kDecodeWarmup + repeats;
   const BenchSizes sizes = bench_sizes(name, cfg, B, T, true, repeats);
   cfg.context_length = std::max(cfg.context_length, T + steps + 1);
@@ -451,6 +455,7 @@ BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int
   // Blocks are per sequence, so each needs ceil((T + steps) / block_tokens) of them.
   ga::KvCacheOptions kv_opts;
   kv_opts.capacity_tokens = sizes.kv_tokens;
+  kv_opts.dtype = kv_dtype;
   ga::KvCache cache(cfg, kv_opts);
   layer.reserve_serving(T, B);
 
@@ -484,7 +489,7 @@ BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int
                 layer.layer().implementation()};
   r.gflops = decode_step_flops(cfg, B, T) / (r.median_ms * 1e6);
   r.tokens_per_s = static_cast<double>(B) / (r.median_ms * 1e-3);
-  r.bytes_per_step = decode_step_bytes(cfg, B, T);
+  r.bytes_per_step = decode_step_bytes(cfg, B, T, kv_dtype);
   r.gbps = r.bytes_per_step / (r.median_ms * 1e6);
 
   if (check) {
@@ -494,14 +499,15 @@ BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int
     ga::AttentionInputs in;
     in.query = ga::TensorView::f32(history.data(), {1, n, d_in});
     const std::vector<double> ref = ga::reference_forward(cfg, w, in);
-    check_rows(r, first_out.data(), std::vector<double>(ref.end() - E, ref.end()), std::max(d_in, n));
+    check_rows(r, first_out.data(), std::vector<double>(ref.end() - E, ref.end()), std::max(d_in, n), kv_dtype);
   }
   return r;
 }
 
 int cmd_bench(int argc, char** argv) {
   const Args a = parse(argc, argv, 2,
-                       {"preset", "batch", "seq", "mode", "dtype", "kv-heads", "threads", "isa", "repeats", "cache"},
+                       {"preset", "batch", "seq", "mode", "dtype", "kv-heads", "kv-dtype", "threads", "isa", "repeats",
+                        "cache"},
                        {"check", "no-check", "json"});
   check_dtype(a);
   const std::string mode = a.get("mode", "prefill");
@@ -512,6 +518,12 @@ int cmd_bench(int argc, char** argv) {
   const std::string cache = a.get("cache", "warm");
   if (cache != "warm" && cache != "cold") throw UsageError("--cache must be warm or cold, got " + cache);
   if (a.has("cache") && !decode) throw UsageError("--cache applies to --mode decode only");
+  if (a.has("kv-dtype") && !decode) throw UsageError("--kv-dtype applies to --mode decode only");
+  const std::string kv_name = a.get("kv-dtype", "f32");
+  if (kv_name != "f32" && kv_name != "bf16") {
+    throw UsageError("--kv-dtype " + kv_name + " is not supported (supported: f32, bf16)");
+  }
+  const ga::DType kv_dtype = ga::dtype_from_string(kv_name);
   const auto B = a.integer<int64_t>("batch", 1, 1), T = a.integer<int64_t>("seq", 1024, 1);
   const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
   const int repeats = a.integer<int>("repeats", 5, 1);
@@ -557,14 +569,14 @@ int cmd_bench(int argc, char** argv) {
   if (!json) {
     std::printf("%-12s %-8s %-5s %3s %6s %7s %10s %9s ", "preset", "mode", "dtype", "B", "T", "threads", "median_ms",
                 "GFLOP/s");
-    if (decode) std::printf("%10s %9s %7s ", "tokens/s", "MB/step", "GB/s");
+    if (decode) std::printf("%-4s %10s %9s %7s ", "kv", "tokens/s", "MB/step", "GB/s");
     std::printf("%-7s %s\n", "ISA", check ? "max_err (allowed)" : "");
   }
   bool all_ok = true;
   for (const auto& name : presets) {
     const int64_t t = seq_for(name);
     const ga::Config cfg = config_for(name);
-    const BenchResult r = decode ? bench_decode(name, cfg, B, t, threads, isa, repeats, check, cache == "cold")
+    const BenchResult r = decode ? bench_decode(name, cfg, B, t, threads, isa, repeats, check, cache == "cold", kv_dtype)
                                  : bench_prefill(name, cfg, B, t, threads, isa, repeats, check);
     const bool ok = !r.checked || r.allowed >= 0;
     all_ok = all_ok && ok;
@@ -575,6 +587,7 @@ int cmd_bench(int argc, char** argv) {
                           {"isa", r.isa}, {"implementation", r.impl}};
       if (decode) {
         j["cache"] = cache;
+        j["kv_dtype"] = kv_name;
         j["tokens_per_s"] = r.tokens_per_s;
         j["bytes_per_step"] = r.bytes_per_step;
         j["gbps"] = r.gbps;
@@ -589,7 +602,7 @@ int cmd_bench(int argc, char** argv) {
       if (r.checked) std::snprintf(err, sizeof err, "%.2e %s", r.max_abs_err, ok ? "ok" : "FAIL");
       std::printf("%-12s %-8s %-5s %3ld %6ld %7d %10.3f %9.1f ", r.preset.c_str(), mode.c_str(), "f32",
                   static_cast<long>(r.B), static_cast<long>(r.T), r.threads, r.median_ms, r.gflops);
-      if (decode) std::printf("%10.0f %9.1f %7.1f ", r.tokens_per_s, r.bytes_per_step * 1e-6, r.gbps);
+      if (decode) std::printf("%-4s %10.0f %9.1f %7.1f ", kv_name.c_str(), r.tokens_per_s, r.bytes_per_step * 1e-6, r.gbps);
       std::printf("%-7s %s\n", r.isa.c_str(), err);
     }
     std::fflush(stdout);

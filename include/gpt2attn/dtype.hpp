@@ -16,6 +16,8 @@ enum class DType : uint8_t {
   u8,    // unsigned 8-bit integer; carries bool masks (0 / nonzero)
 };
 
+inline constexpr size_t kNumDTypes = static_cast<size_t>(DType::u8) + 1;  // tables indexed by DType
+
 constexpr size_t size_of(DType t) {
   switch (t) {
     case DType::f32: return 4;

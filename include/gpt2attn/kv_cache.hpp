@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "gpt2attn/config.hpp"
+#include "gpt2attn/dtype.hpp"
 
 namespace gpt2attn {
 
@@ -20,10 +21,12 @@ struct KvCacheOptions {
                                 // (kernels/tiles.hpp), so a key tile never straddles two blocks
   int64_t capacity_tokens = 0;  // pool size in tokens, rounded up to whole blocks ...
   size_t capacity_bytes = 0;    // ... or in bytes, rounded down to whole blocks. Exactly one is set.
+  DType dtype = DType::f32;     // how K and V are stored: f32, or bf16 (half the bytes; each value rounded to
+                                // nearest even once, when it is appended; attention still computes in f32)
 };
 
 // Block layout, the "KV-friendly layout" the kernels read with no copy (kernels/kv_layout.hpp):
-//   K [H_kv][block_tokens][D], then V [H_kv][block_tokens][D], in f32 (H_kv = config.kv_heads())
+//   K [H_kv][block_tokens][D], then V [H_kv][block_tokens][D], elements of options.dtype (H_kv = config.kv_heads())
 // so one head's keys inside a block are one contiguous (block_tokens, D) tile, each token's D values
 // contiguous. A block's address never changes, so block tables hold plain pointers.
 //
@@ -58,7 +61,8 @@ class KvCache {
   int64_t total_blocks() const;
   int64_t free_blocks() const;
   int64_t num_sequences() const;
-  size_t block_bytes() const;     // 2 * H_kv * block_tokens * D * sizeof(float) for f32 storage
+  size_t block_bytes() const;     // 2 * H_kv * block_tokens * D * size_of(dtype())
+  DType dtype() const;            // the storage type of K and V
   size_t capacity_bytes() const;  // total_blocks() * block_bytes()
   const Config& config() const;
 

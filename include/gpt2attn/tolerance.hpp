@@ -33,4 +33,16 @@ inline Tolerance tolerance_for(DType p, int64_t reduction_length, double max_abs
   return {rtol, rtol * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
 }
 
+// Outputs computed in f32 from K/V a cache stores as `kv`: each stored value was rounded once (relative error <=
+// u(kv)) when it was appended, and that single rounding is carried through the softmax and the output projection.
+// The bound is the f32 policy plus one storage rounding under the same chain factor 16, without sqrt growth (a
+// stored value is rounded once, not accumulated). Tests that must see the kernels' own error instead compare with
+// naive attention over the K/V the cache really holds, at the f32 policy (tests/test_kv_cache_bf16.cpp).
+inline Tolerance kv_storage_tolerance(DType kv, int64_t reduction_length, double max_abs_reference) {
+  const Tolerance f = tolerance_for(DType::f32, reduction_length, max_abs_reference);
+  if (kv == DType::f32) return f;
+  const Tolerance s = tolerance_for(kv, 1, max_abs_reference);
+  return {f.rtol + s.rtol, f.atol + s.atol};
+}
+
 }  // namespace gpt2attn

@@ -149,6 +149,8 @@ def main():
         [r"--heads: must be in \[1, 9223372036854775807\], got 99999999999999999999"])
     err("context_length_beyond_int64", fx.fwd(extra=["--context-length", "-99999999999999999999"]),
         [r"--context-length: must be in \[1, 9223372036854775807\]"])
+    err("kv_heads_disagree_with_weights", fx.fwd(extra=["--kv-heads", "1"]),
+        [r"K/V projections have \d+ outputs but the config asks for 1 K/V heads"])
     bench = ["bench", "--preset", "gpt2-small", "--seq", "4", "--json"]
     err("bench_repeats_beyond_int_range", bench + ["--repeats", "4294967296"],  # was 0 runs, then a SIGSEGV
         [r"--repeats: must be in \[1, 2147483647\], got 4294967296"], with_output=False)
@@ -156,6 +158,12 @@ def main():
         [r"--threads: must be in \[1, 1024\], got 4294967296"], with_output=False)
     err("bench_batch_beyond_int64", bench + ["--batch", "99999999999999999999"],
         [r"--batch: must be in \[1, 9223372036854775807\]"], with_output=False)
+    err("bench_kv_heads_not_dividing_heads", bench + ["--kv-heads", "5"],
+        [r"--kv-heads 5 does not divide gpt2-small's 12 heads"], with_output=False)
+    err("bench_kv_dtype_unknown", bench + ["--mode", "decode", "--kv-dtype", "i8"],
+        [r"--kv-dtype i8 is not supported \(supported: f32, bf16\)"], with_output=False)
+    err("bench_kv_dtype_without_decode", bench + ["--kv-dtype", "bf16"],
+        [r"--kv-dtype applies to --mode decode only"], with_output=False)
 
     # --- bench sizes: products checked, and a case larger than physical memory refused before allocating ---
     err("bench_batch_times_seq_overflows", ["bench", "--batch", "280379743338241", "--seq", "257",

@@ -1,0 +1,33 @@
+// kernels/bf16.hpp: the bfloat16 storage element (K/V blocks) and its scalar conversions, shared by the kernels
+// (kernels/vec.hpp widens it in vectors) and the engine's K/V writer and reader. No SIMD, no arithmetic in bf16.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace gpt2attn::kernels {
+
+// bfloat16 as stored (K/V blocks): the upper 16 bits of an IEEE binary32. Storage only; arithmetic widens to f32.
+struct bf16 {
+  uint16_t bits;
+};
+
+// x as f32: exact, the bits shifted into the high half.
+inline float widen(bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// x rounded to the nearest bf16, ties to even (as torch's .to(bfloat16) and vcvtneps2bf16); +-inf stay, a NaN
+// stays a NaN (quiet), overflow rounds to inf.
+inline bf16 to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((u >> 16) | 0x40u)};  // NaN: keep it quiet
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return {static_cast<uint16_t>(u >> 16)};
+}
+
+}  // namespace gpt2attn::kernels

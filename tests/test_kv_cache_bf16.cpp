@@ -1,0 +1,226 @@
+// tests/test_kv_cache_bf16.cpp: a KV cache storing K/V in bf16 (KvCacheOptions::dtype). Storage rounds each K/V
+// value once, by design, so the layer's outputs are checked against naive attention over the K/V the cache really
+// holds (read back exactly with read_key / read_value), with Q and the output projection in double: the f32
+// tolerance then applies, and what is under test is the engine's path (staging, the writer, the dispatch row per
+// cache dtype) and the bf16 kernels. Separately: what is stored is the f32 projection rounded once, the pool holds
+// twice the tokens per byte, forks copy bf16 blocks, and only f32 and bf16 are accepted.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpt2attn/error.hpp"
+#include "kernels/bf16.hpp"
+#include "tests/kv_harness.hpp"
+
+namespace gpt2attn {
+namespace {
+
+using test::all_close;
+using test::cached_key;
+using test::cached_value;
+using test::Dtype;
+using test::IsaTest;
+using test::random_uniform;
+using test::serving_config;
+
+// out rows [t0, t1) of one sequence whose cache holds tokens [0, t1): Q = x W_q^T + b_q in double, K and V as the
+// cache stores them, causal softmax in double, out = ctx W_o^T + b_o. Query head h reads K/V head h / (H / H_kv).
+std::vector<double> attention_over_cache(const KvCache& cache, SequenceId id, const Config& c, const Weights& w,
+                                         const std::vector<float>& x, int64_t t0, int64_t t1) {
+  const int64_t E = c.d_model, H = c.num_heads, D = c.head_dim(), W = c.query_width(), group = H / c.kv_heads();
+  std::vector<std::vector<float>> K, V;  // [t * H_kv + g] -> D values
+  for (int64_t t = 0; t < t1; ++t) {
+    for (int64_t g = 0; g < c.kv_heads(); ++g) {
+      K.push_back(cached_key(cache, id, g, t));
+      V.push_back(cached_value(cache, id, g, t));
+    }
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  std::vector<double> out;
+  for (int64_t i = t0; i < t1; ++i) {
+    std::vector<double> q(static_cast<size_t>(E)), ctx(static_cast<size_t>(E), 0.0);
+    for (int64_t e = 0; e < E; ++e) {
+      double acc = w.b_q.empty() ? 0.0 : w.b_q[e];
+      for (int64_t k = 0; k < W; ++k) acc += static_cast<double>(x[i * W + k]) * w.w_q[e * W + k];
+      q[e] = acc;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / group;
+      std::vector<double> s(static_cast<size_t>(i + 1));
+      double mx = -INFINITY;
+      for (int64_t j = 0; j <= i; ++j) {
+        double dot = 0.0;
+        for (int64_t d = 0; d < D; ++d) dot += q[h * D + d] * K[j * c.kv_heads() + g][d];
+        s[j] = dot * scale;
+        mx = std::max(mx, s[j]);
+      }
+      double sum = 0.0;
+      for (double& e : s) sum += (e = std::exp(e - mx));
+      for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t d = 0; d < D; ++d) ctx[h * D + d] += s[j] / sum * V[j * c.kv_heads() + g][d];
+      }
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      double acc = w.b_o.empty() ? 0.0 : w.b_o[e];
+      for (int64_t k = 0; k < E; ++k) acc += ctx[k] * w.w_o[e * E + k];
+      out.push_back(acc);
+    }
+  }
+  return out;
+}
+
+class KvCacheBf16 : public IsaTest {};
+
+// Chunked prefill then decode steps, every output row against attention over the cache's own K/V; shapes with odd
+// head sizes, grouped and single K/V heads, blocks of 1, 3 and 64 tokens (chunks that end mid-block).
+TEST_P(KvCacheBf16, OutputsAreAttentionOverTheStoredKv) {
+  struct Case {
+    Config cfg;
+    int64_t block_tokens, first_chunk, second_chunk, steps;
+  };
+  std::vector<Case> cases = {
+      {serving_config(48, 4, 0, 256), 64, 37, 30, 3},  // D = 12
+      {serving_config(36, 3, 20, 256), 3, 8, 5, 4},    // D = 12, d_in != E
+      {serving_config(66, 6, 0, 256), 1, 5, 2, 2},     // D = 11
+      {serving_config(128, 2, 0, 512), 64, 130, 1, 2},  // D = 64, T past two blocks
+  };
+  cases[0].cfg.num_kv_heads = 2;
+  cases[2].cfg.num_kv_heads = 1;
+  int index = 0;
+  for (const Case& k : cases) {
+    const Config& c = k.cfg;
+    const std::string what = "case " + std::to_string(index) + ": E=" + std::to_string(c.d_model) +
+                             " H=" + std::to_string(c.num_heads) + " H_kv=" + std::to_string(c.kv_heads()) +
+                             " block_tokens=" + std::to_string(k.block_tokens) + " [isa=" + to_string(isa()) + "]";
+    const Weights w = Weights::random(c, 300 + static_cast<uint64_t>(index++));
+    CausalSelfAttention block = test::make_block(c, w, isa(), 2);
+    const int64_t N = k.first_chunk + k.second_chunk + k.steps, W = c.query_width(), E = c.d_model;
+    std::mt19937_64 rng(7);
+    const std::vector<float> x = random_uniform(static_cast<size_t>(N * W), rng, -2.0f, 2.0f);
+    KvCacheOptions o = test::pool(k.block_tokens, N + k.block_tokens);
+    o.dtype = DType::bf16;
+    KvCache cache(c, o);
+    ASSERT_EQ(cache.dtype(), DType::bf16);
+    const SequenceId id = cache.create();
+    Workspace ws;
+    int64_t done = 0;
+    for (int64_t chunk : {k.first_chunk, k.second_chunk}) {
+      std::vector<float> out(static_cast<size_t>(chunk * E), test::kNaN);
+      block.extend(cache, id, x.data() + done * W, chunk, out.data(), RunOptions{}, &ws);
+      EXPECT_TRUE(all_close(out, attention_over_cache(cache, id, c, w, x, done, done + chunk), Dtype::f32, N,
+                            what + " | extend rows " + std::to_string(done) + ".." + std::to_string(done + chunk)));
+      done += chunk;
+    }
+    for (int64_t s = 0; s < k.steps; ++s, ++done) {
+      std::vector<float> out(static_cast<size_t>(E), test::kNaN);
+      block.decode(cache, &id, 1, x.data() + done * W, out.data(), RunOptions{}, &ws);
+      EXPECT_TRUE(all_close(out, attention_over_cache(cache, id, c, w, x, done, done + 1), Dtype::f32, N,
+                            what + " | decode token " + std::to_string(done)));
+    }
+    // What was stored is the f32 projection rounded to bf16 once: within one bf16 ulp (2^-7 relative; a value
+    // whose f32 and double projections straddle a rounding boundary may land on the neighbouring bf16).
+    for (int64_t t = 0; t < done; t += 7) {
+      for (int64_t g = 0; g < c.kv_heads(); ++g) {
+        const std::vector<float> key = cached_key(cache, id, g, t), value = cached_value(cache, id, g, t);
+        for (int64_t d = 0; d < c.head_dim(); ++d) {
+          const int64_t e = g * c.head_dim() + d;
+          double pk = w.b_k[e], pv = w.b_v[e];
+          for (int64_t i = 0; i < W; ++i) {
+            pk += static_cast<double>(x[t * W + i]) * w.w_k[e * W + i];
+            pv += static_cast<double>(x[t * W + i]) * w.w_v[e * W + i];
+          }
+          EXPECT_LE(std::fabs(key[d] - pk), 0x1p-7 * std::fabs(pk) + 1e-6) << what << " key t=" << t << " e=" << e;
+          EXPECT_LE(std::fabs(value[d] - pv), 0x1p-7 * std::fabs(pv) + 1e-6) << what << " value t=" << t << " e=" << e;
+          EXPECT_EQ(key[d], kernels::widen(kernels::to_bf16(key[d]))) << what << ": a stored key is not a bf16 value";
+        }
+      }
+    }
+    EXPECT_EQ(cache.impl().audit(), "") << what;
+  }
+}
+
+// A fork shares a partly filled bf16 block; the child's first append copies it, and both then decode against
+// their own histories.
+TEST_P(KvCacheBf16, ForkCopiesBf16Blocks) {
+  const Config c = serving_config(32, 2, 0, 64);
+  const Weights w = Weights::random(c, 9);
+  CausalSelfAttention block = test::make_block(c, w, isa(), 1);
+  KvCacheOptions o = test::pool(4, 64);
+  o.dtype = DType::bf16;
+  KvCache cache(c, o);
+  std::mt19937_64 rng(3);
+  const std::vector<float> x = random_uniform(static_cast<size_t>(12 * c.d_model), rng, -1.0f, 1.0f);
+  std::vector<float> parent_x(x.begin(), x.begin() + 6 * c.d_model), child_x = parent_x;
+  parent_x.insert(parent_x.end(), x.begin() + 6 * c.d_model, x.begin() + 7 * c.d_model);
+  child_x.insert(child_x.end(), x.begin() + 7 * c.d_model, x.begin() + 8 * c.d_model);
+  const SequenceId parent = cache.create();
+  std::vector<float> out(static_cast<size_t>(6 * c.d_model));
+  block.extend(cache, parent, x.data(), 6, out.data());
+  const SequenceId child = cache.fork(parent);
+  std::vector<float> yp(static_cast<size_t>(c.d_model)), yc(yp);
+  block.decode(cache, &child, 1, child_x.data() + 6 * c.d_model, yc.data());
+  block.decode(cache, &parent, 1, parent_x.data() + 6 * c.d_model, yp.data());
+  EXPECT_TRUE(all_close(yp, attention_over_cache(cache, parent, c, w, parent_x, 6, 7), Dtype::f32, 7, "parent"));
+  EXPECT_TRUE(all_close(yc, attention_over_cache(cache, child, c, w, child_x, 6, 7), Dtype::f32, 7, "child"));
+  EXPECT_NE(test::block_of(cache, parent, 5), test::block_of(cache, child, 5)) << "the shared block was not copied";
+  EXPECT_EQ(cached_key(cache, parent, 1, 5), cached_key(cache, child, 1, 5)) << "the copy lost the shared tokens";
+  EXPECT_EQ(cache.impl().audit(), "");
+}
+GPT2ATTN_INSTANTIATE_ISAS(KvCache, KvCacheBf16);
+
+// Half the bytes per block, so a pool of a fixed byte size holds twice the tokens; other dtypes are refused.
+TEST(KvCacheBf16Pool, HalfTheBytesTwiceTheTokens) {
+  const Config c = preset("gpt2-small");
+  KvCacheOptions f32;
+  f32.capacity_bytes = size_t{64} << 20;
+  KvCacheOptions bf = f32;
+  bf.dtype = DType::bf16;
+  const KvCache a(c, f32), b(c, bf);
+  EXPECT_EQ(b.block_bytes() * 2, a.block_bytes());
+  EXPECT_GE(b.total_blocks(), 2 * a.total_blocks());  // 341 against 170: whole blocks, rounded down
+  EXPECT_EQ(b.total_blocks(), static_cast<int64_t>(bf.capacity_bytes / b.block_bytes()));
+  EXPECT_EQ(a.block_bytes(), size_t{2 * 12 * 64 * 64 * 4});
+  for (DType bad : {DType::i8, DType::u8, DType::f16}) {
+    KvCacheOptions o = f32;
+    o.dtype = bad;
+    try {
+      KvCache cache(c, o);
+      ADD_FAILURE() << to_string(bad) << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("KvCacheOptions.dtype"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Round to nearest, ties to even, on the bit patterns; inf and NaN kept; overflow to inf.
+TEST(KvCacheBf16Pool, RoundsToNearestEven) {
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+  };
+  auto from = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  };
+  EXPECT_EQ(kernels::to_bf16(1.0f).bits, 0x3f80);
+  EXPECT_EQ(kernels::to_bf16(from(0x3f808000u)).bits, 0x3f80);  // tie, even below: stays
+  EXPECT_EQ(kernels::to_bf16(from(0x3f818000u)).bits, 0x3f82);  // tie, odd below: up to even
+  EXPECT_EQ(kernels::to_bf16(from(0x3f808001u)).bits, 0x3f81);  // above the tie: up
+  EXPECT_EQ(kernels::to_bf16(from(0x3f807fffu)).bits, 0x3f80);  // below the tie: down
+  EXPECT_EQ(kernels::to_bf16(-2.5f).bits, 0xc020);
+  EXPECT_EQ(kernels::to_bf16(INFINITY).bits, 0x7f80);
+  EXPECT_EQ(kernels::to_bf16(from(0x7f7fffffu)).bits, 0x7f80);  // FLT_MAX rounds to inf
+  EXPECT_TRUE(std::isnan(kernels::widen(kernels::to_bf16(NAN))));
+  EXPECT_TRUE(std::isnan(kernels::widen(kernels::to_bf16(from(0x7f800001u)))));  // a NaN whose payload is low bits
+  EXPECT_EQ(bits(kernels::widen(kernels::bf16{0xc020})), 0xc0200000u);
+}
+
+}  // namespace
+}  // namespace gpt2attn
