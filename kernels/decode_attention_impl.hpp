@@ -59,6 +59,20 @@ struct DecodeAttention {
     }
   }
 
+  // s[0..W) = qs . k_r for W consecutive keys (rows D apart), D a multiple of W: one accumulator per key, reduced
+  // all at once by a transpose-add (Vec::sum_rows) instead of one horizontal sum per key, which cost more than the
+  // key's FMAs at D = 64.
+  static void dots_w(const float* qs, const KvT* k, int64_t D, float* s, bool fetch) {
+    B acc[W];
+    for (int r = 0; r < W; ++r) acc[r] = V::set1(0.0f);
+    if (fetch) prefetch_rows(k, W, D);
+    for (int64_t d = 0; d < D; d += W) {
+      const B q = V::load(qs + d);
+      for (int r = 0; r < W; ++r) acc[r] = V::fma(q, V::load(k + r * D + d), acc[r]);
+    }
+    V::store(s, V::sum_rows(acc));
+  }
+
   // For HB heads g (p, alpha and acc rows lds, 1 and D apart): acc_g[0..N*W) = alpha_g * acc_g + sum_j p_gj v_j[...]
   // over nk keys (V rows D apart). Each V row is loaded once for all HB heads.
   template <int HB, int N>
@@ -106,6 +120,11 @@ struct DecodeAttention {
   static void group_block(const float* qs, int64_t ldqs, int64_t G, const KvT* k, const KvT* v, int64_t nk, int64_t D,
                           float* s, int64_t lds, float* alpha, float* m, float* l, float* acc) {
     int64_t j = 0;
+    if (D % W == 0 && W > 1) {
+      for (; j + W <= nk; j += W) {
+        for (int64_t g = 0; g < G; ++g) dots_w(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
+      }
+    }
     for (; j + kKeys <= nk; j += kKeys) {
       for (int64_t g = 0; g < G; ++g) dots<kKeys>(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
     }

@@ -61,6 +61,24 @@ struct Vec {
   static B fma(B a, B b, B c) { return xsimd::fma(a, b, c); }
   static B max(B a, B b) { return xsimd::max(a, b); }
   static float sum(B v) { return xsimd::hadd(v); }  // horizontal: the lanes added
+  // W vectors reduced at once: lane i holds the sum of rows[i]'s lanes (a transpose-add; far cheaper than W sums).
+  // xsimd 8.1's AVX-512 haddp returns its lanes permuted (0, 1, 4, 5, 2, 3, 6, 7, ...; measured, and caught by the
+  // decode kernel tests), so on AVX-512 each row is folded to 8 lanes and the AVX2 haddp, whose order is right,
+  // reduces each half.
+  static B sum_rows(const B* rows) {
+    if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
+      using B8 = xsimd::batch<float, xsimd::avx2>;
+      B8 lo[8], hi[8];
+      for (int i = 0; i < 8; ++i) {
+        lo[i] = B8(_mm256_add_ps(_mm512_castps512_ps256(rows[i]), _mm512_extractf32x8_ps(rows[i], 1)));
+        hi[i] = B8(_mm256_add_ps(_mm512_castps512_ps256(rows[8 + i]), _mm512_extractf32x8_ps(rows[8 + i], 1)));
+      }
+      const __m256 a = xsimd::haddp(lo), b = xsimd::haddp(hi);
+      return B(_mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1));
+    } else {
+      return xsimd::haddp(rows);
+    }
+  }
   // 2^x, exactly 0 below -126 (so a masked -inf score contributes nothing) and NaN for NaN (bad input
   // must not pass for a masked row). Range reduction x = n + f, |f| <= 1/2, then 2^f by its Taylor series
   // to degree 6 (relative error < 1.3e-7, about one float ulp), and 2^n built in the exponent bits.
@@ -91,6 +109,7 @@ struct Vec<ScalarArch> {
   static B fma(B a, B b, B c) { return std::fma(a, b, c); }
   static B max(B a, B b) { return a > b ? a : b; }
   static float sum(B v) { return v; }
+  static B sum_rows(const B* rows) { return rows[0]; }
   static B exp2(B x) { return x < -126.0f ? 0.0f : std::exp2(x); }
   static B finite_or_zero(B m) { return m == -INFINITY ? 0.0f : m; }
 };
