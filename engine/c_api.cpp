@@ -265,7 +265,40 @@ gpt2attn_status_t gpt2attn_kv_cache_create(const gpt2attn_layer_t* layer, int64_
   });
 }
 
+gpt2attn_status_t gpt2attn_kv_cache_create_with(const gpt2attn_layer_t* layer,
+                                                const gpt2attn_kv_cache_options_t* options, gpt2attn_kv_cache_t** out) {
+  return guarded(__func__, [&] {
+    const auto& l = deref(layer, "layer");
+    const gpt2attn_kv_cache_options_t& opt = deref(options, "options");
+    require(out, "out");
+    // The first version of the struct is the whole struct; a later header may append fields.
+    if (opt.struct_size != sizeof(gpt2attn_kv_cache_options_t)) {
+      ga::invalid("options.struct_size must be sizeof(gpt2attn_kv_cache_options_t) = " +
+                  std::to_string(sizeof(gpt2attn_kv_cache_options_t)) + ", got " + std::to_string(opt.struct_size));
+    }
+    if (opt.capacity_tokens < 0) {
+      ga::invalid("options.capacity_tokens must be >= 0, got " + std::to_string(opt.capacity_tokens));
+    }
+    ga::KvCacheOptions o;
+    o.block_tokens = opt.block_tokens;
+    o.capacity_tokens = opt.capacity_tokens;
+    o.capacity_bytes = static_cast<size_t>(opt.capacity_bytes);
+    o.dtype = opt.kv_dtype ? ga::dtype_from_string(opt.kv_dtype) : ga::DType::f32;
+    *out = new gpt2attn_kv_cache{ga::KvCache(l.attn.config(), o)};  // the cache checks the rest, naming the field
+  });
+}
+
 void gpt2attn_kv_cache_destroy(gpt2attn_kv_cache_t* cache) { delete cache; }
+
+gpt2attn_status_t gpt2attn_kv_cache_bytes(const gpt2attn_kv_cache_t* cache, uint64_t* block_bytes,
+                                          uint64_t* capacity_bytes, const char** kv_dtype) {
+  return guarded(__func__, [&] {
+    const ga::KvCache& c = deref(cache, "cache").cache;
+    if (block_bytes) *block_bytes = c.block_bytes();
+    if (capacity_bytes) *capacity_bytes = c.capacity_bytes();
+    if (kv_dtype) *kv_dtype = ga::to_string(c.dtype());
+  });
+}
 
 gpt2attn_status_t gpt2attn_kv_cache_stats(const gpt2attn_kv_cache_t* cache, int64_t* block_tokens,
                                           int64_t* total_blocks, int64_t* free_blocks, int64_t* num_sequences) {

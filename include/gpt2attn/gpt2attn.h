@@ -99,8 +99,24 @@ gpt2attn_status_t gpt2attn_layer_describe(const gpt2attn_layer_t* layer, const c
 /* A pool for this E and H, allocated now: capacity_tokens in blocks of block_tokens (0: 64 or context_length). */
 gpt2attn_status_t gpt2attn_kv_cache_create(const gpt2attn_layer_t* layer, int64_t block_tokens,
                                            int64_t capacity_tokens, gpt2attn_kv_cache_t** out);
+/* Pool options that can grow: set struct_size = sizeof(gpt2attn_kv_cache_options_t) (a later library reads an
+ * older, shorter struct by its size). Exactly one of capacity_tokens (rounded up to whole blocks) and
+ * capacity_bytes (rounded down) is nonzero. kv_dtype: "f32" (NULL means f32) or "bf16" (half the bytes, each K/V
+ * value rounded to nearest even once; attention still computes in f32). */
+typedef struct gpt2attn_kv_cache_options {
+  uint32_t struct_size;
+  int64_t block_tokens;    /* 0: 64 or context_length */
+  int64_t capacity_tokens;
+  uint64_t capacity_bytes;
+  const char* kv_dtype;
+} gpt2attn_kv_cache_options_t;
+gpt2attn_status_t gpt2attn_kv_cache_create_with(const gpt2attn_layer_t* layer,
+                                                const gpt2attn_kv_cache_options_t* options, gpt2attn_kv_cache_t** out);
 /* Frees the pool and every sequence in it; NULL is a no-op. */
 void gpt2attn_kv_cache_destroy(gpt2attn_kv_cache_t* cache);
+/* The pool's sizes in bytes and its K/V storage type ("f32" or "bf16", a static string); any out may be NULL. */
+gpt2attn_status_t gpt2attn_kv_cache_bytes(const gpt2attn_kv_cache_t* cache, uint64_t* block_bytes,
+                                          uint64_t* capacity_bytes, const char** kv_dtype);
 /* Pool state; any out pointer may be NULL. Room left: free_blocks * block_tokens tokens. */
 gpt2attn_status_t gpt2attn_kv_cache_stats(const gpt2attn_kv_cache_t* cache, int64_t* block_tokens,
                                           int64_t* total_blocks, int64_t* free_blocks, int64_t* num_sequences);

@@ -415,6 +415,51 @@ static void test_grouped_kv_heads(void) {
   gpt2attn_layer_destroy(layer);
 }
 
+/* A bf16 cache through the options struct: half the block bytes of an f32 one, the same outputs within bf16
+ * storage rounding, and bad options refused by name. */
+static void test_bf16_cache(gpt2attn_layer_t* layer, const float* xa) {
+  gpt2attn_kv_cache_options_t o;
+  memset(&o, 0, sizeof o);
+  o.struct_size = sizeof o;
+  o.block_tokens = BLOCK;
+  o.capacity_tokens = 64;
+  gpt2attn_kv_cache_t *f32 = NULL, *bf = NULL;
+  CHECK_OK(gpt2attn_kv_cache_create_with(layer, &o, &f32));
+  o.kv_dtype = "bf16";
+  CHECK_OK(gpt2attn_kv_cache_create_with(layer, &o, &bf));
+  if (!f32 || !bf) return;
+  uint64_t fb = 0, bb = 0;
+  const char* dt = NULL;
+  CHECK_OK(gpt2attn_kv_cache_bytes(f32, &fb, NULL, NULL));
+  CHECK_OK(gpt2attn_kv_cache_bytes(bf, &bb, NULL, &dt));
+  CHECK(fb == 2 * bb && dt && strcmp(dt, "bf16") == 0, "bf16 blocks are half the bytes (%llu vs %llu), dtype %s",
+        (unsigned long long)bb, (unsigned long long)fb, dt ? dt : "(null)");
+  gpt2attn_seq_t a = -1, b = -1;
+  CHECK_OK(gpt2attn_seq_create(f32, &a));
+  CHECK_OK(gpt2attn_seq_create(bf, &b));
+  float ya[PROMPT_A * E], yb[PROMPT_A * E];
+  CHECK_OK(gpt2attn_layer_extend(layer, f32, a, xa, PROMPT_A, ya, 1, NULL));
+  CHECK_OK(gpt2attn_layer_extend(layer, bf, b, xa, PROMPT_A, yb, 1, NULL));
+  double worst = 0;
+  for (int i = 0; i < PROMPT_A * E; ++i) worst = fmax(worst, fabs((double)ya[i] - (double)yb[i]));
+  CHECK(worst > 0 && worst < 1e-2, "bf16 cache outputs within storage rounding of f32 ones (max diff %.3g)", worst);
+  gpt2attn_kv_cache_destroy(f32);
+  gpt2attn_kv_cache_destroy(bf);
+
+  gpt2attn_kv_cache_t* bad = NULL;
+  o.kv_dtype = "i8";
+  CHECK_ERR(gpt2attn_kv_cache_create_with(layer, &o, &bad), GPT2ATTN_ERR_INVALID_ARGUMENT, "KvCacheOptions.dtype");
+  o.kv_dtype = "f64";
+  CHECK_ERR(gpt2attn_kv_cache_create_with(layer, &o, &bad), GPT2ATTN_ERR_INVALID_ARGUMENT, "f64");
+  o.kv_dtype = NULL;
+  o.struct_size = 8;
+  CHECK_ERR(gpt2attn_kv_cache_create_with(layer, &o, &bad), GPT2ATTN_ERR_INVALID_ARGUMENT, "struct_size");
+  o.struct_size = sizeof o;
+  o.capacity_bytes = 1 << 20; /* both capacities set */
+  CHECK_ERR(gpt2attn_kv_cache_create_with(layer, &o, &bad), GPT2ATTN_ERR_INVALID_ARGUMENT, "exactly one");
+  CHECK(bad == NULL, "a refused create writes no handle");
+}
+
 int main(void) {
   gpt2attn_config_t cfg = {E, H, 0, CTX, 1, 1, 0};
   gpt2attn_layer_t* layer = NULL;
@@ -433,6 +478,7 @@ int main(void) {
   test_pool_exhaustion(layer, xa, xb, ref_a, ref_b);
   test_explicit_weights();
   test_grouped_kv_heads();
+  test_bf16_cache(layer, xa);
   gpt2attn_layer_destroy(layer);
 
   printf("%d passed, %d failed\n", g_passed, g_failed);
