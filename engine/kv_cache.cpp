@@ -5,10 +5,11 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "engine/util.hpp"
-#include "kernels/bf16.hpp"
 #include "gpt2attn/error.hpp"
+#include "kernels/bf16.hpp"
 #include "kernels/tiles.hpp"
 
 namespace gpt2attn {
@@ -59,9 +60,17 @@ KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
 }
 
 KvCache::Impl::Sequence& KvCache::Impl::find(SequenceId id) {
+  return const_cast<Sequence&>(std::as_const(*this).find(id));
+}
+const KvCache::Impl::Sequence& KvCache::Impl::find(SequenceId id) const {
   auto it = seqs.find(id);
   if (it == seqs.end()) invalid("KvCache: unknown sequence id " + str(id) + " (never created, or released)");
   return it->second;
+}
+
+int32_t KvCache::Impl::block_holding(const Sequence& s, int64_t t) const {
+  if (t < 0 || t >= s.length) invalid("KvCache: token " + str(t) + " out of range [0, " + str(s.length) + ")");
+  return s.blocks[t / block_tokens];
 }
 
 int32_t KvCache::Impl::take_block() {
@@ -271,20 +280,17 @@ void KvCache::Impl::load_row(const std::byte* b, kernels::KvPart part, int64_t h
 
 int32_t KvCache::Impl::block_of(SequenceId seq, int64_t t) const {
   std::lock_guard<std::mutex> lock(mu);
-  auto it = seqs.find(seq);
-  if (it == seqs.end()) invalid("KvCache: unknown sequence id " + str(seq));
-  if (t < 0 || t >= it->second.length) invalid("KvCache: token " + str(t) + " out of range [0, " + str(it->second.length) + ")");
-  return it->second.blocks[t / block_tokens];
+  return block_holding(find(seq), t);
 }
 
 namespace {
-void read_row(KvCache::Impl& c, SequenceId seq, int64_t h, int64_t t, float* dst, kernels::KvPart part) {
+void read_row(const KvCache::Impl& c, SequenceId seq, int64_t h, int64_t t, float* dst, kernels::KvPart part) {
   std::lock_guard<std::mutex> lock(c.mu);
   const KvCache::Impl::Sequence& s = c.find(seq);
   if (h < 0 || h >= c.layout.heads) invalid("KvCache: head " + str(h) + " out of range [0, " + str(c.layout.heads) + ")");
-  if (t < 0 || t >= s.length) invalid("KvCache: token " + str(t) + " out of range [0, " + str(s.length) + ")");
+  const int32_t b = c.block_holding(s, t);
   if (!dst) invalid("KvCache: dst is a null pointer");
-  c.load_row(c.block(s.blocks[t / c.block_tokens]), part, h, t % c.block_tokens, dst);
+  c.load_row(c.block(b), part, h, t % c.block_tokens, dst);
 }
 }  // namespace
 

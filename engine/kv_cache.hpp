@@ -33,7 +33,7 @@ struct KvCache::Impl {
   Config cfg;
   kernels::KvLayout layout;  // every block's layout: dtype, H_kv heads, block_tokens, D
   int64_t block_tokens = 0, max_blocks_per_seq = 0;
-  size_t block_bytes = 0;    // layout.block_bytes(), checked
+  size_t block_bytes = 0;    // 2 * layout.heads * layout.tile_bytes(), computed checked
   int64_t nblocks = 0;
   std::unique_ptr<std::byte, FreeDeleter> pool;  // nblocks x block_bytes, 64-byte aligned
   std::vector<int32_t> refcount;             // sequences holding each block
@@ -66,6 +66,9 @@ struct KvCache::Impl {
   void end_append(const SequenceId* seqs, int64_t n, int64_t tokens, bool success) noexcept;
 
   Sequence& find(SequenceId id);  // throws invalid_argument for an unknown or released id; caller holds mu
+  const Sequence& find(SequenceId id) const;
+  // The pool index of the block holding token t of `s`; invalid_argument unless 0 <= t < length. Caller holds mu.
+  int32_t block_holding(const Sequence& s, int64_t t) const;
   int32_t shared_write_block(const Sequence& s) const;  // a shared block an append would write into, or -1
   // The table size `s` needs after appending `tokens`, and the new blocks that takes beyond what it holds.
   int64_t table_size_after(const Sequence& s, int64_t tokens) const { return (s.length + tokens + block_tokens - 1) / block_tokens; }

@@ -44,7 +44,6 @@ struct MicroF32 {
   using Elem = KvT;
   static constexpr int W = V::W;
   static constexpr int BQ = QV * W;  // queries per tile, in lanes
-  static constexpr int kRows = R;    // rows per register block
 
   // The query tile as score_rows reads it: transposed, qt (D, BQ), each row scaled by qscale; lanes past the last
   // of the nq queries are zero.

@@ -26,11 +26,10 @@ struct KvLayout {
   int64_t block_tokens = 0;  // tokens per block
   int64_t D = 0;             // head size
 
-  // Sizes in bytes. The pool checks block_bytes() against overflow once, at construction (checked arithmetic in
-  // engine/util.hpp); every offset below is smaller, so none of these can overflow afterwards.
+  // Sizes in bytes. A block is 2 * heads tiles; the pool computes that size once, with checked arithmetic
+  // (KvCache::Impl::block_bytes), and every offset below is smaller, so none of these can overflow afterwards.
   int64_t row_bytes() const { return D * static_cast<int64_t>(size_of(dtype)); }
   int64_t tile_bytes() const { return block_tokens * row_bytes(); }  // one head's K (or V) tile
-  int64_t block_bytes() const { return 2 * heads * tile_bytes(); }
 
   // Byte offset of head h's K or V tile inside a block, and of token `slot` (0 <= slot < block_tokens) in it.
   int64_t tile_offset(KvPart part, int64_t h) const {

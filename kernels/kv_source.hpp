@@ -28,7 +28,6 @@ struct KvRef {
 
 template <class T>
 struct ContiguousKv {
-  using Elem = T;
   const T* k;
   const T* v;
   int64_t ldk, ldv;
@@ -44,7 +43,6 @@ struct ContiguousKv {
 
 template <class T>
 struct PagedKv {
-  using Elem = T;
   const std::byte* const* blocks;
   KvLayout layout;
   int64_t head;
