@@ -22,13 +22,13 @@ struct DecodeAttention {
   // Query heads of one group accumulated together in P.V: kHeadBlock x 4 vectors of acc in registers, plus 4 V
   // vectors and a broadcast (AVX-512: 16 + 5 of 32 registers; AVX2: 8 + 5 of 16; scalar: the compiler's choice).
   static constexpr int kHeadBlock = W >= 16 ? 4 : 2;
-  // Heads' tiles are contiguous in a block, so prefetching rows ahead runs on into the next head's tile.
-  static constexpr int64_t kAhead = tiles::kDecodePrefetchRows;
+  // Heads' tiles are contiguous in a block, so prefetching ahead runs on into the next head's tile.
+  static constexpr size_t kAhead = tiles::kDecodePrefetchBytes;
 
-  // One prefetch per 64-byte line of `rows` rows of D elements starting kAhead rows after p.
+  // One prefetch per 64-byte line of `rows` rows of D elements, kAhead bytes after p.
   static constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(KvT));  // elements per cache line
   static void prefetch_rows(const KvT* p, int64_t rows, int64_t D) {
-    for (int64_t i = 0; i < rows * D; i += kLine) prefetch(p, static_cast<size_t>(kAhead * D + i) * sizeof(KvT));
+    for (int64_t i = 0; i < rows * D; i += kLine) prefetch(p, kAhead + static_cast<size_t>(i) * sizeof(KvT));
   }
 
   // Scratch: qs (H, D padded to W) | s (H, score_keys padded to W) | alpha (H), where a run of keys scored at once is
@@ -61,7 +61,7 @@ struct DecodeAttention {
 
   // s[0..W) = qs . k_r for W consecutive keys (rows D apart), D a multiple of W: one accumulator per key, reduced
   // all at once by a transpose-add (Vec::sum_rows) instead of one horizontal sum per key, which cost more than the
-  // key's FMAs at D = 64.
+  // key's FMAs at D = 64. (A compile-time D, which gives every row a constant offset, measured no faster.)
   static void dots_w(const float* qs, const KvT* k, int64_t D, float* s, bool fetch) {
     B acc[W];
     for (int r = 0; r < W; ++r) acc[r] = V::set1(0.0f);
@@ -81,7 +81,7 @@ struct DecodeAttention {
     for (int g = 0; g < HB; ++g)
       for (int n = 0; n < N; ++n) c[g][n] = V::load(acc + g * D + n * W) * V::set1(alpha[g]);
     for (int64_t j = 0; j < nk; ++j) {
-      for (int n = 0; n < N * W; n += kLine) prefetch(v, static_cast<size_t>((j + kAhead) * D + n) * sizeof(KvT));
+      for (int n = 0; n < N * W; n += kLine) prefetch(v, kAhead + static_cast<size_t>(j * D + n) * sizeof(KvT));
       B vj[N];
       for (int n = 0; n < N; ++n) vj[n] = V::load(v + j * D + n * W);
       for (int g = 0; g < HB; ++g) {
@@ -135,9 +135,10 @@ struct DecodeAttention {
     // Per head: p_j = 2^(s_j - m_new) in place, l = alpha * l + sum_j p_j.
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * lds;
-      float m_new = m[g];
-      for (j = 0; j < nk; ++j) m_new = std::max(m_new, sg[j]);
-      for (j = nk; j < padded(nk); ++j) sg[j] = -INFINITY;  // pad lanes: exp2 gives 0
+      for (j = nk; j < padded(nk); ++j) sg[j] = -INFINITY;  // pad lanes: no effect on the max, exp2 gives 0
+      B mv = V::set1(m[g]);
+      for (j = 0; j < nk; j += W) mv = V::max(mv, V::load(sg + j));
+      const float m_new = V::reduce_max(mv);
       const float m_safe = m_new == -INFINITY ? 0.0f : m_new;
       B sum = V::set1(0.0f);
       for (j = 0; j < nk; j += W) {

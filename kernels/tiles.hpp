@@ -59,8 +59,9 @@ inline constexpr int kLinearKChunk = 512;
 // scratch for any block size, and is above the default block (kKeyTile), so default blocks are scored whole.
 inline constexpr int kDecodeMaxScoreKeys = 256;
 
-// The decode kernel streams K and V with software prefetch this many key rows ahead (4 KiB at D = 64): at
-// gpt2-small B=16 T=1024 it took a step from 3.4 to 2.0 ms; 32 and 64 rows measured 2.1-2.3 ms.
-inline constexpr int kDecodePrefetchRows = 16;
+// The decode kernel streams K and V with software prefetch this many bytes ahead (16 f32 rows at D = 64): at
+// gpt2-small B=16 T=1024 it took a step from 3.4 to 2.0 ms; 8 and 16 KiB measured 2.1-2.3 ms. In bytes, not
+// rows, so a bf16 or int8 cache keeps as many lines in flight as an f32 one.
+inline constexpr size_t kDecodePrefetchBytes = 4096;
 
 }  // namespace gpt2attn::kernels::tiles

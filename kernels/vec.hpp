@@ -61,6 +61,13 @@ struct Vec {
   static B fma(B a, B b, B c) { return xsimd::fma(a, b, c); }
   static B max(B a, B b) { return xsimd::max(a, b); }
   static float sum(B v) { return xsimd::hadd(v); }  // horizontal: the lanes added
+  static float reduce_max(B v) {  // horizontal: the largest lane (xsimd 8.1 has no max reducer)
+    alignas(64) float t[W];
+    v.store_aligned(t);
+    float m = t[0];
+    for (int i = 1; i < W; ++i) m = t[i] > m ? t[i] : m;
+    return m;
+  }
   // W vectors reduced at once: lane i holds the sum of rows[i]'s lanes (a transpose-add; far cheaper than W sums).
   // xsimd 8.1's AVX-512 haddp returns its lanes permuted (0, 1, 4, 5, 2, 3, 6, 7, ...; measured, and caught by the
   // decode kernel tests), so on AVX-512 each row is folded to 8 lanes and the AVX2 haddp, whose order is right,
@@ -109,6 +116,7 @@ struct Vec<ScalarArch> {
   static B fma(B a, B b, B c) { return std::fma(a, b, c); }
   static B max(B a, B b) { return a > b ? a : b; }
   static float sum(B v) { return v; }
+  static float reduce_max(B v) { return v; }
   static B sum_rows(const B* rows) { return rows[0]; }
   static B exp2(B x) { return x < -126.0f ? 0.0f : std::exp2(x); }
   static B finite_or_zero(B m) { return m == -INFINITY ? 0.0f : m; }
