@@ -17,16 +17,23 @@ const std::vector<KernelSet>& kernel_table() {
       {"f32-kvbf16/avx512", Isa::avx512, DType::f32, DType::bf16,
        "a bf16 KV cache: half the K/V bytes a decode step streams, widened to f32 as they are loaded",
        &k::attention_f32_kvbf16_avx512(), &k::decode_attention_f32_kvbf16_avx512(), &k::linear_f32_avx512()},
+      {"f32-kvi8/avx512", Isa::avx512, DType::f32, DType::i8,
+       "an int8 KV cache: about a quarter of the f32 K/V bytes, rows widened to f32 and scaled once per key",
+       &k::attention_f32_kvi8_avx512(), &k::decode_attention_f32_kvi8_avx512(), &k::linear_f32_avx512()},
       {"f32/avx2", Isa::avx2, DType::f32, DType::f32,
        "8 lanes and 16 registers (AVX2 + FMA): 2 query vectors x 6 rows",
        &k::attention_f32_avx2(), &k::decode_attention_f32_avx2(), &k::linear_f32_avx2()},
       {"f32-kvbf16/avx2", Isa::avx2, DType::f32, DType::bf16, "a bf16 KV cache on AVX2: the same widening loads",
        &k::attention_f32_kvbf16_avx2(), &k::decode_attention_f32_kvbf16_avx2(), &k::linear_f32_avx2()},
+      {"f32-kvi8/avx2", Isa::avx2, DType::f32, DType::i8, "an int8 KV cache on AVX2: the same widening loads",
+       &k::attention_f32_kvi8_avx2(), &k::decode_attention_f32_kvi8_avx2(), &k::linear_f32_avx2()},
       {"f32/scalar", Isa::scalar, DType::f32, DType::f32,
        "the portable twin: the same algorithms on one lane, for any CPU",
        &k::attention_f32_scalar(), &k::decode_attention_f32_scalar(), &k::linear_f32_scalar()},
       {"f32-kvbf16/scalar", Isa::scalar, DType::f32, DType::bf16, "the portable twin of the bf16 KV cache rows",
        &k::attention_f32_kvbf16_scalar(), &k::decode_attention_f32_kvbf16_scalar(), &k::linear_f32_scalar()},
+      {"f32-kvi8/scalar", Isa::scalar, DType::f32, DType::i8, "the portable twin of the int8 KV cache rows",
+       &k::attention_f32_kvi8_scalar(), &k::decode_attention_f32_kvi8_scalar(), &k::linear_f32_scalar()},
   };
   return table;
 }

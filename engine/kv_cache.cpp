@@ -9,7 +9,7 @@
 
 #include "engine/util.hpp"
 #include "gpt2attn/error.hpp"
-#include "kernels/bf16.hpp"
+#include "kernels/kv_codec.hpp"
 #include "kernels/tiles.hpp"
 
 namespace gpt2attn {
@@ -29,16 +29,23 @@ KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
             std::to_string(o.capacity_bytes) + ")");
   }
   if (o.capacity_tokens < 0) invalid("KvCacheOptions.capacity_tokens must be >= 0, got " + str(o.capacity_tokens));
-  if (o.dtype != DType::f32 && o.dtype != DType::bf16) {
-    invalid(std::string("KvCacheOptions.dtype: ") + to_string(o.dtype) + " is not a K/V storage format (f32, bf16)");
+  if (o.dtype != DType::f32 && o.dtype != DType::bf16 && o.dtype != DType::i8) {
+    invalid(std::string("KvCacheOptions.dtype: ") + to_string(o.dtype) +
+            " is not a K/V storage format (f32, bf16, i8)");
   }
   layout.dtype = o.dtype;
   layout.heads = cfg.kv_heads();
   layout.block_tokens = block_tokens;
   layout.D = cfg.head_dim();
-  // Checked here once: every offset the layout computes afterwards is smaller than this.
-  block_bytes = static_cast<size_t>(detail::checked_product(
-      {2, layout.heads, block_tokens, layout.D, static_cast<int64_t>(size_of(layout.dtype))}, "KvCache: block bytes"));
+  // Checked here once (the tiles, rounded up to 4, plus int8's scales): every size and offset the layout computes
+  // afterwards is at most this.
+  const int64_t tiles = detail::checked_product(
+      {2, layout.heads, block_tokens, layout.D, static_cast<int64_t>(size_of(layout.dtype))}, "KvCache: block bytes");
+  const int64_t scales =
+      layout.scaled() ? detail::checked_product({2, layout.heads, block_tokens, 4}, "KvCache: block bytes") : 0;
+  block_bytes = static_cast<size_t>(
+      detail::checked_add(detail::round_up(tiles, 4, "KvCache: block bytes"), scales, "KvCache: block bytes"));
+  if (block_bytes != static_cast<size_t>(layout.block_bytes())) fail(ErrorCode::internal, "KvCache: block layout");
   nblocks = o.capacity_tokens > 0 ? ceil_div(o.capacity_tokens, block_tokens)
                                   : static_cast<int64_t>(o.capacity_bytes / block_bytes);
   if (nblocks < 1) {
@@ -261,21 +268,11 @@ size_t KvCache::capacity_bytes() const { return static_cast<size_t>(impl_->nbloc
 const Config& KvCache::config() const { return impl_->cfg; }
 
 void KvCache::Impl::store_row(std::byte* b, kernels::KvPart part, int64_t h, int64_t slot, const float* src) const {
-  if (layout.dtype == DType::bf16) {
-    kernels::bf16* dst = layout.row<kernels::bf16>(b, part, h, slot);
-    for (int64_t d = 0; d < layout.D; ++d) dst[d] = kernels::to_bf16(src[d]);
-  } else {
-    std::memcpy(layout.row<float>(b, part, h, slot), src, static_cast<size_t>(layout.row_bytes()));
-  }
+  kernels::store_kv_row(layout, b, part, h, slot, src);
 }
 
 void KvCache::Impl::load_row(const std::byte* b, kernels::KvPart part, int64_t h, int64_t slot, float* dst) const {
-  if (layout.dtype == DType::bf16) {
-    const kernels::bf16* src = layout.row<kernels::bf16>(b, part, h, slot);
-    for (int64_t d = 0; d < layout.D; ++d) dst[d] = kernels::widen(src[d]);
-  } else {
-    std::memcpy(dst, layout.row<float>(b, part, h, slot), static_cast<size_t>(layout.row_bytes()));
-  }
+  kernels::load_kv_row(layout, b, part, h, slot, dst);
 }
 
 int32_t KvCache::Impl::block_of(SequenceId seq, int64_t t) const {

@@ -33,7 +33,7 @@ struct KvCache::Impl {
   Config cfg;
   kernels::KvLayout layout;  // every block's layout: dtype, H_kv heads, block_tokens, D
   int64_t block_tokens = 0, max_blocks_per_seq = 0;
-  size_t block_bytes = 0;    // 2 * layout.heads * layout.tile_bytes(), computed checked
+  size_t block_bytes = 0;    // layout.block_bytes(), computed checked
   int64_t nblocks = 0;
   std::unique_ptr<std::byte, FreeDeleter> pool;  // nblocks x block_bytes, 64-byte aligned
   std::vector<int32_t> refcount;             // sequences holding each block
@@ -48,9 +48,9 @@ struct KvCache::Impl {
   std::byte* block(int32_t b) const { return pool.get() + static_cast<size_t>(b) * block_bytes; }
 
   // The one K/V writer and reader: head h's row of token `slot` in `block`, stored from / loaded into D floats in
-  // the layout's element type (f32: a copy; bf16: rounded to nearest even / widened; a new format converts here and
-  // nowhere else). The layer's prefill GEMMs write f32 rows in place instead, at the same address (layout.row),
-  // when the format is f32.
+  // the layout's element type by kernels/kv_codec.hpp (f32 copies, bf16 rounds to nearest even, int8 quantises
+  // with the row's own scale; a new format converts there and nowhere else). The layer's prefill GEMMs write f32
+  // rows in place instead, at the same address (layout.row), when the format is f32.
   void store_row(std::byte* block, kernels::KvPart part, int64_t h, int64_t slot, const float* src) const;
   void load_row(const std::byte* block, kernels::KvPart part, int64_t h, int64_t slot, float* dst) const;
 

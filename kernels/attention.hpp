@@ -131,5 +131,9 @@ const AttentionKernel& attention_f32_avx512();
 const AttentionKernel& attention_f32_kvbf16_scalar();
 const AttentionKernel& attention_f32_kvbf16_avx2();
 const AttentionKernel& attention_f32_kvbf16_avx512();
+// f32 compute over K/V stored int8 with row scales (attention_f32_kvi8_<isa>.cpp): the paged K/V of an int8 cache.
+const AttentionKernel& attention_f32_kvi8_scalar();
+const AttentionKernel& attention_f32_kvi8_avx2();
+const AttentionKernel& attention_f32_kvi8_avx512();
 
 }  // namespace gpt2attn::kernels

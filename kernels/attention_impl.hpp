@@ -60,8 +60,10 @@ struct MicroF32 {
   // The sum over D runs in chunks of tiles::kScoreChunk, each in fresh registers, added to the partial score
   // spilled to s: with one accumulator over D = 256 this dot product was the largest error of the whole layer
   // where scores are large (score error 1.1-1.3e-4 -> 4-6e-5; "Accuracy" in attention.hpp has the figures).
+  // Row-scaled K (int8): each key's score is multiplied by its scale kscale[r] before it is stored and maxed.
   template <int RR>
-  static void score_rows(const KvT* k, int64_t ldk, const float* qt, int64_t D, float* s, B* mx) {
+  static void score_rows(const KvT* k, int64_t ldk, const float* kscale, const float* qt, int64_t D, float* s,
+                         B* mx) {
     B acc[RR][QV];
     for (int64_t d0 = 0;;) {
       const int64_t d1 = std::min<int64_t>(D, d0 + tiles::kScoreChunk);
@@ -84,6 +86,10 @@ struct MicroF32 {
         for (int v = 0; v < QV; ++v) V::store(s + r * BQ + v * W, acc[r][v]);
       d0 = d1;
     }
+    if constexpr (kRowScaled<KvT>) {
+      for (int r = 0; r < RR; ++r)
+        for (int v = 0; v < QV; ++v) acc[r][v] = acc[r][v] * V::set1(kscale[r]);
+    }
     for (int r = 0; r < RR; ++r) {
       for (int v = 0; v < QV; ++v) {
         V::store(s + r * BQ + v * W, acc[r][v]);
@@ -92,9 +98,11 @@ struct MicroF32 {
     }
   }
 
-  // acc[d][lane] = alpha[lane] * acc[d][lane] + sum_j V[j][d] * p[j][lane] for RR consecutive d.
+  // acc[d][lane] = alpha[lane] * acc[d][lane] + sum_j V[j][d] * p[j][lane] for RR consecutive d; row-scaled V
+  // (int8) multiplies p[j] by the value's scale vscale[j].
   template <int RR>
-  static void pv_rows(const KvT* vcol, int64_t ldv, const float* p, int64_t nk, const float* alpha, float* acc) {
+  static void pv_rows(const KvT* vcol, int64_t ldv, const float* vscale, const float* p, int64_t nk,
+                      const float* alpha, float* acc) {
     B c[RR][QV];
     for (int v = 0; v < QV; ++v) {
       const B al = V::load(alpha + v * W);
@@ -103,6 +111,9 @@ struct MicroF32 {
     for (int64_t j = 0; j < nk; ++j) {
       B pj[QV];
       for (int v = 0; v < QV; ++v) pj[v] = V::load(p + j * BQ + v * W);
+      if constexpr (kRowScaled<KvT>) {
+        for (int v = 0; v < QV; ++v) pj[v] = pj[v] * V::set1(vscale[j]);
+      }
       for (int r = 0; r < RR; ++r) {
         const B vb = V::set1(widen(vcol[j * ldv + r]));
         for (int v = 0; v < QV; ++v) c[r][v] = V::fma(vb, pj[v], c[r][v]);
@@ -113,21 +124,34 @@ struct MicroF32 {
   }
 
   // The whole score tile s (nk, BQ) = K (nk rows, stride ldk) . qt, register block by register block.
-  static void scores(const KvT* k, int64_t ldk, int64_t nk, const float* qt, int64_t D, float* s, B* mx) {
+  // Scales from row j on (null, never offset, for types without scales).
+  static const float* scales_from(const float* scales, int64_t j) {
+    if constexpr (kRowScaled<KvT>) return scales + j;
+    return nullptr;
+  }
+
+  // kscale: the keys' scales (row-scaled K only; null otherwise).
+  static void scores(const KvT* k, int64_t ldk, const float* kscale, int64_t nk, const float* qt, int64_t D,
+                     float* s, B* mx) {
     int64_t j = 0;
-    for (; j + R <= nk; j += R) score_rows<R>(k + j * ldk, ldk, qt, D, s + j * BQ, mx);
+    for (; j + R <= nk; j += R) score_rows<R>(k + j * ldk, ldk, scales_from(kscale, j), qt, D, s + j * BQ, mx);
     if (j < nk) {
-      with_rows<R - 1>(nk - j, [&](auto rr) { score_rows<decltype(rr)::value>(k + j * ldk, ldk, qt, D, s + j * BQ, mx); });
+      with_rows<R - 1>(nk - j, [&](auto rr) {
+        score_rows<decltype(rr)::value>(k + j * ldk, ldk, scales_from(kscale, j), qt, D, s + j * BQ, mx);
+      });
     }
   }
 
   // acc (D, BQ) = alpha * acc + V^T (D x nk, V rows of stride ldv) . p (nk, BQ), R head dimensions at a time.
-  static void accumulate_pv(const KvT* v, int64_t ldv, int64_t nk, const float* p, const float* alpha, int64_t D,
-                            float* acc) {
+  // vscale: the values' scales (row-scaled V only; null otherwise).
+  static void accumulate_pv(const KvT* v, int64_t ldv, const float* vscale, int64_t nk, const float* p,
+                            const float* alpha, int64_t D, float* acc) {
     int64_t d = 0;
-    for (; d + R <= D; d += R) pv_rows<R>(v + d, ldv, p, nk, alpha, acc + d * BQ);
+    for (; d + R <= D; d += R) pv_rows<R>(v + d, ldv, vscale, p, nk, alpha, acc + d * BQ);
     if (d < D) {
-      with_rows<R - 1>(D - d, [&](auto rr) { pv_rows<decltype(rr)::value>(v + d, ldv, p, nk, alpha, acc + d * BQ); });
+      with_rows<R - 1>(D - d, [&](auto rr) {
+        pv_rows<decltype(rr)::value>(v + d, ldv, vscale, p, nk, alpha, acc + d * BQ);
+      });
     }
   }
 };
@@ -154,7 +178,9 @@ struct TiledAttention {
   // instruction stream of the contiguous path untouched.
   static void run(const AttentionArgs& a, int64_t q_begin, int64_t q_end, float* scratch) {
     const bool natural = a.mask.data && a.mask.mode == MaskMode::additive;
-    if (a.kv.blocks) {
+    if constexpr (kRowScaled<KvT>) {  // quantised K/V exist only in cache blocks
+      with_units<PagedKv<KvT>>(natural, a, q_begin, q_end, scratch);
+    } else if (a.kv.blocks) {
       with_units<PagedKv<KvT>>(natural, a, q_begin, q_end, scratch);
     } else {
       with_units<ContiguousKv<KvT>>(natural, a, q_begin, q_end, scratch);
@@ -210,7 +236,7 @@ struct TiledAttention {
 
       B mx[QV];
       for (int v = 0; v < QV; ++v) mx[v] = V::load(m + v * W);
-      M::scores(kt, ldk, nk, qt, D, s, mx);
+      M::scores(kt, ldk, src.key_scales(j0), nk, qt, D, s, mx);
       bool masked = false;  // any mask changes scores after mx was taken: recompute it then
 
       // Only tiles crossing the diagonal (some key past the first query's horizon) are masked.
@@ -277,7 +303,7 @@ struct TiledAttention {
         }
       }
 
-      M::accumulate_pv(vt, ldv, nk, s, alpha, D, acc);
+      M::accumulate_pv(vt, ldv, src.value_scales(j0), nk, s, alpha, D, acc);
     }
 
     // out_i = acc_i / l_i; a query that saw no key (l == 0) gets zeros, never NaN.

@@ -52,6 +52,10 @@ const DecodeKernel& decode_attention_f32_avx512();
 const DecodeKernel& decode_attention_f32_kvbf16_scalar();
 const DecodeKernel& decode_attention_f32_kvbf16_avx2();
 const DecodeKernel& decode_attention_f32_kvbf16_avx512();
+// f32 compute over K/V stored int8 with row scales (decode_attention_f32_kvi8_<isa>.cpp).
+const DecodeKernel& decode_attention_f32_kvi8_scalar();
+const DecodeKernel& decode_attention_f32_kvi8_avx2();
+const DecodeKernel& decode_attention_f32_kvi8_avx512();
 
 // Merges `parts` partial states into out (D), as in the header comment: part s has m[s * stride], l[s * stride]
 // and acc + s * acc_stride.

@@ -113,12 +113,22 @@ struct DecodeAttention {
     }
   }
 
+  // x[j] *= scale[j] for j < n (row-scaled K/V: scores by the keys' scales, probabilities by the values').
+  static void scale_run(float* x, const float* scale, int64_t n) {
+    int64_t j = 0;
+    for (; j + W <= n; j += W) V::store(x + j, V::load(x + j) * V::load(scale + j));
+    for (; j < n; ++j) x[j] *= scale[j];
+  }
+
   // One K/V head's run of nk keys for the G query heads that read it (qs, s, m, l, acc rows of those heads):
-  // scores, the online softmax update of (m, l), acc += p V. Keys are the outer loop and the group's heads the
+  // scores, the online softmax update of (m, l), acc += p V. Row-scaled K/V (int8) bring their scales (kscale,
+  // vscale: nk each; null otherwise): a score is the integer row's dot product times the key's scale, and each
+  // p_j meets its value's scale after l has summed it. Keys are the outer loop and the group's heads the
   // inner one, so every K and V row comes from memory once and serves the whole group while it sits in L1; with
   // heads outer, only the first head of a group would stream memory and the others would leave it idle.
-  static void group_block(const float* qs, int64_t ldqs, int64_t G, const KvT* k, const KvT* v, int64_t nk, int64_t D,
-                          float* s, int64_t lds, float* alpha, float* m, float* l, float* acc) {
+  static void group_block(const float* qs, int64_t ldqs, int64_t G, const KvT* k, const KvT* v, const float* kscale,
+                          const float* vscale, int64_t nk, int64_t D, float* s, int64_t lds, float* alpha, float* m,
+                          float* l, float* acc) {
     int64_t j = 0;
     if (D % W == 0 && W > 1) {
       for (; j + W <= nk; j += W) {
@@ -135,6 +145,7 @@ struct DecodeAttention {
     // Per head: p_j = 2^(s_j - m_new) in place, l = alpha * l + sum_j p_j.
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * lds;
+      if constexpr (kRowScaled<KvT>) scale_run(sg, kscale, nk);
       for (j = nk; j < padded(nk); ++j) sg[j] = -INFINITY;  // pad lanes: no effect on the max, exp2 gives 0
       B mv = V::set1(m[g]);
       for (j = 0; j < nk; j += W) mv = V::max(mv, V::load(sg + j));
@@ -149,6 +160,7 @@ struct DecodeAttention {
       alpha[g] = std::exp2(m[g] - m_safe);
       l[g] = l[g] * alpha[g] + V::sum(sum);
       m[g] = m_new;
+      if constexpr (kRowScaled<KvT>) scale_run(sg, vscale, nk);
     }
 
     int64_t d = 0;
@@ -188,8 +200,15 @@ struct DecodeAttention {
       // K/V heads in order, so the block streams front to back; query heads g * group ... read K/V head g.
       for (int64_t g = 0; g < kv.heads; ++g) {
         const int64_t h0 = g * group;
+        const float* kscale = nullptr;
+        const float* vscale = nullptr;
+        if constexpr (kRowScaled<KvT>) {
+          kscale = kv.scales(block, KvPart::key, g, off);
+          vscale = kv.scales(block, KvPart::value, g, off);
+        }
         group_block(qs + h0 * ldqs, ldqs, group, kv.row<KvT>(block, KvPart::key, g, off),
-                    kv.row<KvT>(block, KvPart::value, g, off), nk, D, s, lds, alpha, m + h0, l + h0, acc + h0 * D);
+                    kv.row<KvT>(block, KvPart::value, g, off), kscale, vscale, nk, D, s, lds, alpha, m + h0, l + h0,
+                    acc + h0 * D);
       }
     }
   }

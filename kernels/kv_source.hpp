@@ -37,6 +37,9 @@ struct ContiguousKv {
   int64_t run_end(int64_t) const { return std::numeric_limits<int64_t>::max(); }  // one run: no boundaries
   const T* keys(int64_t j) const { return k + j * ldk; }
   const T* values(int64_t j) const { return v + j * ldv; }
+  // Contiguous K/V come from the batch forward in the compute type: never row-scaled.
+  const float* key_scales(int64_t) const { return nullptr; }
+  const float* value_scales(int64_t) const { return nullptr; }
   int64_t key_stride() const { return ldk; }
   int64_t value_stride() const { return ldv; }
 };
@@ -52,6 +55,10 @@ struct PagedKv {
   int64_t run_end(int64_t j) const { return (j / layout.block_tokens + 1) * layout.block_tokens; }
   const T* keys(int64_t j) const { return at(KvPart::key, j); }
   const T* values(int64_t j) const { return at(KvPart::value, j); }
+  // The scales of the rows from key j on (row-scaled types only; a run never leaves its block, so they are
+  // contiguous for the whole run).
+  const float* key_scales(int64_t j) const { return scales_at(KvPart::key, j); }
+  const float* value_scales(int64_t j) const { return scales_at(KvPart::value, j); }
   int64_t key_stride() const { return layout.D; }
   int64_t value_stride() const { return layout.D; }
 
@@ -59,6 +66,11 @@ struct PagedKv {
   const T* at(KvPart part, int64_t j) const {
     const int64_t bt = layout.block_tokens;
     return layout.row<T>(blocks[j / bt], part, head, j % bt);
+  }
+  const float* scales_at(KvPart part, int64_t j) const {
+    if constexpr (!kRowScaled<T>) return nullptr;
+    const int64_t bt = layout.block_tokens;
+    return layout.scales(blocks[j / bt], part, head, j % bt);
   }
 };
 

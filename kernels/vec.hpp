@@ -32,8 +32,10 @@ inline void prefetch(const void* p, size_t bytes) {
 // log2(e): scores are kept in log2 units so the softmax runs on exp2 (kernels/attention.hpp, "Units").
 inline constexpr float kLog2e = 1.4426950408889634f;
 
-// One stored element as f32 (f32 storage: itself; bf16: kernels/bf16.hpp).
+// One stored element as f32 (f32 storage: itself; bf16: kernels/bf16.hpp; int8: the integer, which its row's scale
+// multiplies later, see kernels/kv_layout.hpp).
 inline float widen(float x) { return x; }
+inline float widen(int8_t x) { return static_cast<float>(x); }
 
 template <class Arch>
 struct Vec;
@@ -54,6 +56,17 @@ struct Vec {
       static_assert(W == 8, "bf16 loads are written for AVX-512 (16 lanes) and AVX2 (8 lanes)");
       const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
       return B(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+  }
+  // W int8 values as f32: sign-extend to 32 bits, convert (exact). The scalar twin is widen().
+  static B load(const int8_t* p) {
+    if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      return B(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+    } else {
+      static_assert(W == 8, "int8 loads are written for AVX-512 (16 lanes) and AVX2 (8 lanes)");
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+      return B(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
     }
   }
   static void store(float* p, B v) { v.store_unaligned(p); }
@@ -111,6 +124,7 @@ struct Vec<ScalarArch> {
   static constexpr int W = 1;
   static B load(const float* p) { return *p; }
   static B load(const bf16* p) { return widen(*p); }
+  static B load(const int8_t* p) { return widen(*p); }
   static void store(float* p, B v) { *p = v; }
   static B set1(float x) { return x; }
   static B fma(B a, B b, B c) { return std::fma(a, b, c); }

@@ -19,6 +19,7 @@
 #include "engine/dispatch.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/kv_codec.hpp"
 #include "kernels/decode_attention.hpp"
 #include "kernels/dropout.hpp"
 #include "kernels/linear_f32.hpp"
@@ -148,7 +149,8 @@ bool guard_intact(const std::vector<float>& s, size_t floats) {
   return std::all_of(s.begin() + static_cast<int64_t>(floats), s.end(), [](float x) { return x == kSentinel; });
 }
 
-// A float whose two halves are both bf16 NaNs (0x7fc0): pool gaps read as f32 or as bf16 are NaN either way.
+// A float whose two halves are both bf16 NaNs (0x7fc0): pool gaps read as f32 or as bf16 are NaN either way, and
+// an int8 row read from a gap meets a NaN scale.
 float pool_nan() {
   const uint32_t u = 0x7fc07fc0u;
   float f;
@@ -156,17 +158,21 @@ float pool_nan() {
   return f;
 }
 
-// Rounds x to what a K/V block of `dtype` holds (bf16: nearest even), so the naive loops read exactly the values
-// the kernel reads: the storage rounding is the cache's (KvCache::Impl::store_row), not the kernel's, error.
-void round_to_storage(std::vector<float>& x, DType dtype) {
-  if (dtype == DType::bf16) {
-    for (float& e : x) e = kernels::widen(kernels::to_bf16(e));
+// Rounds the rows of x (n, D) to what a K/V block of `dtype` holds, through the cache's own codec (bf16: nearest
+// even; int8: quantised with the row's scale), so the naive loops read exactly the values the kernel reads: the
+// storage rounding is the cache's, not the kernel's, error.
+void round_to_storage(std::vector<float>& x, int64_t D, DType dtype) {
+  const kernels::KvLayout one{dtype, 1, 1, D};
+  std::vector<std::byte> block(static_cast<size_t>(one.block_bytes()));
+  for (size_t i = 0; i < x.size(); i += static_cast<size_t>(D)) {
+    kernels::store_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, x.data() + i);
+    kernels::load_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, x.data() + i);
   }
 }
 
-// K/V of H heads in the KV cache's block layout (kernels/kv_layout.hpp), elements f32 or bf16: a block holds
-// K [H][bt][D] then V [H][bt][D]. The blocks sit in one pool in shuffled order with a gap between neighbours; every
-// element no written (head, token) row covers stays NaN.
+// K/V of H heads in the KV cache's block layout (kernels/kv_layout.hpp), elements f32, bf16 or int8: a block holds
+// K [H][bt][D] then V [H][bt][D] (then int8's scales). The blocks sit in one pool in shuffled order with a gap
+// between neighbours; every element no written (head, token) row covers stays NaN.
 struct PagedStore {
   kernels::KvLayout layout;
   int64_t stride = 0;  // floats from one block's slot in the pool to the next
@@ -178,7 +184,7 @@ struct PagedStore {
   PagedStore(int64_t heads, int64_t head_dim, int64_t block_tokens, int64_t tokens, std::mt19937_64& rng,
              DType dtype = DType::f32)
       : layout{dtype, heads, block_tokens, head_dim},
-        stride((2 * heads * block_tokens * head_dim * static_cast<int64_t>(size_of(dtype)) + 3) / 4 + 7) {
+        stride((layout.block_bytes() + 3) / 4 + 7) {
     const int64_t blocks = (tokens + block_tokens - 1) / block_tokens;
     pool.assign(static_cast<size_t>(blocks * stride), pool_nan());
     for (int64_t b = 0; b < blocks; ++b) slot.push_back(b);
@@ -197,13 +203,7 @@ struct PagedStore {
   void put(int64_t h, int64_t j, const std::vector<float>& k, const std::vector<float>& v) {
     const int64_t bt = layout.block_tokens, D = layout.D;
     for (auto [part, src] : {std::pair{kernels::KvPart::key, &k}, std::pair{kernels::KvPart::value, &v}}) {
-      std::byte* b = block(j / bt);
-      if (layout.dtype == DType::bf16) {
-        kernels::bf16* dst = layout.row<kernels::bf16>(b, part, h, j % bt);
-        for (int64_t d = 0; d < D; ++d) dst[d] = kernels::to_bf16((*src)[j * D + d]);
-      } else {
-        std::copy_n(src->begin() + j * D, D, layout.row<float>(b, part, h, j % bt));
-      }
+      kernels::store_kv_row(layout, block(j / bt), part, h, j % bt, src->data() + j * D);
     }
   }
 };
@@ -420,8 +420,8 @@ MaskData make_mask(const AttnCase& c, std::mt19937_64& rng) {
   const std::vector<float> q = random_uniform(T * D, rng, -2.0f, 2.0f);
   std::vector<float> k = random_uniform(Tk * D, rng, -2.0f, 2.0f);
   std::vector<float> v = random_uniform(Tk * D, rng, -1.0f, 1.0f);
-  round_to_storage(k, c.kv);
-  round_to_storage(v, c.kv);
+  round_to_storage(k, D, c.kv);
+  round_to_storage(v, D, c.kv);
   const MaskData mk = make_mask(c, rng);
   std::vector<double> bias = mk.bias;
   if (c.causal) {
@@ -527,6 +527,14 @@ TEST_P(KernelAttention, PagedBf16KvMatchesNaive) {
   expect_all_cases(kern.isa, attention_cases(kern.tiles, true, DType::bf16),
                    [&](const AttnCase& c) { return check_attention(kern, c); });
 }
+// The kernel for an int8 KV cache: integer rows widened, scores and probabilities scaled per key, on K/V quantised
+// by the cache's codec (the naive loops read the same dequantised values, so the f32 tolerance applies).
+TEST_P(KernelAttention, PagedInt8KvMatchesNaive) {
+  const kernels::AttentionKernel& kern = detail::attention_kernel(isa(), DType::i8);
+  ASSERT_STREQ(kern.isa, to_string(isa()));
+  expect_all_cases(kern.isa, attention_cases(kern.tiles, true, DType::i8),
+                   [&](const AttnCase& c) { return check_attention(kern, c); });
+}
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelAttention);
 
 // =============================================================================================================
@@ -591,8 +599,8 @@ std::vector<DecodeCase> decode_cases(DType kv = DType::f32) {
   for (int64_t h = 0; h < H_kv; ++h) {
     k[h] = random_uniform(n * D, rng, -2.0f, 2.0f);
     v[h] = random_uniform(n * D, rng, -1.0f, 1.0f);
-    round_to_storage(k[h], c.kv);
-    round_to_storage(v[h], c.kv);
+    round_to_storage(k[h], D, c.kv);
+    round_to_storage(v[h], D, c.kv);
     for (int64_t j = 0; j < n; ++j) store.put(h, j, k[h], v[h]);
   }
 
@@ -646,6 +654,12 @@ TEST_P(KernelDecode, Bf16KvMatchesNaive) {
   const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::bf16);
   ASSERT_STREQ(kern.isa, to_string(isa()));
   expect_all_cases(kern.isa, decode_cases(DType::bf16), [&](const DecodeCase& c) { return check_decode(kern, c); });
+}
+// The decode kernel of an int8 KV cache (Vec::load(const int8_t*), scales per key), every shape and grouping.
+TEST_P(KernelDecode, Int8KvMatchesNaive) {
+  const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::i8);
+  ASSERT_STREQ(kern.isa, to_string(isa()));
+  expect_all_cases(kern.isa, decode_cases(DType::i8), [&](const DecodeCase& c) { return check_decode(kern, c); });
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelDecode);
 

@@ -30,7 +30,7 @@ const char* kUsage = R"(usage:
                    [--key-padding kp.npy] [--causal] [--context-length N] [--dtype f32]
                    [--threads N] [--isa best|avx512|avx2|scalar] --output y.npy
   gpt2attn bench   [--preset NAME ...] [--batch B] [--seq T] [--mode prefill|decode] [--dtype f32] [--kv-heads N]
-                   [--kv-dtype f32|bf16]
+                   [--kv-dtype f32|bf16|int8]
                    [--threads N] [--isa ...] [--repeats N] [--cache warm|cold] [--check | --no-check] [--json]
   gpt2attn presets
 
@@ -55,11 +55,13 @@ bench    times the whole layer (QKV projection, causal attention, output project
          is decode() of one new token for each of the B sequences (QKV projection, attention over the cache,
          output projection); every step appends, so the cache grows by 2 + repeats tokens per sequence
          (context length raised to fit). GFLOP/s: 2*B*d_in*(E+2KW) + 2*B*E*E + 4*E*B*(T+1); tokens/s = B / step;
-         bytes per step = weights ((E+2KW)*d_in + E*E)*4 + K/V read 2*B*T*KW*4; GB/s = bytes per step / step.
-         --kv-dtype bf16 stores the cache's K/V in bf16 (half the K/V bytes; default f32).
+         bytes per step = weights ((E+2KW)*d_in + E*E)*4 + K/V read B*T*2*KW*(4, 2 or 1 by --kv-dtype), plus
+         for int8 B*T*2*N*4 of scales (N K/V heads); GB/s = bytes per step / step.
+         --kv-dtype bf16 stores the cache's K/V in bf16 (half the K/V bytes); int8 in symmetric int8 with one
+         f32 scale per token and K/V head (about a quarter); default f32.
          --check compares sequence 0's output of the first timed step with the last row of the naive
-         reference run causally over that sequence's whole token history (with a bf16 cache, within the
-         bound of gpt2attn/tolerance.hpp's kv_storage_tolerance). --cache warm (default) runs the
+         reference run causally over that sequence's whole token history (with a bf16 or int8 cache,
+         within the bound of gpt2attn/tolerance.hpp's kv_storage_tolerance). --cache warm (default) runs the
          steps back to back, so a small case's weights and K/V stay in the CPU caches; --cache cold streams
          256 MiB through the caches before each timed step, as a model's other layers would (GPT-2 small's
          12 layers move about 190 MB per step), so every byte comes from memory. A case whose weights and
@@ -303,7 +305,9 @@ double decode_step_bytes(const ga::Config& c, int64_t B, int64_t T, ga::DType kv
   const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
   const double KW = static_cast<double>(c.kv_width());
   const double weights = ((E + 2 * KW) * d_in + E * E) * sizeof(float);
-  const double kv = 2.0 * static_cast<double>(B) * static_cast<double>(T) * KW * ga::size_of(kv_dtype);
+  // Per token: K and V rows of every K/V head, plus int8's two f32 scales per K/V head.
+  const double scales = kv_dtype == ga::DType::i8 ? 2.0 * static_cast<double>(c.kv_heads()) * sizeof(float) : 0.0;
+  const double kv = static_cast<double>(B) * static_cast<double>(T) * (2.0 * KW * ga::size_of(kv_dtype) + scales);
   return weights + kv;
 }
 
@@ -376,10 +380,10 @@ std::vector<float> random_normal(size_t n, std::mt19937& rng) {
 // The check both modes share: `got` against the reference rows `ref`, with the library's one tolerance for
 // chained reductions of `reduction_length`, scaled by the largest reference value compared.
 void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref, int64_t reduction_length,
-                ga::DType kv = ga::DType::f32) {
+                ga::DType kv = ga::DType::f32, int64_t head_dim = 1) {
   double max_ref = 0;
   for (double e : ref) max_ref = std::max(max_ref, std::fabs(e));
-  const ga::Tolerance tol = ga::kv_storage_tolerance(kv, reduction_length, max_ref);
+  const ga::Tolerance tol = ga::kv_storage_tolerance(kv, head_dim, reduction_length, max_ref);
   r.checked = true;
   r.allowed = tol.atol;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -499,7 +503,8 @@ BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int
     ga::AttentionInputs in;
     in.query = ga::TensorView::f32(history.data(), {1, n, d_in});
     const std::vector<double> ref = ga::reference_forward(cfg, w, in);
-    check_rows(r, first_out.data(), std::vector<double>(ref.end() - E, ref.end()), std::max(d_in, n), kv_dtype);
+    check_rows(r, first_out.data(), std::vector<double>(ref.end() - E, ref.end()), std::max(d_in, n), kv_dtype,
+               cfg.head_dim());
   }
   return r;
 }
@@ -520,10 +525,10 @@ int cmd_bench(int argc, char** argv) {
   if (a.has("cache") && !decode) throw UsageError("--cache applies to --mode decode only");
   if (a.has("kv-dtype") && !decode) throw UsageError("--kv-dtype applies to --mode decode only");
   const std::string kv_name = a.get("kv-dtype", "f32");
-  if (kv_name != "f32" && kv_name != "bf16") {
-    throw UsageError("--kv-dtype " + kv_name + " is not supported (supported: f32, bf16)");
+  if (kv_name != "f32" && kv_name != "bf16" && kv_name != "int8") {
+    throw UsageError("--kv-dtype " + kv_name + " is not supported (supported: f32, bf16, int8)");
   }
-  const ga::DType kv_dtype = ga::dtype_from_string(kv_name);
+  const ga::DType kv_dtype = kv_name == "int8" ? ga::DType::i8 : ga::dtype_from_string(kv_name);
   const auto B = a.integer<int64_t>("batch", 1, 1), T = a.integer<int64_t>("seq", 1024, 1);
   const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
   const int repeats = a.integer<int>("repeats", 5, 1);

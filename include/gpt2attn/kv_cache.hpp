@@ -21,14 +21,18 @@ struct KvCacheOptions {
                                 // (kernels/tiles.hpp), so a key tile never straddles two blocks
   int64_t capacity_tokens = 0;  // pool size in tokens, rounded up to whole blocks ...
   size_t capacity_bytes = 0;    // ... or in bytes, rounded down to whole blocks. Exactly one is set.
-  DType dtype = DType::f32;     // how K and V are stored: f32, or bf16 (half the bytes; each value rounded to
-                                // nearest even once, when it is appended; attention still computes in f32)
+  DType dtype = DType::f32;     // how K and V are stored, each value converted once, when it is appended:
+                                // f32; bf16 (half the bytes, rounded to nearest even); or i8 (about 0.27x the
+                                // bytes at D = 64: symmetric int8 with one f32 scale per token, head and K or V,
+                                // max|row| / 127). Attention still computes in f32.
 };
 
 // Block layout, the "KV-friendly layout" the kernels read with no copy (kernels/kv_layout.hpp):
-//   K [H_kv][block_tokens][D], then V [H_kv][block_tokens][D], elements of options.dtype (H_kv = config.kv_heads())
+//   K [H_kv][block_tokens][D], then V [H_kv][block_tokens][D], elements of options.dtype (H_kv = config.kv_heads()),
+//   then for i8 the scales: K [H_kv][block_tokens], V [H_kv][block_tokens] f32
 // so one head's keys inside a block are one contiguous (block_tokens, D) tile, each token's D values
-// contiguous. A block's address never changes, so block tables hold plain pointers.
+// contiguous, and a block carries its own scales. A block's address never changes, so block tables hold plain
+// pointers.
 //
 // Thread safety: every method may be called from any thread. Block bookkeeping is guarded by one mutex, held
 // for O(B^2 + blocks) bookkeeping and, when a fork's shared block is first written, one block copy; never
@@ -61,7 +65,8 @@ class KvCache {
   int64_t total_blocks() const;
   int64_t free_blocks() const;
   int64_t num_sequences() const;
-  size_t block_bytes() const;     // 2 * H_kv * block_tokens * D * size_of(dtype())
+  size_t block_bytes() const;     // 2 * H_kv * block_tokens * D * size_of(dtype()) (rounded up to 4), plus for i8
+                                  // the scales, 2 * H_kv * block_tokens * 4
   DType dtype() const;            // the storage type of K and V
   size_t capacity_bytes() const;  // total_blocks() * block_bytes()
   const Config& config() const;

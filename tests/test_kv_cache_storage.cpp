@@ -1,19 +1,23 @@
-// tests/test_kv_cache_bf16.cpp: a KV cache storing K/V in bf16 (KvCacheOptions::dtype). Storage rounds each K/V
-// value once, by design, so the layer's outputs are checked against naive attention over the K/V the cache really
-// holds (read back exactly with read_key / read_value), with Q and the output projection in double: the f32
+// tests/test_kv_cache_storage.cpp: KV caches storing K/V in bf16 or int8 (KvCacheOptions::dtype). Storage rounds
+// each K/V value once, by design, so the layer's outputs are checked against naive attention over the K/V the cache
+// really holds (read back exactly with read_key / read_value), with Q and the output projection in double: the f32
 // tolerance then applies, and what is under test is the engine's path (staging, the writer, the dispatch row per
-// cache dtype) and the bf16 kernels. Separately: what is stored is the f32 projection rounded once, the pool holds
-// twice the tokens per byte, forks copy bf16 blocks, and only f32 and bf16 are accepted.
+// cache dtype) and each format's kernels. Separately: what is stored is the f32 projection rounded once (bf16: to
+// nearest even; int8: within half a step of its row's scale), a pool of a fixed byte size holds 2x (bf16) and about
+// 3.8x (int8, gpt2-small) the tokens of f32, forks copy quantised blocks with their scales, the int8 codec's edge
+// cases, and only f32, bf16 and i8 are accepted.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gpt2attn/error.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/kv_codec.hpp"
 #include "tests/kv_harness.hpp"
 
 namespace gpt2attn {
@@ -73,11 +77,23 @@ std::vector<double> attention_over_cache(const KvCache& cache, SequenceId id, co
   return out;
 }
 
-class KvCacheBf16 : public IsaTest {};
+constexpr DType kStorageTypes[] = {DType::bf16, DType::i8};
+
+// A stored row read back, stored again and read back: a value the format holds comes back unchanged.
+std::vector<float> restored(const std::vector<float>& row, DType dtype) {
+  const kernels::KvLayout one{dtype, 1, 1, static_cast<int64_t>(row.size())};
+  std::vector<std::byte> block(static_cast<size_t>(one.block_bytes()));
+  std::vector<float> out(row.size());
+  kernels::store_kv_row(one, block.data(), kernels::KvPart::value, 0, 0, row.data());
+  kernels::load_kv_row(one, block.data(), kernels::KvPart::value, 0, 0, out.data());
+  return out;
+}
+
+class KvCacheStorage : public IsaTest {};
 
 // Chunked prefill then decode steps, every output row against attention over the cache's own K/V; shapes with odd
 // head sizes, grouped and single K/V heads, blocks of 1, 3 and 64 tokens (chunks that end mid-block).
-TEST_P(KvCacheBf16, OutputsAreAttentionOverTheStoredKv) {
+TEST_P(KvCacheStorage, OutputsAreAttentionOverTheStoredKv) {
   struct Case {
     Config cfg;
     int64_t block_tokens, first_chunk, second_chunk, steps;
@@ -91,20 +107,22 @@ TEST_P(KvCacheBf16, OutputsAreAttentionOverTheStoredKv) {
   cases[0].cfg.num_kv_heads = 2;
   cases[2].cfg.num_kv_heads = 1;
   int index = 0;
+  for (DType dtype : kStorageTypes) {
   for (const Case& k : cases) {
     const Config& c = k.cfg;
-    const std::string what = "case " + std::to_string(index) + ": E=" + std::to_string(c.d_model) +
-                             " H=" + std::to_string(c.num_heads) + " H_kv=" + std::to_string(c.kv_heads()) +
-                             " block_tokens=" + std::to_string(k.block_tokens) + " [isa=" + to_string(isa()) + "]";
+    const std::string what = "case " + std::to_string(index) + ": " + to_string(dtype) + " E=" +
+                             std::to_string(c.d_model) + " H=" + std::to_string(c.num_heads) + " H_kv=" +
+                             std::to_string(c.kv_heads()) + " block_tokens=" + std::to_string(k.block_tokens) +
+                             " [isa=" + to_string(isa()) + "]";
     const Weights w = Weights::random(c, 300 + static_cast<uint64_t>(index++));
     CausalSelfAttention block = test::make_block(c, w, isa(), 2);
     const int64_t N = k.first_chunk + k.second_chunk + k.steps, W = c.query_width(), E = c.d_model;
     std::mt19937_64 rng(7);
     const std::vector<float> x = random_uniform(static_cast<size_t>(N * W), rng, -2.0f, 2.0f);
     KvCacheOptions o = test::pool(k.block_tokens, N + k.block_tokens);
-    o.dtype = DType::bf16;
+    o.dtype = dtype;
     KvCache cache(c, o);
-    ASSERT_EQ(cache.dtype(), DType::bf16);
+    ASSERT_EQ(cache.dtype(), dtype);
     const SequenceId id = cache.create();
     Workspace ws;
     int64_t done = 0;
@@ -121,36 +139,49 @@ TEST_P(KvCacheBf16, OutputsAreAttentionOverTheStoredKv) {
       EXPECT_TRUE(all_close(out, attention_over_cache(cache, id, c, w, x, done, done + 1), Dtype::f32, N,
                             what + " | decode token " + std::to_string(done)));
     }
-    // What was stored is the f32 projection rounded to bf16 once: within one bf16 ulp (2^-7 relative; a value
-    // whose f32 and double projections straddle a rounding boundary may land on the neighbouring bf16).
+    // What was stored is the f32 projection rounded once: bf16 within one ulp of each value (2^-7 relative: a
+    // value whose f32 and double projections straddle a rounding boundary may land on the neighbouring bf16); int8
+    // within half a step (max|row| / 254) plus the f32 projection's own error. And a stored row is a fixed point
+    // of the format: storing what was read back changes nothing.
     for (int64_t t = 0; t < done; t += 7) {
       for (int64_t g = 0; g < c.kv_heads(); ++g) {
         const std::vector<float> key = cached_key(cache, id, g, t), value = cached_value(cache, id, g, t);
+        std::vector<double> pk(static_cast<size_t>(c.head_dim())), pv(pk);
         for (int64_t d = 0; d < c.head_dim(); ++d) {
           const int64_t e = g * c.head_dim() + d;
-          double pk = w.b_k[e], pv = w.b_v[e];
+          pk[d] = w.b_k[e], pv[d] = w.b_v[e];
           for (int64_t i = 0; i < W; ++i) {
-            pk += static_cast<double>(x[t * W + i]) * w.w_k[e * W + i];
-            pv += static_cast<double>(x[t * W + i]) * w.w_v[e * W + i];
+            pk[d] += static_cast<double>(x[t * W + i]) * w.w_k[e * W + i];
+            pv[d] += static_cast<double>(x[t * W + i]) * w.w_v[e * W + i];
           }
-          EXPECT_LE(std::fabs(key[d] - pk), 0x1p-7 * std::fabs(pk) + 1e-6) << what << " key t=" << t << " e=" << e;
-          EXPECT_LE(std::fabs(value[d] - pv), 0x1p-7 * std::fabs(pv) + 1e-6) << what << " value t=" << t << " e=" << e;
-          EXPECT_EQ(key[d], kernels::widen(kernels::to_bf16(key[d]))) << what << ": a stored key is not a bf16 value";
+        }
+        for (auto [got, want, name] : {std::tuple{&key, &pk, "key"}, std::tuple{&value, &pv, "value"}}) {
+          double amax = 0.0;
+          for (double e : *want) amax = std::max(amax, std::fabs(e));
+          for (int64_t d = 0; d < c.head_dim(); ++d) {
+            const double allowed = dtype == DType::bf16 ? 0x1p-7 * std::fabs((*want)[d]) + 1e-6 : amax / 254.0 + 1e-5;
+            EXPECT_LE(std::fabs((*got)[d] - (*want)[d]), allowed) << what << " " << name << " t=" << t << " d=" << d;
+          }
+          EXPECT_EQ(*got, restored(*got, dtype)) << what << ": a stored " << name << " is not a " << to_string(dtype)
+                                                 << " row";
         }
       }
     }
     EXPECT_EQ(cache.impl().audit(), "") << what;
   }
+  }
 }
 
-// A fork shares a partly filled bf16 block; the child's first append copies it, and both then decode against
-// their own histories.
-TEST_P(KvCacheBf16, ForkCopiesBf16Blocks) {
+// A fork shares a partly filled bf16 or int8 block; the child's first append copies it (int8: with its scales),
+// and both then decode against their own histories.
+TEST_P(KvCacheStorage, ForkCopiesStoredBlocks) {
+  for (DType dtype : kStorageTypes) {
+  SCOPED_TRACE(to_string(dtype));
   const Config c = serving_config(32, 2, 0, 64);
   const Weights w = Weights::random(c, 9);
   CausalSelfAttention block = test::make_block(c, w, isa(), 1);
   KvCacheOptions o = test::pool(4, 64);
-  o.dtype = DType::bf16;
+  o.dtype = dtype;
   KvCache cache(c, o);
   std::mt19937_64 rng(3);
   const std::vector<float> x = random_uniform(static_cast<size_t>(12 * c.d_model), rng, -1.0f, 1.0f);
@@ -168,23 +199,31 @@ TEST_P(KvCacheBf16, ForkCopiesBf16Blocks) {
   EXPECT_TRUE(all_close(yc, attention_over_cache(cache, child, c, w, child_x, 6, 7), Dtype::f32, 7, "child"));
   EXPECT_NE(test::block_of(cache, parent, 5), test::block_of(cache, child, 5)) << "the shared block was not copied";
   EXPECT_EQ(cached_key(cache, parent, 1, 5), cached_key(cache, child, 1, 5)) << "the copy lost the shared tokens";
+  EXPECT_EQ(cached_value(cache, parent, 0, 4), cached_value(cache, child, 0, 4)) << "the copy lost the shared tokens";
   EXPECT_EQ(cache.impl().audit(), "");
+  }
 }
-GPT2ATTN_INSTANTIATE_ISAS(KvCache, KvCacheBf16);
+GPT2ATTN_INSTANTIATE_ISAS(KvCache, KvCacheStorage);
 
-// Half the bytes per block, so a pool of a fixed byte size holds twice the tokens; other dtypes are refused.
-TEST(KvCacheBf16Pool, HalfTheBytesTwiceTheTokens) {
+// A pool of a fixed byte size: bf16 blocks are half the bytes, so it holds twice the tokens; int8 blocks are a
+// quarter plus a scale per row (at gpt2-small, D = 64: 68 bytes a row against 256), so about 3.76x. Other dtypes
+// are refused.
+TEST(KvCacheStoragePool, FixedBytesHoldMoreTokens) {
   const Config c = preset("gpt2-small");
   KvCacheOptions f32;
   f32.capacity_bytes = size_t{64} << 20;
-  KvCacheOptions bf = f32;
+  KvCacheOptions bf = f32, i8 = f32;
   bf.dtype = DType::bf16;
-  const KvCache a(c, f32), b(c, bf);
+  i8.dtype = DType::i8;
+  const KvCache a(c, f32), b(c, bf), q(c, i8);
   EXPECT_EQ(b.block_bytes() * 2, a.block_bytes());
   EXPECT_GE(b.total_blocks(), 2 * a.total_blocks());  // 341 against 170: whole blocks, rounded down
   EXPECT_EQ(b.total_blocks(), static_cast<int64_t>(bf.capacity_bytes / b.block_bytes()));
   EXPECT_EQ(a.block_bytes(), size_t{2 * 12 * 64 * 64 * 4});
-  for (DType bad : {DType::i8, DType::u8, DType::f16}) {
+  EXPECT_EQ(q.block_bytes(), size_t{2 * 12 * 64 * 64 + 2 * 12 * 64 * 4});
+  EXPECT_GE(q.total_blocks() * 100, 375 * a.total_blocks());  // 642 against 170
+  EXPECT_EQ(q.capacity_bytes(), static_cast<size_t>(q.total_blocks()) * q.block_bytes());
+  for (DType bad : {DType::u8, DType::f16}) {
     KvCacheOptions o = f32;
     o.dtype = bad;
     try {
@@ -198,7 +237,7 @@ TEST(KvCacheBf16Pool, HalfTheBytesTwiceTheTokens) {
 }
 
 // Round to nearest, ties to even, on the bit patterns; inf and NaN kept; overflow to inf.
-TEST(KvCacheBf16Pool, RoundsToNearestEven) {
+TEST(KvCacheStoragePool, Bf16RoundsToNearestEven) {
   auto bits = [](float f) {
     uint32_t u;
     std::memcpy(&u, &f, sizeof u);
@@ -220,6 +259,37 @@ TEST(KvCacheBf16Pool, RoundsToNearestEven) {
   EXPECT_TRUE(std::isnan(kernels::widen(kernels::to_bf16(NAN))));
   EXPECT_TRUE(std::isnan(kernels::widen(kernels::to_bf16(from(0x7f800001u)))));  // a NaN whose payload is low bits
   EXPECT_EQ(bits(kernels::widen(kernels::bf16{0xc020})), 0xc0200000u);
+}
+
+// The int8 codec: the row's largest magnitude maps to +-127 exactly; every value within half a step; zeros, inf and
+// NaN rows; rows of any length, with scales of rows of odd sizes still 4-byte aligned inside a block.
+TEST(KvCacheStoragePool, Int8QuantisesPerRow) {
+  for (int64_t D : {1, 3, 7, 64, 129}) {
+    const kernels::KvLayout layout{DType::i8, 3, 5, D};
+    ASSERT_EQ(layout.block_bytes() % 4, 0) << "D=" << D;
+    std::vector<std::byte> block(static_cast<size_t>(layout.block_bytes()));
+    std::mt19937_64 rng(static_cast<uint64_t>(D));
+    std::vector<float> row = random_uniform(static_cast<size_t>(D), rng, -3.0f, 3.0f), back(row.size());
+    row[static_cast<size_t>(D / 2)] = -4.0f;  // the row's largest magnitude
+    kernels::store_kv_row(layout, block.data(), kernels::KvPart::value, 2, 4, row.data());
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(layout.scales(block.data(), kernels::KvPart::value, 2, 4)) % 4, 0u);
+    EXPECT_EQ(*layout.scales(block.data(), kernels::KvPart::value, 2, 4), 4.0f / 127.0f);
+    EXPECT_EQ(layout.row<int8_t>(block.data(), kernels::KvPart::value, 2, 4)[D / 2], -127);
+    kernels::load_kv_row(layout, block.data(), kernels::KvPart::value, 2, 4, back.data());
+    for (int64_t d = 0; d < D; ++d) EXPECT_LE(std::fabs(back[d] - row[d]), 4.0 / 254.0 * (1 + 1e-6)) << d;
+  }
+  const kernels::KvLayout one{DType::i8, 1, 1, 4};
+  std::vector<std::byte> block(static_cast<size_t>(one.block_bytes()));
+  std::vector<float> back(4);
+  auto round_trip = [&](std::vector<float> row) {
+    kernels::store_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, row.data());
+    kernels::load_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, back.data());
+    return back;
+  };
+  EXPECT_EQ(round_trip({0, 0, 0, 0}), std::vector<float>(4, 0.0f));  // scale 0, no division by zero
+  for (float bad : {NAN, INFINITY, -INFINITY}) {  // a bad value turns the row into NaN, never into numbers
+    for (float e : round_trip({1.0f, bad, 2.0f, 3.0f})) EXPECT_TRUE(std::isnan(e)) << bad;
+  }
 }
 
 }  // namespace

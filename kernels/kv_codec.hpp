@@ -1,0 +1,80 @@
+// kernels/kv_codec.hpp: the one conversion between f32 K/V rows and a block's stored format (kernels/kv_layout.hpp):
+// f32 copies, bf16 rounds to nearest even, int8 quantises symmetrically with one scale per (token, head). Used by
+// the cache's writer and reader (KvCache::Impl::store_row / load_row) and by the kernel tests that build blocks by
+// hand, so both see exactly what a cache holds. Scalar and pure: runs once per appended row, not per step.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/bf16.hpp"
+#include "kernels/kv_layout.hpp"
+
+namespace gpt2attn::kernels {
+
+// int8 storage: q = round(x / scale), scale = max|x| / 127 over the row's D values, so |q| <= 127 (the symmetric
+// range; -128 is never used) and every value is off by at most half a step, scale / 2 = max|x| / 254. A row of
+// zeros stores scale 0. A row holding inf or NaN stores that (non-finite) scale and zeros, so it reads back as NaN:
+// bad values stay visible instead of turning into plausible numbers.
+inline constexpr float kInt8Levels = 127.0f;
+
+inline void store_kv_row(const KvLayout& layout, std::byte* block, KvPart part, int64_t h, int64_t slot,
+                         const float* src) {
+  const int64_t D = layout.D;
+  switch (layout.dtype) {
+    case DType::bf16: {
+      bf16* dst = layout.row<bf16>(block, part, h, slot);
+      for (int64_t d = 0; d < D; ++d) dst[d] = to_bf16(src[d]);
+      return;
+    }
+    case DType::i8: {
+      float amax = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        if (std::isnan(src[d])) {  // fmax would drop it
+          amax = src[d];
+          break;
+        }
+        amax = std::fmax(amax, std::fabs(src[d]));
+      }
+      const float scale = amax / kInt8Levels;
+      int8_t* dst = layout.row<int8_t>(block, part, h, slot);
+      if (std::isfinite(scale) && scale > 0.0f) {
+        const float inv = kInt8Levels / amax;
+        for (int64_t d = 0; d < D; ++d) {
+          const float r = std::nearbyint(src[d] * inv);  // |r| <= 127 but for rounding at the very top: clamp
+          dst[d] = static_cast<int8_t>(r > kInt8Levels ? kInt8Levels : r < -kInt8Levels ? -kInt8Levels : r);
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) dst[d] = 0;
+      }
+      *layout.scales(block, part, h, slot) = scale;
+      return;
+    }
+    default:
+      std::memcpy(layout.row<float>(block, part, h, slot), src, static_cast<size_t>(layout.row_bytes()));
+  }
+}
+
+inline void load_kv_row(const KvLayout& layout, const std::byte* block, KvPart part, int64_t h, int64_t slot,
+                        float* dst) {
+  const int64_t D = layout.D;
+  switch (layout.dtype) {
+    case DType::bf16: {
+      const bf16* src = layout.row<bf16>(block, part, h, slot);
+      for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]);
+      return;
+    }
+    case DType::i8: {
+      const int8_t* src = layout.row<int8_t>(block, part, h, slot);
+      const float scale = *layout.scales(block, part, h, slot);
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+      return;
+    }
+    default:
+      std::memcpy(dst, layout.row<float>(block, part, h, slot), static_cast<size_t>(layout.row_bytes()));
+  }
+}
+
+}  // namespace gpt2attn::kernels
