@@ -83,7 +83,12 @@ std::vector<float> run_work(CausalSelfAttention& block, KvCache& cache, const Th
   return result;
 }
 
-void concurrent_matches_sequential(Isa isa, bool own_workspaces) {
+// `kv`: the cache's storage dtype. The concurrent run must equal the sequential one bit for bit whatever it is; the
+// sequential result is checked against the f32 reference for an f32 cache (test_kv_cache_storage.cpp checks the
+// other formats' outputs against the K/V they hold).
+void concurrent_matches_sequential(Isa isa, bool own_workspaces, DType kv = DType::f32) {
+  KvCacheOptions opts = pool(16, 1024);
+  opts.dtype = kv;
   const Config c = serving_config(64, 4, 48, 128);
   const Weights w = Weights::random(c, 210);
   CausalSelfAttention block = make_block(c, w, isa, 1);
@@ -94,13 +99,13 @@ void concurrent_matches_sequential(Isa isa, bool own_workspaces) {
   // Sequential: the same work, one thread after the other, on a fresh pool of the same size.
   std::vector<std::vector<float>> want(kThreads);
   {
-    KvCache cache(block.config(), pool(16, 1024));
+    KvCache cache(block.config(), opts);
     Workspace ws;
     for (int t = 0; t < kThreads; ++t) want[t] = run_work(block, cache, work[t], own_workspaces ? &ws : nullptr);
     ASSERT_EQ(cache.free_blocks(), cache.total_blocks());
   }
   // Concurrent: all threads released together.
-  KvCache cache(block.config(), pool(16, 1024));
+  KvCache cache(block.config(), opts);
   std::vector<std::vector<float>> got(kThreads);
   std::vector<std::string> errors(kThreads);
   std::atomic<int> ready{0};
@@ -118,7 +123,8 @@ void concurrent_matches_sequential(Isa isa, bool own_workspaces) {
     });
   }
   for (std::thread& th : pool_threads) th.join();
-  const std::string ctx = label(isa, 1, own_workspaces ? "4 threads, own Workspaces" : "4 threads, no Workspace");
+  const std::string ctx = label(isa, 1, std::string(own_workspaces ? "4 threads, own Workspaces" : "4 threads, no Workspace") +
+                                            ", " + to_string(kv) + " cache");
   for (int t = 0; t < kThreads; ++t) {
     ASSERT_TRUE(errors[t].empty()) << ctx << ": thread " << t << " threw: " << errors[t];
     ASSERT_EQ(got[t].size(), want[t].size()) << ctx << ": thread " << t;
@@ -130,6 +136,7 @@ void concurrent_matches_sequential(Isa isa, bool own_workspaces) {
   }
   EXPECT_EQ(cache.free_blocks(), cache.total_blocks()) << ctx;
   EXPECT_EQ(cache.num_sequences(), 0) << ctx;
+  if (kv != DType::f32) return;
 
   // And the sequential results are right: thread 0's first sequence against the reference.
   const ThreadWork& k = work[0];
@@ -151,6 +158,7 @@ TEST_P(KvCacheConcurrency, ThreadsWithOwnWorkspacesMatchSequential) { concurrent
 TEST_P(KvCacheConcurrency, ThreadsSharingLayerWorkspaceMatchSequential) {
   concurrent_matches_sequential(isa(), false);
 }
+TEST_P(KvCacheConcurrency, ThreadsOnOneInt8CacheMatchSequential) { concurrent_matches_sequential(isa(), true, DType::i8); }
 GPT2ATTN_INSTANTIATE_ISAS(KvCache, KvCacheConcurrency);
 
 }  // namespace

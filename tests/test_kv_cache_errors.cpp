@@ -146,6 +146,41 @@ TEST_P(KvCacheErrors, PoolExhaustedInDecodeIsAllOrNothing) {
   for (SequenceId id : h->live()) EXPECT_TRUE(h->matches_reference(id, "after exhaustion in decode"));
 }
 
+// For every storage dtype (f32, bf16, int8): a decode batch whose third sequence finds the pool empty is refused
+// whole; every sequence's length and cached K/V (for int8: values and scales, read back through them) stay
+// bit-identical, `out` untouched, and after a release the same batch succeeds.
+TEST_P(KvCacheErrors, PoolExhaustedMidBatchLeavesEveryDtypeUntouched) {
+  for (DType dtype : {DType::f32, DType::bf16, DType::i8}) {
+    const std::string ctx = h->ctx(std::string("cache dtype ") + to_string(dtype));
+    KvCacheOptions o = pool(4, 16);  // 4 blocks of 4 tokens
+    o.dtype = dtype;
+    KvCache cache(h->block.config(), o);
+    const SequenceId s0 = cache.create(), s1 = cache.create(), s2 = cache.create(), spare = cache.create();
+    std::vector<float> x = tokens(8), out(static_cast<size_t>(8 * h->E()));
+    h->block.extend(cache, s0, x.data(), 3, out.data());  // 1 block, room for 1 more token
+    h->block.extend(cache, s1, x.data(), 2, out.data());  // 1 block, room
+    h->block.extend(cache, s2, x.data(), 4, out.data());  // 1 block, full: the next token needs a new one
+    h->block.extend(cache, spare, x.data(), 1, out.data());  // the last block
+    ASSERT_EQ(cache.free_blocks(), 0) << ctx;
+    const std::vector<SequenceId> batch{s0, s1, s2};
+    const CacheSnapshot before = snapshot(cache, {s0, s1, s2, spare});
+    std::vector<float> y = sentinel_out(3);
+    try {
+      h->block.decode(cache, batch.data(), 3, x.data(), y.data());
+      ADD_FAILURE() << ctx << ": accepted with the pool empty";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::out_of_memory) << ctx << ": " << e.what();
+    }
+    EXPECT_TRUE(same_snapshot(before, snapshot(cache, {s0, s1, s2, spare}))) << ctx;
+    for (float v : y) ASSERT_EQ(std::memcmp(&v, &kSentinel, sizeof v), 0) << ctx << ": the refused call wrote out";
+    EXPECT_EQ(cache.impl().audit(), "") << ctx;
+    cache.release(spare);
+    h->block.decode(cache, batch.data(), 3, x.data(), y.data());
+    EXPECT_EQ(cache.length(s2), 5) << ctx;
+    EXPECT_EQ(cache.impl().audit(), "") << ctx;
+  }
+}
+
 TEST_P(KvCacheErrors, UnknownAndReleasedIds) {
   const SequenceId gone = h->create();
   h->extend(gone, 2);

@@ -101,8 +101,10 @@ gpt2attn_status_t gpt2attn_kv_cache_create(const gpt2attn_layer_t* layer, int64_
                                            int64_t capacity_tokens, gpt2attn_kv_cache_t** out);
 /* Pool options that can grow: set struct_size = sizeof(gpt2attn_kv_cache_options_t) (a later library reads an
  * older, shorter struct by its size). Exactly one of capacity_tokens (rounded up to whole blocks) and
- * capacity_bytes (rounded down) is nonzero. kv_dtype: "f32" (NULL means f32) or "bf16" (half the bytes, each K/V
- * value rounded to nearest even once; attention still computes in f32). */
+ * capacity_bytes (rounded down) is nonzero. kv_dtype: "f32" (NULL means f32), "bf16" (half the bytes, each K/V
+ * value rounded to nearest even once) or "i8" (symmetric int8 with one f32 scale per token, K/V head and K or V:
+ * a quarter of the bytes plus the scales); each value is converted once, when appended; attention still computes
+ * in f32. */
 typedef struct gpt2attn_kv_cache_options {
   uint32_t struct_size;
   int64_t block_tokens;    /* 0: 64 or context_length */
@@ -114,7 +116,8 @@ gpt2attn_status_t gpt2attn_kv_cache_create_with(const gpt2attn_layer_t* layer,
                                                 const gpt2attn_kv_cache_options_t* options, gpt2attn_kv_cache_t** out);
 /* Frees the pool and every sequence in it; NULL is a no-op. */
 void gpt2attn_kv_cache_destroy(gpt2attn_kv_cache_t* cache);
-/* The pool's sizes in bytes and its K/V storage type ("f32" or "bf16", a static string); any out may be NULL. */
+/* The pool's sizes in bytes and its K/V storage type ("f32", "bf16" or "i8", a static string); any out may be
+ * NULL. */
 gpt2attn_status_t gpt2attn_kv_cache_bytes(const gpt2attn_kv_cache_t* cache, uint64_t* block_bytes,
                                           uint64_t* capacity_bytes, const char** kv_dtype);
 /* Pool state; any out pointer may be NULL. Room left: free_blocks * block_tokens tokens. */

@@ -415,39 +415,50 @@ static void test_grouped_kv_heads(void) {
   gpt2attn_layer_destroy(layer);
 }
 
-/* A bf16 cache through the options struct: half the block bytes of an f32 one, the same outputs within bf16
- * storage rounding, and bad options refused by name. */
+/* bf16 and int8 caches through the options struct: half (bf16) and a quarter plus the scales (i8) of an f32
+ * block's bytes, the same outputs within storage rounding, and bad options refused by name. */
 static void test_bf16_cache(gpt2attn_layer_t* layer, const float* xa) {
   gpt2attn_kv_cache_options_t o;
   memset(&o, 0, sizeof o);
   o.struct_size = sizeof o;
   o.block_tokens = BLOCK;
   o.capacity_tokens = 64;
-  gpt2attn_kv_cache_t *f32 = NULL, *bf = NULL;
+  gpt2attn_kv_cache_t *f32 = NULL, *bf = NULL, *q8 = NULL;
   CHECK_OK(gpt2attn_kv_cache_create_with(layer, &o, &f32));
   o.kv_dtype = "bf16";
   CHECK_OK(gpt2attn_kv_cache_create_with(layer, &o, &bf));
-  if (!f32 || !bf) return;
-  uint64_t fb = 0, bb = 0;
-  const char* dt = NULL;
+  o.kv_dtype = "i8";
+  CHECK_OK(gpt2attn_kv_cache_create_with(layer, &o, &q8));
+  if (!f32 || !bf || !q8) return;
+  uint64_t fb = 0, bb = 0, qb = 0;
+  const char *dt = NULL, *qt = NULL;
   CHECK_OK(gpt2attn_kv_cache_bytes(f32, &fb, NULL, NULL));
   CHECK_OK(gpt2attn_kv_cache_bytes(bf, &bb, NULL, &dt));
+  CHECK_OK(gpt2attn_kv_cache_bytes(q8, &qb, NULL, &qt));
   CHECK(fb == 2 * bb && dt && strcmp(dt, "bf16") == 0, "bf16 blocks are half the bytes (%llu vs %llu), dtype %s",
         (unsigned long long)bb, (unsigned long long)fb, dt ? dt : "(null)");
-  gpt2attn_seq_t a = -1, b = -1;
+  /* i8: 2 * H * BLOCK * D bytes of rows and 2 * H * BLOCK f32 scales */
+  CHECK(qb == fb / 4 + 2 * H * BLOCK * 4 && qt && strcmp(qt, "i8") == 0, "i8 blocks are %llu bytes (f32 %llu), dtype %s",
+        (unsigned long long)qb, (unsigned long long)fb, qt ? qt : "(null)");
+  gpt2attn_seq_t a = -1, b = -1, c = -1;
   CHECK_OK(gpt2attn_seq_create(f32, &a));
   CHECK_OK(gpt2attn_seq_create(bf, &b));
-  float ya[PROMPT_A * E], yb[PROMPT_A * E];
+  CHECK_OK(gpt2attn_seq_create(q8, &c));
+  float ya[PROMPT_A * E], yb[PROMPT_A * E], yc[PROMPT_A * E];
   CHECK_OK(gpt2attn_layer_extend(layer, f32, a, xa, PROMPT_A, ya, 1, NULL));
   CHECK_OK(gpt2attn_layer_extend(layer, bf, b, xa, PROMPT_A, yb, 1, NULL));
-  double worst = 0;
+  CHECK_OK(gpt2attn_layer_extend(layer, q8, c, xa, PROMPT_A, yc, 1, NULL));
+  double worst = 0, worst8 = 0;
   for (int i = 0; i < PROMPT_A * E; ++i) worst = fmax(worst, fabs((double)ya[i] - (double)yb[i]));
+  for (int i = 0; i < PROMPT_A * E; ++i) worst8 = fmax(worst8, fabs((double)ya[i] - (double)yc[i]));
   CHECK(worst > 0 && worst < 1e-2, "bf16 cache outputs within storage rounding of f32 ones (max diff %.3g)", worst);
+  CHECK(worst8 > 0 && worst8 < 5e-2, "i8 cache outputs within quantisation of f32 ones (max diff %.3g)", worst8);
   gpt2attn_kv_cache_destroy(f32);
   gpt2attn_kv_cache_destroy(bf);
+  gpt2attn_kv_cache_destroy(q8);
 
   gpt2attn_kv_cache_t* bad = NULL;
-  o.kv_dtype = "i8";
+  o.kv_dtype = "u8";
   CHECK_ERR(gpt2attn_kv_cache_create_with(layer, &o, &bad), GPT2ATTN_ERR_INVALID_ARGUMENT, "KvCacheOptions.dtype");
   o.kv_dtype = "f64";
   CHECK_ERR(gpt2attn_kv_cache_create_with(layer, &o, &bad), GPT2ATTN_ERR_INVALID_ARGUMENT, "f64");
