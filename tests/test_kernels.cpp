@@ -559,7 +559,8 @@ struct DecodeCase {
 
 // Every (H, D, block_tokens, n, splits) with splits <= n; the cut points are random, so splits are ragged and
 // start mid-block. block_tokens 300 > kDecodeMaxScoreKeys = 256 scores a block in two runs. The K/V heads cycle
-// through H's divisors (one per head, grouped, one for all) with the case index, so grouping meets every shape.
+// through H's divisors (one per head, groups of 2, 3 and 4, one for all) with the case index, so grouping meets
+// every shape.
 std::vector<DecodeCase> decode_cases(DType kv = DType::f32) {
   std::vector<DecodeCase> cases;
   test::Rng r(77);
@@ -569,7 +570,7 @@ std::vector<DecodeCase> decode_cases(DType kv = DType::f32) {
         for (int64_t n : {1, 7, 64, 257, 301, 613}) {
           for (int64_t splits : {1, 2, 5}) {
             if (splits > n) continue;
-            const std::vector<int64_t> kv_heads = H == 12 ? std::vector<int64_t>{12, 4, 1}
+            const std::vector<int64_t> kv_heads = H == 12 ? std::vector<int64_t>{12, 6, 4, 3, 1}
                                                   : H == 3  ? std::vector<int64_t>{3, 1}
                                                             : std::vector<int64_t>{1};
             const int64_t H_kv = kv_heads[cases.size() % kv_heads.size()];

@@ -279,7 +279,7 @@ struct BenchResult {
   double median_ms, gflops;
   std::string isa, impl;
   bool checked = false;
-  double max_abs_err = 0, allowed = 0;
+  double max_abs_err = 0, mean_abs_err = 0, allowed = 0;
   // decode only
   double tokens_per_s = 0, bytes_per_step = 0, gbps = 0;
 };
@@ -389,6 +389,7 @@ void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref
   for (size_t i = 0; i < ref.size(); ++i) {
     const double err = std::fabs(static_cast<double>(got[i]) - ref[i]);
     r.max_abs_err = std::isnan(err) ? INFINITY : std::max(r.max_abs_err, err);
+    r.mean_abs_err += err / static_cast<double>(ref.size());
     if (!tol.accepts(got[i], ref[i])) r.allowed = -1;  // marks failure
   }
 }
@@ -599,6 +600,7 @@ int cmd_bench(int argc, char** argv) {
       }
       if (r.checked) {
         j["max_abs_err"] = r.max_abs_err;
+        j["mean_abs_err"] = r.mean_abs_err;
         j["check"] = ok ? "ok" : "FAIL";
       }
       std::printf("%s\n", j.dump().c_str());
