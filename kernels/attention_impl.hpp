@@ -123,14 +123,14 @@ struct MicroF32 {
       for (int v = 0; v < QV; ++v) V::store(acc + r * BQ + v * W, c[r][v]);
   }
 
-  // The whole score tile s (nk, BQ) = K (nk rows, stride ldk) . qt, register block by register block.
   // Scales from row j on (null, never offset, for types without scales).
   static const float* scales_from(const float* scales, int64_t j) {
     if constexpr (kRowScaled<KvT>) return scales + j;
     return nullptr;
   }
 
-  // kscale: the keys' scales (row-scaled K only; null otherwise).
+  // The whole score tile s (nk, BQ) = K (nk rows, stride ldk) . qt, register block by register block; kscale: the
+  // keys' scales (row-scaled K only; null otherwise).
   static void scores(const KvT* k, int64_t ldk, const float* kscale, int64_t nk, const float* qt, int64_t D,
                      float* s, B* mx) {
     int64_t j = 0;

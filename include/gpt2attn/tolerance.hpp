@@ -56,7 +56,7 @@ inline double kv_storage_roundoff(DType kv, int64_t head_dim) {
 // softmax and the output projection. The bound is the f32 policy plus one storage rounding under the same chain
 // factor 16, without sqrt growth (a stored value is rounded once, not accumulated). Tests that must see the
 // kernels' own error instead compare with naive attention over the K/V the cache really holds, at the f32 policy
-// (tests/test_kv_cache_bf16.cpp, tests/test_kv_cache_int8.cpp).
+// (tests/test_kv_cache_storage.cpp).
 inline Tolerance kv_storage_tolerance(DType kv, int64_t head_dim, int64_t reduction_length,
                                       double max_abs_reference) {
   const Tolerance f = tolerance_for(DType::f32, reduction_length, max_abs_reference);
