@@ -160,8 +160,8 @@ def main():
         [r"--batch: must be in \[1, 9223372036854775807\]"], with_output=False)
     err("bench_kv_heads_not_dividing_heads", bench + ["--kv-heads", "5"],
         [r"--kv-heads 5 does not divide gpt2-small's 12 heads"], with_output=False)
-    err("bench_kv_dtype_unknown", bench + ["--mode", "decode", "--kv-dtype", "i8"],
-        [r"--kv-dtype i8 is not supported \(supported: f32, bf16\)"], with_output=False)
+    err("bench_kv_dtype_unknown", bench + ["--mode", "decode", "--kv-dtype", "f16"],
+        [r"--kv-dtype f16 is not supported \(supported: f32, bf16, int8\)"], with_output=False)
     err("bench_kv_dtype_without_decode", bench + ["--kv-dtype", "bf16"],
         [r"--kv-dtype applies to --mode decode only"], with_output=False)
 
