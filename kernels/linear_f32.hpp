@@ -8,7 +8,8 @@
 //
 // Packed layout: W (N, K) row-major becomes ceil(N / kLinearPanel) panels, each (K, kLinearPanel): panel p
 // holds outputs [p*16, p*16 + 16) with, for every k, their 16 weights contiguous (zero past N). The micro-
-// kernel keeps a block of rows x one panel in registers and streams the panel once per row block.
+// kernel keeps a block of rows x a group of adjacent panels in registers (tiles.hpp) and streams the group's
+// panels side by side, one 64-byte line of each per k.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +45,7 @@ struct LinearArgs {
 
 struct LinearKernel {
   const char* isa;
+  int64_t panel_group;  // panels computed together: a range split at multiples of it keeps whole groups
   // Computes y's columns of panels [panel_begin, panel_end) for all M rows.
   void (*run)(const LinearArgs& args, int64_t panel_begin, int64_t panel_end);
 };

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <algorithm>
-#include <type_traits>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
 
 #include "kernels/linear_f32.hpp"
 #include "kernels/tiles.hpp"
@@ -18,61 +21,95 @@ struct LinearF32 {
   using B = typename V::B;
   static constexpr int W = V::W;
   static constexpr int PV = static_cast<int>(kLinearPanel) / W;  // vectors per panel
-  static constexpr int RB = tiles::linear_row_block(W);  // rows per block (reasons in tiles.hpp)
+  static constexpr int RB = tiles::linear_row_block(W);          // rows per block (reasons in tiles.hpp)
+  static constexpr int PG = tiles::linear_panel_group(W);        // panels per block (reasons in tiles.hpp)
 
-  // y[m0 .. m0+RR) over this panel's outputs, for k in [k0, k1): starts from 0 (k0 == 0) or the partial sums in
-  // y, and adds the bias after the last k.
-  template <int RR>
-  static void rows(const LinearArgs& a, const float* panel, int64_t n0, int64_t m0, int64_t k0, int64_t k1) {
-    const int64_t width = std::min<int64_t>(kLinearPanel, a.N - n0);  // the last panel may be partial
-    B acc[RR][PV];
-    for (int r = 0; r < RR; ++r) {
-      float in[kLinearPanel] = {};
-      if (k0 > 0) std::copy_n(a.y + (m0 + r) * a.ldy + n0, width, in);
-      for (int v = 0; v < PV; ++v) acc[r][v] = V::load(in + v * W);
+  // The next chunk run() streams (this group's next K chunk, or the next group's first) is prefetched into L2
+  // while the row blocks compute on this one: row block i of nb asks for the i-th nb-th of each panel's lines, at
+  // `step` bytes per k (64 / nb: a line every nb k), so the fetch keeps pace with the arithmetic for any M.
+  struct Prefetch {
+    uintptr_t start;  // this block's first line of the next chunk in the first panel (an address only: past W's
+                      // end after the last group)
+    int64_t step;     // bytes per k
+  };
+
+  // y[m0 .. m0+RR) x the outputs of panels [p0, p0+PP), for k in [k0, k1): starts from the bias (or 0) when
+  // k0 == 0, else from the partial sums in y. Per k: PP*PV weight loads + RR broadcasts for RR*PP*PV FMAs, and
+  // PP prefetches.
+  template <int RR, int PP>
+  static void block(const LinearArgs& a, int64_t p0, int64_t m0, int64_t k0, int64_t k1, Prefetch pf) {
+    constexpr int NV = PP * PV;                  // accumulator vectors per row
+    const int64_t pstride = a.K * kLinearPanel;  // floats per panel
+    B acc[RR][NV];
+    for (int j = 0; j < PP; ++j) {
+      const int64_t n0 = (p0 + j) * kLinearPanel, width = std::min<int64_t>(kLinearPanel, a.N - n0);
+      for (int r = 0; r < RR; ++r) {
+        const float* src = k0 > 0 ? a.y + (m0 + r) * a.ldy + n0 : a.bias ? a.bias + n0 : nullptr;
+        float in[kLinearPanel] = {};  // the last panel may be partial: its outputs past N start from 0
+        if (src && width < kLinearPanel) {
+          std::copy_n(src, width, in);
+          src = in;
+        }
+        for (int v = 0; v < PV; ++v) acc[r][j * PV + v] = src ? V::load(src + v * W) : V::set1(0.0f);
+      }
     }
+    const float* w = a.w_packed + p0 * pstride;
     const float* x = a.x + m0 * a.ldx;
     for (int64_t k = k0; k < k1; ++k) {
-      B w[PV];
-      for (int v = 0; v < PV; ++v) w[v] = V::load(panel + k * kLinearPanel + v * W);
+      B wv[NV];
+      for (int j = 0; j < PP; ++j) {
+        const uintptr_t ahead = pf.start + (j * pstride) * sizeof(float) + (k - k0) * pf.step;
+        __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, 2);  // into L2: L1 holds the chunk being re-read
+        for (int v = 0; v < PV; ++v) wv[j * PV + v] = V::load(w + j * pstride + k * kLinearPanel + v * W);
+      }
       for (int r = 0; r < RR; ++r) {
         const B xb = V::set1(x[r * a.ldx + k]);
-        for (int v = 0; v < PV; ++v) acc[r][v] = V::fma(xb, w[v], acc[r][v]);
+        for (int i = 0; i < NV; ++i) acc[r][i] = V::fma(xb, wv[i], acc[r][i]);
       }
     }
-    const bool last = k1 == a.K;
-    for (int r = 0; r < RR; ++r) {
-      float out[kLinearPanel];
-      for (int v = 0; v < PV; ++v) V::store(out + v * W, acc[r][v]);
-      float* y = a.y + (m0 + r) * a.ldy + n0;
-      for (int64_t c = 0; c < width; ++c) y[c] = out[c] + (last && a.bias ? a.bias[n0 + c] : 0.0f);
-    }
-  }
-
-  // Calls rows<rem> for 1 <= rem <= RR: a ragged row block keeps full register blocking.
-  template <int RR>
-  static void ragged(const LinearArgs& a, const float* panel, int64_t n0, int64_t m0, int64_t rem, int64_t k0,
-                     int64_t k1) {
-    if constexpr (RR >= 1) {
-      if (rem == RR) {
-        rows<RR>(a, panel, n0, m0, k0, k1);
-      } else {
-        ragged<RR - 1>(a, panel, n0, m0, rem, k0, k1);
+    for (int j = 0; j < PP; ++j) {
+      const int64_t n0 = (p0 + j) * kLinearPanel, width = std::min<int64_t>(kLinearPanel, a.N - n0);
+      for (int r = 0; r < RR; ++r) {
+        float* y = a.y + (m0 + r) * a.ldy + n0;
+        if (width == kLinearPanel) {
+          for (int v = 0; v < PV; ++v) V::store(y + v * W, acc[r][j * PV + v]);
+        } else {
+          float out[kLinearPanel];
+          for (int v = 0; v < PV; ++v) V::store(out + v * W, acc[r][j * PV + v]);
+          std::copy_n(out, width, y);
+        }
       }
     }
   }
 
-  // Per panel, K in chunks small enough to stay in L1 while every row block streams them: the panel comes
-  // from memory once however many row blocks there are (a whole panel at K = 12288 is 768 KiB).
+  // block<RR, PP> for every 1 <= RR <= RB, 1 <= PP <= PG, at [(RR-1) * PG + PP-1]: ragged row blocks and panel
+  // groups keep full register blocking.
+  using BlockFn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, int64_t, Prefetch);
+  template <int... I>
+  static constexpr std::array<BlockFn, sizeof...(I)> blocks(std::integer_sequence<int, I...>) {
+    return {&block<I / PG + 1, I % PG + 1>...};
+  }
+  static constexpr std::array<BlockFn, RB * PG> kBlocks = blocks(std::make_integer_sequence<int, RB * PG>{});
+
+  // Per group of PG panels, K in equal chunks of at most kLinearKChunk, each streamed by every row block in turn
+  // from L1/L2 while the next is prefetched: the weights come from memory once, overlapped with the arithmetic.
   static void run(const LinearArgs& a, int64_t panel_begin, int64_t panel_end) {
-    for (int64_t p = panel_begin; p < panel_end; ++p) {
-      const float* panel = a.w_packed + p * a.K * kLinearPanel;
-      const int64_t n0 = p * kLinearPanel;
-      for (int64_t k0 = 0; k0 < a.K; k0 += tiles::kLinearKChunk) {
-        const int64_t k1 = std::min<int64_t>(a.K, k0 + tiles::kLinearKChunk);
-        int64_t m0 = 0;
-        for (; m0 + RB <= a.M; m0 += RB) rows<RB>(a, panel, n0, m0, k0, k1);
-        if (m0 < a.M) ragged<RB - 1>(a, panel, n0, m0, a.M - m0, k0, k1);
+    const int64_t chunks = (a.K + tiles::kLinearKChunk - 1) / tiles::kLinearKChunk;
+    const int64_t kc = (a.K + chunks - 1) / chunks, blocks = (a.M + RB - 1) / RB;
+    const uintptr_t w = reinterpret_cast<uintptr_t>(a.w_packed);
+    for (int64_t p0 = panel_begin; p0 < panel_end; p0 += PG) {
+      const int64_t pp = std::min<int64_t>(PG, panel_end - p0);
+      for (int64_t k0 = 0; k0 < a.K; k0 += kc) {
+        const int64_t k1 = std::min(a.K, k0 + kc);
+        // The next chunk: this group's next, or after the last one the next group's first.
+        const int64_t next_panel = k1 < a.K ? p0 : p0 + pp, next_k = k1 < a.K ? k1 : 0;
+        const uintptr_t next = w + ((next_panel * a.K + next_k) * kLinearPanel) * sizeof(float);
+        for (int64_t i = 0; i < blocks; ++i) {
+          const int64_t m0 = i * RB, rr = std::min<int64_t>(RB, a.M - m0);
+          const int64_t first = i * kc / blocks, lines = (i + 1) * kc / blocks - first;  // a line per k of a panel
+          const Prefetch pf{next + first * kLinearPanel * sizeof(float), lines * 64 / (k1 - k0)};
+          kBlocks[(rr - 1) * PG + (pp - 1)](a, p0, m0, k0, k1, pf);
+        }
       }
     }
   }
@@ -80,7 +117,7 @@ struct LinearF32 {
 
 template <class Arch>
 const LinearKernel& make_linear_kernel(const char* isa) {
-  static const LinearKernel kernel{isa, &LinearF32<Arch>::run};
+  static const LinearKernel kernel{isa, LinearF32<Arch>::PG, &LinearF32<Arch>::run};
   return kernel;
 }
 

@@ -47,13 +47,22 @@ inline constexpr int kCausalBandCenter = 256;
 // Justified by `bench_gpt2attn --benchmark_filter=Decode`.
 inline constexpr int kDecodeItemsPerThread = 4;
 inline constexpr int kDecodeMinSplitKeys = 256;
-// Decode's few-row projections (kernels/linear_f32*) keep a block of rows x one 16-output panel in registers:
-// RB x (16 / lanes) accumulators + the panel's vectors + 1 broadcast fit the register file (AVX-512: 8 + 1 + 1
-// of 32; AVX2: 12 + 2 + 1 of 16; scalar: 4 rows, the compiler's choice).
+// Decode's few-row projections (kernels/linear_f32*) keep a block of RB rows x PG 16-output panels in registers:
+// per k, PG * 16 / lanes weight loads and RB broadcasts feed RB * PG * 16 / lanes FMAs.
+//   AVX-512: RB=8, PG=3: 24 accumulators + 3 weights + 1 broadcast = 28 of 32 zmm, 11 loads per 24 FMAs; with
+//            its weights in L2 one Zen 5 core runs it at 190-220 GFLOP/s (one panel x 8 rows: 140). 8 rows split
+//            B = 16 and 64 evenly; 4 panels x 6 rows measured no better.
+//   AVX2:    RB=6, PG=1: 12 accumulators + 2 + 1 = 15 of 16 ymm; a second panel leaves room for 2 rows only.
+//   scalar:  RB=4, PG=1, the compiler's choice.
 constexpr int linear_row_block(int lanes) { return lanes >= 16 ? 8 : (lanes == 8 ? 6 : 4); }
-// ... over K in chunks of kLinearKChunk: 512 x 16 floats = 32 KiB of a weight panel, which stays in L1 while
-// each row block (B > 8 on AVX-512) streams it, so the weights come from memory once per step.
-inline constexpr int kLinearKChunk = 512;
+constexpr int linear_panel_group(int lanes) { return lanes >= 16 ? 3 : 1; }
+// ... over K in equal chunks of at most kLinearKChunk: a group's chunk (3 x 256 x 64 B = 48 KiB, L1-sized) is
+// re-read by every row block from L1/L2 while the next chunk is prefetched. 128 to 768 measured within noise of
+// each other in cold decode steps; 256 had the best medians.
+inline constexpr int kLinearKChunk = 256;
+// The engine splits each projection into about this many runs of whole panel groups per thread, dynamically
+// scheduled (engine/serving.cpp, panel_items); 4 and 8 measured the same.
+inline constexpr int kLinearItemsPerThread = 4;
 
 // The decode kernel scores at most this many keys of a block at once (one head's run): it bounds the kernel's
 // scratch for any block size, and is above the default block (kKeyTile), so default blocks are scored whole.

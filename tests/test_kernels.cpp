@@ -677,19 +677,21 @@ struct LinearCase {
   std::string name() const {
     std::ostringstream s;
     s << "M=" << M << " N=" << N << " K=" << K << (bias ? " bias" : " no bias") << " | panels "
-      << kernels::linear_panels(N) << " (first half one call each, the rest in one), K chunks of "
-      << kernels::tiles::kLinearKChunk << " | ldx=K+3 ldy=N+5 | seed " << seed;
+      << kernels::linear_panels(N) << " (the second half in one call, then the first one call each), K chunks of "
+      << "at most " << kernels::tiles::kLinearKChunk << " | ldx=K+3 ldy=N+5 | seed " << seed;
     return s.str();
   }
 };
 
-// M around the row blocks (AVX-512 8, AVX2 6, scalar 4), N around the 16-output panel, K up to past one
-// kLinearKChunk (512), so a second chunk accumulates on the first's partial sums in y.
+// M around the row blocks (AVX-512 8, AVX2 6, scalar 4); N around the 16-output panel and the panel groups
+// (AVX-512 3): 1, 2, 3, 5 and 7 panels, so calls hold whole and ragged groups; K up to past one and two
+// kLinearKChunk, so later chunks accumulate on the partial sums in y.
 std::vector<LinearCase> linear_cases() {
+  constexpr int64_t kc = kernels::tiles::kLinearKChunk;
   std::vector<LinearCase> cases;
   for (int64_t M : {1, 3, 8, 9, 19})
-    for (int64_t N : {1, 16, 17, 48})
-      for (int64_t K : {1, 5, 512, 700})
+    for (int64_t N : {1, 16, 17, 48, 69, 112})
+      for (int64_t K : {int64_t{1}, int64_t{5}, int64_t{300}, kc + 37, 2 * kc + 1})
         for (bool bias : {false, true}) cases.push_back({M, N, K, bias, 9000 + cases.size()});
   return cases;
 }
@@ -711,12 +713,23 @@ std::vector<LinearCase> linear_cases() {
   a.bias = c.bias ? b.data() : nullptr;
   a.y = y_mem.data(), a.ldy = c.ldy();
   a.M = M, a.N = N, a.K = K;
-  const int64_t panels = kernels::linear_panels(N), half = panels / 2;
-  for (int64_t p = 0; p < half; ++p) kern.run(a, p, p + 1);
-  kern.run(a, half, panels);
-
   std::ostringstream ctx;
   ctx << "[isa=" << kern.isa << "] linear " << c.name();
+  // Threads run neighbouring panel ranges at once, so a call must write only its own panels' columns: before
+  // each call, those of the panels not run yet still hold their NaN.
+  const int64_t panels = kernels::linear_panels(N), half = panels / 2;
+  kern.run(a, half, panels);
+  for (int64_t p = 0; p <= half; ++p) {
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = p * kernels::kLinearPanel; n < std::min(N, half * kernels::kLinearPanel); ++n) {
+        if (!std::isnan(y_mem[m * c.ldy() + n])) {
+          return ::testing::AssertionFailure() << ctx.str() << ": wrote y[" << m << ", " << n << "] before panel "
+                                               << n / kernels::kLinearPanel << "'s call";
+        }
+      }
+    }
+    if (p < half) kern.run(a, p, p + 1);
+  }
   // The reduction is the K-long dot product (test_util.hpp's rule: the projection widths).
   ::testing::AssertionResult r = all_close(unstrided(y_mem, M, N, c.ldy()), naive_linear(x, w, b, M, N, K), Dtype::f32,
                                            K, ctx.str() + " | index m*N+n");
