@@ -60,37 +60,75 @@ struct DecodeAttention {
   }
 
   // s[0..W) = qs . k_r for W consecutive keys (rows D apart), D a multiple of W: one accumulator per key, reduced
-  // all at once by a transpose-add (Vec::sum_rows) instead of one horizontal sum per key, which cost more than the
-  // key's FMAs at D = 64. (A compile-time D, which gives every row a constant offset, measured no faster.)
+  // all at once by a transpose-add (Vec::fold4, Vec::sum_folds) instead of one horizontal sum per key, which cost
+  // more than the key's FMAs at D = 64. Eight keys at a time: 8 FMA chains keep both FMA units busy, and their
+  // accumulators stay in registers. (A compile-time D, which gives every row a constant offset, measured no
+  // faster.)
   static void dots_w(const float* qs, const KvT* k, int64_t D, float* s, bool fetch) {
-    B acc[W];
-    for (int r = 0; r < W; ++r) acc[r] = V::set1(0.0f);
+    static_assert(W % 8 == 0);
+    B folds[W / 4];
     if (fetch) prefetch_rows(k, W, D);
-    for (int64_t d = 0; d < D; d += W) {
-      const B q = V::load(qs + d);
-      for (int r = 0; r < W; ++r) acc[r] = V::fma(q, V::load(k + r * D + d), acc[r]);
+    for (int r0 = 0; r0 < W; r0 += 8) {
+      const KvT* k0 = k + r0 * D;
+      B a0 = V::set1(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t d = 0; d < D; d += W) {
+        const B q = V::load(qs + d);
+        a0 = V::fma(q, V::load(k0 + d), a0);
+        a1 = V::fma(q, V::load(k0 + D + d), a1);
+        a2 = V::fma(q, V::load(k0 + 2 * D + d), a2);
+        a3 = V::fma(q, V::load(k0 + 3 * D + d), a3);
+        a4 = V::fma(q, V::load(k0 + 4 * D + d), a4);
+        a5 = V::fma(q, V::load(k0 + 5 * D + d), a5);
+        a6 = V::fma(q, V::load(k0 + 6 * D + d), a6);
+        a7 = V::fma(q, V::load(k0 + 7 * D + d), a7);
+      }
+      folds[r0 / 4] = V::fold4(a0, a1, a2, a3);
+      folds[r0 / 4 + 1] = V::fold4(a4, a5, a6, a7);
     }
-    V::store(s, V::sum_rows(acc));
+    V::store(s, V::sum_folds(folds));
   }
 
   // For HB heads g (p, alpha and acc rows lds, 1 and D apart): acc_g[0..N*W) = alpha_g * acc_g + sum_j p_gj v_j[...]
-  // over nk keys (V rows D apart). Each V row is loaded once for all HB heads.
+  // over nk keys (V rows D apart). Each V row is loaded once for all HB heads. Keys go round U independent sets of
+  // accumulators, added at the end: one set of HB * N FMA chains would wait on the FMA latency whenever it is
+  // shorter than the latency times the FMA rate (one head, N = 4: 4 chains where 8 keep both FMA units busy).
+  static constexpr int kAccRegs = W >= 16 ? 16 : 8;  // accumulators that leave room for V and p in the registers
   template <int HB, int N>
   static void pv(const KvT* v, int64_t D, const float* p, int64_t lds, int64_t nk, const float* alpha, float* acc) {
-    B c[HB][N];
+    constexpr int U = HB * N >= kAccRegs ? 1 : kAccRegs / (HB * N);
+    B c[U][HB][N];
     for (int g = 0; g < HB; ++g)
-      for (int n = 0; n < N; ++n) c[g][n] = V::load(acc + g * D + n * W) * V::set1(alpha[g]);
-    for (int64_t j = 0; j < nk; ++j) {
-      for (int n = 0; n < N * W; n += kLine) prefetch(v, kAhead + static_cast<size_t>(j * D + n) * sizeof(KvT));
+      for (int n = 0; n < N; ++n) {
+        c[0][g][n] = V::load(acc + g * D + n * W) * V::set1(alpha[g]);
+        for (int u = 1; u < U; ++u) c[u][g][n] = V::set1(0.0f);
+      }
+    int64_t j = 0;
+    for (; j + U <= nk; j += U) {
+      for (int u = 0; u < U; ++u) {
+        const KvT* vrow = v + (j + u) * D;
+        for (int n = 0; n < N * W; n += kLine) prefetch(vrow + n, kAhead);
+        B vj[N];
+        for (int n = 0; n < N; ++n) vj[n] = V::load(vrow + n * W);
+        for (int g = 0; g < HB; ++g) {
+          const B pj = V::set1(p[g * lds + j + u]);
+          for (int n = 0; n < N; ++n) c[u][g][n] = V::fma(pj, vj[n], c[u][g][n]);
+        }
+      }
+    }
+    for (; j < nk; ++j) {
       B vj[N];
       for (int n = 0; n < N; ++n) vj[n] = V::load(v + j * D + n * W);
       for (int g = 0; g < HB; ++g) {
         const B pj = V::set1(p[g * lds + j]);
-        for (int n = 0; n < N; ++n) c[g][n] = V::fma(pj, vj[n], c[g][n]);
+        for (int n = 0; n < N; ++n) c[0][g][n] = V::fma(pj, vj[n], c[0][g][n]);
       }
     }
     for (int g = 0; g < HB; ++g)
-      for (int n = 0; n < N; ++n) V::store(acc + g * D + n * W, c[g][n]);
+      for (int n = 0; n < N; ++n) {
+        B t = c[0][g][n];
+        for (int u = 1; u < U; ++u) t = t + c[u][g][n];
+        V::store(acc + g * D + n * W, t);
+      }
   }
 
   // pv<HB, N> for the G heads of a group, in blocks of kHeadBlock (the last block ragged, still in registers).
@@ -130,9 +168,11 @@ struct DecodeAttention {
                           const float* vscale, int64_t nk, int64_t D, float* s, int64_t lds, float* alpha, float* m,
                           float* l, float* acc) {
     int64_t j = 0;
-    if (D % W == 0 && W > 1) {
-      for (; j + W <= nk; j += W) {
-        for (int64_t g = 0; g < G; ++g) dots_w(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
+    if constexpr (W > 1) {
+      if (D % W == 0) {
+        for (; j + W <= nk; j += W) {
+          for (int64_t g = 0; g < G; ++g) dots_w(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
+        }
       }
     }
     for (; j + kKeys <= nk; j += kKeys) {

@@ -81,22 +81,33 @@ struct Vec {
     for (int i = 1; i < W; ++i) m = t[i] > m ? t[i] : m;
     return m;
   }
-  // W vectors reduced at once: lane i holds the sum of rows[i]'s lanes (a transpose-add; far cheaper than W sums).
-  // xsimd 8.1's AVX-512 haddp returns its lanes permuted (0, 1, 4, 5, 2, 3, 6, 7, ...; measured, and caught by the
-  // decode kernel tests), so on AVX-512 each row is folded to 8 lanes and the AVX2 haddp, whose order is right,
-  // reduces each half.
-  static B sum_rows(const B* rows) {
+  // A transpose-add in two steps, W row sums for one horizontal sum's price (decode_attention_impl.hpp, dots_w):
+  //   fold4(a, b, c, d): in every 128-bit chunk, the 4 rows' sums over that chunk (6 shuffles, 3 adds);
+  //   sum_folds(f): W / 4 such folds of rows 0-3, 4-7, ... to one vector whose lane i is row i's whole sum.
+  // Small named steps rather than one function over W rows: GCC keeps an array of 16 zmm rows on the stack (a
+  // 1 KiB store, clear and reload per call, measured), four rows at a time stay in registers.
+  static B fold4(B a, B b, B c, B d) {
     if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
-      using B8 = xsimd::batch<float, xsimd::avx2>;
-      B8 lo[8], hi[8];
-      for (int i = 0; i < 8; ++i) {
-        lo[i] = B8(_mm256_add_ps(_mm512_castps512_ps256(rows[i]), _mm512_extractf32x8_ps(rows[i], 1)));
-        hi[i] = B8(_mm256_add_ps(_mm512_castps512_ps256(rows[8 + i]), _mm512_extractf32x8_ps(rows[8 + i], 1)));
-      }
-      const __m256 a = xsimd::haddp(lo), b = xsimd::haddp(hi);
-      return B(_mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1));
+      const __m512d ab = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)));
+      const __m512d cd = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d)));
+      return B(_mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd))));
     } else {
-      return xsimd::haddp(rows);
+      static_assert(W == 8, "fold4 is written for AVX-512 (16 lanes) and AVX2 (8 lanes)");
+      const __m256d ab = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b)));
+      const __m256d cd = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d)));
+      return B(_mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(ab, cd)),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(ab, cd))));
+    }
+  }
+  static B sum_folds(const B* f) {
+    if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
+      // Chunks (0 + 1, 2 + 3) of f[0] and f[1], then of f[2] and f[3]; then the two halves of each row's sum.
+      const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x88), _mm512_shuffle_f32x4(f[0], f[1], 0xDD));
+      const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(f[2], f[3], 0x88), _mm512_shuffle_f32x4(f[2], f[3], 0xDD));
+      return B(_mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD)));
+    } else {
+      return B(_mm256_add_ps(_mm256_permute2f128_ps(f[0], f[1], 0x20), _mm256_permute2f128_ps(f[0], f[1], 0x31)));
     }
   }
   // 2^x, exactly 0 below -126 (so a masked -inf score contributes nothing) and NaN for NaN (bad input
@@ -131,7 +142,6 @@ struct Vec<ScalarArch> {
   static B max(B a, B b) { return a > b ? a : b; }
   static float sum(B v) { return v; }
   static float reduce_max(B v) { return v; }
-  static B sum_rows(const B* rows) { return rows[0]; }
   static B exp2(B x) { return x < -126.0f ? 0.0f : std::exp2(x); }
   static B finite_or_zero(B m) { return m == -INFINITY ? 0.0f : m; }
 };
