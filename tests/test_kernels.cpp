@@ -565,7 +565,7 @@ std::vector<DecodeCase> decode_cases(DType kv = DType::f32) {
   std::vector<DecodeCase> cases;
   test::Rng r(77);
   for (int64_t H : {1, 3, 12}) {
-    for (int64_t D : {1, 7, 64, 128}) {
+    for (int64_t D : {1, 7, 48, 64, 128}) {  // 48: AVX-512 vectors, not a multiple of four of them
       for (int64_t bt : {1, 5, 64, 300}) {
         for (int64_t n : {1, 7, 64, 257, 301, 613}) {
           for (int64_t splits : {1, 2, 5}) {
@@ -661,6 +661,42 @@ TEST_P(KernelDecode, Int8KvMatchesNaive) {
   const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::i8);
   ASSERT_STREQ(kern.isa, to_string(isa()));
   expect_all_cases(kern.isa, decode_cases(DType::i8), [&](const DecodeCase& c) { return check_decode(kern, c); });
+}
+
+// A query head holding a NaN or an infinity gives that head NaN outputs in every K/V format, never plausible
+// numbers, and leaves the other heads exact.
+TEST_P(KernelDecode, NonFiniteQueryHeadGivesNaNOnlyThere) {
+  const int64_t H = 2, D = 64, bt = 16, n = 40;
+  for (DType kv : {DType::f32, DType::bf16, DType::i8}) {
+    for (float bad : {kNaN, INFINITY}) {
+      const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), kv);
+      std::mt19937_64 rng(11);
+      std::vector<float> q = random_uniform(H * D, rng, -2.0f, 2.0f);
+      std::vector<float> k = random_uniform(n * D, rng, -2.0f, 2.0f), v = random_uniform(n * D, rng, -1.0f, 1.0f);
+      round_to_storage(k, D, kv);
+      round_to_storage(v, D, kv);
+      PagedStore store(1, D, bt, n, rng, kv);
+      for (int64_t j = 0; j < n; ++j) store.put(0, j, k, v);
+      const std::vector<double> want1 =
+          naive_attention(std::vector<float>(q.begin() + D, q.end()), k, v, 1, n, D, {}, 0.125f);
+      q[5] = bad;  // head 0
+      kernels::DecodeArgs a;
+      a.q = q.data(), a.ldq = D, a.blocks = store.table.data(), a.layout = store.layout, a.H = H, a.D = D;
+      a.scale = 0.125f;
+      std::vector<float> m(H), l(H), acc(H * D), out(H * D);
+      std::vector<float> scratch(kern.scratch_floats(H, D, bt));
+      kern.run(a, 0, n, scratch.data(), m.data(), l.data(), acc.data());
+      for (int64_t h = 0; h < H; ++h) {
+        kernels::merge_softmax_partials(m.data() + h, l.data() + h, H, acc.data() + h * D, H * D, 1, D,
+                                        out.data() + h * D);
+      }
+      const std::string what = "[isa=" + std::string(kern.isa) + "] " + to_string(kv) + " query " +
+                               std::to_string(bad);
+      for (int64_t d = 0; d < D; ++d) EXPECT_TRUE(std::isnan(out[d])) << what << " head 0, d=" << d;
+      EXPECT_TRUE(all_close(std::vector<float>(out.begin() + D, out.end()), want1, Dtype::f32,
+                            reduction_for_head(D, n), what + " | head 1"));
+    }
+  }
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelDecode);
 
