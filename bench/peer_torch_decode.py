@@ -130,8 +130,8 @@ def main():
                 "ours_ms": ours["median_ms"], "speedup": torch_r["median_ms"] / ours["median_ms"],
                 "speedup_prealloc": torch_r["prealloc_median_ms"] / ours["median_ms"],
                 "torch_tokens_per_s": B / (torch_r["median_ms"] * 1e-3),
-                "ours_tokens_per_s": ours["tokens_per_s"], "ours_gbps": ours["gbps"],
-                "bytes_per_step": ours["bytes_per_step"], "triad_gbps": triad, "bw_frac": ours["gbps"] / triad,
+                "ours_tokens_per_s": ours["tokens_per_s"], "ours_gb_per_s": ours["gb_per_s"],
+                "bytes_per_step": ours["bytes_per_step"], "triad_gbps": triad, "bw_frac": ours["gb_per_s"] / triad,
                 "isa": ours["isa"], "torch": torch_r["torch"], "torch_threads": torch_r["threads"],
             }
             rows.append(row)
@@ -154,7 +154,7 @@ def main():
         for r in rows:
             print(f"{r['preset']:<12} {r['batch']:>3} {r['seq']:>5} {r['threads']:>7} {r['torch_ms']:>9.3f} "
                   f"{r['ours_ms']:>9.3f} {r['speedup']:>7.2f}x {r['ours_tokens_per_s']:>10.0f} "
-                  f"{r['ours_gbps']:>9.1f} {r['triad_gbps']:>10.1f} {r['bw_frac']:>7.3f} "
+                  f"{r['ours_gb_per_s']:>9.1f} {r['triad_gbps']:>10.1f} {r['bw_frac']:>7.3f} "
                   f"{r['torch_prealloc_ms']:>17.3f} {r['speedup_prealloc']:>15.2f}x")
     # tokens/s of each batch over the smallest batch's, per preset (batching's gain: the weights are read once
     # per step whatever B is).

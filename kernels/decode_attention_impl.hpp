@@ -215,6 +215,15 @@ struct DecodeAttention {
     }
   }
 
+  // Row-scaled K/V: the scales of K/V head g's run sit after every head's rows, where the rows' prefetch stream
+  // does not reach before they are read, so each head asks for the next head's ahead of time.
+  static void prefetch_scales(const KvLayout& kv, const std::byte* block, int64_t g, int64_t off, int64_t nk) {
+    for (KvPart part : {KvPart::key, KvPart::value}) {
+      const float* sc = kv.scales(block, part, g, off);
+      for (int64_t i = 0; i < nk; i += 16) prefetch(sc + i, 0);
+    }
+  }
+
   static void run(const DecodeArgs& a, int64_t j_begin, int64_t j_end, float* scratch, float* m, float* l,
                   float* acc) {
     const KvLayout& kv = a.layout;
@@ -238,6 +247,7 @@ struct DecodeAttention {
       nk = std::min({j_end - j0, bt - off, score_keys(bt)});  // keys left in this block, at most a score run
       const std::byte* block = a.blocks[j0 / bt];
       // K/V heads in order, so the block streams front to back; query heads g * group ... read K/V head g.
+      if constexpr (kRowScaled<KvT>) prefetch_scales(kv, block, 0, off, nk);
       for (int64_t g = 0; g < kv.heads; ++g) {
         const int64_t h0 = g * group;
         const float* kscale = nullptr;
@@ -245,6 +255,7 @@ struct DecodeAttention {
         if constexpr (kRowScaled<KvT>) {
           kscale = kv.scales(block, KvPart::key, g, off);
           vscale = kv.scales(block, KvPart::value, g, off);
+          if (g + 1 < kv.heads) prefetch_scales(kv, block, g + 1, off, nk);
         }
         group_block(qs + h0 * ldqs, ldqs, group, kv.row<KvT>(block, KvPart::key, g, off),
                     kv.row<KvT>(block, KvPart::value, g, off), kscale, vscale, nk, D, s, lds, alpha, m + h0, l + h0,

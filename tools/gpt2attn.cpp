@@ -281,7 +281,7 @@ struct BenchResult {
   bool checked = false;
   double max_abs_err = 0, mean_abs_err = 0, allowed = 0;
   // decode only
-  double tokens_per_s = 0, bytes_per_step = 0, gbps = 0;
+  double tokens_per_s = 0, bytes_per_step = 0, gb_per_s = 0;
 };
 
 double causal_layer_flops(const ga::Config& c, int64_t B, int64_t T) {
@@ -502,7 +502,7 @@ BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int
   r.gflops = decode_step_flops(cfg, B, T) / (r.median_ms * 1e6);
   r.tokens_per_s = static_cast<double>(B) / (r.median_ms * 1e-3);
   r.bytes_per_step = decode_step_bytes(cfg, B, T, kv_dtype);
-  r.gbps = r.bytes_per_step / (r.median_ms * 1e6);
+  r.gb_per_s = r.bytes_per_step / (r.median_ms * 1e6);
 
   if (check) {
     // Sequence 0 has seen T prompt tokens, kDecodeWarmup decoded ones and the first timed one: the reference's
@@ -603,7 +603,7 @@ int cmd_bench(int argc, char** argv) {
         j["kv_dtype"] = kv_name;
         j["tokens_per_s"] = r.tokens_per_s;
         j["bytes_per_step"] = r.bytes_per_step;
-        j["gbps"] = r.gbps;
+        j["gb_per_s"] = r.gb_per_s;
       }
       if (r.checked) {
         j["max_abs_err"] = r.max_abs_err;
@@ -616,7 +616,9 @@ int cmd_bench(int argc, char** argv) {
       if (r.checked) std::snprintf(err, sizeof err, "%.2e %s", r.max_abs_err, ok ? "ok" : "FAIL");
       std::printf("%-12s %-8s %-5s %3ld %6ld %7d %10.3f %9.1f ", r.preset.c_str(), mode.c_str(), "f32",
                   static_cast<long>(r.B), static_cast<long>(r.T), r.threads, r.median_ms, r.gflops);
-      if (decode) std::printf("%-4s %10.0f %9.1f %7.1f ", kv_name.c_str(), r.tokens_per_s, r.bytes_per_step * 1e-6, r.gbps);
+      if (decode) {
+        std::printf("%-4s %10.0f %9.1f %7.1f ", kv_name.c_str(), r.tokens_per_s, r.bytes_per_step * 1e-6, r.gb_per_s);
+      }
       std::printf("%-7s %s\n", r.isa.c_str(), err);
     }
     std::fflush(stdout);
