@@ -151,13 +151,6 @@ struct DecodeAttention {
     }
   }
 
-  // x[j] *= scale[j] for j < n (row-scaled K/V: scores by the keys' scales, probabilities by the values').
-  static void scale_run(float* x, const float* scale, int64_t n) {
-    int64_t j = 0;
-    for (; j + W <= n; j += W) V::store(x + j, V::load(x + j) * V::load(scale + j));
-    for (; j < n; ++j) x[j] *= scale[j];
-  }
-
   // One K/V head's run of nk keys for the G query heads that read it (qs, s, m, l, acc rows of those heads):
   // scores, the online softmax update of (m, l), acc += p V. Row-scaled K/V (int8) bring their scales (kscale,
   // vscale: nk each; null otherwise): a score is the integer row's dot product times the key's scale, and each
@@ -182,25 +175,44 @@ struct DecodeAttention {
       for (int64_t g = 0; g < G; ++g) dots<1>(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
     }
 
-    // Per head: p_j = 2^(s_j - m_new) in place, l = alpha * l + sum_j p_j.
+    // Per head, two passes over the run's scores: (1) row-scaled K/V take the keys' scales, and the running max
+    // m_new; (2) p_j = 2^(s_j - m_new) in place, l = alpha * l + sum_j p_j, and row-scaled K/V give each p_j its
+    // value's scale after the sum. Lanes past nk (pad) hold -inf: no effect on the max, and exp2 gives 0.
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * lds;
-      if constexpr (kRowScaled<KvT>) scale_run(sg, kscale, nk);
-      for (j = nk; j < padded(nk); ++j) sg[j] = -INFINITY;  // pad lanes: no effect on the max, exp2 gives 0
       B mv = V::set1(m[g]);
-      for (j = 0; j < nk; j += W) mv = V::max(mv, V::load(sg + j));
+      for (j = 0; j + W <= nk; j += W) {
+        B x = V::load(sg + j);
+        if constexpr (kRowScaled<KvT>) x = x * V::load(kscale + j);
+        V::store(sg + j, x);
+        mv = V::max(mv, x);
+      }
+      const int64_t full = j;  // keys in whole vectors; the ragged rest, if any, fills one more with its pad
+      if (full < nk) {
+        for (; j < nk; ++j) {
+          if constexpr (kRowScaled<KvT>) sg[j] *= kscale[j];
+        }
+        for (; j < padded(nk); ++j) sg[j] = -INFINITY;
+        mv = V::max(mv, V::load(sg + full));
+      }
       const float m_new = V::reduce_max(mv);
       const float m_safe = m_new == -INFINITY ? 0.0f : m_new;
       B sum = V::set1(0.0f);
-      for (j = 0; j < nk; j += W) {
+      for (j = 0; j < padded(nk); j += W) {
         const B p = V::exp2(V::load(sg + j) - V::set1(m_safe));
-        V::store(sg + j, p);
         sum = sum + p;
+        if constexpr (kRowScaled<KvT>) {
+          V::store(sg + j, j + W <= nk ? p * V::load(vscale + j) : p);  // the ragged vector: below
+        } else {
+          V::store(sg + j, p);
+        }
+      }
+      if constexpr (kRowScaled<KvT>) {
+        for (j = full; j < nk; ++j) sg[j] *= vscale[j];
       }
       alpha[g] = std::exp2(m[g] - m_safe);
       l[g] = l[g] * alpha[g] + V::sum(sum);
       m[g] = m_new;
-      if constexpr (kRowScaled<KvT>) scale_run(sg, vscale, nk);
     }
 
     int64_t d = 0;

@@ -74,12 +74,15 @@ struct Vec {
   static B fma(B a, B b, B c) { return xsimd::fma(a, b, c); }
   static B max(B a, B b) { return xsimd::max(a, b); }
   static float sum(B v) { return xsimd::hadd(v); }  // horizontal: the lanes added
-  static float reduce_max(B v) {  // horizontal: the largest lane (xsimd 8.1 has no max reducer)
-    alignas(64) float t[W];
-    v.store_aligned(t);
-    float m = t[0];
-    for (int i = 1; i < W; ++i) m = t[i] > m ? t[i] : m;
-    return m;
+  static float reduce_max(B v) {  // horizontal: the largest lane (xsimd 8.1 has no max reducer), by halving
+    if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
+      return _mm512_reduce_max_ps(v);
+    } else {
+      static_assert(W == 8, "reduce_max is written for AVX-512 (16 lanes) and AVX2 (8 lanes)");
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+    }
   }
   // A transpose-add in two steps, W row sums for one horizontal sum's price (decode_attention_impl.hpp, dots_w):
   //   fold4(a, b, c, d): in every 128-bit chunk, the 4 rows' sums over that chunk (6 shuffles, 3 adds);
