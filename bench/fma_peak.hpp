@@ -16,6 +16,18 @@ namespace gpt2attn::bench {
 double fma_peak_gflops_avx512(int threads);
 double fma_peak_gflops_avx2(int threads);
 
+// GFLOP/s of vdpbf16ps (AVX512-BF16: 32 bf16 products summed in pairs into 16 f32 lanes, 64 FLOPs), measured as
+// the FMA peak is: the ceiling a bf16 kernel is compared with (issue: bf16 compute). Defined in
+// bf16_dot_peak_avx512bf16.cpp; call only where the CPU has AVX512-BF16.
+double bf16_dot_peak_gflops_avx512bf16(int threads);
+
+inline double measured_bf16_dot_peak_gflops(int threads) {
+  if (!__builtin_cpu_supports("avx512bf16")) {
+    throw std::invalid_argument("bf16 dot peak: this CPU lacks avx512bf16 (vdpbf16ps)");
+  }
+  return bf16_dot_peak_gflops_avx512bf16(threads);
+}
+
 // The peak for an instruction set (best = the strongest this CPU runs). Scalar has no FMA instruction in
 // the baseline x86-64 flags the scalar kernel is built with, so it has no peak of its own: that is refused.
 inline double measured_fma_peak_gflops(int threads, Isa isa) {

@@ -1,6 +1,8 @@
-// bench/fma_peak_cli.cpp: prints the measured fp32 FMA peak as JSON lines, one per thread count, for scripts
-// (peer_torch.py) that need the peak_frac denominator:  {"threads": n, "gflops": x, "isa": "avx512"}.
-// Usage: fma_peak_cli [--threads N]... [--isa best|avx512|avx2]   (default: 1 .. number of processors)
+// bench/fma_peak_cli.cpp: prints a measured compute peak as JSON lines, one per thread count, for scripts
+// (peer_torch.py) that need the peak_frac denominator:
+//   {"threads": n, "gflops": x, "isa": "avx512", "op": "fma"}       fp32 FMA (default)
+//   {"threads": n, "gflops": x, "isa": "avx512_bf16", "op": "bf16dot"}   vdpbf16ps (--op bf16dot)
+// Usage: fma_peak_cli [--threads N]... [--isa best|avx512|avx2] [--op fma|bf16dot]   (threads default: 1 .. nproc)
 #include <omp.h>
 
 #include <cstdio>
@@ -16,28 +18,36 @@ int main(int argc, char** argv) {
   namespace ga = gpt2attn;
   std::vector<int> threads;
   ga::Isa isa = ga::Isa::best;
+  std::string op = "fma";
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if ((a == "--threads" || a == "--isa") && i + 1 < argc) {
+      if ((a == "--threads" || a == "--isa" || a == "--op") && i + 1 < argc) {
         const std::string v = argv[++i];
         if (a == "--isa") {
           isa = ga::isa_from_string(v);
+        } else if (a == "--op") {
+          if (v != "fma" && v != "bf16dot") throw std::invalid_argument("--op is fma or bf16dot, got '" + v + "'");
+          op = v;
         } else {
           const int n = std::atoi(v.c_str());
           if (n < 1) throw std::invalid_argument("--threads must be >= 1, got " + v);
           threads.push_back(n);
         }
       } else {
-        throw std::invalid_argument("unknown argument '" + a + "' (usage: fma_peak_cli [--threads N]... [--isa ISA])");
+        throw std::invalid_argument("unknown argument '" + a +
+                                    "' (usage: fma_peak_cli [--threads N]... [--isa ISA] [--op fma|bf16dot])");
       }
     }
     if (threads.empty())
       for (int n = 1; n <= omp_get_num_procs(); ++n) threads.push_back(n);
     if (isa == ga::Isa::best) isa = ga::best_supported_isa();
     for (int n : threads) {
-      const double g = gpt2attn::bench::measured_fma_peak_gflops(n, isa);
-      std::printf("{\"threads\": %d, \"gflops\": %.3f, \"isa\": \"%s\"}\n", n, g, ga::to_string(isa));
+      const bool bf16 = op == "bf16dot";
+      const double g = bf16 ? gpt2attn::bench::measured_bf16_dot_peak_gflops(n)
+                            : gpt2attn::bench::measured_fma_peak_gflops(n, isa);
+      std::printf("{\"threads\": %d, \"gflops\": %.3f, \"isa\": \"%s\", \"op\": \"%s\"}\n", n, g,
+                  bf16 ? "avx512_bf16" : ga::to_string(isa), op.c_str());
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {

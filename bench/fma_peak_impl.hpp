@@ -1,5 +1,6 @@
-// bench/fma_peak_impl.hpp: the FMA peak loop, written once over xsimd::batch<float, Arch>. Included only by
-// the per-ISA files (fma_peak_<isa>.cpp); internal linkage keeps ISA-flagged code out of other TUs.
+// bench/fma_peak_impl.hpp: the FMA peak loop, written once over xsimd::batch<float, Arch>, and the team timing every
+// peak probe shares. Included only by the per-ISA files (fma_peak_<isa>.cpp, bf16_dot_peak_avx512bf16.cpp);
+// internal linkage keeps ISA-flagged code out of other TUs.
 #pragma once
 
 #include <omp.h>
@@ -31,16 +32,17 @@ float fma_chains(long iters, float seed) {
 
 using Clock = std::chrono::steady_clock;
 
-template <class Arch, int A>
-double fma_peak_gflops(int threads) {
-  using B = xsimd::batch<float, Arch>;
-  const double flops_per_iter = 2.0 * A * B::size;
+// The rate of `threads` OpenMP threads each running chains(iters, seed) (flops_per_iter FLOPs an iteration) for
+// ~50 ms: the best of 10 trials (other load only lowers a trial). Shared by every probe (fma_peak_<isa>.cpp,
+// bf16_dot_peak_avx512bf16.cpp), so their figures are measured alike.
+template <class Chains>
+double team_peak_gflops(int threads, double flops_per_iter, Chains chains) {
   volatile float sink = 0;
   // Calibrate the iteration count to ~50 ms on one thread (also wakes the cores and settles the clock).
   long iters = 1 << 20;
   for (;;) {
     const auto t0 = Clock::now();
-    sink = sink + fma_chains<Arch, A>(iters, 1.0f);
+    sink = sink + chains(iters, 1.0f);
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     if (s > 0.01) {
       iters = static_cast<long>(iters * 0.05 / s);
@@ -58,7 +60,7 @@ double fma_peak_gflops(int threads) {
       const auto t = static_cast<size_t>(omp_get_thread_num());
 #pragma omp barrier
       start[t] = Clock::now();
-      const float r = fma_chains<Arch, A>(iters, static_cast<float>(t));
+      const float r = chains(iters, static_cast<float>(t));
       end[t] = Clock::now();
       sink = sink + r;
     }
@@ -69,6 +71,11 @@ double fma_peak_gflops(int threads) {
     best = std::max(best, flops_per_iter * static_cast<double>(iters) * threads / s * 1e-9);
   }
   return best;
+}
+
+template <class Arch, int A>
+double fma_peak_gflops(int threads) {
+  return team_peak_gflops(threads, 2.0 * A * xsimd::batch<float, Arch>::size, fma_chains<Arch, A>);
 }
 
 }  // namespace
