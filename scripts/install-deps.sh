@@ -4,7 +4,8 @@ set -euo pipefail
 # ocl-icd-opencl-dev/opencl-c-headers: Debian's dnnl-config.cmake find_package()s OpenCL (its GPU runtime).
 pkgs=(g++ cmake make libdnnl-dev libxsimd-dev libgtest-dev libbenchmark-dev nlohmann-json3-dev
       ocl-icd-opencl-dev opencl-c-headers
-      python3 python3-numpy python3-torch libopenblas0-pthread)
+      python3 python3-numpy python3-torch libopenblas0-pthread
+      python3-dev python3-pybind11 python3-pytest)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,122 @@
+"""torch.nn.MultiheadAttention's calling conventions over gpt2attn's MultiHeadAttention.
+
+    mha = gpt2attn.MultiheadAttention.from_torch(torch_module)      # weights copied once
+    out, _ = mha(query, key, value, attn_mask=..., key_padding_mask=..., is_causal=False)
+
+follows torch's argument names and layouts: (L, N, E) inputs, or (N, L, E) when the module is batch_first, or
+unbatched (L, E); a bool attn_mask blocks where True, a float one is added to the scores; attn_mask is (L, S) or
+torch's (N * num_heads, L, S); key_padding_mask (N, S) is bool, True = ignore that key. It returns
+(output, None), what torch returns for need_weights=False: a torch tensor when the query was one, a numpy array
+otherwise (for (L, N, E) layouts a transposed view of the library's (N, L, E) result; a torch tensor is made
+contiguous, as torch's is). Inputs are read in place: a transposed layout is passed to the
+library as strides, not copied. Not supported (refused with a message): add_bias_kv, add_zero_attn, float
+key_padding_mask, and dropout in training mode (gpt2attn's dropout draws differ from torch's).
+"""
+import numpy as np
+
+from ._gpt2attn import Config, InvalidArgument, MultiHeadAttention, Weights
+
+
+def _is_torch(x):
+    return type(x).__module__.startswith("torch")
+
+
+def _array(x, name):
+    """x as a numpy array sharing its memory (a CPU torch tensor included)."""
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise InvalidArgument(f"{name}: a {x.device.type} tensor; gpt2attn computes on the CPU (pass x.cpu())")
+        return x.detach().numpy()
+    return np.asarray(x)
+
+
+def _f32(t):
+    return np.ascontiguousarray(t.detach().cpu().numpy(), dtype=np.float32)
+
+
+class MultiheadAttention:
+    """A torch.nn.MultiheadAttention computed by gpt2attn (see the module docstring for the conventions)."""
+
+    def __init__(self, config, weights, batch_first=False, threads=0, isa="best"):
+        self.layer = MultiHeadAttention(config, weights, threads=threads, isa=isa)
+        self.batch_first = batch_first
+        self.num_heads = config.num_heads
+
+    @classmethod
+    def from_torch(cls, module, context_length=8192, threads=0, isa="best"):
+        """Copies a torch.nn.MultiheadAttention's weights; context_length bounds L and S."""
+        if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
+            raise InvalidArgument("from_torch: add_bias_kv and add_zero_attn are not supported")
+        E, H = module.embed_dim, module.num_heads
+        if module._qkv_same_embed_dim:
+            w = module.in_proj_weight
+            w_q, w_k, w_v = _f32(w[:E]), _f32(w[E:2 * E]), _f32(w[2 * E:])
+        else:
+            w_q, w_k, w_v = _f32(module.q_proj_weight), _f32(module.k_proj_weight), _f32(module.v_proj_weight)
+        b = module.in_proj_bias
+        biases = (None, None, None) if b is None else (_f32(b[:E]), _f32(b[E:2 * E]), _f32(b[2 * E:]))
+        b_o = None if module.out_proj.bias is None else _f32(module.out_proj.bias)
+        cfg = Config(E, H, kdim=0 if module.kdim == E else module.kdim, vdim=0 if module.vdim == E else module.vdim,
+                     context_length=context_length, qkv_bias=b is not None, out_bias=b_o is not None)
+        weights = Weights(w_q, w_k, w_v, _f32(module.out_proj.weight), biases[0], biases[1], biases[2], b_o)
+        self = cls(cfg, weights, batch_first=getattr(module, "batch_first", False), threads=threads, isa=isa)
+        self.dropout = module.dropout
+        self.module_training = module.training
+        return self
+
+    def __call__(self, query, key=None, value=None, attn_mask=None, key_padding_mask=None, is_causal=False,
+                 need_weights=False):
+        if need_weights:
+            raise InvalidArgument("need_weights=True: gpt2attn never materialises the attention weights")
+        if getattr(self, "module_training", False) and getattr(self, "dropout", 0.0) > 0.0:
+            raise InvalidArgument("the torch module is in training mode with dropout: call module.eval() first")
+        torch_out = _is_torch(query)
+        self_attention = key is None or (key is query and value is query)
+        q = _array(query, "query")
+        unbatched = q.ndim == 2
+        k = None if self_attention else _array(key, "key")
+        v = None if self_attention else _array(value, "value")
+
+        # To the library's (N, L, E): add the batch axis, or swap (L, N, E) by strides.
+        def to_nle(a):
+            if a is None:
+                return None
+            if unbatched:
+                return a[np.newaxis]
+            return a if self.batch_first else a.transpose(1, 0, 2)
+
+        q3, k3, v3 = to_nle(q), to_nle(k), to_nle(v)
+        N, L = q3.shape[0], q3.shape[1]
+        S = L if k3 is None else k3.shape[1]
+
+        mask, kind = None, "block"
+        if attn_mask is not None:
+            mask = _array(attn_mask, "attn_mask")
+            kind = "block" if mask.dtype == np.bool_ else "additive"
+            if mask.ndim == 3:  # torch's (N * num_heads, L, S)
+                mask = mask.reshape(N, self.num_heads, L, S)
+        if is_causal:
+            causal = np.triu(np.ones((L, S), dtype=np.bool_), k=S - L + 1)
+            if mask is None:
+                mask = causal
+            elif kind == "block":
+                mask = mask | causal
+            else:
+                mask = np.where(causal, np.float32(-np.inf), mask).astype(np.float32)
+        pad = None
+        if key_padding_mask is not None:
+            pad = _array(key_padding_mask, "key_padding_mask")
+            if pad.dtype != np.bool_:
+                raise InvalidArgument("key_padding_mask: only a bool mask (True = ignore) is supported")
+            if unbatched:
+                pad = pad[np.newaxis]
+
+        out = self.layer.forward(q3, k3, v3, attn_mask=mask, mask_kind=kind, key_padding=pad)  # (N, L, E)
+        if unbatched:
+            out = out[0]
+        elif not self.batch_first:
+            out = out.transpose(1, 0, 2)
+        if torch_out:
+            import torch
+            out = torch.from_numpy(np.ascontiguousarray(out))
+        return out, None

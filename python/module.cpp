@@ -1,0 +1,445 @@
+// python/module.cpp: gpt2attn._gpt2attn, the C++ API for Python (pybind11). The package python/gpt2attn/ wraps it.
+//
+// Arrays: numpy arrays, or anything np.asarray() views without copying (a CPU torch tensor). They are read where
+// they lie: float32 only (float64 and the rest are refused with a message, never converted behind the caller's
+// back); CausalSelfAttention's calls take C-contiguous arrays, as the C++ API does; MultiheadAttention's take
+// strided views, passed on as TensorView strides. `out=` must be a writeable C-contiguous float32 array of the
+// result's shape, and is written in place; without it a new array is returned. Compute calls release the GIL,
+// so Python threads with their own Workspace run them in parallel.
+//
+// Errors: gpt2attn::Error becomes gpt2attn.InvalidArgument (a ValueError), BadFile (an OSError), OutOfMemory (a
+// MemoryError) or InternalError (a RuntimeError), all subclasses of gpt2attn.Error, with the library's message.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gpt2attn/gpt2attn.h"
+#include "gpt2attn/gpt2attn.hpp"
+
+namespace py = pybind11;
+namespace ga = gpt2attn;
+
+namespace {
+
+// The exception classes, created once at import (create_errors).
+PyObject* g_error = nullptr;
+PyObject* g_errors[5] = {};  // by ErrorCode; [0] unused
+
+PyObject* new_error_class(py::module_& m, const char* name, PyObject* base2, const char* doc) {
+  py::tuple bases = py::make_tuple(py::handle(g_error), py::handle(base2));
+  PyObject* cls = PyErr_NewExceptionWithDoc((std::string("gpt2attn.") + name).c_str(), doc, bases.ptr(), nullptr);
+  if (cls == nullptr) throw py::error_already_set();
+  m.add_object(name, py::handle(cls));
+  return cls;
+}
+
+void create_errors(py::module_& m) {
+  g_error = PyErr_NewExceptionWithDoc("gpt2attn.Error", "Any error gpt2attn reports; its text names the problem.",
+                                      PyExc_Exception, nullptr);
+  if (g_error == nullptr) throw py::error_already_set();
+  m.add_object("Error", py::handle(g_error));
+  g_errors[static_cast<int>(ga::ErrorCode::invalid_argument)] = new_error_class(
+      m, "InvalidArgument", PyExc_ValueError, "A shape, size, option, id or value the caller passed is wrong.");
+  g_errors[static_cast<int>(ga::ErrorCode::bad_file)] =
+      new_error_class(m, "BadFile", PyExc_OSError, "A weights or config file is missing, truncated or corrupt.");
+  g_errors[static_cast<int>(ga::ErrorCode::out_of_memory)] = new_error_class(
+      m, "OutOfMemory", PyExc_MemoryError, "An allocation failed or the KV pool is exhausted; nothing was written.");
+  g_errors[static_cast<int>(ga::ErrorCode::internal)] =
+      new_error_class(m, "InternalError", PyExc_RuntimeError, "A bug, or a failure inside a dependency.");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ga::Error& e) {
+      const int code = static_cast<int>(e.code());
+      PyErr_SetString(code >= 1 && code <= 4 ? g_errors[code] : g_error, e.what());
+    }
+  });
+}
+
+[[noreturn]] void invalid(const std::string& what) { throw ga::Error(ga::ErrorCode::invalid_argument, what); }
+
+std::string shape_of(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// obj as a float32 numpy array without copying: np.asarray (a CPU torch tensor gives a view of its memory).
+py::array as_f32(const py::handle& obj, const char* name) {
+  py::array a = py::reinterpret_steal<py::array>(py::detail::npy_api::get().PyArray_FromAny_(
+      obj.ptr(), nullptr, 0, 0, py::detail::npy_api::NPY_ARRAY_ENSUREARRAY_, nullptr));
+  if (!a) throw py::error_already_set();
+  if (!a.dtype().is(py::dtype::of<float>())) {
+    invalid(std::string(name) + ": dtype " + std::string(py::str(a.dtype())) +
+            ", expected float32 (gpt2attn computes in float32 and converts nothing itself: pass x.astype(np.float32))");
+  }
+  return a;
+}
+
+// A C-contiguous float32 array of the given shape (for the calls that take plain pointers).
+py::array contiguous_f32(const py::handle& obj, const char* name, const std::vector<int64_t>& shape) {
+  py::array a = as_f32(obj, name);
+  if (!(a.flags() & py::array::c_style)) {
+    invalid(std::string(name) + ": not C-contiguous (shape " + shape_of(a) +
+            "); this call reads a contiguous array: pass np.ascontiguousarray(" + name + ")");
+  }
+  bool ok = a.ndim() == static_cast<py::ssize_t>(shape.size());
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] < 0 || a.shape(static_cast<py::ssize_t>(i)) == shape[i];
+  if (!ok) {
+    std::string want = "(";
+    for (size_t i = 0; i < shape.size(); ++i) want += (i ? ", " : "") + (shape[i] < 0 ? "*" : std::to_string(shape[i]));
+    invalid(std::string(name) + ": shape " + shape_of(a) + ", expected " + want + ")");
+  }
+  return a;
+}
+
+// The caller's out= (checked: writeable, C-contiguous float32 of exactly `shape`), or a new array.
+py::array output(const py::object& out, const std::vector<int64_t>& shape) {
+  if (out.is_none()) return py::array_t<float>(std::vector<py::ssize_t>(shape.begin(), shape.end()));
+  py::array a = contiguous_f32(out, "out", shape);
+  if (!a.writeable()) invalid("out: the array is read-only");
+  return a;
+}
+
+// A float32 array as a strided TensorView (strides in elements; a byte stride that is not a whole number of
+// elements is refused). Rank 1 to 4.
+ga::TensorView view_of(const py::array& a, const char* name) {
+  if (a.ndim() < 1 || a.ndim() > 4) invalid(std::string(name) + ": rank " + std::to_string(a.ndim()) + ", expected 1 to 4");
+  ga::TensorView v;
+  v.data = a.data();
+  v.dtype = ga::DType::f32;
+  v.rank = static_cast<int>(a.ndim());
+  for (int i = 0; i < v.rank; ++i) {
+    v.shape[i] = a.shape(i);
+    if (a.strides(i) % static_cast<py::ssize_t>(sizeof(float)) != 0) {
+      invalid(std::string(name) + ": a byte stride of " + std::to_string(a.strides(i)) + " is not whole floats");
+    }
+    v.strides[i] = a.strides(i) / static_cast<py::ssize_t>(sizeof(float));
+  }
+  return v;
+}
+
+ga::Isa isa_of(const std::string& s) { return ga::isa_from_string(s); }
+
+ga::DType kv_dtype_of(const std::string& s) {
+  if (s == "f32" || s == "float32") return ga::DType::f32;
+  if (s == "bf16" || s == "bfloat16") return ga::DType::bf16;
+  if (s == "int8" || s == "i8") return ga::DType::i8;
+  invalid("KvCache dtype '" + s + "' (supported: f32, bf16, int8)");
+}
+
+std::vector<float> vec_of(const py::object& obj, const char* name) {
+  if (obj.is_none()) return {};
+  py::array a = contiguous_f32(obj, name, {-1});
+  const float* p = static_cast<const float*>(a.data());
+  return std::vector<float>(p, p + a.size());
+}
+
+std::vector<float> matrix_of(const py::object& obj, const char* name) {
+  py::array a = as_f32(obj, name);
+  if (a.ndim() != 2 || !(a.flags() & py::array::c_style)) {
+    invalid(std::string(name) + ": expected a C-contiguous 2-D float32 array, got shape " + shape_of(a));
+  }
+  const float* p = static_cast<const float*>(a.data());
+  return std::vector<float>(p, p + a.size());
+}
+
+ga::RunOptions run_options(int threads, bool training = false, uint64_t seed = 0) {
+  ga::RunOptions r;
+  r.threads = threads;
+  r.training = training;
+  r.dropout_seed = seed;
+  return r;
+}
+
+// MultiheadAttention.forward's inputs as views of the caller's arrays (kept alive by `keep`).
+ga::AttentionInputs attention_inputs(const py::object& query, const py::object& key, const py::object& value,
+                                     const py::object& attn_mask, const std::string& mask_kind,
+                                     const py::object& key_padding, std::vector<py::array>& keep) {
+  ga::AttentionInputs in;
+  keep.push_back(as_f32(query, "query"));
+  in.query = view_of(keep.back(), "query");
+  if (key.is_none() != value.is_none()) invalid("key and value: give both or neither (neither: self-attention)");
+  if (!key.is_none()) {
+    keep.push_back(as_f32(key, "key"));
+    in.key = view_of(keep.back(), "key");
+    keep.push_back(as_f32(value, "value"));
+    in.value = view_of(keep.back(), "value");
+  }
+  // Masks: float32 as given; bool / uint8 as u8.
+  auto mask_view = [&](const py::object& m, const char* name) {
+    py::array a = py::reinterpret_steal<py::array>(py::detail::npy_api::get().PyArray_FromAny_(
+        m.ptr(), nullptr, 0, 0, py::detail::npy_api::NPY_ARRAY_ENSUREARRAY_, nullptr));
+    if (!a) throw py::error_already_set();
+    keep.push_back(a);
+    if (a.dtype().is(py::dtype::of<float>())) return view_of(a, name);
+    if (a.dtype().is(py::dtype::of<bool>()) || a.dtype().is(py::dtype::of<uint8_t>())) {
+      ga::TensorView v;
+      v.data = a.data(), v.dtype = ga::DType::u8, v.rank = static_cast<int>(a.ndim());
+      if (v.rank < 1 || v.rank > 4) invalid(std::string(name) + ": rank " + std::to_string(v.rank));
+      for (int i = 0; i < v.rank; ++i) v.shape[i] = a.shape(i), v.strides[i] = a.strides(i);
+      return v;
+    }
+    invalid(std::string(name) + ": dtype " + std::string(py::str(a.dtype())) + ", expected bool, uint8 or float32");
+  };
+  if (!attn_mask.is_none()) {
+    in.attn_mask = mask_view(attn_mask, "attn_mask");
+    in.mask_kind = ga::mask_kind_from_string(mask_kind);
+  }
+  if (!key_padding.is_none()) in.key_padding = mask_view(key_padding, "key_padding");
+  return in;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_gpt2attn, m) {
+  m.doc() = "gpt2attn: GPT-2-style multi-head attention on CPUs (the C++ library, zero-copy over float32 arrays)";
+  create_errors(m);
+
+  m.def("version", [] { return std::string(gpt2attn_version()); }, "The library's MAJOR.MINOR.PATCH.");
+  m.def("best_isa", [] { return std::string(ga::to_string(ga::best_supported_isa())); },
+        "The strongest kernel instruction set this CPU runs: avx512, avx2 or scalar.");
+  m.def("compiled_isas", [] {
+    std::vector<std::string> v;
+    for (ga::Isa i : ga::compiled_isas()) v.emplace_back(ga::to_string(i));
+    return v;
+  });
+  m.def("preset_names", &ga::preset_names);
+  m.def("preset", &ga::preset, py::arg("name"), "The Config of a GPT-2/GPT-3 preset, e.g. 'gpt2-small'.");
+
+  py::class_<ga::Config>(m, "Config", "A layer's sizes and options (gpt2attn/config.hpp); 0 means the default.")
+      .def(py::init([](int64_t d_model, int64_t num_heads, int64_t num_kv_heads, int64_t d_in, int64_t kdim,
+                       int64_t vdim, int64_t context_length, bool qkv_bias, bool out_bias, bool causal,
+                       float dropout) {
+             ga::Config c;
+             c.d_model = d_model, c.num_heads = num_heads, c.num_kv_heads = num_kv_heads, c.d_in = d_in;
+             c.kdim = kdim, c.vdim = vdim, c.context_length = context_length, c.qkv_bias = qkv_bias;
+             c.out_bias = out_bias, c.causal = causal, c.dropout = dropout;
+             return c;
+           }),
+           py::arg("d_model"), py::arg("num_heads"), py::arg("num_kv_heads") = 0, py::arg("d_in") = 0,
+           py::arg("kdim") = 0, py::arg("vdim") = 0, py::arg("context_length") = 1024, py::arg("qkv_bias") = true,
+           py::arg("out_bias") = true, py::arg("causal") = false, py::arg("dropout") = 0.0f)
+      .def_readwrite("d_model", &ga::Config::d_model)
+      .def_readwrite("num_heads", &ga::Config::num_heads)
+      .def_readwrite("num_kv_heads", &ga::Config::num_kv_heads)
+      .def_readwrite("d_in", &ga::Config::d_in)
+      .def_readwrite("kdim", &ga::Config::kdim)
+      .def_readwrite("vdim", &ga::Config::vdim)
+      .def_readwrite("context_length", &ga::Config::context_length)
+      .def_readwrite("qkv_bias", &ga::Config::qkv_bias)
+      .def_readwrite("out_bias", &ga::Config::out_bias)
+      .def_readwrite("causal", &ga::Config::causal)
+      .def_readwrite("dropout", &ga::Config::dropout)
+      .def_property_readonly("head_dim", &ga::Config::head_dim)
+      .def_property_readonly("kv_heads", &ga::Config::kv_heads)
+      .def("validate", &ga::Config::validate)
+      .def("__repr__", [](const ga::Config& c) { return "gpt2attn.Config(" + ga::to_json(c) + ")"; });
+
+  py::class_<ga::Weights>(m, "Weights",
+                          "Projection weights in torch's layout: w (out, in) and b (out); copied in.")
+      .def(py::init([](const py::object& w_q, const py::object& w_k, const py::object& w_v, const py::object& w_o,
+                       const py::object& b_q, const py::object& b_k, const py::object& b_v, const py::object& b_o) {
+             ga::Weights w;
+             w.w_q = matrix_of(w_q, "w_q"), w.w_k = matrix_of(w_k, "w_k"), w.w_v = matrix_of(w_v, "w_v");
+             w.w_o = matrix_of(w_o, "w_o");
+             w.b_q = vec_of(b_q, "b_q"), w.b_k = vec_of(b_k, "b_k"), w.b_v = vec_of(b_v, "b_v");
+             w.b_o = vec_of(b_o, "b_o");
+             return w;
+           }),
+           py::arg("w_q"), py::arg("w_k"), py::arg("w_v"), py::arg("w_o"), py::arg("b_q") = py::none(),
+           py::arg("b_k") = py::none(), py::arg("b_v") = py::none(), py::arg("b_o") = py::none())
+      .def_static("random", &ga::Weights::random, py::arg("config"), py::arg("seed") = 0,
+                  "Uniform +-1/sqrt(fan_in) weights (torch's default init), reproducible from the seed.")
+      .def("validate", &ga::Weights::validate);
+
+  m.def(
+      "load_safetensors", [](const std::string& path, const std::string& prefix, ga::Config config) {
+        const ga::LoadedLayer l = ga::load_safetensors_layer(path, prefix);
+        return py::make_tuple(ga::apply_loaded_shapes(config, l), l.weights);
+      },
+      py::arg("path"), py::arg("prefix") = "", py::arg("config"),
+      "(config, weights) of one layer of a safetensors file (torch or Hugging Face GPT-2 names after prefix); "
+      "config gives num_heads and context_length, the file the sizes.");
+
+  py::class_<ga::Workspace>(m, "Workspace", "Scratch memory for one calling thread at a time.")
+      .def(py::init<>())
+      .def_property_readonly("bytes", &ga::Workspace::bytes);
+
+  py::class_<ga::KvCache>(m, "KvCache", "A paged K/V pool and the sequences in it (gpt2attn/kv_cache.hpp).")
+      .def(py::init([](const ga::Config& config, int64_t block_tokens, int64_t capacity_tokens,
+                       size_t capacity_bytes, const std::string& dtype) {
+             ga::KvCacheOptions o;
+             o.block_tokens = block_tokens, o.capacity_tokens = capacity_tokens, o.capacity_bytes = capacity_bytes;
+             o.dtype = kv_dtype_of(dtype);
+             return ga::KvCache(config, o);
+           }),
+           py::arg("config"), py::arg("block_tokens") = 0, py::arg("capacity_tokens") = 0,
+           py::arg("capacity_bytes") = 0, py::arg("dtype") = "f32")
+      .def("create", &ga::KvCache::create)
+      .def("fork", &ga::KvCache::fork, py::arg("parent"))
+      .def("release", &ga::KvCache::release, py::arg("seq"))
+      .def("__contains__", &ga::KvCache::contains)
+      .def("length", &ga::KvCache::length, py::arg("seq"))
+      .def("blocks_needed", &ga::KvCache::blocks_needed, py::arg("seq"), py::arg("tokens"))
+      .def_property_readonly("block_tokens", &ga::KvCache::block_tokens)
+      .def_property_readonly("total_blocks", &ga::KvCache::total_blocks)
+      .def_property_readonly("free_blocks", &ga::KvCache::free_blocks)
+      .def_property_readonly("num_sequences", &ga::KvCache::num_sequences)
+      .def_property_readonly("block_bytes", &ga::KvCache::block_bytes)
+      .def_property_readonly("capacity_bytes", &ga::KvCache::capacity_bytes)
+      .def_property_readonly("dtype", [](const ga::KvCache& c) { return std::string(ga::to_string(c.dtype())); })
+      .def(
+          "read_key",
+          [](const ga::KvCache& c, ga::SequenceId seq, int64_t h, int64_t t) {
+            py::array_t<float> a(c.config().head_dim());
+            c.read_key(seq, h, t, a.mutable_data());
+            return a;
+          },
+          py::arg("seq"), py::arg("head"), py::arg("t"), "Cached key of K/V head `head`, token t, as float32 (D,).")
+      .def(
+          "read_value",
+          [](const ga::KvCache& c, ga::SequenceId seq, int64_t h, int64_t t) {
+            py::array_t<float> a(c.config().head_dim());
+            c.read_value(seq, h, t, a.mutable_data());
+            return a;
+          },
+          py::arg("seq"), py::arg("head"), py::arg("t"));
+
+  py::class_<ga::MultiHeadAttention>(m, "MultiHeadAttention",
+                                     "torch.nn.MultiheadAttention's computation (gpt2attn/attention.hpp).")
+      .def(py::init([](const ga::Config& c, const ga::Weights& w, int threads, const std::string& isa) {
+             ga::EngineOptions o;
+             o.threads = threads, o.isa = isa_of(isa);
+             return ga::MultiHeadAttention(c, w, o);
+           }),
+           py::arg("config"), py::arg("weights"), py::arg("threads") = 0, py::arg("isa") = "best")
+      .def(
+          "forward",
+          [](ga::MultiHeadAttention& self, const py::object& query, const py::object& key, const py::object& value,
+             const py::object& attn_mask, const std::string& mask_kind, const py::object& key_padding,
+             const py::object& out, int threads, bool training, uint64_t dropout_seed, ga::Workspace* ws) {
+            std::vector<py::array> keep;
+            const ga::AttentionInputs in = attention_inputs(query, key, value, attn_mask, mask_kind, key_padding, keep);
+            if (in.query.rank != 3) invalid("query: shape " + in.query.shape_str() + ", expected (B, T, d_in)");
+            py::array y = output(out, {in.query.shape[0], in.query.shape[1], self.config().d_model});
+            float* dst = static_cast<float*>(y.mutable_data());
+            {
+              py::gil_scoped_release nogil;
+              self.forward(in, dst, run_options(threads, training, dropout_seed), ws);
+            }
+            return y;
+          },
+          py::arg("query"), py::arg("key") = py::none(), py::arg("value") = py::none(),
+          py::arg("attn_mask") = py::none(), py::arg("mask_kind") = "keep", py::arg("key_padding") = py::none(),
+          py::arg("out") = py::none(), py::arg("threads") = 0, py::arg("training") = false,
+          py::arg("dropout_seed") = 0, py::arg("workspace") = nullptr,
+          "out (B, T, E) = attention of query (B, T, d_in) over key/value (B, Tk, kdim/vdim; None: self-attention). "
+          "Strided float32 views are read in place. mask_kind: keep (nonzero attends), block (nonzero does not: "
+          "torch's bool mask) or additive (torch's float mask).")
+      .def_property_readonly("config", &ga::MultiHeadAttention::config)
+      .def_property_readonly("isa", [](const ga::MultiHeadAttention& s) { return std::string(ga::to_string(s.isa())); })
+      .def_property_readonly("implementation", &ga::MultiHeadAttention::implementation)
+      .def_property_readonly("default_threads", &ga::MultiHeadAttention::default_threads);
+
+  py::class_<ga::CausalSelfAttention>(m, "CausalSelfAttention",
+                                      "GPT-2's attention block: fused QKV, causal, with KV-cache serving.")
+      .def(py::init([](const ga::Config& c, const ga::Weights& w, int threads, const std::string& isa) {
+             ga::EngineOptions o;
+             o.threads = threads, o.isa = isa_of(isa);
+             return ga::CausalSelfAttention(c, w, o);
+           }),
+           py::arg("config"), py::arg("weights"), py::arg("threads") = 0, py::arg("isa") = "best")
+      .def(
+          "forward",
+          [](ga::CausalSelfAttention& self, const py::object& x, const py::object& out, int threads,
+             ga::Workspace* ws) {
+            py::array a = contiguous_f32(x, "x", {-1, -1, self.config().query_width()});
+            const int64_t B = a.shape(0), T = a.shape(1);
+            py::array y = output(out, {B, T, self.config().d_model});
+            const float* src = static_cast<const float*>(a.data());
+            float* dst = static_cast<float*>(y.mutable_data());
+            {
+              py::gil_scoped_release nogil;
+              self.forward(src, B, T, dst, run_options(threads), ws);
+            }
+            return y;
+          },
+          py::arg("x"), py::arg("out") = py::none(), py::arg("threads") = 0, py::arg("workspace") = nullptr,
+          "out (B, T, E) = causal self-attention of x (B, T, d_in), C-contiguous float32.")
+      .def(
+          "extend",
+          [](ga::CausalSelfAttention& self, ga::KvCache& cache, ga::SequenceId seq, const py::object& x,
+             const py::object& out, int threads, ga::Workspace* ws) {
+            py::array a = contiguous_f32(x, "x", {-1, self.config().query_width()});
+            const int64_t T = a.shape(0);
+            py::array y = output(out, {T, self.config().d_model});
+            const float* src = static_cast<const float*>(a.data());
+            float* dst = static_cast<float*>(y.mutable_data());
+            {
+              py::gil_scoped_release nogil;
+              self.extend(cache, seq, src, T, dst, run_options(threads), ws);
+            }
+            return y;
+          },
+          py::arg("cache"), py::arg("seq"), py::arg("x"), py::arg("out") = py::none(), py::arg("threads") = 0,
+          py::arg("workspace") = nullptr,
+          "Appends x (T, d_in) to sequence seq (prefill or a chunk of one) and returns its outputs (T, E).")
+      .def(
+          "decode",
+          [](ga::CausalSelfAttention& self, ga::KvCache& cache, const std::vector<ga::SequenceId>& seqs,
+             const py::object& x, const py::object& out, int threads, ga::Workspace* ws) {
+            const int64_t B = static_cast<int64_t>(seqs.size());
+            py::array a = contiguous_f32(x, "x", {B, self.config().query_width()});
+            py::array y = output(out, {B, self.config().d_model});
+            const float* src = static_cast<const float*>(a.data());
+            float* dst = static_cast<float*>(y.mutable_data());
+            {
+              py::gil_scoped_release nogil;
+              self.decode(cache, seqs.data(), B, src, dst, run_options(threads), ws);
+            }
+            return y;
+          },
+          py::arg("cache"), py::arg("seqs"), py::arg("x"), py::arg("out") = py::none(), py::arg("threads") = 0,
+          py::arg("workspace") = nullptr,
+          "One decode step: x (B, d_in) holds one new token for each of the B distinct sequences; returns (B, E).")
+      .def(
+          "reserve_serving",
+          [](ga::CausalSelfAttention& self, int64_t max_extend_tokens, int64_t max_decode_batch, int threads,
+             ga::Workspace* ws) { self.reserve_serving(max_extend_tokens, max_decode_batch, threads, ws); },
+          py::arg("max_extend_tokens"), py::arg("max_decode_batch"), py::arg("threads") = 0,
+          py::arg("workspace") = nullptr)
+      .def_property_readonly("config", &ga::CausalSelfAttention::config)
+      .def_property_readonly("isa",
+                             [](ga::CausalSelfAttention& s) { return std::string(ga::to_string(s.layer().isa())); })
+      .def_property_readonly("implementation",
+                             [](ga::CausalSelfAttention& s) { return s.layer().implementation(); });
+
+  m.def(
+      "reference_forward",
+      [](const ga::Config& c, const ga::Weights& w, const py::object& query, const py::object& key,
+         const py::object& value, const py::object& attn_mask, const std::string& mask_kind,
+         const py::object& key_padding) {
+        std::vector<py::array> keep;
+        const ga::AttentionInputs in = attention_inputs(query, key, value, attn_mask, mask_kind, key_padding, keep);
+        if (in.query.rank != 3) invalid("query: shape " + in.query.shape_str() + ", expected (B, T, d_in)");
+        const std::vector<double> r = ga::reference_forward(c, w, in);
+        py::array_t<double> a(std::vector<py::ssize_t>{in.query.shape[0], in.query.shape[1], c.d_model});
+        std::copy(r.begin(), r.end(), a.mutable_data());
+        return a;
+      },
+      py::arg("config"), py::arg("weights"), py::arg("query"), py::arg("key") = py::none(),
+      py::arg("value") = py::none(), py::arg("attn_mask") = py::none(), py::arg("mask_kind") = "keep",
+      py::arg("key_padding") = py::none(),
+      "The naive reference (double accumulation, shares nothing with the fast path): float64 (B, T, E).");
+
+  // The address the compute calls would read `x` at: for tests that prove no copy is made.
+  m.def("_input_address", [](const py::object& x) {
+    return reinterpret_cast<uintptr_t>(as_f32(x, "x").data());
+  });
+}

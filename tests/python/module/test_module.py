@@ -1,0 +1,290 @@
+"""The Python module (python/): parity with torch.nn.MultiheadAttention through the module (not the CLI), zero-copy
+inputs and in-place out=, the KV cache, the GIL released during compute, and bad input as Python exceptions.
+Run by ctest as `python3 -m pytest tests/python/module` with PYTHONPATH=build/python."""
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import parity_common as pc  # noqa: E402  (the float32 tolerance policy of tests/tolerance.hpp)
+
+import gpt2attn  # noqa: E402
+
+torch.manual_seed(0)
+
+
+def rand(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parity with torch.nn.MultiheadAttention through MultiheadAttention.from_torch.
+
+# (E, H, N, L, S, kdim, vdim, bias, batch_first, unbatched, mask, key_padding, is_causal)
+CASES = [
+    (16, 2, 2, 7, 7, None, None, True, True, False, None, False, False),
+    (16, 2, 2, 7, 7, None, None, False, False, False, None, False, False),
+    (24, 3, 1, 1, 1, None, None, True, True, False, None, False, False),  # T = 1
+    (32, 4, 3, 5, 9, 20, 12, True, True, False, None, False, False),     # cross-attention, kdim/vdim
+    (32, 4, 2, 6, 11, None, None, True, False, False, "bool", False, False),
+    (32, 4, 2, 6, 6, None, None, True, True, False, "float", False, False),
+    (32, 4, 2, 6, 8, None, None, True, True, False, "bool3d", False, False),
+    (32, 4, 3, 7, 10, None, None, True, False, False, None, True, False),
+    (48, 6, 2, 33, 33, None, None, True, True, False, None, False, True),   # causal
+    (48, 6, 2, 13, 13, None, None, True, True, False, "float", True, True),  # causal + additive + padding
+    (64, 8, 1, 9, 9, None, None, True, True, True, "bool", False, False),   # unbatched (L, E)
+    (768, 12, 1, 113, 113, None, None, True, True, False, None, False, True),  # gpt2-small width
+]
+
+
+def make_mask(kind, rng, N, H, L, S):
+    """A mask that leaves every query row at least one key (torch gives NaN for a fully masked row)."""
+    if kind is None:
+        return None
+    blocked = rng.random((N * H if kind == "bool3d" else 1, L, S)) < 0.4
+    blocked[..., 0] = False
+    if kind == "float":
+        return torch.from_numpy(np.where(blocked[0], -np.inf, rng.standard_normal((L, S))).astype(np.float32))
+    return torch.from_numpy(blocked if kind == "bool3d" else blocked[0])
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"E{c[0]}-H{c[1]}-L{c[3]}-S{c[4]}-{c[10]}" for c in CASES])
+def test_parity_with_torch_mha(index):
+    E, H, N, L, S, kdim, vdim, bias, batch_first, unbatched, mask_kind, padding, is_causal = CASES[index]
+    rng = np.random.default_rng(100 + index)
+    module = torch.nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first).eval()
+    ours = gpt2attn.MultiheadAttention.from_torch(module, context_length=256, threads=2)
+
+    def shaped(width, length):
+        if unbatched:
+            return torch.from_numpy(rand(rng, length, width))
+        return torch.from_numpy(rand(rng, N, length, width) if batch_first else rand(rng, length, N, width))
+
+    self_attn = kdim is None and S == L and not padding
+    q = shaped(E, L)
+    k = q if self_attn else shaped(kdim or E, S)
+    v = q if self_attn else shaped(vdim or E, S)
+    mask = make_mask(mask_kind, rng, 1 if unbatched else N, H, L, S)
+    pad = None
+    if padding:
+        p = rng.random((N, S)) < 0.3
+        p[:, 0] = False
+        pad = torch.from_numpy(p)
+    causal = None
+    if is_causal:
+        causal = torch.triu(torch.ones(L, S, dtype=torch.bool), diagonal=S - L + 1)
+
+    got, weights = ours(q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=is_causal)
+    assert weights is None and isinstance(got, torch.Tensor)
+
+    # torch in float64 is the reference: the torch mask with the causal part merged in, as torch 1.13 needs
+    ref_mask = mask
+    if causal is not None:
+        if mask is None:
+            ref_mask = causal
+        elif mask.dtype == torch.bool:
+            ref_mask = mask | causal
+        else:
+            ref_mask = mask.masked_fill(causal, float("-inf"))
+    m64 = module.double()
+    with torch.no_grad():
+        want, _ = m64(q.double(), k.double(), v.double(), attn_mask=None if ref_mask is None else (
+            ref_mask if ref_mask.dtype == torch.bool else ref_mask.double()), key_padding_mask=pad, need_weights=False)
+    assert got.shape == want.shape
+    pc.compare(got.numpy(), want.numpy(), pc.reduction_length(E, S))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Zero copy: inputs are read where they lie, out= is written in place.
+
+def test_contiguous_and_strided_inputs_reach_the_library_uncopied():
+    x = rand(np.random.default_rng(1), 2, 5, 16)
+    t = torch.from_numpy(x)
+    assert gpt2attn._input_address(x) == x.ctypes.data
+    assert gpt2attn._input_address(t) == t.data_ptr()
+    view = x.transpose(1, 0, 2)  # (5, 2, 16), not contiguous
+    assert gpt2attn._input_address(view) == view.ctypes.data
+
+
+def test_strided_query_gives_the_contiguous_result():
+    rng = np.random.default_rng(2)
+    cfg = gpt2attn.Config(32, 4)
+    layer = gpt2attn.MultiHeadAttention(cfg, gpt2attn.Weights.random(cfg, 3))
+    base = rand(rng, 7, 3, 32)
+    strided = base.transpose(1, 0, 2)  # (3, 7, 32) as strides
+    np.testing.assert_array_equal(layer.forward(strided), layer.forward(np.ascontiguousarray(strided)))
+
+
+def test_out_is_written_in_place_numpy_and_torch():
+    rng = np.random.default_rng(4)
+    cfg = gpt2attn.preset("gpt2-small")
+    cfg.context_length = 64
+    layer = gpt2attn.CausalSelfAttention(cfg, gpt2attn.Weights.random(cfg, 5), threads=2)
+    x = rand(rng, 2, 9, 768)
+    want = layer.forward(x)
+    out = np.full((2, 9, 768), np.nan, dtype=np.float32)
+    got = layer.forward(x, out=out)
+    assert got is out or got.ctypes.data == out.ctypes.data
+    np.testing.assert_array_equal(out, want)
+    tout = torch.full((2, 9, 768), float("nan"))
+    layer.forward(torch.from_numpy(x), out=tout)
+    np.testing.assert_array_equal(tout.numpy(), want)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The KV cache from Python.
+
+def serving_layer(capacity_tokens=256):
+    cfg = gpt2attn.Config(64, 4, context_length=128)
+    w = gpt2attn.Weights.random(cfg, 11)
+    return cfg, gpt2attn.CausalSelfAttention(cfg, w, threads=2), gpt2attn.KvCache(cfg, capacity_tokens=capacity_tokens)
+
+
+def test_prefill_decode_fork_release_match_forward():
+    rng = np.random.default_rng(6)
+    cfg, layer, cache = serving_layer()
+    a, b = cache.create(), cache.create()
+    xa, xb = rand(rng, 10, 64), rand(rng, 5, 64)
+    ya = layer.extend(cache, a, xa[:9])
+    yb = layer.extend(cache, b, xb[:4])
+    step = layer.decode(cache, [a, b], np.stack([xa[9], xb[4]]))
+    full_a, full_b = layer.forward(xa[np.newaxis])[0], layer.forward(xb[np.newaxis])[0]
+    pc.compare(ya, full_a[:9].astype(np.float64), 64)
+    pc.compare(yb, full_b[:4].astype(np.float64), 64)
+    pc.compare(step, np.stack([full_a[9], full_b[4]]).astype(np.float64), 64)
+    assert (cache.length(a), cache.length(b)) == (10, 5)
+
+    child = cache.fork(a)
+    xc = rand(rng, 1, 64)
+    yc = layer.decode(cache, [child], xc)
+    pc.compare(yc[0], layer.forward(np.concatenate([xa, xc])[np.newaxis])[0, 10].astype(np.float64), 64)
+    assert cache.length(child) == 11 and cache.length(a) == 10
+    cache.release(child)
+    assert child not in cache and cache.num_sequences == 2
+
+
+def test_pool_exhaustion_raises_and_leaves_the_cache_unchanged():
+    rng = np.random.default_rng(7)
+    cfg, layer, cache = serving_layer(capacity_tokens=192)  # 3 blocks of 64
+    s = cache.create()
+    layer.extend(cache, s, rand(rng, 100, 64))  # 2 blocks
+    free, length = cache.free_blocks, cache.length(s)
+    key_before = cache.read_key(s, 0, 99)
+    other = cache.create()
+    with pytest.raises(gpt2attn.OutOfMemory) as e:
+        layer.extend(cache, other, rand(rng, 120, 64))  # needs 2 blocks, 1 is free
+    assert isinstance(e.value, MemoryError) and isinstance(e.value, gpt2attn.Error)
+    assert "pool" in str(e.value).lower() or "block" in str(e.value).lower()
+    assert (cache.free_blocks, cache.length(s), cache.length(other)) == (free, length, 0)
+    np.testing.assert_array_equal(cache.read_key(s, 0, 99), key_before)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_smaller_caches_hold_more_tokens(dtype):
+    cfg = gpt2attn.Config(64, 4, context_length=128)
+    f32 = gpt2attn.KvCache(cfg, capacity_bytes=1 << 20)
+    small = gpt2attn.KvCache(cfg, capacity_bytes=1 << 20, dtype=dtype)
+    assert small.dtype == ("bf16" if dtype == "bf16" else "i8")
+    assert small.total_blocks >= (2 if dtype == "bf16" else 3) * f32.total_blocks
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The GIL is released while the library computes: Python threads with their own workspaces decode together.
+
+def test_threads_with_own_workspaces_match_sequential():
+    rng = np.random.default_rng(8)
+    cfg = gpt2attn.Config(256, 4, context_length=512)
+    layer = gpt2attn.CausalSelfAttention(cfg, gpt2attn.Weights.random(cfg, 12), threads=1)
+    prompts = [rand(rng, 384, 256) for _ in range(4)]
+    sequential = [layer.forward(p[np.newaxis])[0] for p in prompts]
+    results = [None] * 4
+
+    def work(i):
+        ws = gpt2attn.Workspace()
+        for _ in range(3):
+            results[i] = layer.forward(prompts[i][np.newaxis], workspace=ws)[0]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, sequential):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_compute_releases_the_gil():
+    """With a switch interval far longer than the test, Python hands the GIL over only where a thread blocks or
+    releases it. A counting thread that yields the GIL every step can then advance during forward() only if
+    forward() released it; were it held, the count read after the call would equal the one read before."""
+    cfg = gpt2attn.Config(256, 4, context_length=1024)
+    layer = gpt2attn.CausalSelfAttention(cfg, gpt2attn.Weights.random(cfg, 14), threads=1)
+    x = rand(np.random.default_rng(10), 1, 1024, 256)
+    count, go, stop = [0], threading.Event(), threading.Event()
+
+    def counter():
+        go.wait()
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0)  # gives the GIL back at once, so the caller regains it when its call returns
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    try:
+        c = threading.Thread(target=counter)
+        c.start()
+        go.set()
+        before = count[0]
+        layer.forward(x)
+        during = count[0] - before
+        stop.set()
+        c.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert during > 0, "a Python thread made no progress during forward(): the GIL was held"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input: a Python exception naming the problem, never a crash.
+
+def test_bad_input_raises_library_errors():
+    cfg = gpt2attn.Config(32, 4, context_length=16)
+    layer = gpt2attn.CausalSelfAttention(cfg, gpt2attn.Weights.random(cfg, 1))
+    with pytest.raises(gpt2attn.InvalidArgument, match="float64"):
+        layer.forward(np.zeros((1, 4, 32)))
+    with pytest.raises(ValueError, match="shape"):
+        layer.forward(np.zeros((1, 4, 31), dtype=np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        layer.forward(np.zeros((4, 2, 32), dtype=np.float32).transpose(1, 0, 2))
+    with pytest.raises(ValueError, match="context"):
+        layer.forward(np.zeros((1, 17, 32), dtype=np.float32))
+    ro = np.zeros((1, 4, 32), dtype=np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        layer.forward(np.zeros((1, 4, 32), dtype=np.float32), out=ro)
+    with pytest.raises(gpt2attn.InvalidArgument, match="num_heads|divide"):
+        gpt2attn.CausalSelfAttention(gpt2attn.Config(30, 4), gpt2attn.Weights.random(gpt2attn.Config(32, 4), 1))
+    with pytest.raises(gpt2attn.InvalidArgument, match="supported"):
+        gpt2attn.KvCache(cfg, capacity_tokens=16, dtype="f16")
+    with pytest.raises(gpt2attn.InvalidArgument, match="gpt2-small"):
+        gpt2attn.preset("gpt2-tiny")
+    with pytest.raises(gpt2attn.InvalidArgument, match="NaN"):
+        x = np.zeros((1, 4, 32), dtype=np.float32)
+        x[0, 2, 5] = np.nan
+        layer.forward(x)
+    with pytest.raises(gpt2attn.BadFile):
+        gpt2attn.load_safetensors("/nonexistent.safetensors", "", cfg)
+
+
+def test_reference_forward_agrees_with_the_layer():
+    rng = np.random.default_rng(9)
+    cfg = gpt2attn.Config(48, 6, causal=True)
+    w = gpt2attn.Weights.random(cfg, 13)
+    x = rand(rng, 2, 11, 48)
+    got = gpt2attn.MultiHeadAttention(cfg, w).forward(x)
+    pc.compare(got, gpt2attn.reference_forward(cfg, w, x), pc.reduction_length(48, 11))
