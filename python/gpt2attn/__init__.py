@@ -15,6 +15,6 @@ from ._gpt2attn import (  # noqa: F401
     OutOfMemory, Weights, Workspace, best_isa, compiled_isas, load_safetensors, preset, preset_names,
     reference_forward, version)
 from ._gpt2attn import _input_address  # noqa: F401  (tests: the address a compute call reads an array at)
-from .torch_compat import MultiheadAttention  # noqa: F401
+from .torch_compat import MultiheadAttention, from_hf_gpt2_block  # noqa: F401
 
 __version__ = version()

@@ -14,7 +14,7 @@ key_padding_mask, and dropout in training mode (gpt2attn's dropout draws differ 
 """
 import numpy as np
 
-from ._gpt2attn import Config, InvalidArgument, MultiHeadAttention, Weights
+from ._gpt2attn import CausalSelfAttention, Config, InvalidArgument, MultiHeadAttention, Weights
 
 
 def _is_torch(x):
@@ -120,3 +120,38 @@ class MultiheadAttention:
             import torch
             out = torch.from_numpy(np.ascontiguousarray(out))
         return out, None
+
+
+def from_hf_gpt2_block(state_dict, prefix="", num_heads=None, context_length=None, threads=0, isa="best"):
+    """A CausalSelfAttention from a Hugging Face GPT-2 block's attention tensors (torch tensors or arrays):
+    <prefix>c_attn.weight (E, 3E) and <prefix>c_proj.weight (E, E), Conv1D weights applied as x @ W + b, and their
+    biases when present (prefix e.g. "h.3.attn."). num_heads is config.json's n_head: the tensors do not hold it.
+    context_length defaults to the block's registered causal buffer (<prefix>bias, (1, 1, n_ctx, n_ctx)) when the
+    state dict has it, else 1024."""
+    if not num_heads:
+        raise InvalidArgument("from_hf_gpt2_block: num_heads is required (config.json's n_head)")
+
+    def get(name, required=True):
+        t = state_dict.get(prefix + name)
+        if t is None and required:
+            raise InvalidArgument(f"from_hf_gpt2_block: no tensor '{prefix + name}' in the state dict")
+        if t is None:
+            return None
+        return np.asarray(t.detach().cpu().numpy() if _is_torch(t) else t, dtype=np.float32)
+
+    c_attn, c_proj = get("c_attn.weight"), get("c_proj.weight")
+    E = c_proj.shape[0]
+    if c_attn.ndim != 2 or c_attn.shape[1] != 3 * E or c_proj.shape != (E, E):
+        raise InvalidArgument(f"from_hf_gpt2_block: c_attn.weight {c_attn.shape} and c_proj.weight {c_proj.shape} "
+                              f"are not (d_in, 3E) and (E, E)")
+    w = np.ascontiguousarray(c_attn.T)  # torch layout (3E, d_in): Q, K, V rows
+    b_attn, b_proj = get("c_attn.bias", False), get("c_proj.bias", False)
+    if context_length is None:
+        mask = state_dict.get(prefix + "bias")
+        context_length = int(mask.shape[-1]) if mask is not None else 1024
+    cfg = Config(E, num_heads, d_in=0 if c_attn.shape[0] == E else c_attn.shape[0], context_length=context_length,
+                 qkv_bias=b_attn is not None, out_bias=b_proj is not None, causal=True)
+    qkv_b = (None, None, None) if b_attn is None else (b_attn[:E], b_attn[E:2 * E], b_attn[2 * E:])
+    weights = Weights(w[:E], w[E:2 * E], w[2 * E:], np.ascontiguousarray(c_proj.T),
+                      qkv_b[0], qkv_b[1], qkv_b[2], b_proj)
+    return CausalSelfAttention(cfg, weights, threads=threads, isa=isa)

@@ -99,6 +99,26 @@ def test_parity_with_torch_mha(index):
     pc.compare(got.numpy(), want.numpy(), pc.reduction_length(E, S))
 
 
+def test_hf_gpt2_block_matches_causal_torch_mha():
+    rng = np.random.default_rng(20)
+    module = torch.nn.MultiheadAttention(64, 4, batch_first=True).eval()
+    hf = pc.hf_gpt2_layout(pc.state_dict_of(module), "h.0.attn.")
+    hf["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 96, 96))  # GPT-2's registered causal buffer: n_ctx = 96
+    layer = gpt2attn.from_hf_gpt2_block(hf, "h.0.attn.", num_heads=4)
+    assert layer.config.context_length == 96 and layer.config.causal
+    x = rand(rng, 2, 17, 64)
+    got = layer.forward(x)
+    m64 = module.double()
+    with torch.no_grad():
+        t = torch.from_numpy(x).double()
+        want, _ = m64(t, t, t, attn_mask=pc.causal_block_mask(17, 17), need_weights=False)
+    pc.compare(got, want.numpy(), pc.reduction_length(64, 17))
+    with pytest.raises(gpt2attn.InvalidArgument, match="c_proj.weight"):
+        gpt2attn.from_hf_gpt2_block({k: v for k, v in hf.items() if "c_proj.weight" not in k}, "h.0.attn.", 4)
+    with pytest.raises(gpt2attn.InvalidArgument, match="n_head"):
+        gpt2attn.from_hf_gpt2_block(hf, "h.0.attn.")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Zero copy: inputs are read where they lie, out= is written in place.
 
