@@ -18,6 +18,7 @@
 
 #include "engine/io/file_io.hpp"
 #include "tools/npy.hpp"
+#include "gpt2attn/gpt2attn.h"
 #include "gpt2attn/gpt2attn.hpp"
 
 namespace ga = gpt2attn;
@@ -25,6 +26,7 @@ namespace ga = gpt2attn;
 namespace {
 
 const char* kUsage = R"(usage:
+  gpt2attn --version | --help
   gpt2attn forward --weights W.safetensors [--prefix P] --heads H [--kv-heads N] --query q.npy
                    [--key k.npy --value v.npy] [--mask m.npy --mask-kind keep|block|additive]
                    [--key-padding kp.npy] [--causal] [--context-length N] [--dtype f32]
@@ -641,6 +643,10 @@ int main(int argc, char** argv) {
     if (cmd == "presets") return cmd_presets();
     if (cmd == "--help" || cmd == "-h" || cmd == "help") {
       std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (cmd == "--version") {
+      std::printf("gpt2attn %s\n", gpt2attn_version());
       return 0;
     }
     throw UsageError(cmd.empty() ? "missing command (forward, bench or presets)" : "unknown command '" + cmd + "'");

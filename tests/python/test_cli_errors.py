@@ -239,6 +239,7 @@ def main():
     # --- informational commands ---
     r.case("presets_lists_all", lambda: presets(r))
     r.case("help_exits_0", lambda: help_ok(r))
+    r.case("version", lambda: version_ok(r))
     r.finish()
 
 
@@ -356,6 +357,13 @@ def help_ok(r):
     text = p.stdout + p.stderr
     check("forward" in text, "--help does not mention the forward command: %r" % text[:300])
     return None
+
+
+def version_ok(r):
+    p = pc.run_cli(r.cli, ["--version"])
+    check(p.returncode == 0, "`gpt2attn --version` exit %d; stderr %r" % (p.returncode, p.stderr[-300:]))
+    check(re.fullmatch(r"gpt2attn \d+\.\d+\.\d+\n", p.stdout) is not None, "--version printed %r" % p.stdout)
+    return p.stdout.strip()
 
 
 if __name__ == "__main__":
