@@ -2,11 +2,9 @@
 # writer, running `gpt2attn forward`, the float32 tolerance policy of tests/tolerance.hpp, and the case runner.
 # It never works around the CLI: a result that breaks the contract is reported as a failure.
 import argparse
-import json
 import math
 import os
 import re
-import struct
 import subprocess
 import sys
 import tempfile
@@ -75,49 +73,10 @@ class Runner:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# safetensors writer: 8-byte little-endian header length, JSON header, then raw little-endian bytes.
+# safetensors files: the writer is scripts/export_safetensors.py, the supported exporter, used here as users use it.
 
-def _tensor_bytes(t, dtype):
-    """(bytes, shape) of a torch tensor or numpy array stored as dtype in {"F32", "F16", "BF16", "F64"}."""
-    t = torch.as_tensor(np.asarray(t) if not isinstance(t, torch.Tensor) else t).detach().cpu().contiguous()
-    shape = list(t.shape)
-    if dtype == "F32":
-        data = t.to(torch.float32).numpy().astype("<f4").tobytes()
-    elif dtype == "F64":
-        data = t.to(torch.float64).numpy().astype("<f8").tobytes()
-    elif dtype == "F16":
-        data = t.to(torch.float16).numpy().astype("<f2").tobytes()
-    elif dtype == "BF16":  # numpy has no bfloat16: torch rounds, then reinterpret the bits as int16
-        data = t.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
-    else:
-        raise ValueError(dtype)
-    return data, shape
-
-
-def safetensors_bytes(tensors, dtype="F32", metadata=None, header_override=None):
-    """The bytes of a safetensors file holding `tensors` ({name: tensor}); dtype is one for all or a dict.
-
-    header_override(header_dict) may edit the header before it is serialised (for corrupt-file tests)."""
-    header, blobs, off = {}, [], 0
-    if metadata is not None:
-        header["__metadata__"] = metadata
-    for name, t in tensors.items():
-        dt = dtype[name] if isinstance(dtype, dict) else dtype
-        data, shape = _tensor_bytes(t, dt)
-        header[name] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + len(data)]}
-        blobs.append(data)
-        off += len(data)
-    if header_override is not None:
-        header_override(header)
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * ((8 - len(h) % 8) % 8)  # the format pads the header with spaces to 8-byte alignment
-    return struct.pack("<Q", len(h)) + h + b"".join(blobs)
-
-
-def write_safetensors(path, tensors, dtype="F32", metadata=None, header_override=None):
-    with open(path, "wb") as f:
-        f.write(safetensors_bytes(tensors, dtype, metadata, header_override))
-    return path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+from export_safetensors import safetensors_bytes, write_safetensors  # noqa: E402,F401
 
 
 def state_dict_of(module):
