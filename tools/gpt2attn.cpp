@@ -39,7 +39,9 @@ const char* kUsage = R"(usage:
 forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semantics, batch_first) with the
          weights of a safetensors file (torch or Hugging Face GPT-2 naming) and writes float32 (B, T, E).
          Inputs are float32/float64 .npy; masks bool, uint8 or float; without --key/--value it is
-         self-attention. --kv-heads N (grouped-query attention: N K/V heads, dividing H) must match the
+         self-attention. A mask without --mask-kind is read as torch reads it: bool or uint8 blocks where
+         nonzero (block), float is added to the scores (additive); --mask-kind keep gives seeds 002/003's
+         reading (nonzero may attend). --kv-heads N (grouped-query attention: N K/V heads, dividing H) must match the
          file's K/V width; without it the K/V heads are read from that width. --context-length defaults to
          max(1024, T, Tk). --output is written atomically (a
          temporary file next to it, renamed onto it); a symbolic link is followed, so the link stays and its
@@ -234,7 +236,10 @@ int cmd_forward(int argc, char** argv) {
   if (a.has("mask")) {
     mask = ga::npy::read(a.get("mask"));
     in.attn_mask = view_of(mask, "mask");
-    in.mask_kind = ga::mask_kind_from_string(a.get("mask-kind", "keep"));
+    // Without --mask-kind, torch's reading of its dtype: bool (or uint8) blocks where true, float is added.
+    in.mask_kind = a.has("mask-kind") ? ga::mask_kind_from_string(a.get("mask-kind"))
+                   : in.attn_mask.dtype == ga::DType::f32 ? ga::MaskKind::additive
+                                                          : ga::MaskKind::block;
   }
   if (a.has("key-padding")) {
     padding = ga::npy::read(a.get("key-padding"));

@@ -129,8 +129,9 @@ def forward(cli, wd, weights, heads, query, key=None, value=None, mask=None, mas
         args += ["--key", save_npy(os.path.join(wd, tag + "_k.npy"), key)]
     if value is not None:
         args += ["--value", save_npy(os.path.join(wd, tag + "_v.npy"), value)]
-    if mask is not None:
-        args += ["--mask", save_npy(os.path.join(wd, tag + "_m.npy"), mask), "--mask-kind", mask_kind]
+    if mask is not None:  # mask_kind None: the CLI's default, torch's reading of the mask's dtype
+        args += ["--mask", save_npy(os.path.join(wd, tag + "_m.npy"), mask)]
+        args += [] if mask_kind is None else ["--mask-kind", mask_kind]
     if key_padding is not None:
         args += ["--key-padding", save_npy(os.path.join(wd, tag + "_kp.npy"), key_padding)]
     if causal:

@@ -60,8 +60,9 @@ def rows_dead(allowed):
 
 def mha_case(r, seed, B, T, E, H, Tk=None, kdim=None, vdim=None, bias=True, cross=False,
              mask=None, mask_kind=None, key_padding=None, causal=False, weight_dtype="F32",
-             drop=(), input_dtype=np.float64, threads=None, prefix=None, extra_tensors=None):
-    """One CLI run vs torch MHA in float64. mask is ours (rank 2/3/4, kind keep|block|additive)."""
+             drop=(), input_dtype=np.float64, threads=None, prefix=None, extra_tensors=None, cli_kind="same"):
+    """One CLI run vs torch MHA in float64. mask is ours (rank 2/3/4, kind keep|block|additive); cli_kind None
+    leaves --mask-kind out, so the CLI reads the mask by its dtype."""
     wd = r.workdir()
     Tk = T if Tk is None else Tk
     m = make_mha(seed, E, H, bias=bias, kdim=kdim, vdim=vdim)
@@ -131,7 +132,8 @@ def mha_case(r, seed, B, T, E, H, Tk=None, kdim=None, vdim=None, bias=True, cros
         allowed &= (key_padding == 0)[:, None, None, :]
     ref = pc.torch_mha(m, q, k, v, attn_mask=t_mask, key_padding_mask=t_kpm)
 
-    y = pc.forward(r.cli, wd, w, H, q_in, key=k_in, value=v_in, mask=mask, mask_kind=mask_kind,
+    y = pc.forward(r.cli, wd, w, H, q_in, key=k_in, value=v_in, mask=mask,
+                   mask_kind=mask_kind if cli_kind == "same" else cli_kind,
                    key_padding=key_padding, causal=causal, threads=threads, prefix=prefix)
     dead = rows_dead(allowed)
     red = pc.reduction_length(max(E, kdim or 0, vdim or 0), Tk)
@@ -225,6 +227,16 @@ def main():
          mask=(~rand_block(g, (2, 5, 5))).astype(np.uint8), mask_kind="keep")
     case("keep_rank4_float32", seed=26, B=2, T=4, E=8, H=2,
          mask=(~rand_block(g, (2, 2, 4, 4))).astype(np.float32), mask_kind="keep")
+
+    # no --mask-kind: the CLI reads a mask as torch does, bool and uint8 block, float adds
+    case("default_kind_bool_blocks", seed=27, B=2, T=6, E=8, H=2, mask=rand_block(g, (6, 6)), mask_kind="block",
+         cli_kind=None)
+    case("default_kind_uint8_blocks", seed=28, B=2, T=5, E=8, H=2, mask=rand_block(g, (2, 5, 5)).astype(np.uint8),
+         mask_kind="block", cli_kind=None)
+    add_default = g.standard_normal((5, 5)).astype(np.float32)
+    add_default[rand_block(g, (5, 5))] = -np.inf
+    case("default_kind_float_adds", seed=29, B=2, T=5, E=8, H=2, mask=add_default, mask_kind="additive",
+         cli_kind=None)
 
     # float masks as additive (torch's float attn_mask, added to the scaled scores)
     add2 = g.standard_normal((6, 6)).astype(np.float32)
