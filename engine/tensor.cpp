@@ -37,6 +37,22 @@ TensorView TensorView::with_strides(std::initializer_list<int64_t> strides) cons
   return v;
 }
 
+TensorView torch_mask_view(TensorView m, int64_t B, int64_t H) {
+  if (m.rank == 3 && m.shape[0] == B * H && B * H != B) {  // torch's (B * H, T, Tk): row b * H + h
+    m.rank = 4;
+    m.shape = {B, H, m.shape[1], m.shape[2]};
+    m.strides = {H * m.strides[0], m.strides[0], m.strides[1], m.strides[2]};
+    return m;
+  }
+  if (m.rank == 3 || m.rank == 4) {
+    const int64_t want[2] = {B, H};
+    for (int d = 0; d < m.rank - 2; ++d) {
+      if (m.shape[d] == 1 && want[d] != 1) m.shape[d] = want[d], m.strides[d] = 0;
+    }
+  }
+  return m;
+}
+
 namespace {
 constexpr DType kDTypes[] = {DType::f32, DType::bf16, DType::f16, DType::i8, DType::u8};
 }

@@ -158,9 +158,10 @@ ga::RunOptions run_options(int threads, bool training = false, uint64_t seed = 0
 }
 
 // MultiheadAttention.forward's inputs as views of the caller's arrays (kept alive by `keep`).
-ga::AttentionInputs attention_inputs(const py::object& query, const py::object& key, const py::object& value,
-                                     const py::object& attn_mask, const std::string& mask_kind,
-                                     const py::object& key_padding, std::vector<py::array>& keep) {
+ga::AttentionInputs attention_inputs(int64_t num_heads, const py::object& query, const py::object& key,
+                                     const py::object& value, const py::object& attn_mask,
+                                     const std::string& mask_kind, const py::object& key_padding,
+                                     std::vector<py::array>& keep) {
   ga::AttentionInputs in;
   keep.push_back(as_f32(query, "query"));
   in.query = view_of(keep.back(), "query");
@@ -189,6 +190,8 @@ ga::AttentionInputs attention_inputs(const py::object& query, const py::object& 
   };
   if (!attn_mask.is_none()) {
     in.attn_mask = mask_view(attn_mask, "attn_mask");
+    // numpy's broadcasting over size-1 B or H axes, and torch's (B * H, T, Tk)
+    if (in.query.rank == 3) in.attn_mask = ga::torch_mask_view(in.attn_mask, in.query.shape[0], num_heads);
     in.mask_kind = ga::mask_kind_from_string(mask_kind);
   }
   if (!key_padding.is_none()) in.key_padding = mask_view(key_padding, "key_padding");
@@ -325,7 +328,8 @@ PYBIND11_MODULE(_gpt2attn, m) {
              const py::object& attn_mask, const std::string& mask_kind, const py::object& key_padding,
              const py::object& out, int threads, bool training, uint64_t dropout_seed, ga::Workspace* ws) {
             std::vector<py::array> keep;
-            const ga::AttentionInputs in = attention_inputs(query, key, value, attn_mask, mask_kind, key_padding, keep);
+            const ga::AttentionInputs in =
+                attention_inputs(self.config().num_heads, query, key, value, attn_mask, mask_kind, key_padding, keep);
             if (in.query.rank != 3) invalid("query: shape " + in.query.shape_str() + ", expected (B, T, d_in)");
             py::array y = output(out, {in.query.shape[0], in.query.shape[1], self.config().d_model});
             float* dst = static_cast<float*>(y.mutable_data());
@@ -426,7 +430,8 @@ PYBIND11_MODULE(_gpt2attn, m) {
          const py::object& value, const py::object& attn_mask, const std::string& mask_kind,
          const py::object& key_padding) {
         std::vector<py::array> keep;
-        const ga::AttentionInputs in = attention_inputs(query, key, value, attn_mask, mask_kind, key_padding, keep);
+        const ga::AttentionInputs in =
+            attention_inputs(c.num_heads, query, key, value, attn_mask, mask_kind, key_padding, keep);
         if (in.query.rank != 3) invalid("query: shape " + in.query.shape_str() + ", expected (B, T, d_in)");
         const std::vector<double> r = ga::reference_forward(c, w, in);
         py::array_t<double> a(std::vector<py::ssize_t>{in.query.shape[0], in.query.shape[1], c.d_model});

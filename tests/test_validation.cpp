@@ -213,6 +213,53 @@ TEST_F(Validation, MaskOfWrongShape) {
   expect_rejected(cfg, in, run, {"attn_mask", "got (4,)"});
 }
 
+// torch_mask_view: torch's and numpy's mask layouts as the exact shapes, read in place. A size-1 B or H axis and
+// torch's (B * H, T, Tk) give bit-identical outputs to the same mask spelled out in full; other shapes pass through
+// for forward() to refuse as above.
+TEST_F(Validation, TorchMaskLayoutsReadAsTheExactShapes) {
+  const Weights w = Weights::random(cfg, 4);
+  MultiHeadAttention layer(cfg, w);
+  auto run_with = [&](const TensorView& mask) {
+    AttentionInputs in = cross();
+    in.attn_mask = mask;
+    in.mask_kind = MaskKind::additive;
+    std::vector<float> out(static_cast<size_t>(B * T * E));
+    layer.forward(in, out.data(), run);
+    return out;
+  };
+  std::vector<float> full(static_cast<size_t>(B * H * T * Tk));  // (B, H, T, Tk)
+  for (size_t i = 0; i < full.size(); ++i) full[i] = std::cos(0.71f * static_cast<float>(i));
+
+  const TensorView bh = torch_mask_view(TensorView::f32(full.data(), {B * H, T, Tk}), B, H);
+  ASSERT_EQ(bh.shape_str(), "(2, 2, 3, 4)");
+  EXPECT_EQ(run_with(bh), run_with(TensorView::f32(full.data(), {B, H, T, Tk})));
+
+  // (1, H, T, Tk): batch 0's rows for every batch; (B, 1, T, Tk): head 0's rows for every head.
+  std::vector<float> over_b(full), over_h(full);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < T * Tk; ++i) {
+        over_b[(b * H + h) * T * Tk + i] = full[h * T * Tk + i];
+        over_h[(b * H + h) * T * Tk + i] = full[b * H * T * Tk + i];
+      }
+  const TensorView one_b = torch_mask_view(TensorView::f32(full.data(), {1, H, T, Tk}), B, H);
+  EXPECT_EQ(one_b.strides[0], 0);
+  EXPECT_EQ(run_with(one_b), run_with(TensorView::f32(over_b.data(), {B, H, T, Tk})));
+  const TensorView one_h =
+      torch_mask_view(TensorView::f32(full.data(), {B, 1, T, Tk}).with_strides({H * T * Tk, T * Tk, Tk, 1}), B, H);
+  EXPECT_EQ(run_with(one_h), run_with(TensorView::f32(over_h.data(), {B, H, T, Tk})));
+  const TensorView one_b3 = torch_mask_view(TensorView::f32(full.data(), {1, T, Tk}), B, H);
+  EXPECT_EQ(one_b3.shape_str(), "(2, 3, 4)");
+  EXPECT_EQ(one_b3.strides[0], 0);
+
+  // Not a torch layout: unchanged, and forward() names the problem.
+  const TensorView odd = torch_mask_view(TensorView::u8(u8.data(), {B + 1, T, Tk}), B, H);
+  EXPECT_EQ(odd.shape_str(), "(3, 3, 4)");
+  AttentionInputs in = cross();
+  in.attn_mask = odd;
+  expect_rejected(cfg, in, run, {"attn_mask", "got (3, 3, 4)"});
+}
+
 TEST_F(Validation, AdditiveMaskMustBeFloat) {
   AttentionInputs in = self();
   in.attn_mask = TensorView::u8(u8.data(), {T, T});

@@ -41,7 +41,8 @@ forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semant
          Inputs are float32/float64 .npy; masks bool, uint8 or float; without --key/--value it is
          self-attention. A mask without --mask-kind is read as torch reads it: bool or uint8 blocks where
          nonzero (block), float is added to the scores (additive); --mask-kind keep gives seeds 002/003's
-         reading (nonzero may attend). --kv-heads N (grouped-query attention: N K/V heads, dividing H) must match the
+         reading (nonzero may attend). Mask shapes: (T, Tk), (B, T, Tk), (B, H, T, Tk), torch's
+         (B*H, T, Tk), and size-1 B or H axes, which broadcast. --kv-heads N (grouped-query attention: N K/V heads, dividing H) must match the
          file's K/V width; without it the K/V heads are read from that width. --context-length defaults to
          max(1024, T, Tk). --output is written atomically (a
          temporary file next to it, renamed onto it); a symbolic link is followed, so the link stays and its
@@ -236,6 +237,8 @@ int cmd_forward(int argc, char** argv) {
   if (a.has("mask")) {
     mask = ga::npy::read(a.get("mask"));
     in.attn_mask = view_of(mask, "mask");
+    // torch's layouts too: size-1 B or H axes broadcast, (B * H, T, Tk) as (B, H, T, Tk)
+    if (in.query.rank == 3) in.attn_mask = ga::torch_mask_view(in.attn_mask, in.query.shape[0], heads);
     // Without --mask-kind, torch's reading of its dtype: bool (or uint8) blocks where true, float is added.
     in.mask_kind = a.has("mask-kind") ? ga::mask_kind_from_string(a.get("mask-kind"))
                    : in.attn_mask.dtype == ga::DType::f32 ? ga::MaskKind::additive

@@ -38,6 +38,13 @@ struct TensorView {
   TensorView with_strides(std::initializer_list<int64_t> strides) const;
 };
 
+// A mask laid out as torch and numpy users give it, as the exact shapes forward() reads ((T, Tk), (B, T, Tk) or
+// (B, H, T, Tk)), without copying: a size-1 B or H axis of a rank-3/4 mask is broadcast (stride 0), and a rank-3
+// mask of B * H rows (torch's (B * num_heads, T, Tk) attn_mask, batch-major) becomes (B, H, T, Tk). Anything else
+// is returned as it is, for forward() to accept or refuse with its own message. Used by the CLI and the Python
+// module.
+TensorView torch_mask_view(TensorView mask, int64_t B, int64_t H);
+
 // How a user mask is read. Each is broadcast from (T, Tk), (B, T, Tk) or (B, H, T, Tk).
 enum class MaskKind : uint8_t {
   keep,      // nonzero may attend (seeds 002/003: masked_fill(mask == 0, -inf))

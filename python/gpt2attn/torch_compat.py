@@ -93,8 +93,6 @@ class MultiheadAttention:
         if attn_mask is not None:
             mask = _array(attn_mask, "attn_mask")
             kind = "block" if mask.dtype == np.bool_ else "additive"
-            if mask.ndim == 3:  # torch's (N * num_heads, L, S)
-                mask = mask.reshape(N, self.num_heads, L, S)
         if is_causal:
             causal = np.triu(np.ones((L, S), dtype=np.bool_), k=S - L + 1)
             if mask is None:

@@ -194,6 +194,27 @@ def extreme_additive(r, seed, causal):
     return pc.compare(y, ref64, red, "ours vs torch float64")
 
 
+def torch_mask_layouts(r):
+    """The CLI reads torch's (B * H, T, Tk) mask and numpy's size-1 B or H axes as the (B, H, T, Tk) mask they
+    stand for: bit-identical outputs (the 4-D mask itself is checked against torch by the cases above)."""
+    wd = r.workdir()
+    B, T, E, H = 2, 5, 8, 2
+    m = make_mha(40, E, H)
+    w = pc.write_safetensors(os.path.join(wd, "w.safetensors"), pc.state_dict_of(m))
+    g = np.random.default_rng(40)
+    x = g.standard_normal((B, T, E)).astype(np.float32)
+    full = rand_block(g, (B, H, T, T))
+    full[..., 0] = False  # every row attends somewhere
+    want = pc.forward(r.cli, wd, w, H, x, mask=full, tag="full")
+    got = pc.forward(r.cli, wd, w, H, x, mask=full.reshape(B * H, T, T), tag="bh")
+    check(np.array_equal(got, want), "(B*H, T, Tk) mask differs from (B, H, T, Tk)")
+    one = pc.forward(r.cli, wd, w, H, x, mask=full[:1], tag="one")
+    spelled = pc.forward(r.cli, wd, w, H, x, mask=np.ascontiguousarray(np.broadcast_to(full[:1], full.shape)),
+                         tag="spelled")
+    check(np.array_equal(one, spelled), "(1, H, T, Tk) mask differs from its broadcast (B, H, T, Tk)")
+    return "3 layouts"
+
+
 def main():
     r = pc.Runner(__doc__)
     case = lambda name, **kw: r.case(name, first(mha_case), r, **kw)  # noqa: E731
@@ -237,6 +258,8 @@ def main():
     add_default[rand_block(g, (5, 5))] = -np.inf
     case("default_kind_float_adds", seed=29, B=2, T=5, E=8, H=2, mask=add_default, mask_kind="additive",
          cli_kind=None)
+
+    r.case("torch_mask_layouts", torch_mask_layouts, r)
 
     # float masks as additive (torch's float attn_mask, added to the scaled scores)
     add2 = g.standard_normal((6, 6)).astype(np.float32)

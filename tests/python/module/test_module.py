@@ -99,6 +99,24 @@ def test_parity_with_torch_mha(index):
     pc.compare(got.numpy(), want.numpy(), pc.reduction_length(E, S))
 
 
+def test_masks_broadcast_over_size_one_axes_and_torch_3d_layout():
+    rng = np.random.default_rng(21)
+    cfg = gpt2attn.Config(32, 4)
+    layer = gpt2attn.MultiHeadAttention(cfg, gpt2attn.Weights.random(cfg, 22))
+    x = rand(rng, 3, 5, 32)
+    full = rng.standard_normal((3, 4, 5, 5)).astype(np.float32)
+    for small in (full[:1], full[:, :1], full[:1, :1], full[0, :1]):  # (1,H,..), (B,1,..), (1,1,..), (1,T,Tk)
+        want = layer.forward(x, attn_mask=np.ascontiguousarray(np.broadcast_to(small.reshape((1,) * (4 - small.ndim)
+                                                                                              + small.shape),
+                                                                               full.shape)),
+                             mask_kind="additive")
+        np.testing.assert_array_equal(layer.forward(x, attn_mask=small, mask_kind="additive"), want)
+    np.testing.assert_array_equal(layer.forward(x, attn_mask=full.reshape(12, 5, 5), mask_kind="additive"),
+                                  layer.forward(x, attn_mask=full, mask_kind="additive"))
+    with pytest.raises(gpt2attn.InvalidArgument, match="attn_mask"):
+        layer.forward(x, attn_mask=full[:2], mask_kind="additive")
+
+
 def test_hf_gpt2_block_matches_causal_torch_mha():
     rng = np.random.default_rng(20)
     module = torch.nn.MultiheadAttention(64, 4, batch_first=True).eval()
