@@ -90,12 +90,52 @@ Config config_from_json(const std::string& json_text, const std::string& origin)
   return c;
 }
 
-Config load_config(const std::string& path) {
+namespace {
+std::string read_config_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) fail(ErrorCode::bad_file, path + ": cannot open config file");
   std::stringstream ss;
   ss << f.rdbuf();
-  return config_from_json(ss.str(), path);
+  return ss.str();
+}
+}  // namespace
+
+Config load_config(const std::string& path) { return config_from_json(read_config_file(path), path); }
+
+Config hf_gpt2_config_from_json(const std::string& json_text, const std::string& origin) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json_text);
+  } catch (const nlohmann::json::exception& e) {
+    fail(ErrorCode::bad_file, origin + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) fail(ErrorCode::bad_file, origin + ": expected a JSON object");
+  auto get = [&](std::initializer_list<const char*> keys) -> int64_t {
+    for (const char* k : keys) {
+      if (!j.contains(k)) continue;
+      if (!j[k].is_number_integer()) fail(ErrorCode::bad_file, origin + ": '" + k + "' must be an integer");
+      return j[k].get<int64_t>();
+    }
+    fail(ErrorCode::bad_file, origin + ": no '" + *keys.begin() + "' (a Hugging Face GPT-2 config.json has it)");
+  };
+  Config c;
+  c.d_model = get({"n_embd"});
+  c.num_heads = get({"n_head"});
+  c.context_length = get({"n_positions", "n_ctx"});
+  c.causal = true;
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    fail(ErrorCode::bad_file, origin + ": " + e.what());
+  }
+  return c;
+}
+
+Config load_any_config(const std::string& path) {
+  const std::string text = read_config_file(path);
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_object() && j.contains("n_embd")) return hf_gpt2_config_from_json(text, path);
+  return config_from_json(text, path);
 }
 
 std::string to_json(const Config& c) {

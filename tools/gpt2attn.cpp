@@ -11,6 +11,7 @@
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -27,7 +28,7 @@ namespace {
 
 const char* kUsage = R"(usage:
   gpt2attn --version | --help
-  gpt2attn forward --weights W.safetensors [--prefix P] --heads H [--kv-heads N] --query q.npy
+  gpt2attn forward --weights W.safetensors [--prefix P] (--heads H | --config config.json) [--kv-heads N] --query q.npy
                    [--key k.npy --value v.npy] [--mask m.npy --mask-kind keep|block|additive]
                    [--key-padding kp.npy] [--causal] [--context-length N] [--dtype f32]
                    [--threads N] [--isa best|avx512|avx2|scalar] --output y.npy
@@ -39,7 +40,9 @@ const char* kUsage = R"(usage:
 forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semantics, batch_first) with the
          weights of a safetensors file (torch or Hugging Face GPT-2 naming) and writes float32 (B, T, E).
          Inputs are float32/float64 .npy; masks bool, uint8 or float; without --key/--value it is
-         self-attention. A mask without --mask-kind is read as torch reads it: bool or uint8 blocks where
+         self-attention. --config reads a Hugging Face GPT-2 config.json (n_embd, n_head, n_positions) or one of
+         configs/*.json: the heads and the default context length come from it, and a --heads that disagrees,
+         or weights of another width, are refused. A mask without --mask-kind is read as torch reads it: bool or uint8 blocks where
          nonzero (block), float is added to the scores (additive); --mask-kind keep gives seeds 002/003's
          reading (nonzero may attend). Mask shapes: (T, Tk), (B, T, Tk), (B, H, T, Tk), torch's
          (B*H, T, Tk), and size-1 B or H axes, which broadcast. --kv-heads N (grouped-query attention: N K/V heads, dividing H) must match the
@@ -209,13 +212,21 @@ ga::npy::Array read_float_input(const std::string& path, const std::string& what
 
 int cmd_forward(int argc, char** argv) {
   const Args a = parse(argc, argv, 2,
-                       {"weights", "prefix", "heads", "kv-heads", "query", "key", "value", "mask", "mask-kind",
-                        "key-padding", "context-length", "dtype", "threads", "isa", "output"},
+                       {"weights", "prefix", "config", "heads", "kv-heads", "query", "key", "value", "mask",
+                        "mask-kind", "key-padding", "context-length", "dtype", "threads", "isa", "output"},
                        {"causal"});
   check_dtype(a);
   const std::string out_path = a.required("output");
-  const auto heads = a.integer<int64_t>("heads", 0, 1);
-  if (!a.has("heads")) throw UsageError("missing required option --heads");
+  // --config (a Hugging Face GPT-2 config.json, or ours) says the heads and the context length; a --heads that
+  // disagrees is an error, since another dividing head count would silently compute another layer.
+  std::optional<ga::Config> file_cfg;
+  if (a.has("config")) file_cfg = ga::load_any_config(a.get("config"));
+  if (!a.has("heads") && !file_cfg) throw UsageError("missing required option --heads (or --config)");
+  const auto heads = a.integer<int64_t>("heads", file_cfg ? file_cfg->num_heads : 0, 1);
+  if (file_cfg && heads != file_cfg->num_heads) {
+    ga::invalid("--heads " + std::to_string(heads) + " disagrees with " + a.get("config") + ", which says " +
+                std::to_string(file_cfg->num_heads) + " heads");
+  }
   const auto kv_heads = a.integer<int64_t>("kv-heads", 0, 1);
   const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
   // The write checks again; checking now refuses a device or FIFO before any work is done.
@@ -253,10 +264,15 @@ int cmd_forward(int argc, char** argv) {
   cfg.num_heads = heads;
   cfg.num_kv_heads = kv_heads;
   cfg = ga::apply_loaded_shapes(cfg, layer);
+  if (file_cfg && file_cfg->d_model != cfg.d_model) {
+    ga::invalid(a.get("config") + " says d_model " + std::to_string(file_cfg->d_model) + " but the weights are " +
+                std::to_string(cfg.d_model) + " wide");
+  }
   cfg.causal = a.flag("causal");
   const int64_t T = in.query.rank == 3 ? in.query.shape[1] : 0;
   const int64_t Tk = in.key.rank == 3 ? in.key.shape[1] : T;
-  cfg.context_length = a.integer<int64_t>("context-length", std::max<int64_t>({1024, T, Tk}), 1);
+  cfg.context_length =
+      a.integer<int64_t>("context-length", file_cfg ? file_cfg->context_length : std::max<int64_t>({1024, T, Tk}), 1);
   cfg.validate();
 
   ga::EngineOptions opts;

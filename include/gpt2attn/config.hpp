@@ -55,6 +55,11 @@ Config preset(const std::string& name);  // throws invalid_argument listing the 
 // Parses a config JSON object ({"d_model": 768, "num_heads": 12, ...}); unknown keys are an error.
 Config config_from_json(const std::string& json_text, const std::string& origin = "<json>");
 Config load_config(const std::string& path);
+// A Hugging Face GPT-2 config.json (n_embd, n_head, n_positions or n_ctx; its other keys are not ours and are
+// ignored) as a causal Config with biases. Throws Error(bad_file) naming the file and the missing or bad key.
+Config hf_gpt2_config_from_json(const std::string& json_text, const std::string& origin = "<json>");
+// A config file in either format: a Hugging Face GPT-2 config.json (it has n_embd) or ours (configs/*.json).
+Config load_any_config(const std::string& path);
 std::string to_json(const Config& c);
 
 }  // namespace gpt2attn

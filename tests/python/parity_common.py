@@ -121,8 +121,8 @@ def forward(cli, wd, weights, heads, query, key=None, value=None, mask=None, mas
     """Runs `gpt2attn forward` on numpy inputs saved in wd; returns the float32 output array.
 
     Anything but exit 0 with a float32 (B, T, E) output is a CaseFailure carrying the command and stderr."""
-    args = ["forward", "--weights", weights, "--heads", heads,
-            "--query", save_npy(os.path.join(wd, tag + "_q.npy"), query)]
+    args = ["forward", "--weights", weights] + ([] if heads is None else ["--heads", heads])  # None: --config in extra
+    args += ["--query", save_npy(os.path.join(wd, tag + "_q.npy"), query)]
     if prefix is not None:
         args += ["--prefix", prefix]
     if key is not None:

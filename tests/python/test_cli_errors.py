@@ -2,6 +2,7 @@
 # clear stderr line naming the problem, no signal or trace dump, and no output file left behind.
 # Also `gpt2attn presets` and `gpt2attn --help` succeed, and --output follows links but never replaces a
 # device or FIFO. Numerical results are the other scripts' business.
+import json
 import os
 import re
 import stat
@@ -87,6 +88,23 @@ def main():
 
     # --- weights file ---
     err("missing_weights_option", fx.fwd(drop=("--weights",)), ["weights"])
+    # --config: a Hugging Face GPT-2 config.json says the heads; disagreeing or missing pieces are refused
+    hf = lambda name, cfg: fx.raw(name, json.dumps(cfg).encode())  # noqa: E731
+    good = {"model_type": "gpt2", "n_embd": E, "n_head": H, "n_positions": 16}
+    err("missing_heads_and_config", fx.fwd(drop=("--heads",)), ["--heads", "--config"])
+    err("heads_disagree_with_config", fx.fwd(extra=["--config", hf("c1.json", good)], drop=("--heads",)) +
+        ["--heads", str(2 * H)], ["disagrees", "heads"])
+    err("config_width_disagrees_with_weights", fx.fwd(extra=["--config", hf("c2.json", dict(good, n_embd=2 * E,
+                                                                                       n_head=2 * H))],
+                                                      drop=("--heads",)), ["d_model", "wide"])
+    err("config_without_n_head", fx.fwd(extra=["--config", hf("c3.json", {"n_embd": E, "n_positions": 16})],
+                                        drop=("--heads",)), ["n_head"])
+    err("config_not_json", fx.fwd(extra=["--config", fx.raw("c4.json", b"{n_embd: 8")], drop=("--heads",)),
+        ["JSON", "json"])
+    err("config_missing_file", fx.fwd(extra=["--config", fx.path("none.json")], drop=("--heads",)),
+        ["none.json"])
+    err("t_past_config_context", fx.fwd(extra=["--config", hf("c5.json", dict(good, n_positions=2))],
+                                        drop=("--heads",)), ["context_length", "context"])
     err("weights_file_missing", fx.fwd(weights=fx.path("nope.safetensors")),
         ["nope\\.safetensors", "no such", "not found", "does not exist", "cannot open"])
     err("weights_truncated", fx.fwd(weights=fx.raw("trunc.safetensors", fx.st_bytes[:-20])),

@@ -1,5 +1,6 @@
 # tests/python/test_export_safetensors.py: scripts/export_safetensors.py as users run it (torch.save'd state dicts,
 # whole modules, a GPT-2-style model dict), then `gpt2attn forward` on the file against torch in float64.
+import json
 import os
 import subprocess
 import sys
@@ -67,7 +68,12 @@ def gpt2_model_dict(r):
         sd.update(pc.hf_gpt2_layout(pc.state_dict_of(b), "h.%d.attn." % i))
     w = exported(wd, {"model": sd})
     x = np.random.default_rng(3).standard_normal((1, 11, 64)).astype(np.float32)
-    ours = pc.forward(r.cli, wd, w, 4, x, causal=True, prefix="h.1.attn.")
+    # the model's config.json gives the heads (and the context length): no --heads to guess
+    config = os.path.join(wd, "config.json")
+    with open(config, "w") as f:
+        json.dump({"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_positions": 32, "n_layer": 2,
+                   "vocab_size": 50, "attn_pdrop": 0.1}, f)
+    ours = pc.forward(r.cli, wd, w, None, x, causal=True, prefix="h.1.attn.", extra=["--config", config])
     return pc.compare(ours, torch_causal_or_not(blocks[1], x, True), pc.reduction_length(64, 11))
 
 
