@@ -5,7 +5,7 @@ set -euo pipefail
 pkgs=(g++ cmake make libdnnl-dev libxsimd-dev libgtest-dev libbenchmark-dev nlohmann-json3-dev
       ocl-icd-opencl-dev opencl-c-headers
       python3 python3-numpy python3-torch libopenblas0-pthread
-      python3-dev python3-pybind11 python3-pytest)
+      python3-dev python3-pybind11 python3-pytest python3-matplotlib)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
