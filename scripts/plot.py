@@ -117,14 +117,19 @@ def roofline(bench, peaks, triads, out):
     if t:
         ax.plot(x, [max(t) * xi for xi in x], ":", color="gray",
                 label="triad bandwidth, %d threads: %.0f GB/s" % (threads, max(t)))
-    for mode, marker in (("prefill", "o"), ("decode", "s")):
-        sel = [p for p in points if p[2]["mode"] == mode]
-        if sel:
-            ax.scatter([p[0] for p in sel], [p[1] for p in sel], marker=marker, label=mode, zorder=3)
-            for xi, yi, r in sel:
-                kv = "" if r.get("kv_dtype", "f32") == "f32" else " " + r["kv_dtype"]
-                ax.annotate("%s B=%d T=%d%s" % (r["preset"].replace("gpt2-", ""), r["batch"], r["seq"], kv), (xi, yi),
-                            fontsize=7, xytext=(3, 3), textcoords="offset points")
+    # Prefill points labelled by preset and T; decode points grouped by K/V dtype (one legend entry each),
+    # labelled by their batch.
+    groups = defaultdict(list)
+    for p in points:
+        r = p[2]
+        groups["prefill" if r["mode"] == "prefill" else "decode, %s K/V" % r.get("kv_dtype", "f32")].append(p)
+    for i, (label, sel) in enumerate(sorted(groups.items())):
+        ax.scatter([p[0] for p in sel], [p[1] for p in sel], marker="o" if label == "prefill" else "s", label=label,
+                   zorder=3)
+        for j, (xi, yi, r) in enumerate(sel):
+            text = ("%s T=%d" % (r["preset"].replace("gpt2-", ""), r["seq"]) if r["mode"] == "prefill"
+                    else "B=%d" % r["batch"])
+            ax.annotate(text, (xi, yi), fontsize=7, xytext=(4, -10 if j % 2 else 4), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("FLOPs per byte moved")

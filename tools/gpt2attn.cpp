@@ -67,6 +67,8 @@ bench    times the whole layer (QKV projection, causal attention, output project
          for int8 B*T*2*N*4 of scales (N K/V heads); GB/s = bytes per step / step.
          --kv-dtype bf16 stores the cache's K/V in bf16 (half the K/V bytes); int8 in symmetric int8 with one
          f32 scale per token and K/V head (about a quarter); default f32.
+         A sweep of several presets reports each finished case on stderr (one line rewritten in place on a
+         terminal) when its rows go to --json or to a pipe; stdout carries the rows alone.
          --check compares sequence 0's output of the first timed step with the last row of the naive
          reference run causally over that sequence's whole token history (with a bf16 or int8 cache,
          within the bound of gpt2attn/tolerance.hpp's kv_storage_tolerance). --cache warm (default) runs the
@@ -612,6 +614,12 @@ int cmd_bench(int argc, char** argv) {
     std::printf("%-7s %s\n", "ISA", check ? "max_err (allowed)" : "");
   }
   bool all_ok = true;
+  // Progress on stderr, never on stdout: a line per finished case, or one line rewritten in place when stderr is
+  // a terminal; only for a sweep of several cases whose rows are not already appearing on that terminal.
+  const size_t n_cases = presets.size();
+  const bool progress = n_cases > 1 && (json || isatty(STDOUT_FILENO) == 0);
+  const bool bar = progress && isatty(STDERR_FILENO) != 0;
+  size_t done = 0;
   for (const auto& name : presets) {
     const int64_t t = seq_for(name);
     const ga::Config cfg = config_for(name);
@@ -648,6 +656,13 @@ int cmd_bench(int argc, char** argv) {
       std::printf("%-7s %s\n", r.isa.c_str(), err);
     }
     std::fflush(stdout);
+    if (progress) {
+      std::fprintf(stderr, "%sgpt2attn bench: [%zu/%zu] %s %s B=%ld T=%ld: %.3f ms%s", bar ? "\r\033[K" : "", ++done,
+                   n_cases, r.preset.c_str(), mode.c_str(), static_cast<long>(r.B), static_cast<long>(r.T),
+                   r.median_ms, bar ? "" : "\n");
+      if (bar && done == n_cases) std::fputc('\n', stderr);
+      std::fflush(stderr);
+    }
   }
   if (!json) std::printf("implementation: %s\n", bench_prefill("gpt2-small", ga::preset("gpt2-small"), 1, 1, threads, isa, 1, false).impl.c_str());
   if (!all_ok) {
