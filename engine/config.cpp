@@ -44,7 +44,9 @@ void Config::validate() const {
 static const std::vector<std::string> kKeys = {"d_model", "num_heads", "num_kv_heads", "d_in", "kdim", "vdim",
                                                "context_length", "qkv_bias", "out_bias", "causal", "dropout"};
 
-Config config_from_json(const std::string& json_text, const std::string& origin) {
+namespace {
+// A config file's text as a JSON object, or Error(bad_file) naming the file.
+nlohmann::json parse_object(const std::string& json_text, const std::string& origin) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(json_text);
@@ -52,6 +54,12 @@ Config config_from_json(const std::string& json_text, const std::string& origin)
     fail(ErrorCode::bad_file, origin + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) fail(ErrorCode::bad_file, origin + ": expected a JSON object");
+  return j;
+}
+}  // namespace
+
+Config config_from_json(const std::string& json_text, const std::string& origin) {
+  nlohmann::json j = parse_object(json_text, origin);
   for (auto it = j.begin(); it != j.end(); ++it) {
     if (std::find(kKeys.begin(), kKeys.end(), it.key()) == kKeys.end()) {
       fail(ErrorCode::bad_file, origin + ": unknown config key '" + it.key() + "'");
@@ -103,13 +111,7 @@ std::string read_config_file(const std::string& path) {
 Config load_config(const std::string& path) { return config_from_json(read_config_file(path), path); }
 
 Config hf_gpt2_config_from_json(const std::string& json_text, const std::string& origin) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(json_text);
-  } catch (const nlohmann::json::exception& e) {
-    fail(ErrorCode::bad_file, origin + ": not valid JSON: " + e.what());
-  }
-  if (!j.is_object()) fail(ErrorCode::bad_file, origin + ": expected a JSON object");
+  const nlohmann::json j = parse_object(json_text, origin);
   auto get = [&](std::initializer_list<const char*> keys) -> int64_t {
     for (const char* k : keys) {
       if (!j.contains(k)) continue;

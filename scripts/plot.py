@@ -95,6 +95,20 @@ def prefill_bytes(r):
     return 4.0 * ((E + 2 * KW) * E + E * E + 2 * B * T * E)
 
 
+def finish(fig, ax, out, name, xlabel, ylabel, title, legend_size=7, legend_loc="best"):
+    """Labels, grid and legend of a figure, written to out/name; returns the path."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend_size, loc=legend_loc)
+    path = os.path.join(out, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def roofline(bench, peaks, triads, out):
     points = []
     for r in bench:
@@ -132,16 +146,8 @@ def roofline(bench, peaks, triads, out):
             ax.annotate(text, (xi, yi), fontsize=7, xytext=(4, -10 if j % 2 else 4), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("FLOPs per byte moved")
-    ax.set_ylabel("GFLOP/s")
-    ax.set_title("gpt2attn on this machine: roofline")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    path = os.path.join(out, "roofline.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return finish(fig, ax, out, "roofline.png", "FLOPs per byte moved", "GFLOP/s", "gpt2attn on this machine: roofline",
+                  legend_size=8, legend_loc="lower right")
 
 
 def ms_vs_t(bench, peer, gbench, out):
@@ -164,23 +170,15 @@ def ms_vs_t(bench, peer, gbench, out):
                 marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("T (tokens)")
-    ax.set_ylabel("ms per call")
-    ax.set_title("prefill time against sequence length")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    path = os.path.join(out, "ms_vs_t.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return finish(fig, ax, out, "ms_vs_t.png", "T (tokens)", "ms per call", "prefill time against sequence length")
 
 
 def decode_tokens(bench, out):
     series = defaultdict(list)
     for r in bench:
         if r["mode"] == "decode":
-            key = "%s T=%d %s K/V, %d K/V heads" % (r["preset"], r["seq"], r.get("kv_dtype", "f32"), r.get("kv_heads", 0))
+            key = "%s T=%d %s K/V, %d K/V heads" % (r["preset"], r["seq"], r.get("kv_dtype", "f32"),
+                                                     r.get("kv_heads", 0))
             series[key].append((r["batch"], r["tokens_per_s"]))
     if not series:
         return None
@@ -189,16 +187,8 @@ def decode_tokens(bench, out):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch (sequences per decode step)")
-    ax.set_ylabel("tokens/s")
-    ax.set_title("decode throughput against batch")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    path = os.path.join(out, "decode_tokens_per_s.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return finish(fig, ax, out, "decode_tokens_per_s.png", "batch (sequences per decode step)", "tokens/s",
+                  "decode throughput against batch")
 
 
 def main(argv=None):

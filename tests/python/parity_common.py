@@ -220,5 +220,14 @@ def causal_block_mask(T, Tk):
     return torch.triu(torch.ones(T, Tk), diagonal=Tk - T + 1).bool()
 
 
+def with_causal(t_mask, causal):
+    """A torch attn_mask (None, bool or float) with the bool causal mask merged in, as torch 1.13 takes both."""
+    if t_mask is None:
+        return causal
+    if t_mask.dtype == torch.bool:
+        return t_mask | causal
+    return t_mask.masked_fill(causal, float("-inf"))
+
+
 def reduction_length(E, Tk):
     return max(E, Tk)

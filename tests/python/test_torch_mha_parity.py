@@ -120,12 +120,7 @@ def mha_case(r, seed, B, T, E, H, Tk=None, kdim=None, vdim=None, bias=True, cros
     if causal:
         cm = pc.causal_block_mask(T, Tk)
         allowed &= ~cm.numpy()
-        if t_mask is None:
-            t_mask = cm
-        elif t_mask.dtype == torch.bool:
-            t_mask = t_mask | cm
-        else:
-            t_mask = t_mask.masked_fill(cm, float("-inf"))
+        t_mask = pc.with_causal(t_mask, cm)
     t_kpm = None
     if key_padding is not None:
         t_kpm = torch.from_numpy(key_padding != 0)

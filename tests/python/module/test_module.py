@@ -83,14 +83,7 @@ def test_parity_with_torch_mha(index):
     assert weights is None and isinstance(got, torch.Tensor)
 
     # torch in float64 is the reference: the torch mask with the causal part merged in, as torch 1.13 needs
-    ref_mask = mask
-    if causal is not None:
-        if mask is None:
-            ref_mask = causal
-        elif mask.dtype == torch.bool:
-            ref_mask = mask | causal
-        else:
-            ref_mask = mask.masked_fill(causal, float("-inf"))
+    ref_mask = mask if causal is None else pc.with_causal(mask, causal)
     m64 = module.double()
     with torch.no_grad():
         want, _ = m64(q.double(), k.double(), v.double(), attn_mask=None if ref_mask is None else (
