@@ -40,7 +40,7 @@ const char* kUsage = R"(usage:
 forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semantics, batch_first) with the
          weights of a safetensors file (torch or Hugging Face GPT-2 naming) and writes float32 (B, T, E).
          Inputs are float32/float64 .npy; masks bool, uint8 or float; without --key/--value it is
-         self-attention. --config reads a Hugging Face GPT-2 config.json (n_embd, n_head, n_positions) or one of
+         self-attention. An unbatched (T, d_in) query, as torch takes it, gives a (T, E) output. --config reads a Hugging Face GPT-2 config.json (n_embd, n_head, n_positions) or one of
          configs/*.json: the heads and the default context length come from it, and a --heads that disagrees,
          or weights of another width, are refused. A mask without --mask-kind is read as torch reads it: bool or uint8 blocks where
          nonzero (block), float is added to the scores (additive); --mask-kind keep gives seeds 002/003's
@@ -241,11 +241,21 @@ int cmd_forward(int argc, char** argv) {
   ga::npy::Array k, v, mask, padding;
   ga::AttentionInputs in;
   in.query = view_of(q, "query");
+  // Unbatched, as torch takes it: a (T, d_in) query (with (Tk, kdim) key and value, (Tk,) key padding) is a batch
+  // of one, and the output is written (T, E).
+  const bool unbatched = in.query.rank == 2;
+  auto batch_of_one = [&](ga::TensorView t, int rank) {
+    if (!unbatched || t.rank != rank) return t;
+    for (int d = t.rank; d > 0; --d) t.shape[d] = t.shape[d - 1], t.strides[d] = t.strides[d - 1];
+    t.shape[0] = 1, t.strides[0] = 0, ++t.rank;
+    return t;
+  };
+  in.query = batch_of_one(in.query, 2);
   if (a.has("key")) {
     k = read_float_input(a.get("key"), "key");
     v = read_float_input(a.get("value"), "value");
-    in.key = view_of(k, "key");
-    in.value = view_of(v, "value");
+    in.key = batch_of_one(view_of(k, "key"), 2);
+    in.value = batch_of_one(view_of(v, "value"), 2);
   }
   if (a.has("mask")) {
     mask = ga::npy::read(a.get("mask"));
@@ -259,7 +269,7 @@ int cmd_forward(int argc, char** argv) {
   }
   if (a.has("key-padding")) {
     padding = ga::npy::read(a.get("key-padding"));
-    in.key_padding = view_of(padding, "key-padding");
+    in.key_padding = batch_of_one(view_of(padding, "key-padding"), 1);
   }
 
   ga::Config cfg;
@@ -286,7 +296,13 @@ int cmd_forward(int argc, char** argv) {
   std::vector<float> out(static_cast<size_t>(checked_mul(checked_mul(B, T, "output size B*T"), cfg.d_model,
                                                           "output size B*T*E")));
   mha.forward(in, out.data());
-  naming_output([&] { ga::npy::write_f32(out_path, out.data(), {B, T, cfg.d_model}); });
+  naming_output([&] {
+    if (unbatched) {
+      ga::npy::write_f32(out_path, out.data(), {T, cfg.d_model});
+    } else {
+      ga::npy::write_f32(out_path, out.data(), {B, T, cfg.d_model});
+    }
+  });
   return 0;
 }
 

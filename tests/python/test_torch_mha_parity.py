@@ -210,6 +210,27 @@ def torch_mask_layouts(r):
     return "3 layouts"
 
 
+def unbatched(r, cross):
+    """A (T, E) query, as torch takes it unbatched: a (T, E) output equal to torch's, with (Tk, E) key and value
+    and a (Tk,) key padding mask when cross."""
+    wd = r.workdir()
+    T, Tk, E, H = 6, 9, 16, 4
+    m = make_mha(50 + cross, E, H)
+    w = pc.write_safetensors(os.path.join(wd, "w.safetensors"), pc.state_dict_of(m))
+    g = np.random.default_rng(50 + cross)
+    q = g.standard_normal((T, E)).astype(np.float32)
+    kv = g.standard_normal((Tk, E)).astype(np.float32) if cross else q
+    pad = (g.random(Tk) < 0.3) if cross else None
+    if cross:
+        pad[0] = False
+    y = pc.forward(r.cli, wd, w, H, q, key=kv if cross else None, value=kv if cross else None, key_padding=pad)
+    check(y.shape == (T, E), "output shape %s, expected %s" % (y.shape, (T, E)))
+    with torch.no_grad():
+        tq, tkv = torch.from_numpy(q).double(), torch.from_numpy(kv).double()
+        want, _ = m(tq, tkv, tkv, key_padding_mask=None if pad is None else torch.from_numpy(pad), need_weights=False)
+    return pc.compare(y, want.numpy(), pc.reduction_length(E, Tk if cross else T))
+
+
 def main():
     r = pc.Runner(__doc__)
     case = lambda name, **kw: r.case(name, first(mha_case), r, **kw)  # noqa: E731
@@ -255,6 +276,8 @@ def main():
          cli_kind=None)
 
     r.case("torch_mask_layouts", torch_mask_layouts, r)
+    r.case("unbatched_self", unbatched, r, cross=False)
+    r.case("unbatched_cross_key_padding", unbatched, r, cross=True)
 
     # float masks as additive (torch's float attn_mask, added to the scaled scores)
     add2 = g.standard_normal((6, 6)).astype(np.float32)
