@@ -109,7 +109,9 @@ py::array output(const py::object& out, const std::vector<int64_t>& shape) {
 // A float32 array as a strided TensorView (strides in elements; a byte stride that is not a whole number of
 // elements is refused). Rank 1 to 4.
 ga::TensorView view_of(const py::array& a, const char* name) {
-  if (a.ndim() < 1 || a.ndim() > 4) invalid(std::string(name) + ": rank " + std::to_string(a.ndim()) + ", expected 1 to 4");
+  if (a.ndim() < 1 || a.ndim() > 4) {
+    invalid(std::string(name) + ": rank " + std::to_string(a.ndim()) + ", expected 1 to 4");
+  }
   ga::TensorView v;
   v.data = a.data();
   v.dtype = ga::DType::f32;
@@ -160,7 +162,7 @@ ga::RunOptions run_options(int threads, bool training = false, uint64_t seed = 0
 // MultiheadAttention.forward's inputs as views of the caller's arrays (kept alive by `keep`).
 ga::AttentionInputs attention_inputs(int64_t num_heads, const py::object& query, const py::object& key,
                                      const py::object& value, const py::object& attn_mask,
-                                     const std::string& mask_kind, const py::object& key_padding,
+                                     const std::optional<std::string>& mask_kind, const py::object& key_padding,
                                      std::vector<py::array>& keep) {
   ga::AttentionInputs in;
   keep.push_back(as_f32(query, "query"));
@@ -192,7 +194,10 @@ ga::AttentionInputs attention_inputs(int64_t num_heads, const py::object& query,
     in.attn_mask = mask_view(attn_mask, "attn_mask");
     // numpy's broadcasting over size-1 B or H axes, and torch's (B * H, T, Tk)
     if (in.query.rank == 3) in.attn_mask = ga::torch_mask_view(in.attn_mask, in.query.shape[0], num_heads);
-    in.mask_kind = ga::mask_kind_from_string(mask_kind);
+    // No kind given: torch's reading of the dtype, bool or uint8 blocks where true, float is added.
+    in.mask_kind = mask_kind ? ga::mask_kind_from_string(*mask_kind)
+                   : in.attn_mask.dtype == ga::DType::f32 ? ga::MaskKind::additive
+                                                          : ga::MaskKind::block;
   }
   if (!key_padding.is_none()) in.key_padding = mask_view(key_padding, "key_padding");
   return in;
@@ -325,7 +330,7 @@ PYBIND11_MODULE(_gpt2attn, m) {
       .def(
           "forward",
           [](ga::MultiHeadAttention& self, const py::object& query, const py::object& key, const py::object& value,
-             const py::object& attn_mask, const std::string& mask_kind, const py::object& key_padding,
+             const py::object& attn_mask, const std::optional<std::string>& mask_kind, const py::object& key_padding,
              const py::object& out, int threads, bool training, uint64_t dropout_seed, ga::Workspace* ws) {
             std::vector<py::array> keep;
             const ga::AttentionInputs in =
@@ -340,11 +345,12 @@ PYBIND11_MODULE(_gpt2attn, m) {
             return y;
           },
           py::arg("query"), py::arg("key") = py::none(), py::arg("value") = py::none(),
-          py::arg("attn_mask") = py::none(), py::arg("mask_kind") = "keep", py::arg("key_padding") = py::none(),
+          py::arg("attn_mask") = py::none(), py::arg("mask_kind") = py::none(), py::arg("key_padding") = py::none(),
           py::arg("out") = py::none(), py::arg("threads") = 0, py::arg("training") = false,
           py::arg("dropout_seed") = 0, py::arg("workspace") = nullptr,
           "out (B, T, E) = attention of query (B, T, d_in) over key/value (B, Tk, kdim/vdim; None: self-attention). "
-          "Strided float32 views are read in place. mask_kind: keep (nonzero attends), block (nonzero does not: "
+          "Strided float32 views are read in place. mask_kind: None (torch's reading: bool blocks, float adds), "
+          "keep (nonzero attends), block (nonzero does not: "
           "torch's bool mask) or additive (torch's float mask).")
       .def_property_readonly("config", &ga::MultiHeadAttention::config)
       .def_property_readonly("isa", [](const ga::MultiHeadAttention& s) { return std::string(ga::to_string(s.isa())); })
@@ -427,7 +433,7 @@ PYBIND11_MODULE(_gpt2attn, m) {
   m.def(
       "reference_forward",
       [](const ga::Config& c, const ga::Weights& w, const py::object& query, const py::object& key,
-         const py::object& value, const py::object& attn_mask, const std::string& mask_kind,
+         const py::object& value, const py::object& attn_mask, const std::optional<std::string>& mask_kind,
          const py::object& key_padding) {
         std::vector<py::array> keep;
         const ga::AttentionInputs in =
@@ -439,7 +445,7 @@ PYBIND11_MODULE(_gpt2attn, m) {
         return a;
       },
       py::arg("config"), py::arg("weights"), py::arg("query"), py::arg("key") = py::none(),
-      py::arg("value") = py::none(), py::arg("attn_mask") = py::none(), py::arg("mask_kind") = "keep",
+      py::arg("value") = py::none(), py::arg("attn_mask") = py::none(), py::arg("mask_kind") = py::none(),
       py::arg("key_padding") = py::none(),
       "The naive reference (double accumulation, shares nothing with the fast path): float64 (B, T, E).");
 

@@ -110,6 +110,24 @@ def test_masks_broadcast_over_size_one_axes_and_torch_3d_layout():
         layer.forward(x, attn_mask=full[:2], mask_kind="additive")
 
 
+def test_mask_without_a_kind_is_read_as_torch_reads_it():
+    rng = np.random.default_rng(23)
+    cfg = gpt2attn.Config(32, 4)
+    layer = gpt2attn.MultiHeadAttention(cfg, gpt2attn.Weights.random(cfg, 24))
+    x = rand(rng, 2, 6, 32)
+    blocked = rng.random((6, 6)) < 0.4
+    blocked[:, 0] = False
+    np.testing.assert_array_equal(layer.forward(x, attn_mask=blocked),
+                                  layer.forward(x, attn_mask=blocked, mask_kind="block"))
+    np.testing.assert_array_equal(layer.forward(x, attn_mask=blocked.astype(np.uint8)),
+                                  layer.forward(x, attn_mask=blocked, mask_kind="block"))
+    additive = rng.standard_normal((6, 6)).astype(np.float32)
+    np.testing.assert_array_equal(layer.forward(x, attn_mask=additive),
+                                  layer.forward(x, attn_mask=additive, mask_kind="additive"))
+    assert not np.array_equal(layer.forward(x, attn_mask=blocked),
+                              layer.forward(x, attn_mask=blocked, mask_kind="keep"))
+
+
 def test_hf_gpt2_block_matches_causal_torch_mha():
     rng = np.random.default_rng(20)
     module = torch.nn.MultiheadAttention(64, 4, batch_first=True).eval()
