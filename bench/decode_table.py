@@ -49,6 +49,7 @@ def main():
     tri = [triad(a.triad_cli, a.threads)]
     times = {c: [] for c in cases}
     first = {}
+    done = 0
     for r in range(a.rounds):
         for c in cases:
             d, h, b = c
@@ -59,6 +60,9 @@ def main():
             times[c].append(row["median_ms"])
             if r == 0:
                 first[c] = row
+            done += 1  # progress on stderr; stdout carries the table (or the JSON) alone
+            print("decode_table: [%d/%d] round %d %s K/V, %d K/V heads, B=%d: %.3f ms"
+                  % (done, a.rounds * len(cases), r + 1, d, h, b, row["median_ms"]), file=sys.stderr, flush=True)
     tri.append(triad(a.triad_cli, a.threads))
     tri_gbps = statistics.median(tri)
 

@@ -89,6 +89,8 @@ def main():
             "peak_frac": ours["gflops"] / peak["gflops"], "isa": ours["isa"], "torch": torch_r["torch"], "torch_threads": torch_r["threads"],
         }
         rows.append(row)
+        print("peer_torch: [%d/%d] %s T=%d: torch %.2f ms, ours %.2f ms" % (len(rows), len(presets), p, T,
+              row["torch_ms"], row["ours_ms"]), file=sys.stderr, flush=True)  # progress; stdout carries the rows
         if a.json:
             print(json.dumps(row), flush=True)
 

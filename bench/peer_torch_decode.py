@@ -135,6 +135,9 @@ def main():
                 "isa": ours["isa"], "torch": torch_r["torch"], "torch_threads": torch_r["threads"],
             }
             rows.append(row)
+            print("peer_torch_decode: [%d/%d] %s B=%d T=%d: torch %.3f ms, ours %.3f ms" % (
+                len(rows), len(presets) * len(batches), p, B, T, row["torch_ms"], row["ours_ms"]),
+                file=sys.stderr, flush=True)  # progress; stdout carries the rows
             if a.json:
                 print(json.dumps(row), flush=True)
 
