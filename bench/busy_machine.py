@@ -1,0 +1,91 @@
+#!/usr/bin/python3
+"""How the layer's latency degrades when another process takes a core: decode steps (gpt2-small, B=1 T=128, whose
+step is a fraction of a scheduler slice, and B=16 T=1024) and a prefill (gpt2-small, T=256) timed quiet and beside a one-core CPU hog (a busy loop in a child process), in
+interleaved rounds, for each OpenMP wait policy a server can set in the environment. Reports medians and the
+slowdown against the quiet run of the same policy.
+
+    /usr/bin/python3 bench/busy_machine.py [--cli build/gpt2attn] [--threads 2] [--rounds 3] [--json]
+
+Policies: OMP_WAIT_POLICY unset (libgomp spins a while, then sleeps), active (spins), passive (sleeps at once), and
+passive with GOMP_SPINCOUNT=10000 (a short spin first).
+"""
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+
+POLICIES = {
+    "default": {},
+    "active": {"OMP_WAIT_POLICY": "active"},
+    "passive": {"OMP_WAIT_POLICY": "passive"},
+    "spin10k": {"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "10000"},
+}
+CASES = {
+    "decode B=1 T=128": ["--mode", "decode", "--batch", "1", "--seq", "128", "--repeats", "51"],
+    "decode B=16 T=1024": ["--mode", "decode", "--batch", "16", "--seq", "1024", "--repeats", "21"],
+    "prefill T=256": ["--seq", "256", "--repeats", "11"],
+}
+
+
+def hog():
+    while True:
+        pass
+
+
+def run(cli, threads, case, policy):
+    env = dict(os.environ, **POLICIES[policy])
+    for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        if k not in POLICIES[policy]:
+            env.pop(k, None)
+    cmd = [cli, "bench", "--preset", "gpt2-small", "--threads", str(threads), "--json", "--no-check"] + CASES[case]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(out.splitlines()[0])["median_ms"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cli", default="build/gpt2attn")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    times = {(c, p, busy): [] for c in CASES for p in POLICIES for busy in (False, True)}
+    total, done = a.rounds * len(times), 0
+    for _ in range(a.rounds):
+        for (c, p, busy) in times:
+            h = multiprocessing.Process(target=hog, daemon=True) if busy else None
+            if h:
+                h.start()
+            try:
+                times[(c, p, busy)].append(run(a.cli, a.threads, c, p))
+            finally:
+                if h:
+                    h.terminate()
+                    h.join()
+            done += 1
+            print("busy_machine: [%d/%d] %s, %s%s: %.3f ms" % (done, total, c, p, ", hog" if busy else "",
+                                                                times[(c, p, busy)][-1]), file=sys.stderr, flush=True)
+    rows = []
+    for c in CASES:
+        for p in POLICIES:
+            quiet, busy = statistics.median(times[(c, p, False)]), statistics.median(times[(c, p, True)])
+            rows.append({"case": c, "policy": p, "threads": a.threads, "quiet_ms": quiet, "hog_ms": busy,
+                         "slowdown": busy / quiet})
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    print("gpt2-small, %d threads, a one-core busy loop beside it; medians of %d interleaved rounds"
+          % (a.threads, a.rounds))
+    print("| case | OpenMP wait | quiet ms | with hog ms | slowdown |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print("| %s | %s | %.3f | %.3f | %.1fx |" % (r["case"], r["policy"], r["quiet_ms"], r["hog_ms"], r["slowdown"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
