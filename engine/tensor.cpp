@@ -53,6 +53,8 @@ TensorView torch_mask_view(TensorView m, int64_t B, int64_t H) {
   return m;
 }
 
+MaskKind torch_mask_kind(DType mask_dtype) { return mask_dtype == DType::f32 ? MaskKind::additive : MaskKind::block; }
+
 namespace {
 constexpr DType kDTypes[] = {DType::f32, DType::bf16, DType::f16, DType::i8, DType::u8};
 }

@@ -69,11 +69,18 @@ std::string shape_of(const py::array& a) {
   return s + (a.ndim() == 1 ? ",)" : ")");
 }
 
-// obj as a float32 numpy array without copying: np.asarray (a CPU torch tensor gives a view of its memory).
-py::array as_f32(const py::handle& obj, const char* name) {
+// obj as a numpy array without copying: np.asarray (a CPU torch tensor gives a view of its memory). Unlike
+// py::array::ensure, a failure keeps the exception the object raised (torch's for a CUDA tensor, say).
+py::array as_array(const py::handle& obj) {
   py::array a = py::reinterpret_steal<py::array>(py::detail::npy_api::get().PyArray_FromAny_(
       obj.ptr(), nullptr, 0, 0, py::detail::npy_api::NPY_ARRAY_ENSUREARRAY_, nullptr));
   if (!a) throw py::error_already_set();
+  return a;
+}
+
+// obj as a float32 numpy array without copying.
+py::array as_f32(const py::handle& obj, const char* name) {
+  py::array a = as_array(obj);
   if (!a.dtype().is(py::dtype::of<float>())) {
     invalid(std::string(name) + ": dtype " + std::string(py::str(a.dtype())) +
             ", expected float32 (gpt2attn computes in float32 and converts nothing itself: pass x.astype(np.float32))");
@@ -106,27 +113,42 @@ py::array output(const py::object& out, const std::vector<int64_t>& shape) {
   return a;
 }
 
-// A float32 array as a strided TensorView (strides in elements; a byte stride that is not a whole number of
-// elements is refused). Rank 1 to 4.
-ga::TensorView view_of(const py::array& a, const char* name) {
+// An array whose elements are `dtype` as a strided TensorView (strides in elements; a byte stride that is not a
+// whole number of elements is refused). Rank 1 to 4.
+ga::TensorView view_of(const py::array& a, const char* name, ga::DType dtype = ga::DType::f32) {
   if (a.ndim() < 1 || a.ndim() > 4) {
     invalid(std::string(name) + ": rank " + std::to_string(a.ndim()) + ", expected 1 to 4");
   }
+  const auto item = static_cast<py::ssize_t>(ga::size_of(dtype));
   ga::TensorView v;
   v.data = a.data();
-  v.dtype = ga::DType::f32;
+  v.dtype = dtype;
   v.rank = static_cast<int>(a.ndim());
   for (int i = 0; i < v.rank; ++i) {
     v.shape[i] = a.shape(i);
-    if (a.strides(i) % static_cast<py::ssize_t>(sizeof(float)) != 0) {
-      invalid(std::string(name) + ": a byte stride of " + std::to_string(a.strides(i)) + " is not whole floats");
+    if (a.strides(i) % item != 0) {
+      invalid(std::string(name) + ": a byte stride of " + std::to_string(a.strides(i)) + " is not whole elements");
     }
-    v.strides[i] = a.strides(i) / static_cast<py::ssize_t>(sizeof(float));
+    v.strides[i] = a.strides(i) / item;
   }
   return v;
 }
 
-ga::Isa isa_of(const std::string& s) { return ga::isa_from_string(s); }
+// A cached K or V row (read_key / read_value) as a new float32 (D,) array.
+py::array_t<float> cached_row(const ga::KvCache& c,
+                              void (ga::KvCache::*read)(ga::SequenceId, int64_t, int64_t, float*) const,
+                              ga::SequenceId seq, int64_t h, int64_t t) {
+  py::array_t<float> a(c.config().head_dim());
+  (c.*read)(seq, h, t, a.mutable_data());
+  return a;
+}
+
+ga::EngineOptions engine_options(int threads, const std::string& isa) {
+  ga::EngineOptions o;
+  o.threads = threads;
+  o.isa = ga::isa_from_string(isa);
+  return o;
+}
 
 ga::DType kv_dtype_of(const std::string& s) {
   if (s == "f32" || s == "float32") return ga::DType::f32;
@@ -176,17 +198,11 @@ ga::AttentionInputs attention_inputs(int64_t num_heads, const py::object& query,
   }
   // Masks: float32 as given; bool / uint8 as u8.
   auto mask_view = [&](const py::object& m, const char* name) {
-    py::array a = py::reinterpret_steal<py::array>(py::detail::npy_api::get().PyArray_FromAny_(
-        m.ptr(), nullptr, 0, 0, py::detail::npy_api::NPY_ARRAY_ENSUREARRAY_, nullptr));
-    if (!a) throw py::error_already_set();
+    py::array a = as_array(m);
     keep.push_back(a);
     if (a.dtype().is(py::dtype::of<float>())) return view_of(a, name);
     if (a.dtype().is(py::dtype::of<bool>()) || a.dtype().is(py::dtype::of<uint8_t>())) {
-      ga::TensorView v;
-      v.data = a.data(), v.dtype = ga::DType::u8, v.rank = static_cast<int>(a.ndim());
-      if (v.rank < 1 || v.rank > 4) invalid(std::string(name) + ": rank " + std::to_string(v.rank));
-      for (int i = 0; i < v.rank; ++i) v.shape[i] = a.shape(i), v.strides[i] = a.strides(i);
-      return v;
+      return view_of(a, name, ga::DType::u8);
     }
     invalid(std::string(name) + ": dtype " + std::string(py::str(a.dtype())) + ", expected bool, uint8 or float32");
   };
@@ -194,12 +210,10 @@ ga::AttentionInputs attention_inputs(int64_t num_heads, const py::object& query,
     in.attn_mask = mask_view(attn_mask, "attn_mask");
     // numpy's broadcasting over size-1 B or H axes, and torch's (B * H, T, Tk)
     if (in.query.rank == 3) in.attn_mask = ga::torch_mask_view(in.attn_mask, in.query.shape[0], num_heads);
-    // No kind given: torch's reading of the dtype, bool or uint8 blocks where true, float is added.
-    in.mask_kind = mask_kind ? ga::mask_kind_from_string(*mask_kind)
-                   : in.attn_mask.dtype == ga::DType::f32 ? ga::MaskKind::additive
-                                                          : ga::MaskKind::block;
+    in.mask_kind = mask_kind ? ga::mask_kind_from_string(*mask_kind) : ga::torch_mask_kind(in.attn_mask.dtype);
   }
   if (!key_padding.is_none()) in.key_padding = mask_view(key_padding, "key_padding");
+  if (in.query.rank != 3) invalid("query: shape " + in.query.shape_str() + ", expected (B, T, d_in)");
   return in;
 }
 
@@ -303,28 +317,20 @@ PYBIND11_MODULE(_gpt2attn, m) {
       .def_property_readonly("capacity_bytes", &ga::KvCache::capacity_bytes)
       .def_property_readonly("dtype", [](const ga::KvCache& c) { return std::string(ga::to_string(c.dtype())); })
       .def(
-          "read_key",
-          [](const ga::KvCache& c, ga::SequenceId seq, int64_t h, int64_t t) {
-            py::array_t<float> a(c.config().head_dim());
-            c.read_key(seq, h, t, a.mutable_data());
-            return a;
+          "read_key", [](const ga::KvCache& c, ga::SequenceId seq, int64_t h, int64_t t) {
+            return cached_row(c, &ga::KvCache::read_key, seq, h, t);
           },
           py::arg("seq"), py::arg("head"), py::arg("t"), "Cached key of K/V head `head`, token t, as float32 (D,).")
       .def(
-          "read_value",
-          [](const ga::KvCache& c, ga::SequenceId seq, int64_t h, int64_t t) {
-            py::array_t<float> a(c.config().head_dim());
-            c.read_value(seq, h, t, a.mutable_data());
-            return a;
+          "read_value", [](const ga::KvCache& c, ga::SequenceId seq, int64_t h, int64_t t) {
+            return cached_row(c, &ga::KvCache::read_value, seq, h, t);
           },
-          py::arg("seq"), py::arg("head"), py::arg("t"));
+          py::arg("seq"), py::arg("head"), py::arg("t"), "Cached value of K/V head `head`, token t, as float32 (D,).");
 
   py::class_<ga::MultiHeadAttention>(m, "MultiHeadAttention",
                                      "torch.nn.MultiheadAttention's computation (gpt2attn/attention.hpp).")
       .def(py::init([](const ga::Config& c, const ga::Weights& w, int threads, const std::string& isa) {
-             ga::EngineOptions o;
-             o.threads = threads, o.isa = isa_of(isa);
-             return ga::MultiHeadAttention(c, w, o);
+             return ga::MultiHeadAttention(c, w, engine_options(threads, isa));
            }),
            py::arg("config"), py::arg("weights"), py::arg("threads") = 0, py::arg("isa") = "best")
       .def(
@@ -335,7 +341,6 @@ PYBIND11_MODULE(_gpt2attn, m) {
             std::vector<py::array> keep;
             const ga::AttentionInputs in =
                 attention_inputs(self.config().num_heads, query, key, value, attn_mask, mask_kind, key_padding, keep);
-            if (in.query.rank != 3) invalid("query: shape " + in.query.shape_str() + ", expected (B, T, d_in)");
             py::array y = output(out, {in.query.shape[0], in.query.shape[1], self.config().d_model});
             float* dst = static_cast<float*>(y.mutable_data());
             {
@@ -360,9 +365,7 @@ PYBIND11_MODULE(_gpt2attn, m) {
   py::class_<ga::CausalSelfAttention>(m, "CausalSelfAttention",
                                       "GPT-2's attention block: fused QKV, causal, with KV-cache serving.")
       .def(py::init([](const ga::Config& c, const ga::Weights& w, int threads, const std::string& isa) {
-             ga::EngineOptions o;
-             o.threads = threads, o.isa = isa_of(isa);
-             return ga::CausalSelfAttention(c, w, o);
+             return ga::CausalSelfAttention(c, w, engine_options(threads, isa));
            }),
            py::arg("config"), py::arg("weights"), py::arg("threads") = 0, py::arg("isa") = "best")
       .def(
@@ -438,7 +441,6 @@ PYBIND11_MODULE(_gpt2attn, m) {
         std::vector<py::array> keep;
         const ga::AttentionInputs in =
             attention_inputs(c.num_heads, query, key, value, attn_mask, mask_kind, key_padding, keep);
-        if (in.query.rank != 3) invalid("query: shape " + in.query.shape_str() + ", expected (B, T, d_in)");
         const std::vector<double> r = ga::reference_forward(c, w, in);
         py::array_t<double> a(std::vector<py::ssize_t>{in.query.shape[0], in.query.shape[1], c.d_model});
         std::copy(r.begin(), r.end(), a.mutable_data());

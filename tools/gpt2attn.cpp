@@ -40,17 +40,18 @@ const char* kUsage = R"(usage:
 forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semantics, batch_first) with the
          weights of a safetensors file (torch or Hugging Face GPT-2 naming) and writes float32 (B, T, E).
          Inputs are float32/float64 .npy; masks bool, uint8 or float; without --key/--value it is
-         self-attention. An unbatched (T, d_in) query, as torch takes it, gives a (T, E) output. --config reads a Hugging Face GPT-2 config.json (n_embd, n_head, n_positions) or one of
-         configs/*.json: the heads and the default context length come from it, and a --heads that disagrees,
-         or weights of another width, are refused. A mask without --mask-kind is read as torch reads it: bool or uint8 blocks where
-         nonzero (block), float is added to the scores (additive); --mask-kind keep gives seeds 002/003's
-         reading (nonzero may attend). Mask shapes: (T, Tk), (B, T, Tk), (B, H, T, Tk), torch's
-         (B*H, T, Tk), and size-1 B or H axes, which broadcast. --kv-heads N (grouped-query attention: N K/V heads, dividing H) must match the
-         file's K/V width; without it the K/V heads are read from that width. --context-length defaults to
-         max(1024, T, Tk). --output is written atomically (a
-         temporary file next to it, renamed onto it); a symbolic link is followed, so the link stays and its
-         target gets the data (a link to a missing file is refused), and an existing --output that is not a
-         regular file (a device such as /dev/null, a FIFO, a directory) is refused.
+         self-attention. An unbatched (T, d_in) query, as torch takes it, gives a (T, E) output. --config
+         reads a Hugging Face GPT-2 config.json (n_embd, n_head, n_positions) or one of configs/*.json:
+         the heads and the default context length come from it, and a --heads that disagrees, or weights
+         of another width, are refused. A mask without --mask-kind is read as torch reads it: bool or
+         uint8 blocks where nonzero (block), float is added to the scores (additive); --mask-kind keep
+         gives seeds 002/003's reading (nonzero may attend). Mask shapes: (T, Tk), (B, T, Tk), (B, H, T,
+         Tk), torch's (B*H, T, Tk), and size-1 B or H axes, which broadcast. --kv-heads N (grouped-query
+         attention: N K/V heads, dividing H) must match the file's K/V width; without it the K/V heads are
+         read from that width. --context-length defaults to max(1024, T, Tk). --output is written
+         atomically (a temporary file next to it, renamed onto it); a symbolic link is followed, so the
+         link stays and its target gets the data (a link to a missing file is refused), and an existing
+         --output that is not a regular file (a device such as /dev/null, a FIFO, a directory) is refused.
 bench    times the whole layer (QKV projection, causal attention, output projection) on random weights for
          each preset (default: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b; gpt3-175b at
          min(T, 128) unless --preset names it); the median of --repeats runs (default 5). --kv-heads N gives
@@ -262,10 +263,9 @@ int cmd_forward(int argc, char** argv) {
     in.attn_mask = view_of(mask, "mask");
     // torch's layouts too: size-1 B or H axes broadcast, (B * H, T, Tk) as (B, H, T, Tk)
     if (in.query.rank == 3) in.attn_mask = ga::torch_mask_view(in.attn_mask, in.query.shape[0], heads);
-    // Without --mask-kind, torch's reading of its dtype: bool (or uint8) blocks where true, float is added.
+    // Without --mask-kind, torch's reading of its dtype.
     in.mask_kind = a.has("mask-kind") ? ga::mask_kind_from_string(a.get("mask-kind"))
-                   : in.attn_mask.dtype == ga::DType::f32 ? ga::MaskKind::additive
-                                                          : ga::MaskKind::block;
+                                      : ga::torch_mask_kind(in.attn_mask.dtype);
   }
   if (a.has("key-padding")) {
     padding = ga::npy::read(a.get("key-padding"));

@@ -53,6 +53,9 @@ enum class MaskKind : uint8_t {
 };
 
 const char* to_string(MaskKind k);
+// How torch reads a mask given without a kind, by its dtype: a float mask is added (additive), a bool or uint8 one
+// blocks where nonzero (block). The CLI and the Python module use it when no kind is named.
+MaskKind torch_mask_kind(DType mask_dtype);
 MaskKind mask_kind_from_string(const std::string& s);  // "keep" | "block" | "additive"
 
 }  // namespace gpt2attn

@@ -89,18 +89,16 @@ class MultiheadAttention:
         N, L = q3.shape[0], q3.shape[1]
         S = L if k3 is None else k3.shape[1]
 
-        mask, kind = None, "block"
-        if attn_mask is not None:
-            mask = _array(attn_mask, "attn_mask")
-            kind = "block" if mask.dtype == np.bool_ else "additive"
+        # The library reads a mask by its dtype as torch does (bool or uint8 block, float adds): no kind to pass.
+        mask = None if attn_mask is None else _array(attn_mask, "attn_mask")
         if is_causal:
             causal = np.triu(np.ones((L, S), dtype=np.bool_), k=S - L + 1)
             if mask is None:
                 mask = causal
-            elif kind == "block":
-                mask = mask | causal
-            else:
+            elif np.issubdtype(mask.dtype, np.floating):
                 mask = np.where(causal, np.float32(-np.inf), mask).astype(np.float32)
+            else:
+                mask = mask | causal
         pad = None
         if key_padding_mask is not None:
             pad = _array(key_padding_mask, "key_padding_mask")
@@ -109,7 +107,7 @@ class MultiheadAttention:
             if unbatched:
                 pad = pad[np.newaxis]
 
-        out = self.layer.forward(q3, k3, v3, attn_mask=mask, mask_kind=kind, key_padding=pad)  # (N, L, E)
+        out = self.layer.forward(q3, k3, v3, attn_mask=mask, key_padding=pad)  # (N, L, E)
         if unbatched:
             out = out[0]
         elif not self.batch_first:

@@ -37,24 +37,15 @@ def torch_causal_or_not(m, x, causal):
     return y.numpy()
 
 
-def mha_state_dict(r):
+def torch_save_round_trip(r, seed, E, H, B, T, bias, whole_module):
+    """An nn.MultiheadAttention torch.save'd as its state dict, or whole, exported and run by the CLI."""
     wd = r.workdir()
-    torch.manual_seed(1)
-    m = nn.MultiheadAttention(32, 4, batch_first=True)
-    w = exported(wd, m.state_dict())
-    x = np.random.default_rng(1).standard_normal((2, 9, 32)).astype(np.float32)
-    ours = pc.forward(r.cli, wd, w, 4, x)
-    return pc.compare(ours, torch_causal_or_not(m, x, False), pc.reduction_length(32, 9))
-
-
-def whole_module(r):
-    wd = r.workdir()
-    torch.manual_seed(2)
-    m = nn.MultiheadAttention(48, 6, batch_first=True, bias=False)
-    w = exported(wd, m)
-    x = np.random.default_rng(2).standard_normal((1, 7, 48)).astype(np.float32)
-    ours = pc.forward(r.cli, wd, w, 6, x)
-    return pc.compare(ours, torch_causal_or_not(m, x, False), pc.reduction_length(48, 7))
+    torch.manual_seed(seed)
+    m = nn.MultiheadAttention(E, H, batch_first=True, bias=bias)
+    w = exported(wd, m if whole_module else m.state_dict())
+    x = np.random.default_rng(seed).standard_normal((B, T, E)).astype(np.float32)
+    ours = pc.forward(r.cli, wd, w, H, x)
+    return pc.compare(ours, torch_causal_or_not(m, x, False), pc.reduction_length(E, T))
 
 
 def gpt2_model_dict(r):
@@ -108,8 +99,8 @@ def bad_input(r):
 
 def main():
     r = pc.Runner(__doc__ or "export_safetensors.py")
-    r.case("mha_state_dict", lambda: mha_state_dict(r))
-    r.case("whole_module", lambda: whole_module(r))
+    r.case("mha_state_dict", lambda: torch_save_round_trip(r, 1, 32, 4, 2, 9, bias=True, whole_module=False))
+    r.case("whole_module", lambda: torch_save_round_trip(r, 2, 48, 6, 1, 7, bias=False, whole_module=True))
     r.case("gpt2_model_dict_prefix", lambda: gpt2_model_dict(r))
     r.case("bf16_export", lambda: bf16_export(r))
     r.case("bad_input", lambda: bad_input(r))

@@ -128,6 +128,19 @@ def test_mask_without_a_kind_is_read_as_torch_reads_it():
                               layer.forward(x, attn_mask=blocked, mask_kind="keep"))
 
 
+def test_torch_wrapper_reads_uint8_masks_as_bool_ones():
+    """torch reads a uint8 attn_mask as a bool one; so does the wrapper, through the library's default kind."""
+    rng = np.random.default_rng(25)
+    module = torch.nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    ours = gpt2attn.MultiheadAttention.from_torch(module, context_length=32)
+    q = torch.from_numpy(rand(rng, 2, 5, 16))
+    blocked = rng.random((5, 5)) < 0.4
+    blocked[:, 0] = False
+    want, _ = ours(q, attn_mask=torch.from_numpy(blocked), is_causal=True)
+    got, _ = ours(q, attn_mask=torch.from_numpy(blocked.astype(np.uint8)), is_causal=True)
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
 def test_hf_gpt2_block_matches_causal_torch_mha():
     rng = np.random.default_rng(20)
     module = torch.nn.MultiheadAttention(64, 4, batch_first=True).eval()
