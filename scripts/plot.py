@@ -20,6 +20,7 @@ Outputs (each when its inputs are there), in --out:
 Prints the files written, one per line. Exit 2 on a file it cannot read or a line that is not JSON.
 """
 import argparse
+import functools
 import json
 import os
 import re
@@ -34,6 +35,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
 
 
+@functools.lru_cache(maxsize=None)
 def preset_width(name):
     """(E, H) of a preset, from configs/<name>.json (the files the library compiles in)."""
     try:
