@@ -75,9 +75,9 @@ struct MaskRef {
 };
 
 struct AttentionArgs {
-  const float* q = nullptr;  // (T, D), row stride ldq
-  KvRef kv;                  // K, V (Tk, D): contiguous or paged, of the kernel's K/V element type
-  float* out = nullptr;      // (T, D), row stride ldo
+  const void* q = nullptr;  // (T, D), row stride ldq, of the kernel's compute type (f32 or bf16)
+  KvRef kv;                 // K, V (Tk, D): contiguous or paged, of the kernel's K/V element type
+  void* out = nullptr;      // (T, D), row stride ldo, of the kernel's compute type
   int64_t ldq = 0, ldo = 0;
   int64_t T = 0, Tk = 0, D = 0;
   float scale = 1.0f;  // 1 / sqrt(D)

@@ -34,26 +34,30 @@ void with_rows(int64_t rem, F&& f) {
   }
 }
 
-// The micro-kernels of the f32 compute type: QV query vectors (BQ = QV x lanes queries) x R rows of K (scores) or
-// of D (P.V) in registers (tiles::Blocking has the register budget). K/V elements of type KvT are widened to f32 as
-// they are broadcast (`widen`, kernels/vec.hpp), so a narrower K/V storage type reuses this arithmetic unchanged.
-template <class Arch, int QV, int R, class KvT>
+// The micro-kernels of f32 arithmetic: QV query vectors (BQ = QV x lanes queries) x R rows of K (scores) or of D
+// (P.V) in registers (tiles::Blocking has the register budget). Queries of type QT and K/V elements of type KvT are
+// widened to f32 as they are packed or broadcast (`widen`, kernels/vec.hpp), so a narrower storage type (bf16 or
+// int8 K/V, bf16 queries where the CPU has no bf16 dot product) reuses this arithmetic unchanged.
+template <class Arch, int QV, int R, class KvT, class QT = float>
 struct MicroF32 {
   using V = Vec<Arch>;
   using B = typename V::B;
   using Elem = KvT;
+  using Query = QT;
   static constexpr int W = V::W;
   static constexpr int BQ = QV * W;  // queries per tile, in lanes
 
-  // The query tile as score_rows reads it: transposed, qt (D, BQ), each row scaled by qscale; lanes past the last
-  // of the nq queries are zero.
+  // The query tile as score_rows reads it: transposed, qt (D, BQ), each row scaled by qscale (so scores() ignores
+  // its own qscale); lanes past the last of the nq queries are zero.
   static int64_t packed_query_floats(int64_t D) { return D * BQ; }
-  static void pack_queries(const float* q, int64_t ldq, int64_t nq, int64_t D, float qscale, float* qt) {
+  static void pack_queries(const QT* q, int64_t ldq, int64_t nq, int64_t D, float qscale, float* qt) {
     for (int64_t d = 0; d < D; ++d) {
-      for (int64_t i = 0; i < nq; ++i) qt[d * BQ + i] = q[i * ldq + d] * qscale;
+      for (int64_t i = 0; i < nq; ++i) qt[d * BQ + i] = widen(q[i * ldq + d]) * qscale;
       for (int64_t i = nq; i < BQ; ++i) qt[d * BQ + i] = 0.0f;
     }
   }
+  // Scratch of accumulate_pv beyond the tile driver's own: none (P and V are read where they lie).
+  static int64_t pv_scratch_floats(int64_t) { return 0; }
 
   // s[j][lane] = K_j . qt_lane for RR key rows (in the units qt was scaled to); also folds the rows into the
   // running column max mx. K rows are broadcast, queries are vectors.
@@ -130,9 +134,9 @@ struct MicroF32 {
   }
 
   // The whole score tile s (nk, BQ) = K (nk rows, stride ldk) . qt, register block by register block; kscale: the
-  // keys' scales (row-scaled K only; null otherwise).
+  // keys' scales (row-scaled K only; null otherwise). qscale was applied by pack_queries.
   static void scores(const KvT* k, int64_t ldk, const float* kscale, int64_t nk, const float* qt, int64_t D,
-                     float* s, B* mx) {
+                     float /*qscale*/, float* s, B* mx) {
     int64_t j = 0;
     for (; j + R <= nk; j += R) score_rows<R>(k + j * ldk, ldk, scales_from(kscale, j), qt, D, s + j * BQ, mx);
     if (j < nk) {
@@ -145,7 +149,7 @@ struct MicroF32 {
   // acc (D, BQ) = alpha * acc + V^T (D x nk, V rows of stride ldv) . p (nk, BQ), R head dimensions at a time.
   // vscale: the values' scales (row-scaled V only; null otherwise).
   static void accumulate_pv(const KvT* v, int64_t ldv, const float* vscale, int64_t nk, const float* p,
-                            const float* alpha, int64_t D, float* acc) {
+                            const float* alpha, int64_t D, float* acc, float* /*work*/) {
     int64_t d = 0;
     for (; d + R <= D; d += R) pv_rows<R>(v + d, ldv, vscale, p, nk, alpha, acc + d * BQ);
     if (d < D) {
@@ -156,21 +160,24 @@ struct MicroF32 {
   }
 };
 
-// The tile driver over a micro-kernel M (M::BQ queries per tile, M::Elem the K/V element type).
+// The tile driver over a micro-kernel M (M::BQ queries per tile, M::Elem the K/V element type, M::Query the
+// element type of the queries and of the output: the compute type).
 template <class Arch, class M>
 struct TiledAttention {
   using V = Vec<Arch>;
   using B = typename V::B;
   using KvT = typename M::Elem;
+  using QT = typename M::Query;
   static constexpr int W = V::W;
   static constexpr int QV = M::BQ / W;
   static constexpr int BQ = M::BQ;
   static constexpr int BK = tiles::kKeyTile;
   static_assert(BQ + BK <= tiles::kCausalBandCenter, "the registered causal band must cover this kernel's tiles");
 
-  // Scratch: qt (the micro-kernel's packed queries) | s (BK, BQ) | acc (D, BQ) | m (BQ) | l (BQ) | alpha (BQ).
+  // Scratch: qt (the micro-kernel's packed queries) | s (BK, BQ) | acc (D, BQ) | m (BQ) | l (BQ) | alpha (BQ) |
+  // the micro-kernel's P.V work area.
   static size_t scratch_floats(int64_t D) {
-    return static_cast<size_t>(M::packed_query_floats(D) + (D + BK + 3) * BQ);
+    return static_cast<size_t>(M::packed_query_floats(D) + (D + BK + 3) * BQ + M::pv_scratch_floats(D));
   }
 
   // The K/V source and the units are compile-time choices, made here once per call: paged K/V keeps its own
@@ -216,10 +223,12 @@ struct TiledAttention {
     float* m = acc + D * BQ;
     float* l = m + BQ;
     float* alpha = l + BQ;
+    float* pv_work = alpha + BQ;
 
-    // Pack the query tile pre-scaled, so scores come out as log2(e) * scale * q.k and the softmax runs on exp2
-    // (natural units: scale * q.k, as torch computes it).
-    M::pack_queries(a.q + i0 * a.ldq, a.ldq, nq, D, natural ? a.scale : a.scale * kLog2e, qt);
+    // Scores come out as log2(e) * scale * q.k, so the softmax runs on exp2 (natural units: scale * q.k, as torch
+    // computes it); the micro-kernel applies qscale when it packs the queries or after each dot product.
+    const float qscale = natural ? a.scale : a.scale * kLog2e;
+    M::pack_queries(static_cast<const QT*>(a.q) + i0 * a.ldq, a.ldq, nq, D, qscale, qt);
     std::fill(acc, acc + D * BQ, 0.0f);
     std::fill(m, m + BQ, -INFINITY);
     std::fill(l, l + BQ, 0.0f);
@@ -236,7 +245,7 @@ struct TiledAttention {
 
       B mx[QV];
       for (int v = 0; v < QV; ++v) mx[v] = V::load(m + v * W);
-      M::scores(kt, ldk, src.key_scales(j0), nk, qt, D, s, mx);
+      M::scores(kt, ldk, src.key_scales(j0), nk, qt, D, qscale, s, mx);
       bool masked = false;  // any mask changes scores after mx was taken: recompute it then
 
       // Only tiles crossing the diagonal (some key past the first query's horizon) are masked.
@@ -303,24 +312,31 @@ struct TiledAttention {
         }
       }
 
-      M::accumulate_pv(vt, ldv, src.value_scales(j0), nk, s, alpha, D, acc);
+      M::accumulate_pv(vt, ldv, src.value_scales(j0), nk, s, alpha, D, acc, pv_work);
     }
 
     // out_i = acc_i / l_i; a query that saw no key (l == 0) gets zeros, never NaN.
     for (int64_t i = 0; i < nq; ++i) {
       const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-      float* o = a.out + (i0 + i) * a.ldo;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d * BQ + i] * inv;
+      QT* o = static_cast<QT*>(a.out) + (i0 + i) * a.ldo;
+      for (int64_t d = 0; d < D; ++d) o[d] = narrow<QT>(acc[d * BQ + i] * inv);
     }
   }
 };
 
-// The kernel of f32 compute over K/V stored as KvT, with register blocking Bl, for instruction set Arch.
-template <class Arch, tiles::Blocking Bl, class KvT>
-const AttentionKernel& make_attention_kernel(const char* isa) {
-  using K = TiledAttention<Arch, MicroF32<Arch, Bl.query_vectors, Bl.row_block, KvT>>;
+// The kernel over micro-kernel M for instruction set Arch.
+template <class Arch, class M>
+const AttentionKernel& make_attention_kernel_with(const char* isa) {
+  using K = TiledAttention<Arch, M>;
   static const AttentionKernel kernel{isa, {K::BQ, K::BK}, &K::scratch_floats, &K::run};
   return kernel;
+}
+
+// The kernel of f32 arithmetic on queries of type QT (the compute type) and K/V stored as KvT, with register
+// blocking Bl, for instruction set Arch.
+template <class Arch, tiles::Blocking Bl, class KvT, class QT = float>
+const AttentionKernel& make_attention_kernel(const char* isa) {
+  return make_attention_kernel_with<Arch, MicroF32<Arch, Bl.query_vectors, Bl.row_block, KvT, QT>>(isa);
 }
 
 }  // namespace

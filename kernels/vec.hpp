@@ -36,6 +36,15 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 // multiplies later, see kernels/kv_layout.hpp).
 inline float widen(float x) { return x; }
 inline float widen(int8_t x) { return static_cast<float>(x); }
+// An f32 result stored as a compute type's element: itself, or rounded to the nearest bf16.
+template <class T>
+T narrow(float x) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return to_bf16(x);
+  } else {
+    return x;
+  }
+}
 
 template <class Arch>
 struct Vec;
