@@ -14,6 +14,7 @@
 #include "engine/dispatch.hpp"
 #include "engine/layer.hpp"
 #include "gpt2attn/error.hpp"
+#include "kernels/bf16.hpp"
 
 namespace gpt2attn {
 
@@ -22,29 +23,57 @@ using detail::AttnShape;
 
 namespace {
 
-// A (rows, width) matrix as oneDNN reads it: base pointer and row stride.
+// A (rows, width) matrix as oneDNN reads it: base pointer (elements of the compute type) and row stride.
 struct Rows {
-  const float* data;
+  const void* data;
   int64_t ld;
+  DType dtype;
+  const void* row(int64_t i) const { return static_cast<const std::byte*>(data) + i * ld * size_of(dtype); }
 };
 
-// A (B, N, W) view whose rows are evenly spaced with unit element stride can be read in place as a 2-D
-// (B*N, W) matrix; anything else is packed contiguously into `scratch` first (O(B*N*W), once per call).
-Rows as_rows(const TensorView& x, float* scratch) {
-  const int64_t B = x.shape[0], N = x.shape[1], W = x.shape[2];
-  const int64_t sb = x.strides[0], sn = x.strides[1], sw = x.strides[2];
-  const auto* p = static_cast<const float*>(x.data);
-  if (sw == 1 && sn >= W && (B == 1 || sb == N * sn)) return {p, sn};
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t w = 0; w < W; ++w) scratch[(b * N + n) * W + w] = p[b * sb + n * sn + w * sw];
-  return {scratch, W};
+bool needs_packing(const TensorView& x, DType compute) {
+  const int64_t N = x.shape[1], W = x.shape[2];
+  return x.dtype != compute ||
+         !(x.strides[2] == 1 && x.strides[1] >= W && (x.shape[0] == 1 || x.strides[0] == N * x.strides[1]));
 }
 
-bool needs_packing(const TensorView& x) {
-  const int64_t N = x.shape[1], W = x.shape[2];
-  return !(x.strides[2] == 1 && x.strides[1] >= W && (x.shape[0] == 1 || x.strides[0] == N * x.strides[1]));
+// A (B, N, W) view of the compute type whose rows are evenly spaced with unit element stride is read in place as a
+// 2-D (B*N, W) matrix; anything else (other strides, or f32 input to a bf16 layer) is packed contiguously into
+// `scratch` in the compute type first (O(B*N*W), once per call, across the team).
+Rows as_rows(const TensorView& x, DType compute, std::byte* scratch, int threads) {
+  const int64_t B = x.shape[0], N = x.shape[1], W = x.shape[2];
+  const int64_t sb = x.strides[0], sn = x.strides[1], sw = x.strides[2];
+  if (!needs_packing(x, compute)) return {x.data, sn, compute};
+  const auto* p = static_cast<const float*>(x.data);
+  if (compute == DType::f32) {
+    auto* dst = reinterpret_cast<float*>(scratch);
+#pragma omp parallel for num_threads(threads) collapse(2) if (B * N * W > 65536)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t w = 0; w < W; ++w) dst[(b * N + n) * W + w] = p[b * sb + n * sn + w * sw];
+  } else {
+    auto* dst = reinterpret_cast<kernels::bf16*>(scratch);
+#pragma omp parallel for num_threads(threads) collapse(2) if (B * N * W > 65536)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t w = 0; w < W; ++w) dst[(b * N + n) * W + w] = kernels::to_bf16(p[b * sb + n * sn + w * sw]);
+  }
+  return {scratch, W, compute};
 }
+
+// Decode's panel-packed copy of W (N, K) in the compute type t (kernels/linear.hpp; bf16 rounds once).
+std::vector<std::byte> pack_linear(const float* w, int64_t N, int64_t K, DType t) {
+  std::vector<std::byte> out(static_cast<size_t>(kernels::linear_packed_elements(N, K)) * size_of(t));
+  if (t == DType::bf16) {
+    kernels::pack_linear_weights(w, N, K, reinterpret_cast<kernels::bf16*>(out.data()));
+  } else {
+    kernels::pack_linear_weights(w, N, K, reinterpret_cast<float*>(out.data()));
+  }
+  return out;
+}
+
+// Element i of an activation buffer of type t.
+std::byte* elem(std::byte* base, DType t, int64_t i) { return base + i * static_cast<int64_t>(size_of(t)); }
 
 kernels::MaskRef mask_ref(const TensorView& m, MaskKind kind) {
   kernels::MaskRef r;
@@ -68,14 +97,16 @@ const void* advance(const void* p, DType dt, int64_t elems) {
 MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOptions& o)
     : cfg(c),
       isa(detail::resolve_isa(o.isa)),
-      kset(detail::kernels_for(isa, DType::f32, DType::f32)),
+      compute(o.compute),
+      kset(detail::kernels_for(isa, compute, compute)),
       default_threads(o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads())),
-      out(w.w_o.data(), cfg.out_bias ? w.b_o.data() : nullptr, cfg.d_model, cfg.d_model) {
+      out(w.w_o.data(), cfg.out_bias ? w.b_o.data() : nullptr, cfg.d_model, cfg.d_model, compute) {
   const int64_t D = cfg.head_dim(), E = cfg.d_model, KW = cfg.kv_width();
   auto per_head = [&](std::vector<Linear>& dst, int64_t heads, const std::vector<float>& weight,
                       const std::vector<float>& bias, int64_t width) {
     for (int64_t h = 0; h < heads; ++h) {
-      dst.emplace_back(weight.data() + h * D * width, cfg.qkv_bias ? bias.data() + h * D : nullptr, D, width);
+      dst.emplace_back(weight.data() + h * D * width, cfg.qkv_bias ? bias.data() + h * D : nullptr, D, width,
+                       compute);
     }
   };
   per_head(proj_q, cfg.num_heads, w.w_q, w.b_q, cfg.query_width());
@@ -88,23 +119,20 @@ MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOp
     std::copy(w.w_q.begin(), w.w_q.end(), w_qkv.begin());
     std::copy(w.w_k.begin(), w.w_k.end(), w_qkv.begin() + E * d_in);
     std::copy(w.w_v.begin(), w.w_v.end(), w_qkv.begin() + (E + KW) * d_in);
-    qkv_packed.resize(static_cast<size_t>(kernels::linear_packed_floats(N, d_in)));
-    kernels::pack_linear_weights(w_qkv.data(), N, d_in, qkv_packed.data());
+    qkv_packed = pack_linear(w_qkv.data(), N, d_in, compute);
     if (cfg.qkv_bias) {
       qkv_bias.insert(qkv_bias.end(), w.b_q.begin(), w.b_q.end());
       qkv_bias.insert(qkv_bias.end(), w.b_k.begin(), w.b_k.end());
       qkv_bias.insert(qkv_bias.end(), w.b_v.begin(), w.b_v.end());
     }
-    out_packed.resize(static_cast<size_t>(kernels::linear_packed_floats(E, E)));
-    kernels::pack_linear_weights(w.w_o.data(), E, E, out_packed.data());
+    out_packed = pack_linear(w.w_o.data(), E, E, compute);
     if (cfg.out_bias) out_bias = w.b_o;
   }
 
-  // Every K/V storage dtype the table serves at this level (a layer serves caches of any of them).
-  serving_sets[static_cast<size_t>(DType::f32)] = &kset;
+  // Every K/V storage dtype the table serves in this compute type at this level (a layer serves caches of any).
   for (const detail::KernelSet& row : detail::kernel_table()) {
-    if (row.compute == DType::f32 && row.kv != DType::f32 && !serving_sets[static_cast<size_t>(row.kv)]) {
-      serving_sets[static_cast<size_t>(row.kv)] = &detail::kernels_for(isa, DType::f32, row.kv);
+    if (row.compute == compute && !serving_sets[static_cast<size_t>(row.kv)]) {
+      serving_sets[static_cast<size_t>(row.kv)] = &detail::kernels_for(isa, compute, row.kv);
     }
   }
 
@@ -134,13 +162,14 @@ ForwardPlan MultiHeadAttention::Impl::forward_plan(const AttnShape& s, bool pack
                                                    int threads) const {
   detail::WorkspacePlan p;
   ForwardPlan r;
-  r.q = p.region<float>({s.B, s.H, s.T, s.D}, "forward: q");
-  r.k = p.region<float>({s.B, s.H_kv, s.Tk, s.D}, "forward: k");
-  r.v = p.region<float>({s.B, s.H_kv, s.Tk, s.D}, "forward: v");
-  r.ctx = p.region<float>({s.B, s.T, s.E}, "forward: attention output");
-  r.packed_q = p.region<float>({pack_q, s.B, s.T, s.d_in}, "forward: packed query");
-  r.packed_k = p.region<float>({pack_k, s.B, s.Tk, s.kdim}, "forward: packed key");
-  r.packed_v = p.region<float>({pack_v, s.B, s.Tk, s.vdim}, "forward: packed value");
+  const DType t = compute;
+  r.q = p.region(t, {s.B, s.H, s.T, s.D}, "forward: q");
+  r.k = p.region(t, {s.B, s.H_kv, s.Tk, s.D}, "forward: k");
+  r.v = p.region(t, {s.B, s.H_kv, s.Tk, s.D}, "forward: v");
+  r.ctx = p.region(t, {s.B, s.T, s.E}, "forward: attention output");
+  r.packed_q = p.region(t, {pack_q, s.B, s.T, s.d_in}, "forward: packed query");
+  r.packed_k = p.region(t, {pack_k, s.B, s.Tk, s.kdim}, "forward: packed key");
+  r.packed_v = p.region(t, {pack_v, s.B, s.Tk, s.vdim}, "forward: packed value");
   r.scratch = p.region<float>({threads, scratch_stride(*kset.prefill)}, "forward: kernel scratch");
   r.bytes = p.bytes();
   return r;
@@ -152,11 +181,11 @@ namespace {
 // per-head GEMMs run in parallel, one thread each: they are independent, so this scales without oneDNN's
 // per-GEMM barriers.
 void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnShape& s, Rows xq, Rows xk, Rows xv,
-             float* q, float* k, float* v, int threads) {
+             std::byte* q, std::byte* k, std::byte* v, int threads) {
   const int64_t D = s.D, B = s.B;
   const Linear* lin[3] = {L.proj_q.data(), L.proj_k.data(), L.proj_v.data()};
   const Rows x[3] = {xq, xk, xv};
-  float* dst[3] = {q, k, v};
+  std::byte* dst[3] = {q, k, v};
   const int64_t n[3] = {s.T, s.Tk, s.Tk};
   const int64_t heads[3] = {s.H, s.H_kv, s.H_kv};
   std::exception_ptr error;
@@ -166,8 +195,8 @@ void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnSh
     const int64_t h = which == 0 ? item : (item - s.H) % s.H_kv;
     try {
       for (int64_t b = 0; b < B; ++b) {
-        lin[which][h].run(ctx, x[which].data + b * n[which] * x[which].ld, n[which], x[which].ld,
-                          dst[which] + (b * heads[which] + h) * n[which] * D, D, 1);
+        lin[which][h].run(ctx, x[which].row(b * n[which]), n[which], x[which].ld,
+                          elem(dst[which], L.compute, (b * heads[which] + h) * n[which] * D), D, 1, L.compute);
       }
     } catch (...) {
 #pragma omp critical(gpt2attn_project_error)
@@ -184,15 +213,15 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, float* out_dat
   const AttnShape s = detail::validate_inputs(cfg, in, run);
   if (!out_data) invalid("output: null pointer");
   const int threads = threads_for(run);
-  const bool pack_q = needs_packing(in.query);
-  const bool pack_k = !s.self_attention && needs_packing(in.key);
-  const bool pack_v = !s.self_attention && needs_packing(in.value);
+  const bool pack_q = needs_packing(in.query, compute);
+  const bool pack_k = !s.self_attention && needs_packing(in.key, compute);
+  const bool pack_v = !s.self_attention && needs_packing(in.value, compute);
   const ForwardPlan r = forward_plan(s, pack_q, pack_k, pack_v, threads);
   std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
 
-  const Rows xq = as_rows(in.query, r.packed_q.in(w));
-  const Rows xk = s.self_attention ? xq : as_rows(in.key, r.packed_k.in(w));
-  const Rows xv = s.self_attention ? xq : as_rows(in.value, r.packed_v.in(w));
+  const Rows xq = as_rows(in.query, compute, r.packed_q.in(w), threads);
+  const Rows xk = s.self_attention ? xq : as_rows(in.key, compute, r.packed_k.in(w), threads);
+  const Rows xv = s.self_attention ? xq : as_rows(in.value, compute, r.packed_v.in(w), threads);
   project(*this, ws.exec, s, xq, xk, xv, r.q.in(w), r.k.in(w), r.v.in(w), threads);
 
   // The attention core: (B, H, query tiles) split across threads.
@@ -204,17 +233,17 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, float* out_dat
   if (!in.attn_mask.empty()) mask = mask_ref(in.attn_mask, in.mask_kind);
   if (!in.key_padding.empty()) padding = mask_ref(in.key_padding, MaskKind::block);
   const TensorView& m = in.attn_mask;
-  const float *qp = r.q.in(w), *kp = r.k.in(w), *vp = r.v.in(w);
-  float* ctx = r.ctx.in(w);
+  std::byte *qp = r.q.in(w), *kp = r.k.in(w), *vp = r.v.in(w), *ctx = r.ctx.in(w);
+  const DType t = compute;
   const int64_t H_kv = s.H_kv;
   const kernels::AttentionKernel& kern = *kset.prefill;
   run_query_tiles(kern, s.B * H, T, base, r.scratch.in(w), threads, [&](kernels::AttentionArgs& a, int64_t bh) {
     const int64_t b = bh / H, h = bh % H, kv_slice = b * H_kv + s.kv_head(h);
-    a.q = qp + bh * T * D;
-    a.kv.k = kp + kv_slice * Tk * D;
-    a.kv.v = vp + kv_slice * Tk * D;
+    a.q = elem(qp, t, bh * T * D);
+    a.kv.k = elem(kp, t, kv_slice * Tk * D);
+    a.kv.v = elem(vp, t, kv_slice * Tk * D);
     a.kv.ldk = a.kv.ldv = D;
-    a.out = ctx + b * T * E + h * D;
+    a.out = elem(ctx, t, b * T * E + h * D);
     if (mask.data) {
       a.mask = mask;
       int64_t off = 0;
@@ -236,6 +265,10 @@ MultiHeadAttention::MultiHeadAttention(const Config& config, const Weights& weig
   config.validate();
   weights.validate(config);
   detail::check_threads(options.threads, "MultiHeadAttention", "EngineOptions.threads");
+  if (options.compute != DType::f32 && options.compute != DType::bf16) {
+    invalid(std::string("MultiHeadAttention: EngineOptions.compute ") + to_string(options.compute) +
+            " is not a compute type (expected f32 or bf16)");
+  }
   detail::translate_bad_alloc("MultiHeadAttention: constructing the layer",
                               [&] { impl_ = std::make_unique<Impl>(config, weights, options); });
 }
@@ -269,9 +302,9 @@ void MultiHeadAttention::reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws
     // thread of the team, and the output projection.
     const int64_t D = L.cfg.head_dim(), E = L.cfg.d_model;
     for (int slot = 0; slot < L.default_threads; ++slot) {
-      L.proj_q[0].prepare(w.exec, T, L.cfg.query_width(), D, 1, slot);
-      L.proj_k[0].prepare(w.exec, Tk, L.cfg.key_width(), D, 1, slot);
-      L.proj_v[0].prepare(w.exec, Tk, L.cfg.value_width(), D, 1, slot);
+      L.proj_q[0].prepare(w.exec, T, L.cfg.query_width(), D, 1, slot, L.compute);
+      L.proj_k[0].prepare(w.exec, Tk, L.cfg.key_width(), D, 1, slot, L.compute);
+      L.proj_v[0].prepare(w.exec, Tk, L.cfg.value_width(), D, 1, slot, L.compute);
     }
     L.out.prepare(w.exec, B * T, E, E, L.default_threads, 0);
   };
@@ -281,13 +314,15 @@ void MultiHeadAttention::reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws
 int max_threads() { return std::min(kMaxThreads, omp_get_thread_limit()); }
 
 const Config& MultiHeadAttention::config() const { return impl_->cfg; }
-Isa MultiHeadAttention::isa() const { return impl_->isa; }
+Isa MultiHeadAttention::isa() const { return impl_->kset.isa; }
 int MultiHeadAttention::default_threads() const { return impl_->default_threads; }
 std::string MultiHeadAttention::implementation() const {
   const std::string row = impl_->kset.name;
   std::string s = "kernels " + row + " (prefill: tiled-online-softmax + onednn-matmul/" +
                   impl_->proj_q.front().implementation();
-  if (!impl_->qkv_packed.empty()) s += "; decode: split-kv-one-query + few-row-linear";
+  if (!impl_->qkv_packed.empty()) {
+    s += std::string("; decode: split-kv-one-query + few-row-linear/") + to_string(impl_->compute) + " weights";
+  }
   s += ")";
   return s;
 }

@@ -11,6 +11,9 @@ namespace gpt2attn::detail {
 const std::vector<KernelSet>& kernel_table() {
   namespace k = kernels;
   static const std::vector<KernelSet> table = {
+      {"bf16/avx512_bf16", Isa::avx512_bf16, DType::bf16, DType::bf16,
+       "vdpbf16ps: two bf16 products per f32 lane, twice the FMA rate; f32 sums, softmax and accumulators",
+       &k::attention_bf16_avx512_bf16(), &k::decode_attention_f32_kvbf16_avx512(), &k::linear_bf16_avx512()},
       {"f32/avx512", Isa::avx512, DType::f32, DType::f32,
        "16 lanes and 32 registers: 4 query vectors x 6 rows in the micro-kernels",
        &k::attention_f32_avx512(), &k::decode_attention_f32_avx512(), &k::linear_f32_avx512()},
@@ -20,6 +23,13 @@ const std::vector<KernelSet>& kernel_table() {
       {"f32-kvi8/avx512", Isa::avx512, DType::f32, DType::i8,
        "an int8 KV cache: about a quarter of the f32 K/V bytes, rows widened to f32 and scaled once per key",
        &k::attention_f32_kvi8_avx512(), &k::decode_attention_f32_kvi8_avx512(), &k::linear_f32_avx512()},
+      {"bf16/avx512", Isa::avx512, DType::bf16, DType::bf16,
+       "bf16 compute without AVX512-BF16: bf16 Q/K/V widened to f32 on load, the f32 arithmetic",
+       &k::attention_bf16_avx512(), &k::decode_attention_f32_kvbf16_avx512(), &k::linear_bf16_avx512()},
+      {"bf16-kvf32/avx512", Isa::avx512, DType::bf16, DType::f32, "bf16 compute serving an f32 KV cache (widened)",
+       &k::attention_bf16_kvf32_avx512(), &k::decode_attention_f32_avx512(), &k::linear_bf16_avx512()},
+      {"bf16-kvi8/avx512", Isa::avx512, DType::bf16, DType::i8, "bf16 compute serving an int8 KV cache (widened)",
+       &k::attention_bf16_kvi8_avx512(), &k::decode_attention_f32_kvi8_avx512(), &k::linear_bf16_avx512()},
       {"f32/avx2", Isa::avx2, DType::f32, DType::f32,
        "8 lanes and 16 registers (AVX2 + FMA): 2 query vectors x 6 rows",
        &k::attention_f32_avx2(), &k::decode_attention_f32_avx2(), &k::linear_f32_avx2()},
@@ -27,6 +37,12 @@ const std::vector<KernelSet>& kernel_table() {
        &k::attention_f32_kvbf16_avx2(), &k::decode_attention_f32_kvbf16_avx2(), &k::linear_f32_avx2()},
       {"f32-kvi8/avx2", Isa::avx2, DType::f32, DType::i8, "an int8 KV cache on AVX2: the same widening loads",
        &k::attention_f32_kvi8_avx2(), &k::decode_attention_f32_kvi8_avx2(), &k::linear_f32_avx2()},
+      {"bf16/avx2", Isa::avx2, DType::bf16, DType::bf16, "bf16 compute on AVX2: widened to f32 on load",
+       &k::attention_bf16_avx2(), &k::decode_attention_f32_kvbf16_avx2(), &k::linear_bf16_avx2()},
+      {"bf16-kvf32/avx2", Isa::avx2, DType::bf16, DType::f32, "bf16 compute serving an f32 KV cache on AVX2",
+       &k::attention_bf16_kvf32_avx2(), &k::decode_attention_f32_avx2(), &k::linear_bf16_avx2()},
+      {"bf16-kvi8/avx2", Isa::avx2, DType::bf16, DType::i8, "bf16 compute serving an int8 KV cache on AVX2",
+       &k::attention_bf16_kvi8_avx2(), &k::decode_attention_f32_kvi8_avx2(), &k::linear_bf16_avx2()},
       {"f32/scalar", Isa::scalar, DType::f32, DType::f32,
        "the portable twin: the same algorithms on one lane, for any CPU",
        &k::attention_f32_scalar(), &k::decode_attention_f32_scalar(), &k::linear_f32_scalar()},
@@ -34,6 +50,13 @@ const std::vector<KernelSet>& kernel_table() {
        &k::attention_f32_kvbf16_scalar(), &k::decode_attention_f32_kvbf16_scalar(), &k::linear_f32_scalar()},
       {"f32-kvi8/scalar", Isa::scalar, DType::f32, DType::i8, "the portable twin of the int8 KV cache rows",
        &k::attention_f32_kvi8_scalar(), &k::decode_attention_f32_kvi8_scalar(), &k::linear_f32_scalar()},
+      {"bf16/scalar", Isa::scalar, DType::bf16, DType::bf16,
+       "the portable twin of bf16/avx512_bf16: its pair algorithm on a one-lane dot product",
+       &k::attention_bf16_scalar(), &k::decode_attention_f32_kvbf16_scalar(), &k::linear_bf16_scalar()},
+      {"bf16-kvf32/scalar", Isa::scalar, DType::bf16, DType::f32, "bf16 compute serving an f32 KV cache, portable",
+       &k::attention_bf16_kvf32_scalar(), &k::decode_attention_f32_scalar(), &k::linear_bf16_scalar()},
+      {"bf16-kvi8/scalar", Isa::scalar, DType::bf16, DType::i8, "bf16 compute serving an int8 KV cache, portable",
+       &k::attention_bf16_kvi8_scalar(), &k::decode_attention_f32_kvi8_scalar(), &k::linear_bf16_scalar()},
   };
   return table;
 }

@@ -10,7 +10,7 @@
 #include "gpt2attn/isa.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/decode_attention.hpp"
-#include "kernels/linear_f32.hpp"
+#include "kernels/linear.hpp"
 
 namespace gpt2attn::detail {
 

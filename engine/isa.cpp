@@ -70,15 +70,16 @@ const char* to_string(Isa isa) {
     case Isa::scalar: return "scalar";
     case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
+    case Isa::avx512_bf16: return "avx512_bf16";
   }
   return "?";
 }
 
 Isa isa_from_string(const std::string& s) {
-  for (Isa isa : {Isa::best, Isa::scalar, Isa::avx2, Isa::avx512}) {
+  for (Isa isa : {Isa::best, Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16}) {
     if (s == to_string(isa)) return isa;
   }
-  invalid("unknown instruction set '" + s + "' (expected best, scalar, avx2 or avx512)");
+  invalid("unknown instruction set '" + s + "' (expected best, scalar, avx2, avx512 or avx512_bf16)");
 }
 
 std::vector<Isa> compiled_isas() {

@@ -19,24 +19,28 @@
 #include "gpt2attn/attention.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/decode_attention.hpp"
-#include "kernels/linear_f32.hpp"
+#include "kernels/linear.hpp"
 
 namespace gpt2attn {
 
-// Workspace layout of forward (each region 64-byte aligned), in this order:
+// Workspace layout of forward (each region 64-byte aligned), in this order; the activations q, k, v, ctx and the
+// packed inputs are of the compute type (f32 or bf16):
 //   q (B, H, T, D) | k, v (B, H_kv, Tk, D): the projections, head-major
 //   ctx (B, T, E): attention output, heads concatenated, read by the output projection
-//   packed_*: copies of inputs whose strides oneDNN cannot read in place (query | key | value), or empty
+//   packed_*: copies of inputs oneDNN cannot read in place (query | key | value), or empty: inputs whose strides it
+//     cannot follow, and every input of a bf16 layer (converted once, here)
 //   scratch (threads, scratch_stride(kernel)): the tiled kernel's per-thread slices
 struct ForwardPlan {
-  detail::Region<float> q, k, v, ctx, packed_q, packed_k, packed_v, scratch;
+  detail::Region<std::byte> q, k, v, ctx, packed_q, packed_k, packed_v;
+  detail::Region<float> scratch;
   int64_t bytes = 0;
 };
 
 struct MultiHeadAttention::Impl {
   Config cfg;
   Isa isa;
-  const detail::KernelSet& kset;  // the dispatch table's row for (isa, f32, f32): forward, and f32 KV caches
+  DType compute;                  // f32 or bf16 (EngineOptions::compute): the projections' and the core's type
+  const detail::KernelSet& kset;  // the dispatch table's row for (isa, compute, compute): forward
   // The row serving a KV cache of each storage dtype (indexed by DType; null where the table has none), looked up
   // once here so that extend and decode pick theirs by the cache's dtype without searching the table.
   std::array<const detail::KernelSet*, kNumDTypes> serving_sets{};
@@ -49,11 +53,14 @@ struct MultiHeadAttention::Impl {
   std::vector<detail::Linear> proj_q, proj_k, proj_v;
   detail::Linear out;
   // Decode's projections have M = B rows: they stream the weights, and run on our few-row kernel
-  // (kernels/linear_f32.hpp) over panel-packed copies: the fused (E + 2 H_kv D, d_in) QKV, so one pass over the B new
+  // (kernels/linear.hpp) over panel-packed copies: the fused (E + 2 H_kv D, d_in) QKV, so one pass over the B new
   // tokens reads the QKV weights once, and the (E, E) output projection. Built only for causal
   // self-attention layers (the ones that can serve a KV cache).
-  std::vector<float> qkv_packed, qkv_bias;  // pack_linear_weights(W_qkv (E + 2 H_kv D, d_in)), its bias or empty
-  std::vector<float> out_packed, out_bias;  // pack_linear_weights(W_o (E, E)), (E) or empty
+  // Decode's weights, panel-packed in the compute type (pack_linear_weights; bf16 halves the bytes a step streams);
+  // the biases stay f32.
+  std::vector<std::byte> qkv_packed;       // W_qkv (E + 2 H_kv D, d_in)
+  std::vector<std::byte> out_packed;       // W_o (E, E)
+  std::vector<float> qkv_bias, out_bias;   // (E + 2 H_kv D) and (E), or empty
 
   // The registered causal mask. The seeds' triangular (context x context) buffer is Toeplitz, so one row
   // holds every entry: causal_row[center + c] = 0 if c = i + offset - j >= 0 else -inf. The kernel skips

@@ -16,6 +16,13 @@ namespace {
 ErrorCode code_of(dnnl_status_t status) {
   return status == dnnl_out_of_memory ? ErrorCode::out_of_memory : ErrorCode::internal;
 }
+dt dnnl_type(DType t) {
+  switch (t) {
+    case DType::f32: return dt::f32;
+    case DType::bf16: return dt::bf16;
+    default: fail(ErrorCode::internal, std::string("linear: no oneDNN GEMM computes in ") + to_string(t));
+  }
+}
 }  // namespace
 
 ScopedOmpThreads::ScopedOmpThreads(int threads) : saved_(omp_get_max_threads()) {
@@ -39,14 +46,14 @@ struct ExecContext::Entry {
   std::vector<dnnl_exec_arg_t> c_args;  // built once: the C++ execute() would build a vector per call
 };
 
-Linear::Linear(const float* w, const float* bias, int64_t N, int64_t K)
-    : N_(N), K_(K), has_bias_(bias != nullptr) {
+Linear::Linear(const float* w, const float* bias, int64_t N, int64_t K, DType compute)
+    : N_(N), K_(K), compute_(compute), has_bias_(bias != nullptr) {
+  const dt ct = dnnl_type(compute);
   try {
     auto& eng = cpu_engine();
     // Let oneDNN choose the weights' blocked layout for a representative M; every later primitive is
-    // created with this same layout, so the weights exist once, reordered once.
-    const memory::desc src_any({128, K}, dt::f32, tag::ab), w_any({K, N}, dt::f32, tag::any),
-        dst_any({128, N}, dt::f32, tag::ab);
+    // created with this same layout, so the weights exist once, reordered (and rounded to bf16) once.
+    const memory::desc src_any({128, K}, ct, tag::ab), w_any({K, N}, ct, tag::any), dst_any({128, N}, dt::f32, tag::ab);
     const memory::desc b_desc({1, N}, dt::f32, tag::ab);
     auto pd = has_bias_ ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_any, w_any, b_desc, dst_any), eng)
                         : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_any, w_any, dst_any), eng);
@@ -77,15 +84,20 @@ ExecContext::~ExecContext() = default;
 
 size_t ExecContext::KeyHash::operator()(const Key& k) const {
   size_t h = 0;
-  for (int64_t v : {k.N, k.K, static_cast<int64_t>(k.bias), k.M, k.lda, k.ldc, static_cast<int64_t>(k.threads),
+  for (int64_t v : {k.N, k.K, static_cast<int64_t>(k.bias), static_cast<int64_t>(k.compute),
+                    static_cast<int64_t>(k.dst), k.M, k.lda, k.ldc, static_cast<int64_t>(k.threads),
                     static_cast<int64_t>(k.slot)}) {
     h = h * 0x9e3779b97f4a7c15ull + std::hash<int64_t>()(v);
   }
   return h;
 }
 
-ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot) const {
-  const ExecContext::Key key{N_, K_, has_bias_, M, lda, ldc, threads, slot};
+ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot,
+                                  DType dst_type) const {
+  if (dst_type != DType::f32 && dst_type != compute_) {
+    fail(ErrorCode::internal, std::string("linear: a ") + to_string(compute_) + " GEMM cannot write " + to_string(dst_type));
+  }
+  const ExecContext::Key key{N_, K_, has_bias_, compute_, dst_type, M, lda, ldc, threads, slot};
   std::lock_guard<std::mutex> lock(ctx.mu_);
   if (auto it = ctx.entries_.find(key); it != ctx.entries_.end()) {
     // oneDNN picks the blocked weights layout from the shape alone, so every Linear of this shape has it.
@@ -94,7 +106,8 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
   }
   try {
     auto& eng = cpu_engine();
-    const memory::desc src({M, K_}, dt::f32, memory::dims{lda, 1}), dst({M, N_}, dt::f32, memory::dims{ldc, 1});
+    const memory::desc src({M, K_}, dnnl_type(compute_), memory::dims{lda, 1}),
+        dst({M, N_}, dnnl_type(dst_type), memory::dims{ldc, 1});
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     // Created under the caller's thread count: oneDNN plans its work split for it.
@@ -126,13 +139,14 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
   }
 }
 
-void Linear::prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot) const {
-  entry(ctx, M, lda, ldc, threads, slot);
+void Linear::prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot, DType dst) const {
+  entry(ctx, M, lda, ldc, threads, slot, dst);
 }
 
-void Linear::run(ExecContext& ctx, const float* x, int64_t M, int64_t lda, float* y, int64_t ldc, int threads) const {
-  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, omp_in_parallel() ? omp_get_thread_num() : 0);
-  e.src.set_data_handle(const_cast<float*>(x));
+void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads,
+                 DType dst) const {
+  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, omp_in_parallel() ? omp_get_thread_num() : 0, dst);
+  e.src.set_data_handle(const_cast<void*>(x));
   e.weights.set_data_handle(weights_.get_data_handle());
   if (has_bias_) e.bias.set_data_handle(bias_.get_data_handle());
   e.dst.set_data_handle(y);

@@ -1,6 +1,7 @@
 // engine/linear.hpp: y = x W^T + b on oneDNN's matmul. Weights are reordered once, at construction, into
-// the blocked layout oneDNN prefers; each (M, strides, threads) gets its primitive once per ExecContext,
-// then only execute().
+// the blocked layout oneDNN prefers and the compute type (f32, or bf16 rounded to nearest even); each
+// (M, strides, threads, output type) gets its primitive once per ExecContext, then only execute().
+// bf16: bf16 x and W, f32 accumulation and bias, y in f32 or bf16 as the next step wants.
 #pragma once
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -11,6 +12,8 @@
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+#include "gpt2attn/dtype.hpp"
 
 namespace gpt2attn::detail {
 
@@ -48,6 +51,7 @@ class ExecContext {
   struct Key {
     int64_t N, K;
     bool bias;
+    DType compute, dst;
     int64_t M, lda, ldc;
     int threads, slot;
     bool operator==(const Key&) const = default;
@@ -63,26 +67,33 @@ class ExecContext {
 // its own ExecContext.
 class Linear {
  public:
-  // w: (N, K) row-major (torch layout), bias: (N) or null. Both are copied.
-  Linear(const float* w, const float* bias, int64_t N, int64_t K);
+  // w: (N, K) row-major (torch layout), bias: (N) or null. Both are copied, the weights converted to `compute`
+  // (f32 or bf16); the bias stays f32.
+  Linear(const float* w, const float* bias, int64_t N, int64_t K, DType compute = DType::f32);
   Linear(Linear&&) noexcept;
   Linear& operator=(Linear&&) noexcept;
   ~Linear();
 
-  // x: (M, K) with row stride lda; y: (M, N) with row stride ldc. M >= 1.
-  // The first call for a given (M, lda, ldc, threads) in `ctx` creates its primitive; later calls allocate nothing.
-  void run(ExecContext& ctx, const float* x, int64_t M, int64_t lda, float* y, int64_t ldc, int threads) const;
+  // x: (M, K) of the compute type with row stride lda; y: (M, N) of type `dst` (f32, or bf16 when the compute type
+  // is bf16) with row stride ldc. M >= 1. The first call for a given (M, lda, ldc, threads, dst) in `ctx` creates
+  // its primitive; later calls allocate nothing.
+  void run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads,
+           DType dst = DType::f32) const;
   // Creates the entry run() would use from OpenMP thread `slot` (0 outside a parallel region), without running.
-  void prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot) const;
+  void prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot,
+               DType dst = DType::f32) const;
 
   int64_t N() const { return N_; }
   int64_t K() const { return K_; }
+  DType compute() const { return compute_; }
   const std::string& implementation() const { return impl_; }  // oneDNN's name, e.g. "brg:avx512_core"
 
  private:
-  ExecContext::Entry& entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot) const;
+  ExecContext::Entry& entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot,
+                            DType dst) const;
 
   int64_t N_ = 0, K_ = 0;
+  DType compute_ = DType::f32;
   bool has_bias_ = false;
   dnnl::memory::desc weights_desc_;
   dnnl::memory weights_, bias_;

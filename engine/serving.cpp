@@ -12,6 +12,7 @@
 #include "engine/kv_cache.hpp"
 #include "engine/layer.hpp"
 #include "gpt2attn/error.hpp"
+#include "kernels/bf16.hpp"
 #include "kernels/tiles.hpp"
 
 namespace gpt2attn {
@@ -78,24 +79,29 @@ class AppendLease {
   bool committed_ = false;
 };
 
-// Workspace regions of extend() (64-byte aligned):
-//   q (H, T, D) | kv_stage (2, H_kv, T, D) f32 K and V rows before they are stored in a non-f32 cache (empty for
-//   an f32 cache, whose blocks the GEMMs write in place) | ctx (T, E) | tables (table_entries block pointers)
-//   length (1) | scratch (threads, stride)
+// Workspace regions of extend() (64-byte aligned); x, q and ctx are of the compute type t:
+//   x (T, d_in): the input in bf16 (empty for f32 compute, whose GEMMs read the caller's x) | q (H, T, D) |
+//   kv_stage (2, H_kv, T, D) f32 K and V rows before they are stored in a cache whose format no GEMM writes (empty
+//   when the GEMMs write the blocks in place: an f32 cache, or a bf16 cache under bf16 compute) | ctx (T, E) |
+//   tables (table_entries block pointers) | length (1) | scratch (threads, stride)
 // table_entries: the most blocks a sequence's table holds, ceil(context / block_tokens).
 struct ExtendPlan {
-  Region<float> q, kv_stage, ctx;
+  Region<std::byte> x, q;
+  Region<float> kv_stage;
+  Region<std::byte> ctx;
   Region<std::byte*> tables;
   Region<int64_t> length;
   Region<float> scratch;
   int64_t bytes = 0;
 };
-ExtendPlan extend_plan(const AttnShape& s, bool stage, int threads, int64_t table_entries, int64_t scratch_stride) {
+ExtendPlan extend_plan(const AttnShape& s, DType t, bool stage, int threads, int64_t table_entries,
+                       int64_t scratch_stride) {
   detail::WorkspacePlan p;
   ExtendPlan r;
-  r.q = p.region<float>({s.H, s.T, s.D}, "extend: q");
+  r.x = p.region(t, {t != DType::f32, s.T, s.d_in}, "extend: converted input");
+  r.q = p.region(t, {s.H, s.T, s.D}, "extend: q");
   r.kv_stage = p.region<float>({stage, 2, s.H_kv, s.T, s.D}, "extend: K/V staging");
-  r.ctx = p.region<float>({s.T, s.E}, "extend: attention output");
+  r.ctx = p.region(t, {s.T, s.E}, "extend: attention output");
   r.tables = p.region<std::byte*>({table_entries}, "extend: block table");
   r.length = p.region<int64_t>({1}, "extend: length");
   r.scratch = p.region<float>({threads, scratch_stride}, "extend: kernel scratch");
@@ -159,7 +165,7 @@ int64_t MultiHeadAttention::Impl::serving_bytes(int64_t max_extend_tokens, int64
     if (!row) continue;
     if (max_extend_tokens) {
       s.B = 1, s.T = max_extend_tokens;
-      bytes = std::max(bytes, extend_plan(s, true, threads, C, scratch_stride(*row->prefill)).bytes);
+      bytes = std::max(bytes, extend_plan(s, compute, true, threads, C, scratch_stride(*row->prefill)).bytes);
     }
     if (max_decode_batch) {
       s.B = max_decode_batch, s.T = 1;
@@ -177,9 +183,10 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   KvCache::Impl& kv = cache.impl();
   const kernels::KvLayout& layout = kv.layout;
   const detail::KernelSet& ks = serving_kernels(layout.dtype, "extend");
-  const bool in_place = layout.dtype == DType::f32;  // the GEMMs can write the cache's rows themselves
+  // The GEMMs can write the cache's rows themselves: an f32 cache, or one of the compute type.
+  const bool in_place = layout.dtype == DType::f32 || layout.dtype == compute;
 
-  const ExtendPlan r = extend_plan(s, !in_place, threads, ceil_div(max_length(cfg, cache), kv.block_tokens),
+  const ExtendPlan r = extend_plan(s, compute, !in_place, threads, ceil_div(max_length(cfg, cache), kv.block_tokens),
                                    scratch_stride(*ks.prefill));
   std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
   std::byte** tables = r.tables.in(w);
@@ -193,11 +200,20 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   // for another format it writes them to kv_stage (2, H_kv, T, D), and the cache's writer converts them in.
   const int64_t bt = kv.block_tokens, first_block = P / bt, H_kv = s.H_kv;
   const int64_t segments = ceil_div(P + T, bt) - first_block;
-  float* q = r.q.in(w);
+  const DType t = compute;
+  const size_t tsize = size_of(t);
+  const void* xin = x;  // the input in the compute type
+  if (t == DType::bf16) {
+    auto* xb = reinterpret_cast<kernels::bf16*>(r.x.in(w));
+    for (int64_t i = 0; i < T * d_in; ++i) xb[i] = kernels::to_bf16(x[i]);
+    xin = xb;
+  }
+  auto x_row = [&](int64_t i) { return static_cast<const std::byte*>(xin) + i * d_in * tsize; };
+  std::byte* q = r.q.in(w);
   float* stage = r.kv_stage.in(w);
   parallel_items(H + 2 * H_kv * segments, threads, [&](int64_t item) {
     if (item < H) {
-      proj_q[item].run(ws.exec, x, T, d_in, q + item * T * D, D, 1);
+      proj_q[item].run(ws.exec, xin, T, d_in, q + item * T * D * tsize, D, 1, t);
       return;
     }
     item -= H;
@@ -205,10 +221,11 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     const int64_t h = (item % (H_kv * segments)) / segments, blk = first_block + item % segments;
     const int64_t t0 = std::max(P, blk * bt) - P, t1 = std::min(P + T, (blk + 1) * bt) - P;  // new-token rows
     float* staged = stage + ((part == KvPart::value ? H_kv : 0) + h) * T * D + t0 * D;
-    float* dst = in_place ? layout.row<float>(tables[blk], part, h, (P + t0) % bt) : staged;
-    (part == KvPart::value ? proj_v : proj_k)[h].run(ws.exec, x + t0 * d_in, t1 - t0, d_in, dst, D, 1);
+    void* dst = in_place ? static_cast<void*>(layout.row<std::byte>(tables[blk], part, h, (P + t0) % bt)) : staged;
+    (part == KvPart::value ? proj_v : proj_k)[h].run(ws.exec, x_row(t0), t1 - t0, d_in, dst, D, 1,
+                                                      in_place ? layout.dtype : DType::f32);
     if (!in_place) {
-      for (int64_t t = t0; t < t1; ++t) kv.store_row(tables[blk], part, h, (P + t) % bt, staged + (t - t0) * D);
+      for (int64_t i = t0; i < t1; ++i) kv.store_row(tables[blk], part, h, (P + i) % bt, staged + (i - t0) * D);
     }
   });
 
@@ -216,10 +233,10 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   kernels::AttentionArgs base = base_args(T, s.Tk);
   base.kv.blocks = tables;
   base.kv.layout = layout;
-  float* ctx = r.ctx.in(w);
+  std::byte* ctx = r.ctx.in(w);
   run_query_tiles(*ks.prefill, H, T, base, r.scratch.in(w), threads, [&](kernels::AttentionArgs& a, int64_t h) {
-    a.q = q + h * T * D;
-    a.out = ctx + h * D;
+    a.q = q + h * T * D * tsize;
+    a.out = ctx + h * D * tsize;
     a.kv.head = s.kv_head(h);
   });
   out.run(ws.exec, ctx, T, E, out_data, E, threads);
@@ -353,8 +370,8 @@ void CausalSelfAttention::reserve_serving(int64_t max_extend_tokens, int64_t max
     const int64_t d_in = L.cfg.query_width(), D = L.cfg.head_dim();
     const int64_t bt = std::min(max_extend_tokens, KvCache::default_block_tokens(L.cfg));
     for (int slot = 0; slot < t; ++slot) {
-      L.proj_q[0].prepare(w.exec, max_extend_tokens, d_in, D, 1, slot);
-      L.proj_k[0].prepare(w.exec, bt, d_in, D, 1, slot);
+      L.proj_q[0].prepare(w.exec, max_extend_tokens, d_in, D, 1, slot, L.compute);
+      L.proj_k[0].prepare(w.exec, bt, d_in, D, 1, slot, L.compute);
     }
     L.out.prepare(w.exec, max_extend_tokens, L.cfg.d_model, L.cfg.d_model, t, 0);
   });

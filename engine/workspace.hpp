@@ -51,6 +51,13 @@ class WorkspacePlan {
     at_ = checked_add(at_, round_up(bytes, 64, what), what);
     return r;
   }
+  // A region of elements of run-time type t (activations in the compute type, f32 or bf16).
+  Region<std::byte> region(DType t, std::initializer_list<int64_t> factors, const char* what) {
+    const int64_t bytes = checked_mul(checked_product(factors, what), static_cast<int64_t>(size_of(t)), what);
+    const Region<std::byte> r{at_};
+    at_ = checked_add(at_, round_up(bytes, 64, what), what);
+    return r;
+  }
   int64_t bytes() const { return at_; }
 
  private:

@@ -135,5 +135,19 @@ const AttentionKernel& attention_f32_kvbf16_avx512();
 const AttentionKernel& attention_f32_kvi8_scalar();
 const AttentionKernel& attention_f32_kvi8_avx2();
 const AttentionKernel& attention_f32_kvi8_avx512();
+// bf16 compute: bf16 queries and output (attention_bf16_<isa>.cpp). On avx512_bf16 the products run on vdpbf16ps
+// (MicroBf16Dot in attention_impl.hpp); the scalar row runs the same pair algorithm on its one-lane twin; avx2 and
+// avx512 widen bf16 to f32 and reuse the f32 arithmetic. K/V stored bf16, or f32 / int8 (a KV cache of another
+// dtype; widened).
+const AttentionKernel& attention_bf16_avx512_bf16();
+const AttentionKernel& attention_bf16_avx512();
+const AttentionKernel& attention_bf16_kvf32_avx512();
+const AttentionKernel& attention_bf16_kvi8_avx512();
+const AttentionKernel& attention_bf16_avx2();
+const AttentionKernel& attention_bf16_kvf32_avx2();
+const AttentionKernel& attention_bf16_kvi8_avx2();
+const AttentionKernel& attention_bf16_scalar();
+const AttentionKernel& attention_bf16_kvf32_scalar();
+const AttentionKernel& attention_bf16_kvi8_scalar();
 
 }  // namespace gpt2attn::kernels

@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/attention.hpp"
+#include "kernels/bf16_dot.hpp"
 #include "kernels/dropout.hpp"
 #include "kernels/tiles.hpp"
 #include "kernels/vec.hpp"
@@ -156,6 +158,137 @@ struct MicroF32 {
       with_rows<R - 1>(D - d, [&](auto rr) {
         pv_rows<decltype(rr)::value>(v + d, ldv, vscale, p, nk, alpha, acc + d * BQ);
       });
+    }
+  }
+};
+
+// The micro-kernels of bf16 compute (queries and K/V stored bf16) on a bf16 dot product (kernels/bf16_dot.hpp:
+// vdpbf16ps, or its one-lane twin): each instruction multiplies pairs of bf16 and adds both products to an f32
+// accumulator, twice the multiply-adds of an f32 FMA. The same register blocking as MicroF32, with pairs:
+//   scores: qt holds the query tile as pairs over D, qt (ceil(D/2), BQ); a key row's pair (k[2e], k[2e+1]) is
+//     broadcast as one 32-bit value. The queries are packed unscaled (already bf16: exact), and the f32 score is
+//     multiplied by qscale after the dot product, so no second rounding of q * scale enters.
+//   P.V: P is rounded to bf16 in pairs over keys, p2 (ceil(nk/2), BQ); V's rows are interleaved in pairs,
+//     vp (ceil(nk/2), D): vp[e][d] = (V[2e][d], V[2e+1][d]), so each d's pair is one broadcast. The rounding of P
+//     is the only one besides the stored Q, K, V; the running max, sum and the accumulator stay f32.
+// An odd D or nk pairs its last element with a zero, never reading past a row or a tile.
+template <class Arch, int QV, int R>
+struct MicroBf16Dot {
+  using Dot = Bf16Dot<Arch>;
+  using V = Vec<Arch>;
+  using B = typename V::B;
+  using P = typename Dot::P;
+  using Elem = bf16;
+  using Query = bf16;
+  static constexpr int W = V::W;
+  static constexpr int BQ = QV * W;
+  static_assert(Dot::W == W, "the dot product's lanes are the vector's");
+
+  static int64_t pairs(int64_t n) { return (n + 1) / 2; }
+  static int64_t packed_query_floats(int64_t D) { return pairs(D) * BQ; }  // one 32-bit pair per float
+  static void pack_queries(const bf16* q, int64_t ldq, int64_t nq, int64_t D, float /*qscale*/, float* qt_raw) {
+    uint32_t* qt = reinterpret_cast<uint32_t*>(qt_raw);
+    for (int64_t e = 0; e < pairs(D); ++e) {
+      const bool hi = 2 * e + 1 < D;
+      for (int64_t i = 0; i < nq; ++i) qt[e * BQ + i] = bf16_pair(q + i * ldq + 2 * e, hi);
+      for (int64_t i = nq; i < BQ; ++i) qt[e * BQ + i] = 0;
+    }
+  }
+  // p2 (ceil(BK/2), BQ) | vp (ceil(BK/2), D), in pairs.
+  static int64_t pv_scratch_floats(int64_t D) { return pairs(tiles::kKeyTile) * (BQ + D); }
+
+  template <int RR>
+  static void score_rows(const bf16* k, int64_t ldk, const uint32_t* qt, int64_t D, float qscale, float* s, B* mx) {
+    const int64_t full = D / 2, chunk = tiles::kScoreChunk / 2;
+    B acc[RR][QV];
+    for (int64_t e0 = 0;;) {
+      const int64_t e1 = std::min<int64_t>(pairs(D), e0 + chunk);
+      for (int r = 0; r < RR; ++r)
+        for (int v = 0; v < QV; ++v) acc[r][v] = V::set1(0.0f);
+      for (int64_t e = e0; e < e1; ++e) {
+        P q[QV];
+        for (int v = 0; v < QV; ++v) q[v] = Dot::load(qt + e * BQ + v * W);
+        const bool hi = e < full;  // false only for the odd tail
+        for (int r = 0; r < RR; ++r) {
+          uint32_t pair;
+          if (hi) {
+            std::memcpy(&pair, k + r * ldk + 2 * e, sizeof pair);
+          } else {
+            pair = bf16_pair(k + r * ldk + 2 * e, false);
+          }
+          const P kb = Dot::broadcast(pair);
+          for (int v = 0; v < QV; ++v) acc[r][v] = Dot::dot2(acc[r][v], kb, q[v]);
+        }
+      }
+      if (e0 > 0) {
+        for (int r = 0; r < RR; ++r)
+          for (int v = 0; v < QV; ++v) acc[r][v] = acc[r][v] + V::load(s + r * BQ + v * W);
+      }
+      if (e1 == pairs(D)) break;
+      for (int r = 0; r < RR; ++r)
+        for (int v = 0; v < QV; ++v) V::store(s + r * BQ + v * W, acc[r][v]);
+      e0 = e1;
+    }
+    const B qs = V::set1(qscale);
+    for (int r = 0; r < RR; ++r) {
+      for (int v = 0; v < QV; ++v) {
+        const B x = acc[r][v] * qs;
+        V::store(s + r * BQ + v * W, x);
+        mx[v] = V::max(mx[v], x);
+      }
+    }
+  }
+
+  static void scores(const bf16* k, int64_t ldk, const float* /*kscale*/, int64_t nk, const float* qt_raw, int64_t D,
+                     float qscale, float* s, B* mx) {
+    const uint32_t* qt = reinterpret_cast<const uint32_t*>(qt_raw);
+    int64_t j = 0;
+    for (; j + R <= nk; j += R) score_rows<R>(k + j * ldk, ldk, qt, D, qscale, s + j * BQ, mx);
+    if (j < nk) {
+      with_rows<R - 1>(nk - j, [&](auto rr) {
+        score_rows<decltype(rr)::value>(k + j * ldk, ldk, qt, D, qscale, s + j * BQ, mx);
+      });
+    }
+  }
+
+  // acc[d][lane] = alpha[lane] * acc[d][lane] + sum_e vp[e][d] . p2[e][lane] for RR consecutive d.
+  template <int RR>
+  static void pv_rows(const uint32_t* vp, int64_t D, const uint32_t* p2, int64_t np, const float* alpha, float* acc) {
+    B c[RR][QV];
+    for (int v = 0; v < QV; ++v) {
+      const B al = V::load(alpha + v * W);
+      for (int r = 0; r < RR; ++r) c[r][v] = V::load(acc + r * BQ + v * W) * al;
+    }
+    for (int64_t e = 0; e < np; ++e) {
+      P pe[QV];
+      for (int v = 0; v < QV; ++v) pe[v] = Dot::load(p2 + e * BQ + v * W);
+      for (int r = 0; r < RR; ++r) {
+        const P vb = Dot::broadcast(vp[e * D + r]);
+        for (int v = 0; v < QV; ++v) c[r][v] = Dot::dot2(c[r][v], vb, pe[v]);
+      }
+    }
+    for (int r = 0; r < RR; ++r)
+      for (int v = 0; v < QV; ++v) V::store(acc + r * BQ + v * W, c[r][v]);
+  }
+
+  static void accumulate_pv(const bf16* v, int64_t ldv, const float* /*vscale*/, int64_t nk, const float* p,
+                            const float* alpha, int64_t D, float* acc, float* work) {
+    const int64_t np = pairs(nk);
+    uint32_t* p2 = reinterpret_cast<uint32_t*>(work);
+    uint32_t* vp = p2 + pairs(tiles::kKeyTile) * BQ;
+    // P in pairs over keys; an odd last key pairs with zeros (the row past it in s is not this tile's).
+    alignas(64) static constexpr float kZeros[BQ] = {};
+    for (int64_t e = 0; e < np; ++e) {
+      const float* hi = 2 * e + 1 < nk ? p + (2 * e + 1) * BQ : kZeros;
+      for (int q = 0; q < QV; ++q) Dot::pack(p + 2 * e * BQ + q * W, hi + q * W, p2 + e * BQ + q * W);
+    }
+    for (int64_t e = 0; e < np; ++e) {
+      Dot::interleave(v + 2 * e * ldv, 2 * e + 1 < nk ? v + (2 * e + 1) * ldv : nullptr, D, vp + e * D);
+    }
+    int64_t d = 0;
+    for (; d + R <= D; d += R) pv_rows<R>(vp + d, D, p2, np, alpha, acc + d * BQ);
+    if (d < D) {
+      with_rows<R - 1>(D - d, [&](auto rr) { pv_rows<decltype(rr)::value>(vp + d, D, p2, np, alpha, acc + d * BQ); });
     }
   }
 };
@@ -337,6 +470,12 @@ const AttentionKernel& make_attention_kernel_with(const char* isa) {
 template <class Arch, tiles::Blocking Bl, class KvT, class QT = float>
 const AttentionKernel& make_attention_kernel(const char* isa) {
   return make_attention_kernel_with<Arch, MicroF32<Arch, Bl.query_vectors, Bl.row_block, KvT, QT>>(isa);
+}
+
+// The kernel of bf16 compute on the bf16 dot product (bf16 queries and K/V), with register blocking Bl.
+template <class Arch, tiles::Blocking Bl>
+const AttentionKernel& make_attention_kernel_bf16dot(const char* isa) {
+  return make_attention_kernel_with<Arch, MicroBf16Dot<Arch, Bl.query_vectors, Bl.row_block>>(isa);
 }
 
 }  // namespace

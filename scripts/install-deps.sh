@@ -2,10 +2,12 @@
 # Installs the Debian 12 packages gpt2attn builds and tests with; idempotent, installs only what is missing.
 set -euo pipefail
 # ocl-icd-opencl-dev/opencl-c-headers: Debian's dnnl-config.cmake find_package()s OpenCL (its GPU runtime).
+# libjemalloc2: bench/peer_torch.py preloads it to run PyTorch as a tuned user does (page-keeping allocator).
 pkgs=(g++ cmake make libdnnl-dev libxsimd-dev libgtest-dev libbenchmark-dev nlohmann-json3-dev
       ocl-icd-opencl-dev opencl-c-headers
       python3 python3-numpy python3-torch libopenblas0-pthread
-      python3-dev python3-pybind11 python3-pytest python3-matplotlib)
+      python3-dev python3-pybind11 python3-pytest python3-matplotlib
+      libjemalloc2)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "engine/dispatch.hpp"
 #include "gpt2attn/isa.hpp"
 #include "tests/test_util.hpp"  // gpt2attn::PrintTo(Isa): gtest prints the parameter as "avx2", not raw bytes
 
@@ -20,6 +21,10 @@ class IsaTest : public ::testing::TestWithParam<Isa> {
   }
   Isa isa() const { return GetParam(); }
 };
+
+// The level a layer forced to `forced` runs its `compute` kernels at (MultiHeadAttention::isa()): `forced` itself,
+// or the next level down where `forced` has no rows of that type (avx512_bf16 has bf16 rows only).
+inline Isa kernel_level(Isa forced, DType compute) { return detail::kernels_for(forced, compute, compute).isa; }
 
 // The test-name suffix: "Isa/FastPathSweep.RandomConfigsMatchReference/avx2".
 inline std::string isa_name(const ::testing::TestParamInfo<Isa>& info) { return to_string(info.param); }

@@ -63,9 +63,11 @@ inline Config serving_config(int64_t E, int64_t H, int64_t d_in = 0, int64_t con
   return c;
 }
 
-inline CausalSelfAttention make_block(const Config& c, const Weights& w, Isa isa, int threads) {
-  CausalSelfAttention b(c, w, EngineOptions{.threads = threads, .isa = isa});
-  EXPECT_EQ(b.layer().isa(), isa) << "forced " << to_string(isa) << ", engine chose " << to_string(b.layer().isa());
+inline CausalSelfAttention make_block(const Config& c, const Weights& w, Isa isa, int threads,
+                                      DType compute = DType::f32) {
+  CausalSelfAttention b(c, w, EngineOptions{.threads = threads, .isa = isa, .compute = compute});
+  EXPECT_EQ(b.layer().isa(), kernel_level(isa, compute))
+      << "forced " << to_string(isa) << ", engine chose " << to_string(b.layer().isa());
   EXPECT_TRUE(b.config().causal) << "CausalSelfAttention must turn causal on";
   return b;
 }

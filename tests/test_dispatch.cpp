@@ -22,16 +22,19 @@ bool compiler_says(const std::string& f) {
   if (f == "avx512dq") return __builtin_cpu_supports("avx512dq");
   if (f == "avx512bw") return __builtin_cpu_supports("avx512bw");
   if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
+  if (f == "avx512bf16") return __builtin_cpu_supports("avx512bf16");
   ADD_FAILURE() << "no compiler check for feature " << f;
   return false;
 }
 
 TEST(Isa, LevelsAreBestFirstAndAgreeWithTheCompilersCpuCheck) {
   const std::vector<Isa> levels = compiled_isas();
-  ASSERT_EQ(levels, (std::vector<Isa>{Isa::avx512, Isa::avx2, Isa::scalar}));
+  ASSERT_EQ(levels, (std::vector<Isa>{Isa::avx512_bf16, Isa::avx512, Isa::avx2, Isa::scalar}));
   EXPECT_TRUE(isa_features(Isa::scalar).empty());
   const std::vector<std::string> avx2 = isa_features(Isa::avx2);
   EXPECT_NE(std::find(avx2.begin(), avx2.end(), "bmi2"), avx2.end()) << "CMake compiles AVX2 kernels with -mbmi2";
+  const std::vector<std::string> bf16 = isa_features(Isa::avx512_bf16);
+  EXPECT_NE(std::find(bf16.begin(), bf16.end(), "avx512bf16"), bf16.end()) << "the bf16 level needs vdpbf16ps";
   for (Isa isa : levels) {
     bool all = true;
     for (const std::string& f : isa_features(isa)) all = all && compiler_says(f);
@@ -39,6 +42,7 @@ TEST(Isa, LevelsAreBestFirstAndAgreeWithTheCompilersCpuCheck) {
   }
   EXPECT_TRUE(isa_supported(best_supported_isa()));
   EXPECT_EQ(isa_from_string("avx2"), Isa::avx2);
+  EXPECT_EQ(isa_from_string("avx512_bf16"), Isa::avx512_bf16);
   EXPECT_THROW(isa_from_string("sse9"), Error);
 }
 
@@ -70,12 +74,30 @@ TEST(KernelTable, OrderedBestFirstWithAScalarRowForEveryDtypePair) {
   for (const auto& row : table) {
     EXPECT_TRUE(row.prefill && row.decode && row.few_row_linear) << row.name;
     EXPECT_GT(std::string(row.why).size(), 10u) << row.name << " says why it exists";
+    // The layer packs decode's weights in its compute type: the row's projection kernel must read that type.
+    EXPECT_EQ(row.few_row_linear->weight_bytes, static_cast<int64_t>(size_of(row.compute))) << row.name;
     const auto& fallback = detail::kernels_for(Isa::scalar, row.compute, row.kv);
     EXPECT_EQ(fallback.isa, Isa::scalar) << "no scalar twin for " << row.name;
   }
   for (Isa isa : order) {
+    const bool has_row = std::any_of(table.begin(), table.end(), [&](const auto& row) { return row.isa == isa; });
+    EXPECT_TRUE(has_row) << "no kernel row at compiled level " << to_string(isa);
     if (!isa_supported(isa)) continue;
-    EXPECT_EQ(detail::kernels_for(isa, DType::f32, DType::f32).isa, isa) << to_string(isa);
+    // A level falls through to the strongest row at or below it: avx512_bf16 adds only bf16 rows, so f32 at
+    // avx512_bf16 is the avx512 row, and bf16 at avx512 is the widening one.
+    for (DType compute : {DType::f32, DType::bf16}) {
+      const Isa got = detail::kernels_for(isa, compute, compute).isa;
+      EXPECT_GE(rank(got), rank(isa)) << to_string(compute) << " at " << to_string(isa) << " picked a stronger row";
+      const auto first = std::find_if(table.begin(), table.end(), [&](const auto& row) {
+        return rank(row.isa) >= rank(isa) && row.compute == compute && row.kv == compute;
+      });
+      ASSERT_NE(first, table.end());
+      EXPECT_EQ(got, first->isa) << to_string(compute) << " at " << to_string(isa) << " skipped a row";
+    }
+  }
+  if (isa_supported(Isa::avx512_bf16)) {
+    EXPECT_EQ(detail::kernels_for(Isa::avx512_bf16, DType::bf16, DType::bf16).isa, Isa::avx512_bf16);
+    EXPECT_EQ(detail::kernels_for(Isa::avx512_bf16, DType::f32, DType::f32).isa, Isa::avx512);
   }
   EXPECT_THROW(detail::kernels_for(Isa::scalar, DType::f16, DType::i8), Error);
 }

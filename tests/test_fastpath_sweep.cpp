@@ -239,6 +239,20 @@ TEST_P(FastPathSweep, RandomConfigsMatchReference) {
   EXPECT_GE(by_padding[static_cast<int>(KeyPadding::u8)], min) << "key padding u8";
   EXPECT_GE(by_padding[static_cast<int>(KeyPadding::f32)], min) << "key padding f32";
 }
+// bf16 compute over the same cases (every other one: the reference dominates the time), against the reference on
+// the bf16-rounded weights and inputs at the bf16 policy. On avx512_bf16 and scalar this is the pair algorithm of
+// the bf16 dot product (MicroBf16Dot), elsewhere the widening kernels.
+TEST_P(FastPathSweep, Bf16RandomConfigsMatchReference) {
+  int failures = 0;
+  for (int i = 0; i < kSweepCases; i += 2) {
+    const SweepCase k = make_sweep_case(i);
+    MultiHeadAttention l(k.cfg, k.w, EngineOptions{.threads = k.axes.threads, .isa = isa(), .compute = DType::bf16});
+    const ::testing::AssertionResult ok = test::bf16_matches_reference(l, k.w, k.in, RunOptions{}, k.desc);
+    EXPECT_TRUE(ok);
+    if (!ok && ++failures >= 10) FAIL() << "stopping the sweep after 10 failing cases";
+  }
+}
+
 GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathSweep);
 
 }  // namespace

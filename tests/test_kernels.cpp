@@ -22,7 +22,7 @@
 #include "kernels/kv_codec.hpp"
 #include "kernels/decode_attention.hpp"
 #include "kernels/dropout.hpp"
-#include "kernels/linear_f32.hpp"
+#include "kernels/linear.hpp"
 #include "kernels/tiles.hpp"
 #include "tests/isa_param.hpp"
 #include "tests/test_util.hpp"
@@ -225,8 +225,18 @@ void expect_all_cases(const std::string& isa, const std::vector<Case>& cases, Ch
 }
 
 // Every test is parameterised over the instruction set (tests/isa_param.hpp); the prefix "Kernel" makes
-// --gtest_filter='Kernel*' select every test of this file.
-using KernelTest = test::IsaTest;
+// --gtest_filter='Kernel*' select every test of this file. These drive the f32-compute kernels; a level with no
+// f32 row of its own (avx512_bf16 adds bf16 rows only, and its f32 row is avx512's) is skipped, not re-run: the
+// bf16-compute rows are checked through the engine in test_fastpath_sweep.cpp.
+class KernelTest : public test::IsaTest {
+ protected:
+  void SetUp() override {
+    test::IsaTest::SetUp();
+    if (IsSkipped()) return;
+    const Isa row = detail::kernels_for(isa(), DType::f32, DType::f32).isa;
+    if (row != isa()) GTEST_SKIP() << to_string(isa()) << " has no f32 kernels of its own (it uses " << to_string(row) << "'s)";
+  }
+};
 
 // =============================================================================================================
 // 1-2. The tiled attention kernel, contiguous and paged K/V.
@@ -732,14 +742,24 @@ std::vector<LinearCase> linear_cases() {
   return cases;
 }
 
+// WT: the packed weight type (float, or kernels::bf16 for a bf16 layer's decode). The naive loops run on the
+// weights as packed (bf16-rounded), so the f32 tolerance applies: only the kernel's arithmetic is under test.
+template <class WT>
 ::testing::AssertionResult check_linear(const kernels::LinearKernel& kern, const LinearCase& c) {
   const int64_t M = c.M, N = c.N, K = c.K;
   std::mt19937_64 rng(c.seed);
   const std::vector<float> x = random_uniform(M * K, rng);
-  const std::vector<float> w = random_uniform(N * K, rng);
+  std::vector<float> w = random_uniform(N * K, rng);
   const std::vector<float> b = c.bias ? random_uniform(N, rng) : std::vector<float>{};
-  std::vector<float> packed(static_cast<size_t>(kernels::linear_packed_floats(N, K)), kNaN);
+  if (static_cast<int64_t>(sizeof(WT)) != kern.weight_bytes) {
+    return ::testing::AssertionFailure() << "kernel reads " << kern.weight_bytes << "-byte weights, test packs "
+                                         << sizeof(WT);
+  }
+  std::vector<WT> packed(static_cast<size_t>(kernels::linear_packed_elements(N, K)));
   kernels::pack_linear_weights(w.data(), N, K, packed.data());
+  if constexpr (std::is_same_v<WT, kernels::bf16>) {
+    for (float& f : w) f = kernels::widen(kernels::to_bf16(f));
+  }
 
   kernels::LinearArgs a;
   const std::vector<float> x_mem = strided(x, M, K, c.ldx());
@@ -781,7 +801,15 @@ class KernelLinear : public KernelTest {};
 TEST_P(KernelLinear, AllPanelsMatchNaive) {
   const kernels::LinearKernel& kern = detail::linear_kernel(isa());
   ASSERT_STREQ(kern.isa, to_string(isa()));
-  expect_all_cases(kern.isa, linear_cases(), [&](const LinearCase& c) { return check_linear(kern, c); });
+  expect_all_cases(kern.isa, linear_cases(), [&](const LinearCase& c) { return check_linear<float>(kern, c); });
+}
+
+// The bf16-compute rows' kernel: half the weight bytes, widened as they are loaded.
+TEST_P(KernelLinear, Bf16WeightsMatchNaive) {
+  const kernels::LinearKernel& kern = *detail::kernels_for(isa(), DType::bf16, DType::bf16).few_row_linear;
+  ASSERT_STREQ(kern.isa, to_string(isa()));
+  expect_all_cases(kern.isa, linear_cases(),
+                   [&](const LinearCase& c) { return check_linear<kernels::bf16>(kern, c); });
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelLinear);
 

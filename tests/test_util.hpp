@@ -18,6 +18,7 @@
 
 #include "gpt2attn/attention.hpp"
 #include "gpt2attn/reference.hpp"
+#include "kernels/bf16.hpp"
 #include "tests/tolerance.hpp"
 
 namespace gpt2attn {
@@ -197,6 +198,22 @@ inline std::string fast_context(const MultiHeadAttention& layer, const RunOption
   return s.str();
 }
 
+// x rounded to the nearest bf16 (ties to even), as f32: the value a bf16 layer computes with.
+inline float round_bf16(float x) { return kernels::widen(kernels::to_bf16(x)); }
+inline void round_bf16(std::vector<float>& v) {
+  for (float& x : v) x = round_bf16(x);
+}
+// The weights a bf16 layer holds: each rounded once.
+inline Weights rounded_bf16(Weights w) {
+  for (auto* v : {&w.w_q, &w.w_k, &w.w_v, &w.b_q, &w.b_k, &w.b_v, &w.w_o, &w.b_o}) round_bf16(*v);
+  return w;
+}
+// The query, key and value a bf16 layer reads: each rounded once (masks are not: they meet f32 scores).
+inline OwnedInputs rounded_bf16(OwnedInputs in) {
+  for (OwnedTensor* t : {&in.query, &in.key, &in.value}) round_bf16(t->f32);
+  return in;
+}
+
 // Runs `layer` and reference_forward on the same inputs and compares with the one tolerance policy.
 // `weights` must be the ones `layer` was built from. Flat indices in the message are into (B, T, E), row-major.
 inline ::testing::AssertionResult fast_matches_reference(MultiHeadAttention& layer, const Weights& weights,
@@ -209,6 +226,29 @@ inline ::testing::AssertionResult fast_matches_reference(MultiHeadAttention& lay
   const std::vector<double> expected = reference_forward(c, weights, in, run);
   const std::vector<float> got = run_fast(layer, in, run);
   return all_close(got, expected, Dtype::f32, reduction_length(c, Tk), ctx);
+}
+
+// A bf16 layer against the reference on what it computes with (the weights and the query/key/value rounded to bf16
+// once), at the bf16 policy: what is left is the layer's own roundings (Q, K, V, P and the attention output) and
+// f32 arithmetic; then against the reference on the plain f32 inputs, at the looser bound that adds the rounding
+// of the inputs and weights. `weights` and `in` are the unrounded ones the layer was given.
+inline ::testing::AssertionResult bf16_matches_reference(MultiHeadAttention& layer, const Weights& weights,
+                                                         const OwnedInputs& in, const RunOptions& run,
+                                                         const std::string& what) {
+  const Config& c = layer.config();
+  const AttentionInputs view = in.inputs();
+  const int64_t Tk = view.key.empty() ? view.query.shape[1] : view.key.shape[1];
+  const std::string ctx = fast_context(layer, run, what) + " | bf16 | out " + view.query.shape_str() +
+                          "->E=" + std::to_string(c.d_model) + " | " + describe(c);
+  const OwnedInputs rounded = rounded_bf16(in);
+  const std::vector<double> expected = reference_forward(c, rounded_bf16(weights), rounded.inputs(), run);
+  const std::vector<float> got = run_fast(layer, view, run);
+  const int64_t K = reduction_length(c, Tk);
+  const ::testing::AssertionResult own = all_close(got, expected, Dtype::bf16, K, ctx + " | vs rounded inputs");
+  if (!own) return own;
+  const std::vector<double> plain = reference_forward(c, weights, view, run);
+  return all_close_within(got, plain, [&](double m) { return bf16_unrounded_tolerance(K, m); },
+                          ctx + " | vs f32 inputs");
 }
 
 // The random choices of the configuration sweeps: fixed seeds, so a failure reproduces.

@@ -16,16 +16,17 @@ namespace gpt2attn::test {
 
 using Dtype = gpt2attn::DType;  // the policy itself lives in include/gpt2attn/tolerance.hpp
 
-// Compares `got` to `expected` element-wise; NaN where the reference is finite is always a failure.
-template <class Got>
-::testing::AssertionResult all_close(const std::vector<Got>& got, const std::vector<double>& expected, Dtype dtype,
-                                     int64_t reduction_length, const std::string& context) {
+// Compares `got` to `expected` element-wise, within tolerance(max |expected|); NaN where the reference is finite is
+// always a failure.
+template <class Got, class TolFn>
+::testing::AssertionResult all_close_within(const std::vector<Got>& got, const std::vector<double>& expected,
+                                            TolFn&& tolerance, const std::string& context) {
   if (got.size() != expected.size()) {
     return ::testing::AssertionFailure() << context << ": size " << got.size() << " != " << expected.size();
   }
   double max_ref = 0;
   for (double e : expected) max_ref = std::fmax(max_ref, std::fabs(e));
-  const Tolerance tol = tolerance_for(dtype, reduction_length, max_ref);
+  const Tolerance tol = tolerance(max_ref);
   std::ostringstream msg;
   int64_t bad = 0;
   double worst = 0;
@@ -45,6 +46,13 @@ template <class Got>
   return ::testing::AssertionFailure() << context << ": " << bad << " of " << got.size()
                                        << " elements out of tolerance (rtol " << tol.rtol << ", atol " << tol.atol
                                        << ", worst finite error " << worst << ")" << msg.str();
+}
+
+// At the policy of compute type `dtype` (tolerance_for).
+template <class Got>
+::testing::AssertionResult all_close(const std::vector<Got>& got, const std::vector<double>& expected, Dtype dtype,
+                                     int64_t reduction_length, const std::string& context) {
+  return all_close_within(got, expected, [&](double m) { return tolerance_for(dtype, reduction_length, m); }, context);
 }
 
 }  // namespace gpt2attn::test

@@ -30,9 +30,10 @@ const char* kUsage = R"(usage:
   gpt2attn --version | --help
   gpt2attn forward --weights W.safetensors [--prefix P] (--heads H | --config config.json) [--kv-heads N] --query q.npy
                    [--key k.npy --value v.npy] [--mask m.npy --mask-kind keep|block|additive]
-                   [--key-padding kp.npy] [--causal] [--context-length N] [--dtype f32]
-                   [--threads N] [--isa best|avx512|avx2|scalar] --output y.npy
-  gpt2attn bench   [--preset NAME ...] [--batch B] [--seq T] [--mode prefill|decode] [--dtype f32] [--kv-heads N]
+                   [--key-padding kp.npy] [--causal] [--context-length N] [--dtype f32|bf16]
+                   [--threads N] [--isa best|avx512_bf16|avx512|avx2|scalar] --output y.npy
+  gpt2attn bench   [--preset NAME ...] [--batch B] [--seq T] [--mode prefill|decode] [--dtype f32|bf16 ...]
+                   [--kv-heads N]
                    [--kv-dtype f32|bf16|int8]
                    [--threads N] [--isa ...] [--repeats N] [--cache warm|cold] [--check | --no-check] [--json]
   gpt2attn presets
@@ -52,9 +53,14 @@ forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semant
          atomically (a temporary file next to it, renamed onto it); a symbolic link is followed, so the
          link stays and its target gets the data (a link to a missing file is refused), and an existing
          --output that is not a regular file (a device such as /dev/null, a FIFO, a directory) is refused.
+         --dtype bf16 computes in bf16 (weights, projections and the attention core; f32 accumulation,
+         softmax and output; see the README's accuracy table); on a CPU or --isa without AVX512-BF16 it
+         runs through the widening kernels, with the same result up to f32 rounding. Default f32.
 bench    times the whole layer (QKV projection, causal attention, output projection) on random weights for
          each preset (default: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b; gpt3-175b at
-         min(T, 128) unless --preset names it); the median of --repeats runs (default 5). --kv-heads N gives
+         min(T, 128) unless --preset names it); the median of --repeats runs (default 5). --dtype (f32 or
+         bf16, default f32) is the compute type; given more than once, every preset runs in each, in the
+         order given, and each row says which. --kv-heads N gives
          every preset N K/V heads (grouped-query attention; N must divide its heads; default: as many as heads).
          --mode prefill (default): B sequences of T tokens through forward(). GFLOP/s counts causal
          attention once (the lower triangle): 2*B*T*d_in*(E+2KW) + 2*B*T*E*E + 4*E*B*T*(T+1)/2, where KW = E
@@ -64,7 +70,7 @@ bench    times the whole layer (QKV projection, causal attention, output project
          is decode() of one new token for each of the B sequences (QKV projection, attention over the cache,
          output projection); every step appends, so the cache grows by 2 + repeats tokens per sequence
          (context length raised to fit). GFLOP/s: 2*B*d_in*(E+2KW) + 2*B*E*E + 4*E*B*(T+1); tokens/s = B / step;
-         bytes per step = weights ((E+2KW)*d_in + E*E)*4 + K/V read B*T*2*KW*(4, 2 or 1 by --kv-dtype), plus
+         bytes per step = weights ((E+2KW)*d_in + E*E)*(4 or 2 by --dtype) + K/V read B*T*2*KW*(4, 2 or 1 by --kv-dtype), plus
          for int8 B*T*2*N*4 of scales (N K/V heads); GB/s = bytes per step / step.
          --kv-dtype bf16 stores the cache's K/V in bf16 (half the K/V bytes); int8 in symmetric int8 with one
          f32 scale per token and K/V head (about a quarter); default f32.
@@ -182,9 +188,19 @@ Args parse(int argc, char** argv, int first, const std::vector<std::string>& val
   return a;
 }
 
-void check_dtype(const Args& a) {
-  const std::string dt = a.get("dtype", "f32");
-  if (dt != "f32") throw UsageError("--dtype " + dt + " is not supported (supported: f32)");
+// The compute types --dtype asks for, in the order given (default f32); `repeatable` false allows one.
+std::vector<ga::DType> compute_dtypes(const Args& a, bool repeatable) {
+  if (!a.has("dtype")) return {ga::DType::f32};
+  const std::vector<std::string>& names = a.values.at("dtype");
+  if (!repeatable && names.size() > 1) throw UsageError("--dtype given more than once");
+  std::vector<ga::DType> out;
+  for (const std::string& dt : names) {
+    if (dt != "f32" && dt != "bf16") throw UsageError("--dtype " + dt + " is not supported (supported: f32, bf16)");
+    const ga::DType t = ga::dtype_from_string(dt);
+    if (std::find(out.begin(), out.end(), t) != out.end()) throw UsageError("--dtype " + dt + " given twice");
+    out.push_back(t);
+  }
+  return out;
 }
 
 ga::TensorView view_of(const ga::npy::Array& arr, const std::string& what) {
@@ -218,7 +234,7 @@ int cmd_forward(int argc, char** argv) {
                        {"weights", "prefix", "config", "heads", "kv-heads", "query", "key", "value", "mask",
                         "mask-kind", "key-padding", "context-length", "dtype", "threads", "isa", "output"},
                        {"causal"});
-  check_dtype(a);
+  const ga::DType compute = compute_dtypes(a, false).front();
   const std::string out_path = a.required("output");
   // --config (a Hugging Face GPT-2 config.json, or ours) says the heads and the context length; a --heads that
   // disagrees is an error, since another dividing head count would silently compute another layer.
@@ -290,6 +306,7 @@ int cmd_forward(int argc, char** argv) {
   ga::EngineOptions opts;
   opts.threads = threads;
   opts.isa = ga::isa_from_string(a.get("isa", "best"));
+  opts.compute = compute;
   ga::MultiHeadAttention mha(cfg, layer.weights, opts);
   if (in.query.rank != 3) ga::invalid("query: expected shape (B, T, d_in), got " + in.query.shape_str());
   const int64_t B = in.query.shape[0];
@@ -318,6 +335,7 @@ int cmd_presets() {
 
 struct BenchResult {
   std::string preset;
+  ga::DType compute;
   int64_t B, T;
   int threads;
   double median_ms, gflops;
@@ -345,10 +363,10 @@ double decode_step_flops(const ga::Config& c, int64_t B, int64_t T) {
 // What one decode step has to read from memory: every weight once (QKV and output projections; biases
 // ignored) and the cached K and V of every sequence. T is the nominal cached length; the cache grows by one
 // token per step, which the figure ignores (it understates the traffic by (warm-up + repeats) / T at most).
-double decode_step_bytes(const ga::Config& c, int64_t B, int64_t T, ga::DType kv_dtype) {
+double decode_step_bytes(const ga::Config& c, int64_t B, int64_t T, ga::DType compute, ga::DType kv_dtype) {
   const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
   const double KW = static_cast<double>(c.kv_width());
-  const double weights = ((E + 2 * KW) * d_in + E * E) * sizeof(float);
+  const double weights = ((E + 2 * KW) * d_in + E * E) * static_cast<double>(ga::size_of(compute));
   // Per token: K and V rows of every K/V head, plus int8's two f32 scales per K/V head.
   const double scales = kv_dtype == ga::DType::i8 ? 2.0 * static_cast<double>(c.kv_heads()) * sizeof(float) : 0.0;
   const double kv = static_cast<double>(B) * static_cast<double>(T) * (2.0 * KW * ga::size_of(kv_dtype) + scales);
@@ -427,7 +445,7 @@ void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref
                 ga::DType kv = ga::DType::f32, int64_t head_dim = 1) {
   double max_ref = 0;
   for (double e : ref) max_ref = std::max(max_ref, std::fabs(e));
-  const ga::Tolerance tol = ga::kv_storage_tolerance(kv, head_dim, reduction_length, max_ref);
+  const ga::Tolerance tol = ga::layer_tolerance(r.compute, kv, head_dim, reduction_length, max_ref);
   r.checked = true;
   r.allowed = tol.atol;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -438,14 +456,15 @@ void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref
   }
 }
 
-BenchResult bench_prefill(const std::string& name, ga::Config cfg, int64_t B, int64_t T, int threads, ga::Isa isa,
-                          int repeats, bool check) {
+BenchResult bench_prefill(const std::string& name, ga::Config cfg, int64_t B, int64_t T, ga::DType compute,
+                          int threads, ga::Isa isa, int repeats, bool check) {
   const BenchSizes sizes = bench_sizes(name, cfg, B, T, false, repeats);
   cfg.context_length = std::max(cfg.context_length, T);
   const ga::Weights w = ga::Weights::random(cfg, 1234);
   ga::EngineOptions opts;
   opts.threads = threads;
   opts.isa = isa;
+  opts.compute = compute;
   ga::CausalSelfAttention layer(cfg, w, opts);
   std::vector<float> x(static_cast<size_t>(sizes.x)), y(static_cast<size_t>(sizes.y));
   std::mt19937 rng(42);
@@ -460,8 +479,8 @@ BenchResult bench_prefill(const std::string& name, ga::Config cfg, int64_t B, in
     layer.forward(x.data(), B, T, y.data());
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
-  BenchResult r{name, B, T, layer.layer().default_threads(), median(ms), 0, ga::to_string(layer.layer().isa()),
-                layer.layer().implementation()};
+  BenchResult r{name, compute, B, T, layer.layer().default_threads(), median(ms), 0,
+                ga::to_string(layer.layer().isa()), layer.layer().implementation()};
   r.gflops = causal_layer_flops(cfg, B, T) / (r.median_ms * 1e6);
 
   if (check) {
@@ -496,8 +515,8 @@ void flush_caches() {
 // B sequences of T cached tokens in a paged KvCache (prefilled one by one with extend()), then warm-up and
 // `repeats` timed decode steps, each appending one token to every sequence (after a cache flush with
 // `cold`). The cache and the context length are sized so that the last step still fits.
-BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int64_t T, int threads, ga::Isa isa,
-                         int repeats, bool check, bool cold, ga::DType kv_dtype) {
+BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int64_t T, ga::DType compute,
+                         int threads, ga::Isa isa, int repeats, bool check, bool cold, ga::DType kv_dtype) {
   const int64_t steps = kDecodeWarmup + repeats;
   const BenchSizes sizes = bench_sizes(name, cfg, B, T, true, repeats);
   cfg.context_length = std::max(cfg.context_length, T + steps + 1);
@@ -505,6 +524,7 @@ BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int
   ga::EngineOptions opts;
   opts.threads = threads;
   opts.isa = isa;
+  opts.compute = compute;
   ga::CausalSelfAttention layer(cfg, w, opts);
   const int64_t d_in = cfg.query_width(), E = cfg.d_model;
 
@@ -541,11 +561,11 @@ BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int
     ms.push_back(t);
     if (s == kDecodeWarmup) first_out.assign(y.begin(), y.begin() + E);
   }
-  BenchResult r{name, B, T, layer.layer().default_threads(), median(ms), 0, ga::to_string(layer.layer().isa()),
-                layer.layer().implementation()};
+  BenchResult r{name, compute, B, T, layer.layer().default_threads(), median(ms), 0,
+                ga::to_string(layer.layer().isa()), layer.layer().implementation()};
   r.gflops = decode_step_flops(cfg, B, T) / (r.median_ms * 1e6);
   r.tokens_per_s = static_cast<double>(B) / (r.median_ms * 1e-3);
-  r.bytes_per_step = decode_step_bytes(cfg, B, T, kv_dtype);
+  r.bytes_per_step = decode_step_bytes(cfg, B, T, compute, kv_dtype);
   r.gb_per_s = r.bytes_per_step / (r.median_ms * 1e6);
 
   if (check) {
@@ -566,7 +586,7 @@ int cmd_bench(int argc, char** argv) {
                        {"preset", "batch", "seq", "mode", "dtype", "kv-heads", "kv-dtype", "threads", "isa", "repeats",
                         "cache"},
                        {"check", "no-check", "json"});
-  check_dtype(a);
+  const std::vector<ga::DType> computes = compute_dtypes(a, true);
   const std::string mode = a.get("mode", "prefill");
   if (mode != "prefill" && mode != "decode") {
     throw UsageError("--mode " + mode + " is not supported (supported: prefill, decode)");
@@ -632,19 +652,25 @@ int cmd_bench(int argc, char** argv) {
   bool all_ok = true;
   // Progress on stderr, never on stdout: a line per finished case, or one line rewritten in place when stderr is
   // a terminal; only for a sweep of several cases whose rows are not already appearing on that terminal.
-  const size_t n_cases = presets.size();
+  std::vector<std::pair<ga::DType, std::string>> cases;  // every preset in each --dtype, in the order given
+  for (const ga::DType compute : computes) {
+    for (const auto& name : presets) cases.emplace_back(compute, name);
+  }
+  const size_t n_cases = cases.size();
   const bool progress = n_cases > 1 && (json || isatty(STDOUT_FILENO) == 0);
   const bool bar = progress && isatty(STDERR_FILENO) != 0;
   size_t done = 0;
-  for (const auto& name : presets) {
+  for (const auto& [compute, name] : cases) {
     const int64_t t = seq_for(name);
     const ga::Config cfg = config_for(name);
-    const BenchResult r = decode ? bench_decode(name, cfg, B, t, threads, isa, repeats, check, cache == "cold", kv_dtype)
-                                 : bench_prefill(name, cfg, B, t, threads, isa, repeats, check);
+    const BenchResult r =
+        decode ? bench_decode(name, cfg, B, t, compute, threads, isa, repeats, check, cache == "cold", kv_dtype)
+               : bench_prefill(name, cfg, B, t, compute, threads, isa, repeats, check);
+    const char* dtype = ga::to_string(compute);
     const bool ok = !r.checked || r.allowed >= 0;
     all_ok = all_ok && ok;
     if (json) {
-      nlohmann::json j = {{"preset", r.preset}, {"mode", mode}, {"dtype", "f32"}, {"kv_heads", cfg.kv_heads()},
+      nlohmann::json j = {{"preset", r.preset}, {"mode", mode}, {"dtype", dtype}, {"kv_heads", cfg.kv_heads()},
                           {"batch", r.B}, {"seq", r.T},
                           {"threads", r.threads}, {"median_ms", r.median_ms}, {"gflops", r.gflops},
                           {"isa", r.isa}, {"implementation", r.impl}};
@@ -664,7 +690,7 @@ int cmd_bench(int argc, char** argv) {
     } else {
       char err[64] = "";
       if (r.checked) std::snprintf(err, sizeof err, "%.2e %s", r.max_abs_err, ok ? "ok" : "FAIL");
-      std::printf("%-12s %-8s %-5s %3ld %6ld %7d %10.3f %9.1f ", r.preset.c_str(), mode.c_str(), "f32",
+      std::printf("%-12s %-8s %-5s %3ld %6ld %7d %10.3f %9.1f ", r.preset.c_str(), mode.c_str(), dtype,
                   static_cast<long>(r.B), static_cast<long>(r.T), r.threads, r.median_ms, r.gflops);
       if (decode) {
         std::printf("%-4s %10.0f %9.1f %7.1f ", kv_name.c_str(), r.tokens_per_s, r.bytes_per_step * 1e-6, r.gb_per_s);
@@ -680,7 +706,12 @@ int cmd_bench(int argc, char** argv) {
       std::fflush(stderr);
     }
   }
-  if (!json) std::printf("implementation: %s\n", bench_prefill("gpt2-small", ga::preset("gpt2-small"), 1, 1, threads, isa, 1, false).impl.c_str());
+  if (!json) {
+    for (const ga::DType compute : computes) {
+      const BenchResult r = bench_prefill("gpt2-small", ga::preset("gpt2-small"), 1, 1, compute, threads, isa, 1, false);
+      std::printf("implementation (%s): %s\n", ga::to_string(compute), r.impl.c_str());
+    }
+  }
   if (!all_ok) {
     std::fprintf(stderr, "gpt2attn: bench: check against the naive reference FAILED\n");
     return 1;

@@ -25,7 +25,14 @@ int max_threads();
 
 struct EngineOptions {
   int threads = 0;        // default thread count for forward(); 0 = omp_get_max_threads() at construction
-  Isa isa = Isa::best;    // GPT2ATTN_ISA=scalar|avx2|avx512 in the environment overrides `best`
+  Isa isa = Isa::best;    // GPT2ATTN_ISA=scalar|avx2|avx512|avx512_bf16 in the environment overrides `best`
+  // The compute type: f32, or bf16 (weights rounded to bf16 once, here; activations rounded to bf16 where they
+  // enter a GEMM or a dot product; every sum, the softmax and its running statistics in f32). An engine option,
+  // not a Config field: the config describes the model (what a weights file must match), the compute type how this
+  // process runs it, like the instruction set; one model file serves f32 and bf16 layers alike. bf16 runs at every
+  // instruction set: on avx512_bf16 (vdpbf16ps) at twice the f32 multiply rate, elsewhere widened to f32 with the
+  // same roundings. Accuracy: tolerance_for(DType::bf16, ...) in gpt2attn/tolerance.hpp.
+  DType compute = DType::f32;
 };
 
 // One call's inputs. Shapes in the B/T/Tk/E/H vocabulary; every view may be strided.
@@ -99,7 +106,9 @@ class MultiHeadAttention {
   size_t workspace_bytes(int64_t B, int64_t T, int64_t Tk) const;
 
   const Config& config() const;
-  Isa isa() const;                     // the kernel instruction set chosen at construction
+  // The instruction set its kernels run at, chosen at construction: the strongest level at or below
+  // EngineOptions::isa that has kernels for the compute type (an f32 layer on an AVX512-BF16 CPU runs avx512).
+  Isa isa() const;
   std::string implementation() const;  // e.g. "tiled-online-softmax/avx512 + onednn-matmul"
   int default_threads() const;
 

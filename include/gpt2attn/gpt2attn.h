@@ -12,8 +12,8 @@
  * row-major, contiguous, float32, owned by the caller.
  *
  * Threads: each compute call takes `threads` (0 = the layer's default, omp_get_max_threads() when the
- * layer was created). The kernel instruction set is chosen once per layer; GPT2ATTN_ISA=scalar|avx2|avx512
- * in the environment forces a weaker one.
+ * layer was created). The kernel instruction set is chosen once per layer; GPT2ATTN_ISA=scalar|avx2|avx512|
+ * avx512_bf16 in the environment forces a weaker one.
  *
  * Concurrency: handles may be shared between threads. Calls that pass their own workspace run in parallel
  * on one layer and one cache, provided each workspace and each sequence is used by one call at a time;
@@ -66,7 +66,7 @@ const char* gpt2attn_last_error(void);
 const char* gpt2attn_version(void);
 /* A static name for a status: "ok", "invalid argument", "bad file", "out of memory", "internal", "unknown". */
 const char* gpt2attn_status_string(gpt2attn_status_t status);
-/* The strongest kernel instruction set this CPU runs: "avx512", "avx2" or "scalar" (static string). */
+/* The strongest kernel instruction set this CPU runs: "avx512_bf16", "avx512", "avx2" or "scalar" (static string). */
 const char* gpt2attn_best_isa(void);
 /* *out = a preset's sizes: "gpt2-small" (E=768, H=12), "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-*". */
 gpt2attn_status_t gpt2attn_config_preset(const char* name, gpt2attn_config_t* out);

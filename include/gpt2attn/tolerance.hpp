@@ -15,9 +15,9 @@ constexpr double unit_roundoff(DType t) {
   return t == DType::f32 ? 0x1p-24 : t == DType::bf16 ? 0x1p-8 : t == DType::f16 ? 0x1p-11 : 0.0;
 }
 
-// Allowed |got - expected| is atol + rtol * |expected| for values produced by chained reductions of length
-// <= reduction_length. Rounding errors of a length-K sum grow like sqrt(K) for random data (worst case K);
-// the factor 16 covers the chained GEMM -> softmax -> GEMM -> GEMM stages and exp's few ulps. The absolute
+// accumulated_tolerance: allowed |got - expected| is atol + rtol * |expected| for values produced by chained
+// reductions of length <= reduction_length, accumulated in type p. Rounding errors of a length-K sum grow like
+// sqrt(K) for random data (worst case K); the factor 16 covers the chained GEMM -> softmax -> GEMM -> GEMM stages and exp's few ulps. The absolute
 // floor scales with the output's magnitude: cancellation makes small entries of a large result as uncertain
 // as the large ones.
 struct Tolerance {
@@ -27,10 +27,37 @@ struct Tolerance {
   }
 };
 
-inline Tolerance tolerance_for(DType p, int64_t reduction_length, double max_abs_reference) {
+inline Tolerance accumulated_tolerance(DType p, int64_t reduction_length, double max_abs_reference) {
   const double k = static_cast<double>(reduction_length < 1 ? 1 : reduction_length);
   const double rtol = 16.0 * unit_roundoff(p) * std::sqrt(k);
   return {rtol, rtol * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
+}
+
+// bf16 compute (EngineOptions::compute) rounds to bf16 at a fixed number of points and sums in f32, so its error
+// does not grow with the reduction length beyond the f32 part. Against the reference run on what the layer holds
+// (weights and query/key/value rounded to bf16 once), the roundings left are the layer's own five: Q, K, V, the
+// softmax weights P (before P.V) and the attention output (before the output projection). Each is a relative
+// error of at most u/2 (u = 2^-8, round to nearest); five of them, added in the worst case, with a factor 2 for the
+// softmax, which turns a score error into an output error about as large relative to the output: 5u. Against the
+// plain f32 inputs and weights, the rounding of the input, of W_q/W_k/W_v and of W_o adds three more: 8u.
+// Measured (tests FastPathSweep.Bf16*, 120 random shapes per ISA): at most 0.93u and 1.36u respectively.
+inline constexpr int kBf16ComputeRoundings = 5;
+inline constexpr int kBf16InputRoundings = 3;
+
+// The bound for a layer computing in `compute`, against the double reference over the inputs it computes with
+// (bf16: rounded): the f32 accumulation bound, plus for bf16 kBf16ComputeRoundings * u.
+inline Tolerance tolerance_for(DType compute, int64_t reduction_length, double max_abs_reference) {
+  const Tolerance f = accumulated_tolerance(DType::f32, reduction_length, max_abs_reference);
+  if (compute != DType::bf16) return accumulated_tolerance(compute, reduction_length, max_abs_reference);
+  const double r = kBf16ComputeRoundings * unit_roundoff(DType::bf16);
+  return {f.rtol + r, f.atol + r * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
+}
+
+// A bf16 layer against the reference over the unrounded f32 inputs and weights: kBf16InputRoundings more.
+inline Tolerance bf16_unrounded_tolerance(int64_t reduction_length, double max_abs_reference) {
+  const Tolerance f = accumulated_tolerance(DType::f32, reduction_length, max_abs_reference);
+  const double r = (kBf16ComputeRoundings + kBf16InputRoundings) * unit_roundoff(DType::bf16);
+  return {f.rtol + r, f.atol + r * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
 }
 
 // The relative error one stored K/V value carries in a cache of dtype `kv` with head size D:
@@ -59,9 +86,20 @@ inline double kv_storage_roundoff(DType kv, int64_t head_dim) {
 // (tests/test_kv_cache_storage.cpp).
 inline Tolerance kv_storage_tolerance(DType kv, int64_t head_dim, int64_t reduction_length,
                                       double max_abs_reference) {
-  const Tolerance f = tolerance_for(DType::f32, reduction_length, max_abs_reference);
+  const Tolerance f = accumulated_tolerance(DType::f32, reduction_length, max_abs_reference);
   const double s = 16.0 * kv_storage_roundoff(kv, head_dim);
   return {f.rtol + s, f.atol + s * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
+}
+
+// A whole layer computing in `compute` over a cache of `kv`, against the reference over the plain f32 inputs and
+// weights (what `gpt2attn bench --check` compares with). bf16 compute already counts the rounding of K and V
+// among its own, so a bf16 cache adds nothing to it; an int8 cache adds its storage term as above.
+inline Tolerance layer_tolerance(DType compute, DType kv, int64_t head_dim, int64_t reduction_length,
+                                 double max_abs_reference) {
+  if (compute != DType::bf16) return kv_storage_tolerance(kv, head_dim, reduction_length, max_abs_reference);
+  const Tolerance b = bf16_unrounded_tolerance(reduction_length, max_abs_reference);
+  const double s = kv == DType::i8 ? 16.0 * kv_storage_roundoff(kv, head_dim) : 0.0;
+  return {b.rtol + s, b.atol + s * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
 }
 
 }  // namespace gpt2attn

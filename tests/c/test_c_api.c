@@ -97,7 +97,8 @@ static void test_library(gpt2attn_layer_t* layer) {
   CHECK(strcmp(gpt2attn_version(), expected) == 0, "version %s, header says %s", gpt2attn_version(), expected);
 
   const char* best = gpt2attn_best_isa();
-  CHECK(!strcmp(best, "avx512") || !strcmp(best, "avx2") || !strcmp(best, "scalar"), "best isa \"%s\"", best);
+  CHECK(!strcmp(best, "avx512_bf16") || !strcmp(best, "avx512") || !strcmp(best, "avx2") || !strcmp(best, "scalar"),
+        "best isa \"%s\"", best);
   const char* isa = NULL;
   const char* impl = NULL;
   CHECK_OK(gpt2attn_layer_describe(layer, &isa, &impl));

@@ -1,5 +1,6 @@
-// kernels/linear_f32.hpp: y = x W^T + b for a few rows (decode: one row per sequence), reading W once from a
-// panel-packed copy. Pure compute on pointers: no allocation, threads or oneDNN; the engine packs the weights
+// kernels/linear.hpp: y = x W^T + b for a few rows (decode: one row per sequence), reading W once from a
+// panel-packed copy held as f32 or bf16 (a bf16 layer's decode streams half the weight bytes; the weights are
+// widened to f32 as they are loaded, and x, the bias, the sums and y stay f32). Pure compute on pointers: no allocation, threads or oneDNN; the engine packs the weights
 // once at construction and splits the panels across threads.
 //
 // Why not oneDNN here: a decode step's GEMMs have M = B (1..64), so they are bound by streaming W, which any
@@ -9,25 +10,35 @@
 // Packed layout: W (N, K) row-major becomes ceil(N / kLinearPanel) panels, each (K, kLinearPanel): panel p
 // holds outputs [p*16, p*16 + 16) with, for every k, their 16 weights contiguous (zero past N). The micro-
 // kernel keeps a block of rows x a group of adjacent panels in registers (tiles.hpp) and streams the group's
-// panels side by side, one 64-byte line of each per k.
+// panels side by side, 16 weights of each per k (a 64-byte line in f32, half of one in bf16).
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+
+#include "kernels/bf16.hpp"
 
 namespace gpt2attn::kernels {
 
 inline constexpr int64_t kLinearPanel = 16;  // outputs per panel: one AVX-512 vector, two AVX2 vectors
 
 inline int64_t linear_panels(int64_t N) { return (N + kLinearPanel - 1) / kLinearPanel; }
-inline int64_t linear_packed_floats(int64_t N, int64_t K) { return linear_panels(N) * K * kLinearPanel; }
+inline int64_t linear_packed_elements(int64_t N, int64_t K) { return linear_panels(N) * K * kLinearPanel; }
 
-// w (N, K) row-major -> packed (linear_packed_floats(N, K) floats), the layout above.
-inline void pack_linear_weights(const float* w, int64_t N, int64_t K, float* packed) {
+// w (N, K) row-major f32 -> packed (linear_packed_elements(N, K) elements of T, f32 or bf16), the layout above;
+// bf16 rounds each weight to nearest even, once.
+template <class T>
+void pack_linear_weights(const float* w, int64_t N, int64_t K, T* packed) {
   for (int64_t p = 0; p < linear_panels(N); ++p) {
     for (int64_t k = 0; k < K; ++k) {
       for (int64_t c = 0; c < kLinearPanel; ++c) {
         const int64_t n = p * kLinearPanel + c;
-        packed[(p * K + k) * kLinearPanel + c] = n < N ? w[n * K + k] : 0.0f;
+        const float x = n < N ? w[n * K + k] : 0.0f;
+        if constexpr (std::is_same_v<T, bf16>) {
+          packed[(p * K + k) * kLinearPanel + c] = to_bf16(x);
+        } else {
+          packed[(p * K + k) * kLinearPanel + c] = x;
+        }
       }
     }
   }
@@ -36,7 +47,7 @@ inline void pack_linear_weights(const float* w, int64_t N, int64_t K, float* pac
 struct LinearArgs {
   const float* x = nullptr;         // (M, K), row stride ldx
   int64_t ldx = 0;
-  const float* w_packed = nullptr;  // pack_linear_weights(W (N, K))
+  const void* w_packed = nullptr;   // pack_linear_weights(W (N, K)) in the kernel's weight type
   const float* bias = nullptr;      // (N) or null
   float* y = nullptr;               // (M, N), row stride ldy
   int64_t ldy = 0;
@@ -45,13 +56,19 @@ struct LinearArgs {
 
 struct LinearKernel {
   const char* isa;
+  int64_t weight_bytes;  // of one packed weight: 4 (f32) or 2 (bf16)
   int64_t panel_group;  // panels computed together: a range split at multiples of it keeps whole groups
   // Computes y's columns of panels [panel_begin, panel_end) for all M rows.
   void (*run)(const LinearArgs& args, int64_t panel_begin, int64_t panel_end);
 };
 
+// f32 weights
 const LinearKernel& linear_f32_scalar();
 const LinearKernel& linear_f32_avx2();
 const LinearKernel& linear_f32_avx512();
+// bf16 weights, widened on load
+const LinearKernel& linear_bf16_scalar();
+const LinearKernel& linear_bf16_avx2();
+const LinearKernel& linear_bf16_avx512();
 
 }  // namespace gpt2attn::kernels
