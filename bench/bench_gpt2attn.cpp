@@ -8,6 +8,9 @@
 // Cases (names are what --benchmark_filter matches):
 //   Layer/<preset>/T:<T>/threads:<n>     GPT-2 presets x T in {128, 512, 1024, 2048} x {1, 2} threads
 //   Core/<preset>/T:<T>/threads:<n>      same grid, attention core alone
+//   Bf16/<layer|core>/<preset>/T:<T>/... bf16 compute (EngineOptions::compute), every GPT-2 preset at T = 1024
+//                                        and gpt2-small at T = 4096, 2 threads, beside the same f32 cases
+//                                        (F32/...): bf16_peak_frac against the vdpbf16ps peak
 //   Layer/gpt3-175b/T:128/threads:2      the largest preset (~5 GB of weights in memory)
 //   Isa/core/gpt2-small/<isa>/T:<T>/...  avx512 vs avx2 at T = 1024 and 256, scalar at T = 256 only
 //   ThreadScaling/<layer|core>/...       1 and 2 threads timed alternately inside one benchmark
@@ -41,6 +44,7 @@
 #include "gpt2attn/kv_cache.hpp"
 #include "gpt2attn/weights.hpp"
 #include "kernels/attention.hpp"
+#include "kernels/bf16.hpp"
 
 namespace {
 
@@ -53,8 +57,9 @@ const std::vector<int64_t> kSeqs = {128, 512, 1024, 2048};
 const std::vector<int> kThreads = {1, 2};  // this machine's two cores
 
 // Measured once at start-up: threads -> GFLOP/s, for the best ISA (the machine's peak; 0 on a CPU without
-// AVX2, where no peak_frac is reported) and per vector ISA.
+// AVX2, where no peak_frac is reported) and per vector ISA; and the vdpbf16ps peak where the CPU has AVX512-BF16.
 std::map<int, double> g_machine_peak;
+std::map<int, double> g_bf16_peak;
 std::map<std::pair<ga::Isa, int>, double> g_isa_peak;
 // Measured once at start-up: threads -> STREAM-style triad GB/s (bench/stream_triad.hpp), bw_frac's denominator.
 std::map<int, double> g_triad_gbps;
@@ -81,12 +86,16 @@ struct Span {
 // forced weaker ISA also isa_peak_frac against that ISA's own peak. cpu_util = process CPU time / (wall x
 // threads): OpenMP threads spin between regions, so it stays near 1 while every thread has a core of its
 // own, and falls towards 1/threads when another process shares the cores (then the case is not worth quoting).
-void report(benchmark::State& state, double flops, const Span& span, int threads, ga::Isa isa = ga::Isa::best) {
+void report(benchmark::State& state, double flops, const Span& span, int threads, ga::Isa isa = ga::Isa::best,
+            ga::DType compute = ga::DType::f32) {
   const double seconds = span.wall();
   state.counters["cpu_util"] = span.cpu() / (seconds * threads);
   const double gflops = flops * static_cast<double>(state.iterations()) / seconds * 1e-9;
   state.counters["GFLOP/s"] = gflops;
   if (g_machine_peak.at(threads) > 0) state.counters["peak_frac"] = gflops / g_machine_peak.at(threads);
+  if (compute == ga::DType::bf16 && g_bf16_peak.count(threads)) {
+    state.counters["bf16_peak_frac"] = gflops / g_bf16_peak.at(threads);
+  }
   if (isa != ga::Isa::best && isa != ga::best_supported_isa()) {
     const auto it = g_isa_peak.find({isa, threads});
     if (it != g_isa_peak.end()) state.counters["isa_peak_frac"] = gflops / it->second;
@@ -117,6 +126,7 @@ struct LayerFixture {
   std::string preset;
   int64_t T = 0;
   ga::Isa isa = ga::Isa::best;
+  ga::DType compute = ga::DType::f32;
   ga::Config cfg;
   std::unique_ptr<ga::CausalSelfAttention> layer;
   std::vector<float> x, y;  // (T, E) each
@@ -124,17 +134,19 @@ struct LayerFixture {
 };
 std::unique_ptr<LayerFixture> g_layer;
 
-LayerFixture& layer_for(const std::string& preset, int64_t T, ga::Isa isa, int threads) {
-  if (!g_layer || g_layer->preset != preset || g_layer->T != T || g_layer->isa != isa) {
+LayerFixture& layer_for(const std::string& preset, int64_t T, ga::Isa isa, int threads,
+                        ga::DType compute = ga::DType::f32) {
+  if (!g_layer || g_layer->preset != preset || g_layer->T != T || g_layer->isa != isa || g_layer->compute != compute) {
     g_layer.reset();  // free the previous layer before building the next
     auto f = std::make_unique<LayerFixture>();
-    f->preset = preset, f->T = T, f->isa = isa;
+    f->preset = preset, f->T = T, f->isa = isa, f->compute = compute;
     f->cfg = ga::preset(preset);
     f->cfg.context_length = std::max(f->cfg.context_length, T);
     {
       const ga::Weights w = ga::Weights::random(f->cfg, 1234);  // copied by the layer; freed at scope end
       ga::EngineOptions opts;
       opts.isa = isa;
+      opts.compute = compute;
       f->layer = std::make_unique<ga::CausalSelfAttention>(f->cfg, w, opts);
     }
     f->x = random_floats(static_cast<size_t>(T * f->cfg.query_width()), 42);
@@ -151,8 +163,9 @@ LayerFixture& layer_for(const std::string& preset, int64_t T, ga::Isa isa, int t
   return f;
 }
 
-void bm_layer(benchmark::State& state, const std::string& preset, int64_t T, int threads) {
-  LayerFixture& f = layer_for(preset, T, ga::Isa::best, threads);
+void bm_layer(benchmark::State& state, const std::string& preset, int64_t T, int threads,
+              ga::DType compute = ga::DType::f32) {
+  LayerFixture& f = layer_for(preset, T, ga::Isa::best, threads, compute);
   ga::RunOptions run;
   run.threads = threads;
   const Span span;
@@ -160,31 +173,39 @@ void bm_layer(benchmark::State& state, const std::string& preset, int64_t T, int
     f.layer->forward(f.x.data(), 1, T, f.y.data(), run);
     benchmark::ClobberMemory();
   }
-  report(state, layer_flops(static_cast<double>(f.cfg.d_model), static_cast<double>(T)), span, threads);
-  state.SetLabel(ga::to_string(f.layer->layer().isa()));
+  report(state, layer_flops(static_cast<double>(f.cfg.d_model), static_cast<double>(T)), span, threads,
+         ga::Isa::best, compute);
+  state.SetLabel(f.layer->layer().implementation());
 }
 
 // ---- the attention core alone --------------------------------------------------------------------------
 
-const gk::AttentionKernel& kernel_for(ga::Isa isa) {
-  return ga::detail::attention_kernel(ga::detail::resolve_isa(isa));
+const gk::AttentionKernel& kernel_for(ga::Isa isa, ga::DType compute = ga::DType::f32) {
+  return *ga::detail::kernels_for(ga::detail::resolve_isa(isa), compute, compute).prefill;
 }
 
 // Q, K, V as the engine's fused projection leaves them: one (T, 3E) buffer, [Q | K | V] per token, head h at
 // column offset h*D of each third; the output (T, E) with heads concatenated. The causal bias row is built
 // the same way as MultiHeadAttention::Impl builds `causal_row` (kernels::fill_causal_band).
+// Q, K, V and the output are of the compute type (bf16: the random values rounded, as the projections leave them).
 struct Core {
   int64_t H, D, E, T;
+  ga::DType compute;
   const gk::AttentionKernel* kernel;
-  Buffer qkv, ctx, scratch;
+  Buffer qkv, ctx, scratch;  // qkv and ctx hold compute-type elements (float-sized buffers, bf16 uses half)
   int64_t scratch_stride;
   std::vector<float> causal_row;
 
-  Core(int64_t H_, int64_t D_, int64_t T_, ga::Isa isa, int max_threads)
-      : H(H_), D(D_), E(H_ * D_), T(T_), kernel(&kernel_for(isa)) {
+  Core(int64_t H_, int64_t D_, int64_t T_, ga::Isa isa, int max_threads, ga::DType compute_)
+      : H(H_), D(D_), E(H_ * D_), T(T_), compute(compute_), kernel(&kernel_for(isa, compute_)) {
     const std::vector<float> r = random_floats(static_cast<size_t>(T * 3 * E), 7);
     qkv = aligned_floats(r.size());
-    std::copy(r.begin(), r.end(), qkv.get());
+    if (compute == ga::DType::bf16) {
+      auto* q = reinterpret_cast<gk::bf16*>(qkv.get());
+      for (size_t i = 0; i < r.size(); ++i) q[i] = gk::to_bf16(r[i]);
+    } else {
+      std::copy(r.begin(), r.end(), qkv.get());
+    }
     ctx = aligned_floats(static_cast<size_t>(T * E));
     scratch_stride = (static_cast<int64_t>(kernel->scratch_floats(D)) + 15) / 16 * 16;
     scratch = aligned_floats(static_cast<size_t>(max_threads * scratch_stride));
@@ -205,8 +226,9 @@ struct Core {
     base.causal_bias = causal_row.data() + gk::causal_band_center();
     const int64_t BQ = kernel->tiles.query_tile;
     const int64_t tiles = (T + BQ - 1) / BQ, items = H * tiles;
-    const float* qp = qkv.get();
-    float* out = ctx.get();
+    const auto* qp = reinterpret_cast<const std::byte*>(qkv.get());
+    auto* out = reinterpret_cast<std::byte*>(ctx.get());
+    const int64_t es = static_cast<int64_t>(ga::size_of(compute));  // bytes per element
 #pragma omp parallel num_threads(threads)
     {
       float* s = scratch.get() + omp_get_thread_num() * scratch_stride;
@@ -214,10 +236,10 @@ struct Core {
       for (int64_t it = 0; it < items; ++it) {
         const int64_t tile = tiles - 1 - it / H, h = it % H;
         gk::AttentionArgs a = base;
-        a.q = qp + h * D;
-        a.kv.k = qp + E + h * D;
-        a.kv.v = qp + 2 * E + h * D;
-        a.out = out + h * D;
+        a.q = qp + h * D * es;
+        a.kv.k = qp + (E + h * D) * es;
+        a.kv.v = qp + (2 * E + h * D) * es;
+        a.out = out + h * D * es;
         kernel->run(a, tile * BQ, std::min(T, (tile + 1) * BQ), s);
       }
     }
@@ -225,25 +247,26 @@ struct Core {
 };
 
 std::unique_ptr<Core> g_core;
-Core& core_for(int64_t H, int64_t D, int64_t T, ga::Isa isa) {
-  if (!g_core || g_core->H != H || g_core->D != D || g_core->T != T || g_core->kernel != &kernel_for(isa)) {
+Core& core_for(int64_t H, int64_t D, int64_t T, ga::Isa isa, ga::DType compute = ga::DType::f32) {
+  if (!g_core || g_core->H != H || g_core->D != D || g_core->T != T || g_core->kernel != &kernel_for(isa, compute)) {
     g_core.reset();
-    g_core = std::make_unique<Core>(H, D, T, isa, std::max(omp_get_num_procs(), 2));
+    g_core = std::make_unique<Core>(H, D, T, isa, std::max(omp_get_num_procs(), 2), compute);
     g_core->run(1);  // first touch of the buffers
   }
   return *g_core;
 }
 
-void bm_core(benchmark::State& state, int64_t H, int64_t D, int64_t T, int threads, ga::Isa isa) {
-  Core& c = core_for(H, D, T, isa);
+void bm_core(benchmark::State& state, int64_t H, int64_t D, int64_t T, int threads, ga::Isa isa,
+             ga::DType compute = ga::DType::f32) {
+  Core& c = core_for(H, D, T, isa, compute);
   c.run(threads);  // warm caches and the thread team at this size
   const Span span;
   for (auto _ : state) {
     c.run(threads);
     benchmark::ClobberMemory();
   }
-  report(state, core_flops(static_cast<double>(c.E), static_cast<double>(T)), span, threads, isa);
-  state.SetLabel(c.kernel->isa);
+  report(state, core_flops(static_cast<double>(c.E), static_cast<double>(T)), span, threads, isa, compute);
+  state.SetLabel(std::string(c.kernel->isa) + " " + ga::to_string(compute));
 }
 
 // ---- thread scaling: 1 and 2 threads alternate inside each iteration, so both see the same clock --------
@@ -428,6 +451,30 @@ void register_all() {
             [H, D, T, n](benchmark::State& s) { bm_core(s, H, D, T, n, ga::Isa::best); }));
   }
 
+  // bf16 compute beside f32, interleaved per case so each pair sees the same machine: the layer at every GPT-2
+  // preset (T = 1024) and gpt2-small at T = 4096, and the core at T = 1024 and 4096.
+  struct DtypeCase {
+    std::string preset;
+    int64_t T;
+  };
+  std::vector<DtypeCase> dtype_cases;
+  for (const auto& p : kGpt2Presets) dtype_cases.push_back({p, 1024});
+  dtype_cases.push_back({"gpt2-small", 4096});
+  for (const DtypeCase& dc : dtype_cases) {
+    const ga::Config c = ga::preset(dc.preset);
+    const int64_t H = c.num_heads, D = c.head_dim(), T = dc.T;
+    for (ga::DType dt : {ga::DType::f32, ga::DType::bf16}) {
+      const std::string tag = dt == ga::DType::bf16 ? "Bf16/" : "F32/";
+      standard(benchmark::RegisterBenchmark((tag + "layer/" + dc.preset + "/T:" + ts(T) + "/threads:2").c_str(),
+                                            [=](benchmark::State& s) { bm_layer(s, dc.preset, T, 2, dt); }));
+    }
+    for (ga::DType dt : {ga::DType::f32, ga::DType::bf16}) {
+      const std::string tag = dt == ga::DType::bf16 ? "Bf16/" : "F32/";
+      standard(benchmark::RegisterBenchmark((tag + "core/" + dc.preset + "/T:" + ts(T) + "/threads:2").c_str(),
+                                            [=](benchmark::State& s) { bm_core(s, H, D, T, 2, ga::Isa::best, dt); }));
+    }
+  }
+
   // ~1 s per forward: one iteration per repetition is plenty.
   benchmark::RegisterBenchmark("Layer/gpt3-175b/T:128/threads:2",
                                [](benchmark::State& s) { bm_layer(s, "gpt3-175b", 128, 2); })
@@ -485,11 +532,18 @@ void register_all() {
 }
 
 void measure_peaks(const char* when) {
-  const ga::Isa best = ga::best_supported_isa();
+  // The machine's f32 peak: the strongest level with f32 kernels (avx512_bf16's f32 FMAs are avx512's).
+  const ga::Isa best = ga::detail::kernels_for(ga::best_supported_isa(), ga::DType::f32, ga::DType::f32).isa;
   for (int n : kThreads) {
     for (ga::Isa isa : {ga::Isa::avx512, ga::Isa::avx2})
       if (ga::isa_supported(isa)) g_isa_peak[{isa, n}] = gpt2attn::bench::measured_fma_peak_gflops(n, isa);
     g_machine_peak[n] = g_isa_peak.count({best, n}) ? g_isa_peak[{best, n}] : 0.0;
+  }
+  if (ga::isa_supported(ga::Isa::avx512_bf16)) {
+    for (int n : kThreads) {
+      g_bf16_peak[n] = gpt2attn::bench::measured_bf16_dot_peak_gflops(n);
+      std::fprintf(stderr, "bf16 dot peak (%s): %d thread(s): %.1f GFLOP/s\n", when, n, g_bf16_peak[n]);
+    }
   }
   for (const auto& [key, gflops] : g_isa_peak)
     std::fprintf(stderr, "fma peak (%s): %s, %d thread(s): %.1f GFLOP/s\n", when, ga::to_string(key.first), key.second,

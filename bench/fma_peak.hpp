@@ -22,18 +22,20 @@ double fma_peak_gflops_avx2(int threads);
 double bf16_dot_peak_gflops_avx512bf16(int threads);
 
 inline double measured_bf16_dot_peak_gflops(int threads) {
-  if (!__builtin_cpu_supports("avx512bf16")) {
+  if (!isa_supported(Isa::avx512_bf16)) {
     throw std::invalid_argument("bf16 dot peak: this CPU lacks avx512bf16 (vdpbf16ps)");
   }
   return bf16_dot_peak_gflops_avx512bf16(threads);
 }
 
-// The peak for an instruction set (best = the strongest this CPU runs). Scalar has no FMA instruction in
-// the baseline x86-64 flags the scalar kernel is built with, so it has no peak of its own: that is refused.
+// The f32 FMA peak for an instruction set (best = the strongest this CPU runs; avx512_bf16's f32 FMAs are
+// avx512's). Scalar has no FMA instruction in the baseline x86-64 flags the scalar kernel is built with, so it
+// has no peak of its own: that is refused.
 inline double measured_fma_peak_gflops(int threads, Isa isa) {
   if (isa == Isa::best) isa = best_supported_isa();
   if (!isa_supported(isa)) throw std::invalid_argument(std::string("fma peak: this CPU lacks ") + to_string(isa));
   switch (isa) {
+    case Isa::avx512_bf16:
     case Isa::avx512: return fma_peak_gflops_avx512(threads);
     case Isa::avx2: return fma_peak_gflops_avx2(threads);
     default: throw std::invalid_argument(std::string("fma peak: no vector FMA for ") + to_string(isa));

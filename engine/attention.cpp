@@ -37,28 +37,45 @@ bool needs_packing(const TensorView& x, DType compute) {
          !(x.strides[2] == 1 && x.strides[1] >= W && (x.shape[0] == 1 || x.strides[0] == N * x.strides[1]));
 }
 
-// A (B, N, W) view of the compute type whose rows are evenly spaced with unit element stride is read in place as a
-// 2-D (B*N, W) matrix; anything else (other strides, or f32 input to a bf16 layer) is packed contiguously into
-// `scratch` in the compute type first (O(B*N*W), once per call, across the team).
-Rows as_rows(const TensorView& x, DType compute, std::byte* scratch, int threads) {
+// One element converted: f32 <-> bf16 (rounded to nearest even once), or copied.
+template <class Dst, class Src>
+Dst convert(Src x) {
+  if constexpr (std::is_same_v<Dst, Src>) {
+    return x;
+  } else if constexpr (std::is_same_v<Dst, kernels::bf16>) {
+    return kernels::to_bf16(x);
+  } else {
+    return kernels::widen(x);
+  }
+}
+
+// x (B, N, W) through its strides -> dst (B*N, W) contiguous, across the team.
+template <class Dst, class Src>
+void pack_rows(const TensorView& x, Dst* dst, int threads) {
   const int64_t B = x.shape[0], N = x.shape[1], W = x.shape[2];
   const int64_t sb = x.strides[0], sn = x.strides[1], sw = x.strides[2];
-  if (!needs_packing(x, compute)) return {x.data, sn, compute};
-  const auto* p = static_cast<const float*>(x.data);
+  const auto* p = static_cast<const Src*>(x.data);
+#pragma omp parallel for num_threads(threads) collapse(2) if (B * N * W > 65536)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t w = 0; w < W; ++w) dst[(b * N + n) * W + w] = convert<Dst>(p[b * sb + n * sn + w * sw]);
+}
+
+// A (B, N, W) view of the compute type whose rows are evenly spaced with unit element stride is read in place as a
+// 2-D (B*N, W) matrix; anything else (other strides, or an f32 view into a bf16 layer and the reverse) is packed
+// contiguously into `scratch` in the compute type first (O(B*N*W), once per call, across the team).
+Rows as_rows(const TensorView& x, DType compute, std::byte* scratch, int threads) {
+  if (!needs_packing(x, compute)) return {x.data, x.strides[1], compute};
+  const bool from_bf16 = x.dtype == DType::bf16;
   if (compute == DType::f32) {
     auto* dst = reinterpret_cast<float*>(scratch);
-#pragma omp parallel for num_threads(threads) collapse(2) if (B * N * W > 65536)
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t w = 0; w < W; ++w) dst[(b * N + n) * W + w] = p[b * sb + n * sn + w * sw];
+    from_bf16 ? pack_rows<float, kernels::bf16>(x, dst, threads) : pack_rows<float, float>(x, dst, threads);
   } else {
     auto* dst = reinterpret_cast<kernels::bf16*>(scratch);
-#pragma omp parallel for num_threads(threads) collapse(2) if (B * N * W > 65536)
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t w = 0; w < W; ++w) dst[(b * N + n) * W + w] = kernels::to_bf16(p[b * sb + n * sn + w * sw]);
+    from_bf16 ? pack_rows<kernels::bf16, kernels::bf16>(x, dst, threads)
+              : pack_rows<kernels::bf16, float>(x, dst, threads);
   }
-  return {scratch, W, compute};
+  return {scratch, x.shape[2], compute};
 }
 
 // Decode's panel-packed copy of W (N, K) in the compute type t (kernels/linear.hpp; bf16 rounds once).
@@ -208,10 +225,11 @@ void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnSh
 
 }  // namespace
 
-void MultiHeadAttention::Impl::forward(const AttentionInputs& in, float* out_data, const RunOptions& run,
-                                       Workspace::Impl& ws) {
+void MultiHeadAttention::Impl::forward(const AttentionInputs& in, void* out_data, DType out_dtype,
+                                       const RunOptions& run, Workspace::Impl& ws) {
   const AttnShape s = detail::validate_inputs(cfg, in, run);
   if (!out_data) invalid("output: null pointer");
+  check_output_dtype(out_dtype);
   const int threads = threads_for(run);
   const bool pack_q = needs_packing(in.query, compute);
   const bool pack_k = !s.self_attention && needs_packing(in.key, compute);
@@ -258,7 +276,16 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, float* out_dat
     }
     a.dropout_base = static_cast<uint64_t>((b * H + h) * T * Tk);
   });
-  out.run(ws.exec, ctx, s.B * T, E, out_data, E, threads);
+  out.run(ws.exec, ctx, s.B * T, E, out_data, E, threads, out_dtype);
+}
+
+void MultiHeadAttention::Impl::check_output_dtype(DType out_dtype) const {
+  if (out_dtype == DType::f32 || (out_dtype == DType::bf16 && compute == DType::bf16)) return;
+  if (out_dtype == DType::bf16) {
+    invalid("output: dtype bf16 needs a layer computing in bf16 (EngineOptions.compute = bf16); this one computes "
+            "in f32");
+  }
+  invalid(std::string("output: expected dtype f32 or bf16, got ") + to_string(out_dtype));
 }
 
 MultiHeadAttention::MultiHeadAttention(const Config& config, const Weights& weights, const EngineOptions& options) {
@@ -277,7 +304,12 @@ MultiHeadAttention::MultiHeadAttention(MultiHeadAttention&&) noexcept = default;
 MultiHeadAttention& MultiHeadAttention::operator=(MultiHeadAttention&&) noexcept = default;
 
 void MultiHeadAttention::forward(const AttentionInputs& in, float* out, const RunOptions& run, Workspace* ws) {
-  impl_->with_workspace(ws, "forward", [&](Workspace::Impl& w) { impl_->forward(in, out, run, w); });
+  forward(in, out, DType::f32, run, ws);
+}
+
+void MultiHeadAttention::forward(const AttentionInputs& in, void* out, DType out_dtype, const RunOptions& run,
+                                 Workspace* ws) {
+  impl_->with_workspace(ws, "forward", [&](Workspace::Impl& w) { impl_->forward(in, out, out_dtype, run, w); });
 }
 
 size_t MultiHeadAttention::workspace_bytes(int64_t B, int64_t T, int64_t Tk) const {
@@ -307,6 +339,7 @@ void MultiHeadAttention::reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws
       L.proj_v[0].prepare(w.exec, Tk, L.cfg.value_width(), D, 1, slot, L.compute);
     }
     L.out.prepare(w.exec, B * T, E, E, L.default_threads, 0);
+    if (L.compute == DType::bf16) L.out.prepare(w.exec, B * T, E, E, L.default_threads, 0, DType::bf16);
   };
   impl_->with_workspace(ws, "reserve", prepare);
 }

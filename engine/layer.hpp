@@ -97,7 +97,9 @@ struct MultiHeadAttention::Impl {
   kernels::AttentionArgs base_args(int64_t T, int64_t Tk) const;
 
   // The batch forward (attention.cpp).
-  void forward(const AttentionInputs& in, float* out, const RunOptions& run, Workspace::Impl& ws);
+  void forward(const AttentionInputs& in, void* out, DType out_dtype, const RunOptions& run, Workspace::Impl& ws);
+  // f32 always; bf16 from a bf16 layer (its output GEMM writes bf16); anything else is an invalid_argument error.
+  void check_output_dtype(DType out_dtype) const;
   ForwardPlan forward_plan(const detail::AttnShape& s, bool pack_q, bool pack_k, bool pack_v, int threads) const;
 
   // Serving with a KV cache (serving.cpp).

@@ -9,6 +9,7 @@
 
 #include "engine/util.hpp"
 #include "gpt2attn/error.hpp"
+#include "kernels/bf16.hpp"
 
 namespace gpt2attn::detail {
 namespace {
@@ -38,9 +39,10 @@ void check_view(const TensorView& v, const char* name, const char* dims) {
   }
 }
 
-void require_dtype(const TensorView& v, const char* name, DType want) {
-  if (v.dtype != want) {
-    invalid(std::string(name) + ": expected dtype " + to_string(want) + ", got " + to_string(v.dtype));
+// Activations (query, key, value) come as f32 or bf16, whatever the layer computes in: as_rows converts once.
+void require_activation_dtype(const TensorView& v, const char* name) {
+  if (v.dtype != DType::f32 && v.dtype != DType::bf16) {
+    invalid(std::string(name) + ": expected dtype f32 or bf16, got " + to_string(v.dtype));
   }
 }
 
@@ -93,14 +95,17 @@ void check_additive_mask(const TensorView& v) {
 
 }  // namespace
 
-// Scans a rank-3 f32 view through its strides; the message gives the first bad element's (b, t, e).
+// Scans a rank-3 f32 or bf16 view through its strides; the message gives the first bad element's (b, t, e).
 void check_finite(const TensorView& v, const char* name, const char* len_symbol) {
-  const auto* p = static_cast<const float*>(v.data);
   const int64_t sB = v.strides[0], sT = v.strides[1], sE = v.strides[2];
+  auto at = [&](int64_t i) {
+    return v.dtype == DType::bf16 ? kernels::widen(static_cast<const kernels::bf16*>(v.data)[i])
+                                  : static_cast<const float*>(v.data)[i];
+  };
   for (int64_t b = 0; b < v.shape[0]; ++b) {
     for (int64_t t = 0; t < v.shape[1]; ++t) {
       for (int64_t e = 0; e < v.shape[2]; ++e) {
-        const float x = p[b * sB + t * sT + e * sE];
+        const float x = at(b * sB + t * sT + e * sE);
         if (!std::isfinite(x)) {
           const char* what = std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf");
           invalid(std::string(name) + " contains " + what + " at (b, " + len_symbol + ", e) = (" + str(b) + ", " +
@@ -139,8 +144,8 @@ AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const
   // query (B, T, d_in)
   const TensorView& q = in.query;
   check_view(q, "query", "B, T and the width d_in");
-  if (q.empty()) invalid("query: missing; expected a (B, T, d_in) f32 tensor");
-  require_dtype(q, "query", DType::f32);
+  if (q.empty()) invalid("query: missing; expected a (B, T, d_in) f32 or bf16 tensor");
+  require_activation_dtype(q, "query");
   if (q.rank != 3) {
     invalid("query: expected rank 3 (B, T, d_in), got rank " + str(q.rank) + " with shape " + q.shape_str());
   }
@@ -172,8 +177,8 @@ AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const
     s.Tk = s.T;
     s.kdim = s.vdim = s.d_in;
   } else {
-    require_dtype(k, "key", DType::f32);
-    require_dtype(v, "value", DType::f32);
+    require_activation_dtype(k, "key");
+    require_activation_dtype(v, "value");
     if (k.rank != 3) {
       invalid("key: expected rank 3 (B, Tk, kdim), got rank " + str(k.rank) + " with shape " + k.shape_str());
     }

@@ -143,10 +143,12 @@ py::array_t<float> cached_row(const ga::KvCache& c,
   return a;
 }
 
-ga::EngineOptions engine_options(int threads, const std::string& isa) {
+ga::EngineOptions engine_options(int threads, const std::string& isa, const std::string& compute) {
   ga::EngineOptions o;
   o.threads = threads;
   o.isa = ga::isa_from_string(isa);
+  if (compute != "f32" && compute != "bf16") invalid("compute '" + compute + "' (supported: f32, bf16)");
+  o.compute = ga::dtype_from_string(compute);
   return o;
 }
 
@@ -329,10 +331,14 @@ PYBIND11_MODULE(_gpt2attn, m) {
 
   py::class_<ga::MultiHeadAttention>(m, "MultiHeadAttention",
                                      "torch.nn.MultiheadAttention's computation (gpt2attn/attention.hpp).")
-      .def(py::init([](const ga::Config& c, const ga::Weights& w, int threads, const std::string& isa) {
-             return ga::MultiHeadAttention(c, w, engine_options(threads, isa));
+      .def(py::init([](const ga::Config& c, const ga::Weights& w, int threads, const std::string& isa,
+                       const std::string& compute) {
+             return ga::MultiHeadAttention(c, w, engine_options(threads, isa, compute));
            }),
-           py::arg("config"), py::arg("weights"), py::arg("threads") = 0, py::arg("isa") = "best")
+           py::arg("config"), py::arg("weights"), py::arg("threads") = 0, py::arg("isa") = "best",
+           py::arg("compute") = "f32",
+           "compute: 'f32' or 'bf16' (bf16 weights, projections and attention core with f32 accumulation; "
+           "inputs and outputs stay float32 arrays).")
       .def(
           "forward",
           [](ga::MultiHeadAttention& self, const py::object& query, const py::object& key, const py::object& value,
@@ -364,10 +370,14 @@ PYBIND11_MODULE(_gpt2attn, m) {
 
   py::class_<ga::CausalSelfAttention>(m, "CausalSelfAttention",
                                       "GPT-2's attention block: fused QKV, causal, with KV-cache serving.")
-      .def(py::init([](const ga::Config& c, const ga::Weights& w, int threads, const std::string& isa) {
-             return ga::CausalSelfAttention(c, w, engine_options(threads, isa));
+      .def(py::init([](const ga::Config& c, const ga::Weights& w, int threads, const std::string& isa,
+                       const std::string& compute) {
+             return ga::CausalSelfAttention(c, w, engine_options(threads, isa, compute));
            }),
-           py::arg("config"), py::arg("weights"), py::arg("threads") = 0, py::arg("isa") = "best")
+           py::arg("config"), py::arg("weights"), py::arg("threads") = 0, py::arg("isa") = "best",
+           py::arg("compute") = "f32",
+           "compute: 'f32' or 'bf16' (bf16 weights, projections and attention core with f32 accumulation; "
+           "inputs and outputs stay float32 arrays).")
       .def(
           "forward",
           [](ga::CausalSelfAttention& self, const py::object& x, const py::object& out, int threads,

@@ -13,7 +13,7 @@ if [ "${GPT2ATTN_SKIP_TSAN:-0}" != 1 ]; then
   bash "$root/scripts/tsan.sh"
 fi
 # The suite again under AddressSanitizer + UndefinedBehaviorSanitizer (GPT2ATTN_SKIP_ASAN=1 skips it; CI never
-# does). The two long PyTorch parity sweeps run once, above: they drive the CLI, whose paths the CLI tests cover.
+# does). The three long PyTorch parity sweeps run once, above: they drive the CLI, whose paths the CLI tests cover.
 if [ "${GPT2ATTN_SKIP_ASAN:-0}" != 1 ]; then
-  bash "$root/scripts/asan.sh" -E "python.test_torch_mha_parity|python.test_seed_modules"
+  bash "$root/scripts/asan.sh" -E "python.test_torch_mha_parity|python.test_torch_bf16_parity|python.test_seed_modules"
 fi

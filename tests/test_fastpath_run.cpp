@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gpt2attn/error.hpp"
+#include "kernels/bf16.hpp"
 #include "tests/fastpath_util.hpp"
 
 namespace gpt2attn {
@@ -26,6 +27,7 @@ using test::FastPathTest;
 using test::make_config;
 using test::make_tensor;
 using test::OwnedInputs;
+using test::OwnedTensor;
 using test::random_uniform;
 using test::reduction_length;
 using test::simple_inputs;
@@ -265,6 +267,92 @@ TEST_P(FastPathCausalSelf, LongerThanContextIsRefused) {
   }
 }
 GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathCausalSelf);
+
+// =============================================================================================================
+// 6. bf16 activations in and out: TensorView dtype bf16 for query, key and value, and forward(in, out, bf16).
+
+class FastPathBf16Io : public FastPathTest {
+ protected:
+  // A bf16 copy of an f32 tensor's (already bf16-exact) values, rows `gap` elements apart beyond their width.
+  static TensorView bf16_copy(const OwnedTensor& t, int64_t gap, std::vector<kernels::bf16>& store) {
+    const int64_t B = t.view.shape[0], N = t.view.shape[1], W = t.view.shape[2], ld = W + gap;
+    store.assign(static_cast<size_t>(B * N * ld), kernels::to_bf16(std::nanf("")));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t w = 0; w < W; ++w) store[(b * N + n) * ld + w] = kernels::to_bf16(t.f32[(b * N + n) * W + w]);
+    return TensorView::contiguous(store.data(), DType::bf16, {B, N, W}).with_strides({N * ld, ld, 1});
+  }
+};
+
+// bf16 views of values that bf16 holds exactly give, in either compute type, bitwise the output of f32 views of the
+// same values: the layer converts them to its compute type once, exactly, and then computes the same thing.
+// Contiguous (a bf16 layer reads it in place) and strided views (packed first), self- and cross-attention.
+TEST_P(FastPathBf16Io, Bf16ViewsEqualF32ViewsOfTheSameValues) {
+  for (DType compute : {DType::f32, DType::bf16}) {
+    for (bool self : {true, false}) {
+      const Config c = make_config(48, 4, self ? 0 : 40, self ? 0 : 24, self ? 0 : 32, self);
+      const Weights w = Weights::random(c, 900 + self);
+      const int64_t B = 2, T = 9, Tk = self ? T : 13;
+      const OwnedInputs in = test::rounded_bf16(simple_inputs(c, B, T, Tk, self, 910 + self, 2.0f));
+      MultiHeadAttention l(c, w, EngineOptions{.threads = 2, .isa = isa(), .compute = compute});
+      std::vector<float> want(static_cast<size_t>(B * T * c.d_model));
+      l.forward(in.inputs(), want.data());
+      for (int64_t gap : {0, 3}) {
+        std::vector<kernels::bf16> q, k, v;
+        AttentionInputs b16 = in.inputs();
+        b16.query = bf16_copy(in.query, gap, q);
+        if (!self) b16.key = bf16_copy(in.key, gap, k), b16.value = bf16_copy(in.value, gap, v);
+        std::vector<float> got(want.size(), std::nanf(""));
+        l.forward(b16, got.data());
+        EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
+            << "[isa=" << to_string(isa()) << "] compute " << to_string(compute) << (self ? " self" : " cross")
+            << " bf16 views with row gap " << gap << " differ from f32 views of the same values";
+      }
+    }
+  }
+}
+
+// A bf16 layer writes bf16 output straight from its output GEMM: each value is the f32 output rounded to one of
+// its two bf16 neighbours (oneDNN rounds to nearest even; allow either neighbour, not a wider error). An f32 layer
+// refuses bf16 output, and a NaN in a bf16 input is found by check_finite, with nothing written.
+TEST_P(FastPathBf16Io, Bf16OutputAndErrors) {
+  const Config c = make_config(64, 4, 0, 0, 0, true);
+  const Weights w = Weights::random(c, 920);
+  const int64_t B = 2, T = 17;
+  const OwnedInputs in = simple_inputs(c, B, T, T, true, 921, 2.0f);
+  MultiHeadAttention l(c, w, EngineOptions{.threads = 2, .isa = isa(), .compute = DType::bf16});
+  std::vector<float> f(static_cast<size_t>(B * T * c.d_model));
+  l.forward(in.inputs(), f.data());
+  std::vector<kernels::bf16> h(f.size());
+  l.forward(in.inputs(), h.data(), DType::bf16);
+  for (size_t i = 0; i < f.size(); ++i) {
+    const float got = kernels::widen(h[i]);
+    ASSERT_LE(std::fabs(got - f[i]), std::ldexp(std::fabs(f[i]), -7) + 1e-30f)
+        << "[isa=" << to_string(isa()) << "] element " << i << ": bf16 output " << got << ", f32 output " << f[i];
+  }
+
+  MultiHeadAttention l32(c, w, EngineOptions{.threads = 2, .isa = isa()});
+  std::vector<kernels::bf16> untouched(h.size(), kernels::bf16{0x1234});
+  try {
+    l32.forward(in.inputs(), untouched.data(), DType::bf16);
+    ADD_FAILURE() << "an f32 layer wrote bf16 output";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("compute = bf16"), std::string::npos) << e.what();
+  }
+  std::vector<kernels::bf16> q;
+  AttentionInputs bad = in.inputs();
+  bad.query = bf16_copy(in.query, 0, q);
+  q[5 * c.d_model + 7] = kernels::to_bf16(std::nanf(""));  // (b, t, e) = (0, 5, 7)
+  try {
+    l.forward(bad, untouched.data(), DType::bf16);
+    ADD_FAILURE() << "a NaN in a bf16 query was not refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("query contains NaN at (b, t, e) = (0, 5, 7)"), std::string::npos) << e.what();
+  }
+  for (const kernels::bf16& x : untouched) ASSERT_EQ(x.bits, 0x1234) << "a refused call wrote its output";
+}
+GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathBf16Io);
 
 }  // namespace
 }  // namespace gpt2attn

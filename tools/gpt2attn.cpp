@@ -54,8 +54,10 @@ forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semant
          link stays and its target gets the data (a link to a missing file is refused), and an existing
          --output that is not a regular file (a device such as /dev/null, a FIFO, a directory) is refused.
          --dtype bf16 computes in bf16 (weights, projections and the attention core; f32 accumulation,
-         softmax and output; see the README's accuracy table); on a CPU or --isa without AVX512-BF16 it
-         runs through the widening kernels, with the same result up to f32 rounding. Default f32.
+         softmax and output; see the README's accuracy section); on a CPU or --isa without AVX512-BF16 the
+         attention core widens the bf16 Q, K and V to f32 and multiplies in f32 (the softmax weights are
+         not rounded to bf16 there), so its results differ from AVX512-BF16's within the bf16 bound. Default
+         f32.
 bench    times the whole layer (QKV projection, causal attention, output projection) on random weights for
          each preset (default: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b; gpt3-175b at
          min(T, 128) unless --preset names it); the median of --repeats runs (default 5). --dtype (f32 or
@@ -95,6 +97,8 @@ exit status: 0 success, 2 bad input or usage, 1 internal error.
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// `gpt2attn forward --help` and the like: main prints the usage and exits 0.
+struct HelpRequested {};
 
 // The library's kMaxThreads (include/gpt2attn/attention.hpp), which refuses more too; checked here first so
 // the message names --threads.
@@ -174,6 +178,7 @@ Args parse(int argc, char** argv, int first, const std::vector<std::string>& val
   Args a;
   for (int i = first; i < argc; ++i) {
     std::string s = argv[i];
+    if (s == "--help" || s == "-h") throw HelpRequested{};
     if (s.rfind("--", 0) != 0) throw UsageError("unexpected argument '" + s + "'");
     s = s.substr(2);
     if (std::find(flag_opts.begin(), flag_opts.end(), s) != flag_opts.end()) {
@@ -736,6 +741,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     throw UsageError(cmd.empty() ? "missing command (forward, bench or presets)" : "unknown command '" + cmd + "'");
+  } catch (const HelpRequested&) {
+    std::fputs(kUsage, stdout);
+    return 0;
   } catch (const UsageError& e) {
     std::fprintf(stderr, "gpt2attn: %s (see gpt2attn --help)\n", e.what());
     return 2;

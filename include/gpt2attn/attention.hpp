@@ -37,9 +37,9 @@ struct EngineOptions {
 
 // One call's inputs. Shapes in the B/T/Tk/E/H vocabulary; every view may be strided.
 struct AttentionInputs {
-  TensorView query;        // (B, T, d_in) f32
-  TensorView key;          // (B, Tk, kdim) f32; empty = self-attention (key = value = query, fused QKV)
-  TensorView value;        // (B, Tk, vdim) f32; given iff key is
+  TensorView query;        // (B, T, d_in) f32 or bf16
+  TensorView key;          // (B, Tk, kdim) f32 or bf16; empty = self-attention (key = value = query, fused QKV)
+  TensorView value;        // (B, Tk, vdim) f32 or bf16; given iff key is
   TensorView attn_mask;    // optional: (T, Tk), (B, T, Tk) or (B, H, T, Tk); u8 or f32
   MaskKind mask_kind = MaskKind::keep;
   TensorView key_padding;  // optional: (B, Tk), nonzero = padding (torch's key_padding_mask); u8 or f32
@@ -98,6 +98,11 @@ class MultiHeadAttention {
   // out: (B, T, E) contiguous f32, owned by the caller. Input is validated before anything is written;
   // on error `out` is untouched. With ws == null calls on one object are serialised (see Workspace).
   void forward(const AttentionInputs& in, float* out, const RunOptions& run = {}, Workspace* ws = nullptr);
+  // The same with out (B, T, E) contiguous of out_dtype: f32, or bf16 from a bf16 layer (EngineOptions::compute),
+  // written by the output GEMM itself, so a server holding bf16 activations converts nothing. query, key and
+  // value may be bf16 views for either compute type (a bf16 layer reads a contiguous one in place).
+  void forward(const AttentionInputs& in, void* out, DType out_dtype, const RunOptions& run = {},
+               Workspace* ws = nullptr);
 
   // Reserves the layer's own workspace (or `ws`) for (B, T, Tk) and creates the GEMM primitives of that
   // shape at the default thread count, so that later such calls allocate nothing of their own (oneDNN 2.6

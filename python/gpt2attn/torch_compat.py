@@ -37,13 +37,13 @@ def _f32(t):
 class MultiheadAttention:
     """A torch.nn.MultiheadAttention computed by gpt2attn (see the module docstring for the conventions)."""
 
-    def __init__(self, config, weights, batch_first=False, threads=0, isa="best"):
-        self.layer = MultiHeadAttention(config, weights, threads=threads, isa=isa)
+    def __init__(self, config, weights, batch_first=False, threads=0, isa="best", compute="f32"):
+        self.layer = MultiHeadAttention(config, weights, threads=threads, isa=isa, compute=compute)
         self.batch_first = batch_first
         self.num_heads = config.num_heads
 
     @classmethod
-    def from_torch(cls, module, context_length=8192, threads=0, isa="best"):
+    def from_torch(cls, module, context_length=8192, threads=0, isa="best", compute="f32"):
         """Copies a torch.nn.MultiheadAttention's weights; context_length bounds L and S."""
         if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
             raise InvalidArgument("from_torch: add_bias_kv and add_zero_attn are not supported")
@@ -59,7 +59,8 @@ class MultiheadAttention:
         cfg = Config(E, H, kdim=0 if module.kdim == E else module.kdim, vdim=0 if module.vdim == E else module.vdim,
                      context_length=context_length, qkv_bias=b is not None, out_bias=b_o is not None)
         weights = Weights(w_q, w_k, w_v, _f32(module.out_proj.weight), biases[0], biases[1], biases[2], b_o)
-        self = cls(cfg, weights, batch_first=getattr(module, "batch_first", False), threads=threads, isa=isa)
+        self = cls(cfg, weights, batch_first=getattr(module, "batch_first", False), threads=threads, isa=isa,
+                   compute=compute)
         self.dropout = module.dropout
         self.module_training = module.training
         return self
@@ -118,7 +119,8 @@ class MultiheadAttention:
         return out, None
 
 
-def from_hf_gpt2_block(state_dict, prefix="", num_heads=None, context_length=None, threads=0, isa="best"):
+def from_hf_gpt2_block(state_dict, prefix="", num_heads=None, context_length=None, threads=0, isa="best",
+                       compute="f32"):
     """A CausalSelfAttention from a Hugging Face GPT-2 block's attention tensors (torch tensors or arrays):
     <prefix>c_attn.weight (E, 3E) and <prefix>c_proj.weight (E, E), Conv1D weights applied as x @ W + b, and their
     biases when present (prefix e.g. "h.3.attn."). num_heads is config.json's n_head: the tensors do not hold it.
@@ -150,4 +152,4 @@ def from_hf_gpt2_block(state_dict, prefix="", num_heads=None, context_length=Non
     qkv_b = (None, None, None) if b_attn is None else (b_attn[:E], b_attn[E:2 * E], b_attn[2 * E:])
     weights = Weights(w[:E], w[E:2 * E], w[2 * E:], np.ascontiguousarray(c_proj.T),
                       qkv_b[0], qkv_b[1], qkv_b[2], b_proj)
-    return CausalSelfAttention(cfg, weights, threads=threads, isa=isa)
+    return CausalSelfAttention(cfg, weights, threads=threads, isa=isa, compute=compute)

@@ -117,7 +117,7 @@ def fmt_cmd(cli, args):
 
 def forward(cli, wd, weights, heads, query, key=None, value=None, mask=None, mask_kind=None,
             key_padding=None, causal=False, context_length=None, threads=None, prefix=None,
-            extra=(), tag="y"):
+            extra=(), tag="y", timeout=CLI_TIMEOUT_S):
     """Runs `gpt2attn forward` on numpy inputs saved in wd; returns the float32 output array.
 
     Anything but exit 0 with a float32 (B, T, E) output is a CaseFailure carrying the command and stderr."""
@@ -143,7 +143,7 @@ def forward(cli, wd, weights, heads, query, key=None, value=None, mask=None, mas
     args += list(extra)
     out = os.path.join(wd, tag + "_out.npy")
     args += ["--output", out]
-    p = run_cli(cli, args)
+    p = run_cli(cli, args, timeout=timeout)
     if p.returncode != 0:
         raise CaseFailure("exit %d (expected 0): %s; stderr: %s"
                           % (p.returncode, fmt_cmd(cli, args), p.stderr.strip()[-500:]))
@@ -203,7 +203,8 @@ def compare_with_dead_rows(got, expected, dead_rows, out_bias, reduction_length,
 # torch references.
 
 def torch_mha(module, q, k, v, attn_mask=None, key_padding_mask=None):
-    """Output of a batch_first nn.MultiheadAttention on numpy inputs, in the module's dtype, as numpy."""
+    """Output of a batch_first nn.MultiheadAttention on numpy inputs, in the module's dtype, as numpy (a bfloat16
+    module's as float32, exactly: numpy has no bfloat16)."""
     dt = next(module.parameters()).dtype
     tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a)).to(dt) for a in (q, k, v))
     am = None if attn_mask is None else torch.as_tensor(attn_mask)
@@ -212,7 +213,8 @@ def torch_mha(module, q, k, v, attn_mask=None, key_padding_mask=None):
     kpm = None if key_padding_mask is None else torch.as_tensor(key_padding_mask)
     # grad stays enabled: torch 1.13's fast path (and its NaN/zero conventions) is then never taken
     y, _ = module(tq, tk, tv, attn_mask=am, key_padding_mask=kpm, need_weights=False)
-    return y.detach().numpy()
+    y = y.detach()
+    return (y.float() if y.dtype == torch.bfloat16 else y).numpy()
 
 
 def causal_block_mask(T, Tk):

@@ -1,7 +1,7 @@
 # tests/python/test_cli_errors.py: the CLI's bad-input contract. Every bad input exits 2 with exactly one
 # clear stderr line naming the problem, no signal or trace dump, and no output file left behind.
-# Also `gpt2attn presets` and `gpt2attn --help` succeed, and --output follows links but never replaces a
-# device or FIFO. Numerical results are the other scripts' business.
+# Also `gpt2attn presets` and `gpt2attn --help` succeed, `forward --dtype bf16` runs, and --output follows links
+# but never replaces a device or FIFO. Numerical results are the other scripts' business.
 import json
 import os
 import re
@@ -157,7 +157,27 @@ def main():
         ["mask-kind", "mask kind", "kind", "sometimes"])
     err("unwritable_output_dir", fx.fwd(), ["output", "no such", "cannot", "write", "open"],
         output=os.path.join(fx.dir, "no_such_dir", "y.npy"))
-    r.case("dtype_bf16_accepted_or_refused", lambda: dtype_bf16(r, fx))
+
+    # --- --dtype: f32 or bf16, once (bench takes it repeated, each value once) ---
+    dtype_values = r"--dtype.*\bf32\b.*\bbf16\b"  # names the option and both supported values
+    err("dtype_fp16_unsupported", fx.fwd(extra=["--dtype", "fp16"]), [r"--dtype fp16\b.*f32, bf16"])
+    err("dtype_int8_unsupported", fx.fwd(extra=["--dtype", "int8"]), [dtype_values])
+    err("dtype_given_twice", fx.fwd(extra=["--dtype", "bf16", "--dtype", "f32"]),
+        [r"--dtype.*(more than once|twice)"])
+    err("dtype_missing_value_at_end", fx.fwd(), [r"--dtype.*value"], tail=["--dtype"])
+    err("bench_dtype_fp8_unsupported", ["bench", "--preset", "gpt2-small", "--seq", "8", "--repeats", "1",
+                                        "--dtype", "fp8"], [r"--dtype fp8\b.*f32, bf16"], with_output=False)
+    # bf16 weights with a tensor cut short: the file and the tensor named, whichever --dtype computes
+    bf16_bytes = pc.safetensors_bytes(fx.sd, dtype="BF16")
+    r.case("weights_bf16_file_cut_short", weights_bf16_truncated, r, fx,
+           fx.raw("bf16_cut.safetensors", bf16_bytes[:-20]), "out_proj.bias")
+
+    def bias_past_end(h):  # the last tensor's span runs 8 bytes past the end of the file
+        h["out_proj.bias"]["data_offsets"] = [o + 8 for o in h["out_proj.bias"]["data_offsets"]]
+    r.case("weights_bf16_offsets_past_end", weights_bf16_truncated, r, fx,
+           fx.st("bf16_past.safetensors", dtype="BF16", header_override=bias_past_end), "out_proj.bias")
+    r.case("dtype_bf16_runs_f32_weights", dtype_bf16, r, fx, fx.weights)
+    r.case("dtype_bf16_runs_bf16_weights", dtype_bf16, r, fx, fx.st("bf16.safetensors", dtype="BF16"))
 
     # --- integer options: checked against the range of the type they are stored in, never narrowed ---
     err("threads_beyond_int_range", fx.fwd(extra=["--threads", "4294967296"]),
@@ -346,17 +366,33 @@ def output_dangling_symlink_refused(r, fx):
     return msg
 
 
-def dtype_bf16(r, fx):
-    """--dtype bf16: either it runs (exit 0 with a float32 (B, T, E) output) or it is refused cleanly."""
+def dtype_bf16(r, fx, weights):
+    """--dtype bf16 runs: exit 0, nothing on stderr, a finite float32 (B, T, E) output."""
     wd = r.workdir()
     out = os.path.join(wd, "y.npy")
-    args = fx.fwd(extra=["--dtype", "bf16", "--output", out])
+    args = fx.fwd(weights=weights, extra=["--dtype", "bf16", "--output", out])
     p = pc.run_cli(r.cli, args)
-    if p.returncode == 0:
-        y = np.load(out)
-        check(y.shape == (B, T, E) and y.dtype == np.float32, "bf16 output %s %s" % (y.shape, y.dtype))
-        return "accepted"
-    return expect_error(r, fx.fwd(extra=["--dtype", "bf16"]), ["dtype", "bf16"])
+    cmd = pc.fmt_cmd(r.cli, args)
+    check(p.returncode == 0, "exit %d, expected 0: %s; stderr: %r" % (p.returncode, cmd, p.stderr[-300:]))
+    check(p.stderr.strip() == "", "stderr not empty: %r (%s)" % (p.stderr[-300:], cmd))
+    check(os.path.exists(out), "exit 0 but no output file: %s" % cmd)
+    y = np.load(out, allow_pickle=False)
+    check(y.shape == (B, T, E) and y.dtype == np.float32, "bf16 output %s %s, expected %s float32"
+          % (y.shape, y.dtype, (B, T, E)))
+    check(np.all(np.isfinite(y)), "bf16 output has %d non-finite elements" % int(np.sum(~np.isfinite(y))))
+    return "max |y| %.3g" % float(np.max(np.abs(y)))
+
+
+def weights_bf16_truncated(r, fx, weights, tensor):
+    """A BF16 weights file whose `tensor` runs past the end of the file: the bad-input contract, under --dtype
+    bf16 and f32 alike, with one line naming the file and the tensor."""
+    notes = []
+    for dtype in ("bf16", "f32"):
+        msg = expect_error(r, fx.fwd(weights=weights, extra=["--dtype", dtype]), [re.escape(os.path.basename(weights))])
+        check(tensor in msg, "stderr does not name the tensor %s: %r" % (tensor, msg))
+        notes.append(msg)
+    check(notes[0] == notes[1], "--dtype bf16 and f32 say different things: %r vs %r" % tuple(notes))
+    return notes[0]
 
 
 def presets(r):

@@ -161,6 +161,30 @@ def test_hf_gpt2_block_matches_causal_torch_mha():
         gpt2attn.from_hf_gpt2_block(hf, "h.0.attn.")
 
 
+def test_bf16_compute_is_as_accurate_as_torch_bf16():
+    """compute="bf16" through from_hf_gpt2_block and from_torch: error against fp64 at most 1.5x that of the same
+    torch module run in bfloat16 (the CLI's test_torch_bf16_parity.py covers the shapes; this covers the option)."""
+    rng = np.random.default_rng(21)
+    module = torch.nn.MultiheadAttention(96, 6, batch_first=True).eval()
+    hf = pc.hf_gpt2_layout(pc.state_dict_of(module), "h.0.attn.")
+    x = rand(rng, 2, 33, 96)
+    mask = pc.causal_block_mask(33, 33)
+    with torch.no_grad():
+        t = torch.from_numpy(x)
+        want, _ = module.double()(t.double(), t.double(), t.double(), attn_mask=mask, need_weights=False)
+        b = t.bfloat16()
+        theirs, _ = module.bfloat16()(b, b, b, attn_mask=mask, need_weights=False)
+    torch_err = float((theirs.double() - want).abs().max())
+    layer = gpt2attn.from_hf_gpt2_block(hf, "h.0.attn.", num_heads=6, compute="bf16")
+    assert "bf16/" in layer.implementation and "avx512_core_bf16" in layer.implementation or \
+        gpt2attn.best_isa() != "avx512_bf16", layer.implementation
+    ours_err = float(np.abs(layer.forward(x) - want.numpy()).max())
+    assert ours_err <= 1.5 * torch_err, (ours_err, torch_err)
+    assert ours_err > 1e-4, "compute='bf16' gave an f32-accurate result: the option did not reach the layer"
+    with pytest.raises(gpt2attn.InvalidArgument, match="compute 'fp8'"):
+        gpt2attn.from_hf_gpt2_block(hf, "h.0.attn.", num_heads=6, compute="fp8")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Zero copy: inputs are read where they lie, out= is written in place.
 
