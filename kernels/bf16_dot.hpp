@@ -43,6 +43,11 @@ struct Bf16Dot<ScalarArch> {
   }
   // W pairs (lo[i], hi[i]) rounded to bf16, from W f32 values each.
   static void pack(const float* lo, const float* hi, uint32_t* dst) { *dst = bf16_pair(*lo, *hi); }
+  // W f32 values rounded to bf16. dst may overlap src's first half (a row converted in place, ascending).
+  static void narrow(const float* src, bf16* dst) {
+    const bf16 x = to_bf16(*src);
+    std::memcpy(dst, &x, sizeof x);
+  }
   // dst[d] = (r0[d], r1[d]) for d < n; r1 null pairs r0 with zeros.
   static void interleave(const bf16* r0, const bf16* r1, int64_t n, uint32_t* dst) {
     for (int64_t d = 0; d < n; ++d) {
@@ -66,6 +71,9 @@ struct Bf16Dot<xsimd::avx512f> {
     const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                            21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(order, both));
+  }
+  static void narrow(const float* src, bf16* dst) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src)));
   }
   static void interleave(const bf16* r0, const bf16* r1, int64_t n, uint32_t* dst) {
     int64_t d = 0;
