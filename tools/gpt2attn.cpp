@@ -652,7 +652,7 @@ int cmd_bench(int argc, char** argv) {
     std::printf("%-12s %-8s %-5s %3s %6s %7s %10s %9s ", "preset", "mode", "dtype", "B", "T", "threads", "median_ms",
                 "GFLOP/s");
     if (decode) std::printf("%-4s %10s %9s %7s ", "kv", "tokens/s", "MB/step", "GB/s");
-    std::printf("%-7s %s\n", "ISA", check ? "max_err (allowed)" : "");
+    std::printf("%-11s %s\n", "ISA", check ? "max_err (allowed)" : "");
   }
   bool all_ok = true;
   // Progress on stderr, never on stdout: a line per finished case, or one line rewritten in place when stderr is
@@ -700,7 +700,7 @@ int cmd_bench(int argc, char** argv) {
       if (decode) {
         std::printf("%-4s %10.0f %9.1f %7.1f ", kv_name.c_str(), r.tokens_per_s, r.bytes_per_step * 1e-6, r.gb_per_s);
       }
-      std::printf("%-7s %s\n", r.isa.c_str(), err);
+      std::printf("%-11s %s\n", r.isa.c_str(), err);
     }
     std::fflush(stdout);
     if (progress) {
