@@ -205,6 +205,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   const void* xin = x;  // the input in the compute type
   if (t == DType::bf16) {
     auto* xb = reinterpret_cast<kernels::bf16*>(r.x.in(w));
+#pragma omp parallel for num_threads(threads) if (T * d_in > 65536)
     for (int64_t i = 0; i < T * d_in; ++i) xb[i] = kernels::to_bf16(x[i]);
     xin = xb;
   }
@@ -366,12 +367,14 @@ void CausalSelfAttention::reserve_serving(int64_t max_extend_tokens, int64_t max
     w.reserve(bytes);
     if (max_extend_tokens == 0) return;
     // extend()'s GEMMs on every thread of the team: Q of a max_extend_tokens prompt, K and V of a whole block
-    // at the default block size. Other chunk and segment lengths create theirs on first use.
+    // at the default block size, written as each cache format takes them (f32 rows, and under bf16 compute also
+    // bf16 rows). Other chunk and segment lengths create theirs on first use.
     const int64_t d_in = L.cfg.query_width(), D = L.cfg.head_dim();
     const int64_t bt = std::min(max_extend_tokens, KvCache::default_block_tokens(L.cfg));
     for (int slot = 0; slot < t; ++slot) {
       L.proj_q[0].prepare(w.exec, max_extend_tokens, d_in, D, 1, slot, L.compute);
-      L.proj_k[0].prepare(w.exec, bt, d_in, D, 1, slot, L.compute);
+      L.proj_k[0].prepare(w.exec, bt, d_in, D, 1, slot, DType::f32);
+      if (L.compute != DType::f32) L.proj_k[0].prepare(w.exec, bt, d_in, D, 1, slot, L.compute);
     }
     L.out.prepare(w.exec, max_extend_tokens, L.cfg.d_model, L.cfg.d_model, t, 0);
   });

@@ -293,11 +293,11 @@ std::vector<float> random_tokens(int64_t n, std::mt19937_64& rng) {
 }
 
 // gpt2-small width, B = 4 sequences of different lengths (one crosses a 64-token block boundary while armed).
-void check_isa(Isa isa) {
-  const std::string tag = std::string("[isa=") + to_string(isa) + " threads=2] ";
+void check_isa(Isa isa, DType compute) {
+  const std::string tag = std::string("[isa=") + to_string(isa) + " compute=" + to_string(compute) + " threads=2] ";
   const Config c = preset("gpt2-small");
   const Weights w = Weights::random(c, 1);
-  CausalSelfAttention block(c, w, EngineOptions{.threads = 2, .isa = isa});
+  CausalSelfAttention block(c, w, EngineOptions{.threads = 2, .isa = isa, .compute = compute});
   const int64_t E = c.d_model, W = c.query_width(), B = 4;
   const RunOptions run{.threads = 2};
   std::mt19937_64 rng(2);
@@ -435,11 +435,13 @@ int main() {
       std::printf("skip  [isa=%s] not supported by this CPU\n", to_string(isa));
       continue;
     }
-    try {
-      check_isa(isa);
-    } catch (const std::exception& e) {
-      std::printf("FAIL  [isa=%s] set-up threw: %s\n", to_string(isa), e.what());
-      ++g_failed;
+    for (DType compute : {DType::f32, DType::bf16}) {
+      try {
+        check_isa(isa, compute);
+      } catch (const std::exception& e) {
+        std::printf("FAIL  [isa=%s compute=%s] set-up threw: %s\n", to_string(isa), to_string(compute), e.what());
+        ++g_failed;
+      }
     }
   }
   check_allocation_failures();
