@@ -95,7 +95,8 @@ size_t ExecContext::KeyHash::operator()(const Key& k) const {
 ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot,
                                   DType dst_type) const {
   if (dst_type != DType::f32 && dst_type != compute_) {
-    fail(ErrorCode::internal, std::string("linear: a ") + to_string(compute_) + " GEMM cannot write " + to_string(dst_type));
+    fail(ErrorCode::internal,
+         std::string("linear: a ") + to_string(compute_) + " GEMM cannot write " + to_string(dst_type));
   }
   const ExecContext::Key key{N_, K_, has_bias_, compute_, dst_type, M, lda, ldc, threads, slot};
   std::lock_guard<std::mutex> lock(ctx.mu_);

@@ -5,6 +5,10 @@
 namespace gpt2attn::kernels {
 using Arch2 = xsimd::fma3<xsimd::avx2>;
 const AttentionKernel& attention_bf16_avx2() { return make_attention_kernel<Arch2, tiles::kAvx2, bf16, bf16>("avx2"); }
-const AttentionKernel& attention_bf16_kvf32_avx2() { return make_attention_kernel<Arch2, tiles::kAvx2, float, bf16>("avx2"); }
-const AttentionKernel& attention_bf16_kvi8_avx2() { return make_attention_kernel<Arch2, tiles::kAvx2, int8_t, bf16>("avx2"); }
+const AttentionKernel& attention_bf16_kvf32_avx2() {
+  return make_attention_kernel<Arch2, tiles::kAvx2, float, bf16>("avx2");
+}
+const AttentionKernel& attention_bf16_kvi8_avx2() {
+  return make_attention_kernel<Arch2, tiles::kAvx2, int8_t, bf16>("avx2");
+}
 }  // namespace gpt2attn::kernels

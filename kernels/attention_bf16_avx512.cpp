@@ -4,7 +4,13 @@
 
 namespace gpt2attn::kernels {
 using Arch512 = xsimd::avx512f;
-const AttentionKernel& attention_bf16_avx512() { return make_attention_kernel<Arch512, tiles::kAvx512, bf16, bf16>("avx512"); }
-const AttentionKernel& attention_bf16_kvf32_avx512() { return make_attention_kernel<Arch512, tiles::kAvx512, float, bf16>("avx512"); }
-const AttentionKernel& attention_bf16_kvi8_avx512() { return make_attention_kernel<Arch512, tiles::kAvx512, int8_t, bf16>("avx512"); }
+const AttentionKernel& attention_bf16_avx512() {
+  return make_attention_kernel<Arch512, tiles::kAvx512, bf16, bf16>("avx512");
+}
+const AttentionKernel& attention_bf16_kvf32_avx512() {
+  return make_attention_kernel<Arch512, tiles::kAvx512, float, bf16>("avx512");
+}
+const AttentionKernel& attention_bf16_kvi8_avx512() {
+  return make_attention_kernel<Arch512, tiles::kAvx512, int8_t, bf16>("avx512");
+}
 }  // namespace gpt2attn::kernels

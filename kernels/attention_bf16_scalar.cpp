@@ -5,7 +5,13 @@
 #include "kernels/attention_impl.hpp"
 
 namespace gpt2attn::kernels {
-const AttentionKernel& attention_bf16_scalar() { return make_attention_kernel_bf16dot<ScalarArch, tiles::kScalar>("scalar"); }
-const AttentionKernel& attention_bf16_kvf32_scalar() { return make_attention_kernel<ScalarArch, tiles::kScalar, float, bf16>("scalar"); }
-const AttentionKernel& attention_bf16_kvi8_scalar() { return make_attention_kernel<ScalarArch, tiles::kScalar, int8_t, bf16>("scalar"); }
+const AttentionKernel& attention_bf16_scalar() {
+  return make_attention_kernel_bf16dot<ScalarArch, tiles::kScalar>("scalar");
+}
+const AttentionKernel& attention_bf16_kvf32_scalar() {
+  return make_attention_kernel<ScalarArch, tiles::kScalar, float, bf16>("scalar");
+}
+const AttentionKernel& attention_bf16_kvi8_scalar() {
+  return make_attention_kernel<ScalarArch, tiles::kScalar, int8_t, bf16>("scalar");
+}
 }  // namespace gpt2attn::kernels

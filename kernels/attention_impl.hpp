@@ -214,7 +214,9 @@ struct MicroBf16Dot {
       for (int v = 0; v < QV; ++v) Dot::narrow(row + v * W, reinterpret_cast<bf16*>(row) + v * W);
     }
     for (int64_t i = 0; i < nq; ++i) {
-      for (int64_t d = 0; d < D; ++d) std::memcpy(out + i * ldo + d, reinterpret_cast<const bf16*>(acc + d * BQ) + i, 2);
+      for (int64_t d = 0; d < D; ++d) {
+        std::memcpy(out + i * ldo + d, reinterpret_cast<const bf16*>(acc + d * BQ) + i, sizeof(bf16));
+      }
     }
   }
 

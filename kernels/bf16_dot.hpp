@@ -78,10 +78,11 @@ struct Bf16Dot<xsimd::avx512f> {
   static void interleave(const bf16* r0, const bf16* r1, int64_t n, uint32_t* dst) {
     int64_t d = 0;
     for (; d + 16 <= n; d += 16) {
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d)));
-      const __m512i hi = r1 ? _mm512_slli_epi32(
-                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d))), 16)
-                            : _mm512_setzero_si512();
+      auto widen16 = [](const bf16* p) {  // 16 bf16 -> the low halves of 16 lanes
+        return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      };
+      const __m512i lo = widen16(r0 + d);
+      const __m512i hi = r1 ? _mm512_slli_epi32(widen16(r1 + d), 16) : _mm512_setzero_si512();
       _mm512_storeu_si512(dst + d, _mm512_or_si512(lo, hi));
     }
     Bf16Dot<ScalarArch>::interleave(r0 + d, r1 ? r1 + d : nullptr, n - d, dst + d);

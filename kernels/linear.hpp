@@ -1,7 +1,8 @@
 // kernels/linear.hpp: y = x W^T + b for a few rows (decode: one row per sequence), reading W once from a
 // panel-packed copy held as f32 or bf16 (a bf16 layer's decode streams half the weight bytes; the weights are
-// widened to f32 as they are loaded, and x, the bias, the sums and y stay f32). Pure compute on pointers: no allocation, threads or oneDNN; the engine packs the weights
-// once at construction and splits the panels across threads.
+// widened to f32 as they are loaded, and x, the bias, the sums and y stay f32). Pure compute on pointers: no
+// allocation, threads or oneDNN; the engine packs the weights once at construction and splits the panels across
+// threads.
 //
 // Why not oneDNN here: a decode step's GEMMs have M = B (1..64), so they are bound by streaming W, which any
 // register-blocked loop does at memory speed; and oneDNN 2.6's primitive execute allocates its argument map

@@ -1,4 +1,5 @@
-// kernels/linear_scalar.cpp: the portable scalar twin of the few-row linear layer (no SIMD flags), f32 and bf16 weights.
+// kernels/linear_scalar.cpp: the portable scalar twin of the few-row linear layer (no SIMD flags), f32 and bf16
+// weights.
 #define GPT2ATTN_SCALAR_ONLY 1
 #include "kernels/linear_impl.hpp"
 

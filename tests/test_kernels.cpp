@@ -234,7 +234,9 @@ class KernelTest : public test::IsaTest {
     test::IsaTest::SetUp();
     if (IsSkipped()) return;
     const Isa row = detail::kernels_for(isa(), DType::f32, DType::f32).isa;
-    if (row != isa()) GTEST_SKIP() << to_string(isa()) << " has no f32 kernels of its own (it uses " << to_string(row) << "'s)";
+    if (row != isa()) {
+      GTEST_SKIP() << to_string(isa()) << " has no f32 kernels of its own (it uses " << to_string(row) << "'s)";
+    }
   }
 };
 

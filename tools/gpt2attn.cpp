@@ -72,8 +72,8 @@ bench    times the whole layer (QKV projection, causal attention, output project
          is decode() of one new token for each of the B sequences (QKV projection, attention over the cache,
          output projection); every step appends, so the cache grows by 2 + repeats tokens per sequence
          (context length raised to fit). GFLOP/s: 2*B*d_in*(E+2KW) + 2*B*E*E + 4*E*B*(T+1); tokens/s = B / step;
-         bytes per step = weights ((E+2KW)*d_in + E*E)*(4 or 2 by --dtype) + K/V read B*T*2*KW*(4, 2 or 1 by --kv-dtype), plus
-         for int8 B*T*2*N*4 of scales (N K/V heads); GB/s = bytes per step / step.
+         bytes per step = weights ((E+2KW)*d_in + E*E)*(4 or 2 by --dtype) + K/V read B*T*2*KW*(4, 2 or 1 by
+         --kv-dtype), plus for int8 B*T*2*N*4 of scales (N K/V heads); GB/s = bytes per step / step.
          --kv-dtype bf16 stores the cache's K/V in bf16 (half the K/V bytes); int8 in symmetric int8 with one
          f32 scale per token and K/V head (about a quarter); default f32.
          A sweep of several presets reports each finished case on stderr (one line rewritten in place on a
@@ -713,7 +713,8 @@ int cmd_bench(int argc, char** argv) {
   }
   if (!json) {
     for (const ga::DType compute : computes) {
-      const BenchResult r = bench_prefill("gpt2-small", ga::preset("gpt2-small"), 1, 1, compute, threads, isa, 1, false);
+      const BenchResult r =
+          bench_prefill("gpt2-small", ga::preset("gpt2-small"), 1, 1, compute, threads, isa, 1, false);
       std::printf("implementation (%s): %s\n", ga::to_string(compute), r.impl.c_str());
     }
   }

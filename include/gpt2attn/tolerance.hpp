@@ -17,9 +17,9 @@ constexpr double unit_roundoff(DType t) {
 
 // accumulated_tolerance: allowed |got - expected| is atol + rtol * |expected| for values produced by chained
 // reductions of length <= reduction_length, accumulated in type p. Rounding errors of a length-K sum grow like
-// sqrt(K) for random data (worst case K); the factor 16 covers the chained GEMM -> softmax -> GEMM -> GEMM stages and exp's few ulps. The absolute
-// floor scales with the output's magnitude: cancellation makes small entries of a large result as uncertain
-// as the large ones.
+// sqrt(K) for random data (worst case K); the factor 16 covers the chained GEMM -> softmax -> GEMM -> GEMM
+// stages and exp's few ulps. The absolute floor scales with the output's magnitude: cancellation makes small
+// entries of a large result as uncertain as the large ones.
 struct Tolerance {
   double rtol, atol;
   bool accepts(double got, double expected) const {
