@@ -352,6 +352,20 @@ TEST_P(FastPathBf16Io, Bf16OutputAndErrors) {
   }
   for (const kernels::bf16& x : untouched) ASSERT_EQ(x.bits, 0x1234) << "a refused call wrote its output";
 }
+// implementation() names the bf16 row the layer runs and oneDNN's kernel for its projections: a bf16 GEMM, never
+// oneDNN's reference loops (and on a CPU with AVX512-BF16, oneDNN's avx512_core_bf16 kernel).
+TEST_P(FastPathBf16Io, ImplementationNamesTheBf16Kernels) {
+  const Config c = make_config(64, 4, 0, 0, 0, true);
+  MultiHeadAttention l(c, Weights::random(c, 930), EngineOptions{.threads = 2, .isa = isa(), .compute = DType::bf16});
+  const std::string impl = l.implementation();
+  EXPECT_NE(impl.find(std::string("kernels bf16/") + to_string(test::kernel_level(isa(), DType::bf16))),
+            std::string::npos)
+      << impl;
+  EXPECT_EQ(impl.find("onednn-matmul/ref"), std::string::npos) << "oneDNN fell back to its reference GEMM: " << impl;
+  if (isa_supported(Isa::avx512_bf16)) {
+    EXPECT_NE(impl.find("avx512_core_bf16"), std::string::npos) << impl;
+  }
+}
 GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathBf16Io);
 
 }  // namespace
