@@ -168,42 +168,56 @@ TEST_P(KvCachePrefillDecode, RandomShapes) {
 
 // bf16 compute serving a cache of each K/V dtype: a prefill in two extend() chunks, then decode steps, against the
 // reference over the plain f32 inputs and weights at gpt2attn/tolerance.hpp's layer_tolerance (bf16's own
-// roundings, the inputs' and weights', and an int8 cache's storage). The shapes are the random cases above.
+// roundings, the inputs' and weights', and an int8 cache's storage).
+void bf16_serving_matches_reference(Isa isa, const Config& c, uint64_t seed, int64_t T, int64_t steps,
+                                    int64_t block_tokens, int threads, const std::string& what,
+                                    std::map<std::string, std::vector<double>>& ref_cache) {
+  const Weights w = Weights::random(c, seed);
+  CausalSelfAttention block = make_block(c, w, isa, threads, DType::bf16);
+  const Config& cc = block.config();
+  const int64_t N = T + steps, W = cc.query_width(), E = cc.d_model, D = cc.head_dim();
+  std::mt19937_64 rng(seed + 17);
+  const std::vector<float> x = random_uniform(static_cast<size_t>(N * W), rng, -2.0f, 2.0f);
+  std::vector<double>& ref = ref_cache[what];
+  if (ref.empty()) ref = reference_sequence(cc, w, x);
+  const RunOptions run{.threads = threads};
+  for (DType kv : {DType::f32, DType::bf16, DType::i8}) {
+    KvCacheOptions opts = pool(block_tokens, N + block_tokens);
+    opts.dtype = kv;
+    KvCache cache(cc, opts);
+    const SequenceId id = cache.create();
+    const std::string ctx = label(isa, threads, what) + " | bf16 compute, " + to_string(kv) + " cache | " +
+                            test::describe(cc) + " block_tokens=" + std::to_string(block_tokens);
+    std::vector<float> got(static_cast<size_t>(N * E), kNaN);
+    const int64_t first = T / 2;  // two chunks (the first empty when T = 1)
+    if (first > 0) block.extend(cache, id, x.data(), first, got.data(), run);
+    block.extend(cache, id, x.data() + first * W, T - first, got.data() + first * E, run);
+    for (int64_t s = 0; s < steps; ++s) {
+      block.decode(cache, &id, 1, x.data() + (T + s) * W, got.data() + (T + s) * E, run);
+    }
+    const int64_t K = reduction_length(cc, N);
+    EXPECT_TRUE(test::all_close_within(
+        got, ref, [&](double m) { return layer_tolerance(DType::bf16, kv, D, K, m); },
+        ctx + " | prefill in 2 chunks then " + std::to_string(steps) + " decode steps; index = t * E + e"));
+  }
+}
+
+// The random shapes above.
 TEST_P(KvCachePrefillDecode, Bf16ComputeEveryCacheDtype) {
   static std::map<std::string, std::vector<double>> refs;
   constexpr int kCases = 16;
   for (int i = 0; i < kCases && !HasFailure(); ++i) {
     const ShapeCase k = make_shape_case(i);
-    const AttnCase& a = k.axes;
-    const Weights w = Weights::random(k.cfg, a.seed);
-    CausalSelfAttention block = make_block(k.cfg, w, isa(), a.threads, DType::bf16);
-    const Config& cc = block.config();
-    const int64_t N = a.T + k.steps, W = cc.query_width(), E = cc.d_model, D = cc.head_dim();
-    std::mt19937_64 rng(a.seed + 17);
-    const std::vector<float> x = random_uniform(static_cast<size_t>(N * W), rng, -2.0f, 2.0f);
-    std::vector<double>& ref = refs[k.desc];
-    if (ref.empty()) ref = reference_sequence(cc, w, x);
-    const RunOptions run{.threads = a.threads};
-    for (DType kv : {DType::f32, DType::bf16, DType::i8}) {
-      KvCacheOptions opts = pool(k.block_tokens, N + k.block_tokens);
-      opts.dtype = kv;
-      KvCache cache(cc, opts);
-      const SequenceId id = cache.create();
-      const std::string ctx = label(isa(), a.threads, k.desc) + " | bf16 compute, " + to_string(kv) + " cache | " +
-                              test::describe(cc) + " block_tokens=" + std::to_string(k.block_tokens);
-      std::vector<float> got(static_cast<size_t>(N * E), kNaN);
-      const int64_t first = a.T / 2;  // two chunks (the first empty when T = 1)
-      if (first > 0) block.extend(cache, id, x.data(), first, got.data(), run);
-      block.extend(cache, id, x.data() + first * W, a.T - first, got.data() + first * E, run);
-      for (int64_t s = 0; s < k.steps; ++s) {
-        block.decode(cache, &id, 1, x.data() + (a.T + s) * W, got.data() + (a.T + s) * E, run);
-      }
-      const int64_t K = reduction_length(cc, N);
-      EXPECT_TRUE(test::all_close_within(
-          got, ref, [&](double m) { return layer_tolerance(DType::bf16, kv, D, K, m); },
-          ctx + " | prefill in 2 chunks then " + std::to_string(k.steps) + " decode steps; index = t * E + e"));
-    }
+    bf16_serving_matches_reference(isa(), k.cfg, k.axes.seed, k.axes.T, k.steps, k.block_tokens, k.axes.threads,
+                                   k.desc, refs);
   }
+}
+
+// One head and a 1030-token prefill: the decode steps' keys are split across the 2 threads (split-KV) and merged.
+TEST_P(KvCachePrefillDecode, Bf16ComputeLongContextSplitKv) {
+  static std::map<std::string, std::vector<double>> refs;
+  const Config c = serving_config(64, 1, 48, 1040, true, true);
+  bf16_serving_matches_reference(isa(), c, 95, 1030, 2, 64, 2, "bf16 H=1 T=1030", refs);
 }
 
 // One prefill through extend() and CausalSelfAttention::forward on the same tokens agree (and both match the
