@@ -227,7 +227,7 @@ PYBIND11_MODULE(_gpt2attn, m) {
 
   m.def("version", [] { return std::string(gpt2attn_version()); }, "The library's MAJOR.MINOR.PATCH.");
   m.def("best_isa", [] { return std::string(ga::to_string(ga::best_supported_isa())); },
-        "The strongest kernel instruction set this CPU runs: avx512, avx2 or scalar.");
+        "The strongest kernel instruction set this CPU runs: avx512_bf16, avx512, avx2 or scalar.");
   m.def("compiled_isas", [] {
     std::vector<std::string> v;
     for (ga::Isa i : ga::compiled_isas()) v.emplace_back(ga::to_string(i));
