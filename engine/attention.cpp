@@ -20,32 +20,19 @@ namespace gpt2attn {
 
 using detail::Linear;
 using detail::AttnShape;
+using detail::Rows;
+using detail::as_rows;
+using detail::needs_packing;
 
 namespace {
 
-// A (rows, width) matrix as oneDNN reads it: base pointer (elements of the compute type) and row stride.
-struct Rows {
-  const void* data;
-  int64_t ld;
-  DType dtype;
-  const void* row(int64_t i) const { return static_cast<const std::byte*>(data) + i * ld * size_of(dtype); }
-};
-
-bool needs_packing(const TensorView& x, DType compute) {
-  const int64_t N = x.shape[1], W = x.shape[2];
-  return x.dtype != compute ||
-         !(x.strides[2] == 1 && x.strides[1] >= W && (x.shape[0] == 1 || x.strides[0] == N * x.strides[1]));
-}
-
-// One element converted: f32 <-> bf16 (rounded to nearest even once), or copied.
+// One element converted: copied, or f32 <-> bf16 (rounded to nearest even once).
 template <class Dst, class Src>
 Dst convert(Src x) {
   if constexpr (std::is_same_v<Dst, Src>) {
     return x;
-  } else if constexpr (std::is_same_v<Dst, kernels::bf16>) {
-    return kernels::to_bf16(x);
   } else {
-    return kernels::widen(x);
+    return kernels::narrow<Dst>(kernels::widen(x));
   }
 }
 
@@ -59,6 +46,16 @@ void pack_rows(const TensorView& x, Dst* dst, int threads) {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t n = 0; n < N; ++n)
       for (int64_t w = 0; w < W; ++w) dst[(b * N + n) * W + w] = convert<Dst>(p[b * sb + n * sn + w * sw]);
+}
+
+}  // namespace
+
+namespace detail {
+
+bool needs_packing(const TensorView& x, DType compute) {
+  const int64_t N = x.shape[1], W = x.shape[2];
+  return x.dtype != compute ||
+         !(x.strides[2] == 1 && x.strides[1] >= W && (x.shape[0] == 1 || x.strides[0] == N * x.strides[1]));
 }
 
 // A (B, N, W) view of the compute type whose rows are evenly spaced with unit element stride is read in place as a
@@ -77,6 +74,10 @@ Rows as_rows(const TensorView& x, DType compute, std::byte* scratch, int threads
   }
   return {scratch, x.shape[2], compute};
 }
+
+}  // namespace detail
+
+namespace {
 
 // Decode's panel-packed copy of W (N, K) in the compute type t (kernels/linear.hpp; bf16 rounds once).
 std::vector<std::byte> pack_linear(const float* w, int64_t N, int64_t K, DType t) {

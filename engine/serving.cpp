@@ -12,7 +12,6 @@
 #include "engine/kv_cache.hpp"
 #include "engine/layer.hpp"
 #include "gpt2attn/error.hpp"
-#include "kernels/bf16.hpp"
 #include "kernels/tiles.hpp"
 
 namespace gpt2attn {
@@ -202,19 +201,13 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   const int64_t segments = ceil_div(P + T, bt) - first_block;
   const DType t = compute;
   const size_t tsize = size_of(t);
-  const void* xin = x;  // the input in the compute type
-  if (t == DType::bf16) {
-    auto* xb = reinterpret_cast<kernels::bf16*>(r.x.in(w));
-#pragma omp parallel for num_threads(threads) if (T * d_in > 65536)
-    for (int64_t i = 0; i < T * d_in; ++i) xb[i] = kernels::to_bf16(x[i]);
-    xin = xb;
-  }
-  auto x_row = [&](int64_t i) { return static_cast<const std::byte*>(xin) + i * d_in * tsize; };
+  // The input in the compute type: the caller's rows, or (bf16) converted once into r.x.
+  const detail::Rows xin = detail::as_rows(TensorView::f32(x, {1, T, d_in}), t, r.x.in(w), threads);
   std::byte* q = r.q.in(w);
   float* stage = r.kv_stage.in(w);
   parallel_items(H + 2 * H_kv * segments, threads, [&](int64_t item) {
     if (item < H) {
-      proj_q[item].run(ws.exec, xin, T, d_in, q + item * T * D * tsize, D, 1, t);
+      proj_q[item].run(ws.exec, xin.data, T, xin.ld, q + item * T * D * tsize, D, 1, t);
       return;
     }
     item -= H;
@@ -223,7 +216,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     const int64_t t0 = std::max(P, blk * bt) - P, t1 = std::min(P + T, (blk + 1) * bt) - P;  // new-token rows
     float* staged = stage + ((part == KvPart::value ? H_kv : 0) + h) * T * D + t0 * D;
     void* dst = in_place ? static_cast<void*>(layout.row<std::byte>(tables[blk], part, h, (P + t0) % bt)) : staged;
-    (part == KvPart::value ? proj_v : proj_k)[h].run(ws.exec, x_row(t0), t1 - t0, d_in, dst, D, 1,
+    (part == KvPart::value ? proj_v : proj_k)[h].run(ws.exec, xin.row(t0), t1 - t0, xin.ld, dst, D, 1,
                                                       in_place ? layout.dtype : DType::f32);
     if (!in_place) {
       for (int64_t i = t0; i < t1; ++i) kv.store_row(tables[blk], part, h, (P + i) % bt, staged + (i - t0) * D);

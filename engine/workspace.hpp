@@ -46,21 +46,23 @@ class WorkspacePlan {
  public:
   template <class T>
   Region<T> region(std::initializer_list<int64_t> factors, const char* what) {
-    const int64_t bytes = checked_mul(checked_product(factors, what), static_cast<int64_t>(sizeof(T)), what);
-    const Region<T> r{at_};
-    at_ = checked_add(at_, round_up(bytes, 64, what), what);
-    return r;
+    return {place(factors, sizeof(T), what)};
   }
   // A region of elements of run-time type t (activations in the compute type, f32 or bf16).
   Region<std::byte> region(DType t, std::initializer_list<int64_t> factors, const char* what) {
-    const int64_t bytes = checked_mul(checked_product(factors, what), static_cast<int64_t>(size_of(t)), what);
-    const Region<std::byte> r{at_};
-    at_ = checked_add(at_, round_up(bytes, 64, what), what);
-    return r;
+    return {place(factors, size_of(t), what)};
   }
   int64_t bytes() const { return at_; }
 
  private:
+  // The next region's offset, for the product of `factors` elements of `element_bytes` each.
+  int64_t place(std::initializer_list<int64_t> factors, size_t element_bytes, const char* what) {
+    const int64_t bytes = checked_mul(checked_product(factors, what), static_cast<int64_t>(element_bytes), what);
+    const int64_t offset = at_;
+    at_ = checked_add(at_, round_up(bytes, 64, what), what);
+    return offset;
+  }
+
   int64_t at_ = 0;
 };
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace gpt2attn::kernels {
 
@@ -28,6 +29,18 @@ inline bf16 to_bf16(float x) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((u >> 16) | 0x40u)};  // NaN: keep it quiet
   u += 0x7fffu + ((u >> 16) & 1u);
   return {static_cast<uint16_t>(u >> 16)};
+}
+
+// The compute types' elements (f32, bf16) to and from f32, by overload and by type: widen(f32) is the value
+// itself; narrow<T>(x) stores an f32 result as T, itself or rounded to the nearest bf16.
+inline float widen(float x) { return x; }
+template <class T>
+T narrow(float x) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return to_bf16(x);
+  } else {
+    return x;
+  }
 }
 
 }  // namespace gpt2attn::kernels

@@ -17,13 +17,15 @@
 
 namespace gpt2attn::kernels {
 
+// The pair (lo, hi); the two below build it from a row and from two f32 values.
+inline uint32_t bf16_pair(bf16 lo, bf16 hi) {
+  return static_cast<uint32_t>(lo.bits) | static_cast<uint32_t>(hi.bits) << 16;
+}
 // The pair of x[0] and x[1]; hi_present = false pairs x[0] with a zero (the odd tail of a row) and never reads x[1].
 inline uint32_t bf16_pair(const bf16* x, bool hi_present = true) {
-  return static_cast<uint32_t>(x[0].bits) | (hi_present ? static_cast<uint32_t>(x[1].bits) << 16 : 0u);
+  return bf16_pair(x[0], hi_present ? x[1] : bf16{0});
 }
-inline uint32_t bf16_pair(float lo, float hi) {
-  return static_cast<uint32_t>(to_bf16(lo).bits) | static_cast<uint32_t>(to_bf16(hi).bits) << 16;
-}
+inline uint32_t bf16_pair(float lo, float hi) { return bf16_pair(to_bf16(lo), to_bf16(hi)); }
 
 template <class Arch>
 struct Bf16Dot;
@@ -50,9 +52,7 @@ struct Bf16Dot<ScalarArch> {
   }
   // dst[d] = (r0[d], r1[d]) for d < n; r1 null pairs r0 with zeros.
   static void interleave(const bf16* r0, const bf16* r1, int64_t n, uint32_t* dst) {
-    for (int64_t d = 0; d < n; ++d) {
-      dst[d] = static_cast<uint32_t>(r0[d].bits) | (r1 ? static_cast<uint32_t>(r1[d].bits) << 16 : 0u);
-    }
+    for (int64_t d = 0; d < n; ++d) dst[d] = bf16_pair(r0[d], r1 ? r1[d] : bf16{0});
   }
 };
 

@@ -15,7 +15,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "kernels/bf16.hpp"
 
@@ -34,12 +33,7 @@ void pack_linear_weights(const float* w, int64_t N, int64_t K, T* packed) {
     for (int64_t k = 0; k < K; ++k) {
       for (int64_t c = 0; c < kLinearPanel; ++c) {
         const int64_t n = p * kLinearPanel + c;
-        const float x = n < N ? w[n * K + k] : 0.0f;
-        if constexpr (std::is_same_v<T, bf16>) {
-          packed[(p * K + k) * kLinearPanel + c] = to_bf16(x);
-        } else {
-          packed[(p * K + k) * kLinearPanel + c] = x;
-        }
+        packed[(p * K + k) * kLinearPanel + c] = narrow<T>(n < N ? w[n * K + k] : 0.0f);
       }
     }
   }

@@ -32,19 +32,9 @@ inline void prefetch(const void* p, size_t bytes) {
 // log2(e): scores are kept in log2 units so the softmax runs on exp2 (kernels/attention.hpp, "Units").
 inline constexpr float kLog2e = 1.4426950408889634f;
 
-// One stored element as f32 (f32 storage: itself; bf16: kernels/bf16.hpp; int8: the integer, which its row's scale
-// multiplies later, see kernels/kv_layout.hpp).
-inline float widen(float x) { return x; }
+// One stored element as f32 (f32 and bf16: kernels/bf16.hpp; int8: the integer, which its row's scale multiplies
+// later, see kernels/kv_layout.hpp). narrow<T>, the way back for the compute types, is in kernels/bf16.hpp too.
 inline float widen(int8_t x) { return static_cast<float>(x); }
-// An f32 result stored as a compute type's element: itself, or rounded to the nearest bf16.
-template <class T>
-T narrow(float x) {
-  if constexpr (std::is_same_v<T, bf16>) {
-    return to_bf16(x);
-  } else {
-    return x;
-  }
-}
 
 template <class Arch>
 struct Vec;
