@@ -757,11 +757,10 @@ template <class WT>
     return ::testing::AssertionFailure() << "kernel reads " << kern.weight_bytes << "-byte weights, test packs "
                                          << sizeof(WT);
   }
-  std::vector<WT> packed(static_cast<size_t>(kernels::linear_packed_elements(N, K)));
+  // NaN-filled first, so an element the packing skips poisons the result.
+  std::vector<WT> packed(static_cast<size_t>(kernels::linear_packed_elements(N, K)), kernels::narrow<WT>(kNaN));
   kernels::pack_linear_weights(w.data(), N, K, packed.data());
-  if constexpr (std::is_same_v<WT, kernels::bf16>) {
-    for (float& f : w) f = kernels::widen(kernels::to_bf16(f));
-  }
+  if constexpr (std::is_same_v<WT, kernels::bf16>) test::round_bf16(w);
 
   kernels::LinearArgs a;
   const std::vector<float> x_mem = strided(x, M, K, c.ldx());
