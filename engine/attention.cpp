@@ -13,6 +13,7 @@
 
 #include "engine/dispatch.hpp"
 #include "engine/layer.hpp"
+#include "engine/weights_copy.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/bf16.hpp"
 
@@ -79,15 +80,33 @@ Rows as_rows(const TensorView& x, DType compute, std::byte* scratch, int threads
 
 namespace {
 
-// Decode's panel-packed copy of W (N, K) in the compute type t (kernels/linear.hpp; bf16 rounds once).
-std::vector<std::byte> pack_linear(const float* w, int64_t N, int64_t K, DType t) {
-  std::vector<std::byte> out(static_cast<size_t>(kernels::linear_packed_elements(N, K)) * size_of(t));
-  if (t == DType::bf16) {
-    kernels::pack_linear_weights(w, N, K, reinterpret_cast<kernels::bf16*>(out.data()));
-  } else {
-    kernels::pack_linear_weights(w, N, K, reinterpret_cast<float*>(out.data()));
+// Decode's panel-packed copy (kernels/linear.hpp) in the compute type t of the (N, K) matrix whose rows [n0, n0 + n)
+// rows(n0, n, dst) writes contiguously in t: one panel of rows at a time, so no (N, K) copy is ever made.
+template <class Rows>
+std::vector<std::byte> pack_linear(int64_t N, int64_t K, DType t, Rows&& rows) {
+  const int64_t P = kernels::kLinearPanel, bytes = static_cast<int64_t>(size_of(t));
+  std::vector<std::byte> out(static_cast<size_t>(kernels::linear_packed_elements(N, K) * bytes));
+  std::vector<std::byte> panel(static_cast<size_t>(P * K * bytes));
+  for (int64_t p = 0; p < kernels::linear_panels(N); ++p) {
+    const int64_t n0 = p * P, n = std::min(P, N - n0);
+    rows(n0, n, panel.data());
+    std::byte* dst = out.data() + p * K * P * bytes;
+    if (t == DType::bf16) {
+      kernels::pack_linear_weights(reinterpret_cast<const kernels::bf16*>(panel.data()), n, K,
+                                   reinterpret_cast<kernels::bf16*>(dst));
+    } else {
+      kernels::pack_linear_weights(reinterpret_cast<const float*>(panel.data()), n, K, reinterpret_cast<float*>(dst));
+    }
   }
   return out;
+}
+
+// Rows [r0, r0 + n) of the (R, C) view w as its own (n, C) view.
+TensorView row_slice(const TensorView& w, int64_t r0, int64_t n) {
+  TensorView s = w;
+  s.data = static_cast<const std::byte*>(w.data) + r0 * w.strides[0] * static_cast<int64_t>(size_of(w.dtype));
+  s.shape[0] = n;
+  return s;
 }
 
 // Element i of an activation buffer of type t.
@@ -112,39 +131,47 @@ const void* advance(const void* p, DType dt, int64_t elems) {
 
 }  // namespace
 
-MultiHeadAttention::Impl::Impl(const Config& c, const Weights& w, const EngineOptions& o)
+MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const EngineOptions& o)
     : cfg(c),
       isa(detail::resolve_isa(o.isa)),
       compute(o.compute),
       kset(detail::kernels_for(isa, compute, compute)),
       default_threads(o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads())),
-      out(w.w_o.data(), cfg.out_bias ? w.b_o.data() : nullptr, cfg.d_model, cfg.d_model, compute) {
+      out(w.w_o, cfg.out_bias ? detail::f32_values(w.b_o).data() : nullptr, compute) {
   const int64_t D = cfg.head_dim(), E = cfg.d_model, KW = cfg.kv_width();
-  auto per_head = [&](std::vector<Linear>& dst, int64_t heads, const std::vector<float>& weight,
-                      const std::vector<float>& bias, int64_t width) {
+  auto per_head = [&](std::vector<Linear>& dst, int64_t heads, const TensorView& weight, const TensorView& bias) {
+    const std::vector<float> b = detail::f32_values(bias);
     for (int64_t h = 0; h < heads; ++h) {
-      dst.emplace_back(weight.data() + h * D * width, cfg.qkv_bias ? bias.data() + h * D : nullptr, D, width,
-                       compute);
+      dst.emplace_back(row_slice(weight, h * D, D), cfg.qkv_bias ? b.data() + h * D : nullptr, compute);
     }
   };
-  per_head(proj_q, cfg.num_heads, w.w_q, w.b_q, cfg.query_width());
-  per_head(proj_k, cfg.kv_heads(), w.w_k, w.b_k, cfg.key_width());
-  per_head(proj_v, cfg.kv_heads(), w.w_v, w.b_v, cfg.value_width());
+  per_head(proj_q, cfg.num_heads, w.w_q, w.b_q);
+  per_head(proj_k, cfg.kv_heads(), w.w_k, w.b_k);
+  per_head(proj_v, cfg.kv_heads(), w.w_v, w.b_v);
 
   if (cfg.causal && cfg.same_input_widths()) {
     const int64_t d_in = cfg.query_width(), N = E + 2 * KW;  // [q | k | v] per token
-    std::vector<float> w_qkv(static_cast<size_t>(N * d_in));
-    std::copy(w.w_q.begin(), w.w_q.end(), w_qkv.begin());
-    std::copy(w.w_k.begin(), w.w_k.end(), w_qkv.begin() + E * d_in);
-    std::copy(w.w_v.begin(), w.w_v.end(), w_qkv.begin() + (E + KW) * d_in);
-    qkv_packed = pack_linear(w_qkv.data(), N, d_in, compute);
+    const int64_t row_bytes = d_in * static_cast<int64_t>(size_of(compute));
+    // Rows [n0, n0 + n) of the fused W_qkv (N, d_in), each read from whichever of W_q, W_k, W_v holds it.
+    qkv_packed = pack_linear(N, d_in, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
+      for (int64_t r = n0; r < n0 + n;) {
+        const auto [view, first] = r < E ? std::pair{&w.w_q, r} : r < E + KW ? std::pair{&w.w_k, r - E}
+                                                                              : std::pair{&w.w_v, r - E - KW};
+        const int64_t take = std::min(n0 + n - r, view->shape[0] - first);
+        detail::copy_rows(*view, first, take, compute, dst + (r - n0) * row_bytes);
+        r += take;
+      }
+    });
     if (cfg.qkv_bias) {
-      qkv_bias.insert(qkv_bias.end(), w.b_q.begin(), w.b_q.end());
-      qkv_bias.insert(qkv_bias.end(), w.b_k.begin(), w.b_k.end());
-      qkv_bias.insert(qkv_bias.end(), w.b_v.begin(), w.b_v.end());
+      for (const TensorView* b : {&w.b_q, &w.b_k, &w.b_v}) {
+        const std::vector<float> v = detail::f32_values(*b);
+        qkv_bias.insert(qkv_bias.end(), v.begin(), v.end());
+      }
     }
-    out_packed = pack_linear(w.w_o.data(), E, E, compute);
-    if (cfg.out_bias) out_bias = w.b_o;
+    out_packed = pack_linear(E, E, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
+      detail::copy_rows(w.w_o, n0, n, compute, dst);
+    });
+    if (cfg.out_bias) out_bias = detail::f32_values(w.b_o);
   }
 
   // Every K/V storage dtype the table serves in this compute type at this level (a layer serves caches of any).
@@ -289,7 +316,18 @@ void MultiHeadAttention::Impl::check_output_dtype(DType out_dtype) const {
   invalid(std::string("output: expected dtype f32 or bf16, got ") + to_string(out_dtype));
 }
 
-MultiHeadAttention::MultiHeadAttention(const Config& config, const Weights& weights, const EngineOptions& options) {
+namespace {
+WeightsView checked_view(const Config& c, const Weights& w) {
+  c.validate();
+  w.validate(c);  // the vectors' sizes, before views of the config's shapes are made over them
+  return w.view(c);
+}
+}  // namespace
+
+MultiHeadAttention::MultiHeadAttention(const Config& config, const Weights& weights, const EngineOptions& options)
+    : MultiHeadAttention(config, checked_view(config, weights), options) {}
+
+MultiHeadAttention::MultiHeadAttention(const Config& config, const WeightsView& weights, const EngineOptions& options) {
   config.validate();
   weights.validate(config);
   detail::check_threads(options.threads, "MultiHeadAttention", "EngineOptions.threads");
@@ -362,6 +400,9 @@ std::string MultiHeadAttention::implementation() const {
 }
 
 CausalSelfAttention::CausalSelfAttention(Config config, const Weights& weights, const EngineOptions& options)
+    : CausalSelfAttention(config, checked_view((config.causal = true, config), weights), options) {}
+
+CausalSelfAttention::CausalSelfAttention(Config config, const WeightsView& weights, const EngineOptions& options)
     : mha_((config.causal = true, config), weights, options) {
   if (!mha_.config().same_input_widths()) invalid("CausalSelfAttention: kdim and vdim must equal d_in");
 }

@@ -115,7 +115,8 @@ gpt2attn_config_t to_c(const ga::Config& cfg) {
 }
 
 // Builds the handle completely before publishing it, so *out is written only on success.
-void make_layer(const ga::Config& cfg, const ga::Weights& w, gpt2attn_layer_t** out) {
+template <class W>  // Weights or WeightsView
+void make_layer(const ga::Config& cfg, const W& w, gpt2attn_layer_t** out) {
   auto* layer = new gpt2attn_layer{ga::CausalSelfAttention(cfg, w), {}, {}};
   try {
     layer->isa = ga::to_string(layer->attn.layer().isa());
@@ -221,7 +222,7 @@ gpt2attn_status_t gpt2attn_layer_load_safetensors(const char* path, const char* 
   return guarded(__func__, [&] {
     require(path, "path");
     require(out, "out");
-    const ga::LoadedLayer loaded = ga::load_safetensors_layer(path, prefix ? prefix : "");
+    const ga::StoredLayer loaded = ga::open_safetensors_layer(path, prefix ? prefix : "");
     ga::Config cfg;
     cfg.num_heads = num_heads;
     cfg.context_length = context_length;

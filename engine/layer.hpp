@@ -86,7 +86,7 @@ struct MultiHeadAttention::Impl {
   Workspace own_ws;  // for calls that bring no Workspace; serialised by mu
   std::mutex mu;
 
-  Impl(const Config& c, const Weights& w, const EngineOptions& o);
+  Impl(const Config& c, const WeightsView& w, const EngineOptions& o);
 
   int threads_for(const RunOptions& run) const { return run.threads > 0 ? run.threads : default_threads; }
 

@@ -3,6 +3,10 @@
 
 #include <omp.h>
 
+#include <cstdint>
+#include <vector>
+
+#include "engine/weights_copy.hpp"
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn::detail {
@@ -46,8 +50,9 @@ struct ExecContext::Entry {
   std::vector<dnnl_exec_arg_t> c_args;  // built once: the C++ execute() would build a vector per call
 };
 
-Linear::Linear(const float* w, const float* bias, int64_t N, int64_t K, DType compute)
-    : N_(N), K_(K), compute_(compute), has_bias_(bias != nullptr) {
+Linear::Linear(const TensorView& w, const float* bias, DType compute)
+    : N_(w.shape[0]), K_(w.shape[1]), compute_(compute), has_bias_(bias != nullptr) {
+  const int64_t N = N_, K = K_;
   const dt ct = dnnl_type(compute);
   try {
     auto& eng = cpu_engine();
@@ -60,8 +65,23 @@ Linear::Linear(const float* w, const float* bias, int64_t N, int64_t K, DType co
     weights_desc_ = pd.weights_desc();
     impl_ = pd.impl_info_str();
     weights_ = memory(weights_desc_, eng);
-    // Our (N, K) row-major weights are the (K, N) matrix oneDNN wants, in column-major order ("ba").
-    memory user_w({{K, N}, dt::f32, tag::ba}, eng, const_cast<float*>(w));
+    // oneDNN reorders f32 and bf16 through any positive strides: our (N, K) view is its (K, N) matrix with the
+    // strides swapped. f16 (which oneDNN 2.6 does not reorder on every CPU), unaligned data and broadcast (zero)
+    // strides are first read into a contiguous (N, K) copy in the compute type.
+    std::vector<std::byte> staged;
+    const bool direct = (w.dtype == DType::f32 || w.dtype == DType::bf16) && w.strides[0] > 0 && w.strides[1] > 0 &&
+                        reinterpret_cast<uintptr_t>(w.data) % size_of(w.dtype) == 0;
+    memory::desc user_desc;
+    const void* user_data = w.data;
+    if (direct) {
+      user_desc = memory::desc({K, N}, dnnl_type(w.dtype), memory::dims{w.strides[1], w.strides[0]});
+    } else {
+      staged.resize(static_cast<size_t>(N * K) * size_of(compute));
+      copy_rows(w, 0, N, compute, staged.data());
+      user_desc = memory::desc({K, N}, ct, tag::ba);
+      user_data = staged.data();
+    }
+    memory user_w(user_desc, eng, const_cast<void*>(user_data));
     dnnl::stream s(eng);
     dnnl::reorder(user_w, weights_).execute(s, user_w, weights_);
     if (has_bias_) {

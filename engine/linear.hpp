@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gpt2attn/dtype.hpp"
+#include "gpt2attn/tensor.hpp"
 
 namespace gpt2attn::detail {
 
@@ -67,9 +68,9 @@ class ExecContext {
 // its own ExecContext.
 class Linear {
  public:
-  // w: (N, K) row-major (torch layout), bias: (N) or null. Both are copied, the weights converted to `compute`
-  // (f32 or bf16); the bias stays f32.
-  Linear(const float* w, const float* bias, int64_t N, int64_t K, DType compute = DType::f32);
+  // w: an (N, K) view (torch layout) of f32, bf16 or f16 with any strides, bias: (N) f32 or null. Both are copied,
+  // the weights converted to `compute` (f32 or bf16: rounded to nearest even once, or exact; see copy_rows).
+  Linear(const TensorView& w, const float* bias, DType compute = DType::f32);
   Linear(Linear&&) noexcept;
   Linear& operator=(Linear&&) noexcept;
   ~Linear();

@@ -1,12 +1,150 @@
-// engine/weights.cpp: Weights size checks against a Config, and reproducible random initialisation.
-// File loading lives in weights_io.cpp.
+// engine/weights.cpp: Weights and WeightsView checks against a Config, reproducible random initialisation, and
+// the typed, strided reads a layer packs its weights from. File loading lives in io/weights_io.cpp.
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 
+#include "engine/io/file_io.hpp"
+#include "engine/weights_copy.hpp"
 #include "gpt2attn/error.hpp"
 #include "gpt2attn/weights.hpp"
+#include "kernels/bf16.hpp"
 
 namespace gpt2attn {
+
+namespace detail {
+namespace {
+
+// Element i of type S at p, as f32 (exact for all three), read with memcpy: a file's tensor may be unaligned.
+template <DType S>
+float load(const std::byte* p) {
+  if constexpr (S == DType::f32) {
+    float f;
+    std::memcpy(&f, p, sizeof f);
+    return f;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, p, sizeof h);
+    return S == DType::bf16 ? kernels::widen(kernels::bf16{h}) : io::f16_to_f32(h);
+  }
+}
+
+template <DType S, class Dst>
+void copy_rows_as(const TensorView& w, int64_t r0, int64_t n, Dst* dst) {
+  const int64_t cols = w.shape[1], stride_r = w.strides[0], stride_c = w.strides[1];
+  const auto* base = static_cast<const std::byte*>(w.data);
+  constexpr int64_t bytes = static_cast<int64_t>(size_of(S)), tile = 64;
+  for (int64_t rt = 0; rt < n; rt += tile) {
+    for (int64_t ct = 0; ct < cols; ct += tile) {
+      for (int64_t r = rt; r < std::min(n, rt + tile); ++r) {
+        for (int64_t c = ct; c < std::min(cols, ct + tile); ++c) {
+          dst[r * cols + c] = kernels::narrow<Dst>(load<S>(base + ((r0 + r) * stride_r + c * stride_c) * bytes));
+        }
+      }
+    }
+  }
+}
+
+template <class Dst>
+void copy_rows_to(const TensorView& w, int64_t r0, int64_t n, Dst* dst) {
+  switch (w.dtype) {
+    case DType::f32: return copy_rows_as<DType::f32>(w, r0, n, dst);
+    case DType::bf16: return copy_rows_as<DType::bf16>(w, r0, n, dst);
+    case DType::f16: return copy_rows_as<DType::f16>(w, r0, n, dst);
+    default: fail(ErrorCode::internal, std::string("weights: cannot read ") + to_string(w.dtype) + " weights");
+  }
+}
+
+// A rank-1 view (N) as the (1, N) matrix copy_rows reads.
+TensorView as_matrix(const TensorView& v) {
+  if (v.rank == 2) return v;
+  TensorView m = v;
+  m.rank = 2;
+  m.shape = {1, v.shape[0], 0, 0};
+  m.strides = {0, v.strides[0], 0, 0};
+  return m;
+}
+
+}  // namespace
+
+void copy_rows(const TensorView& w, int64_t r0, int64_t n, DType to, void* dst) {
+  if (to == DType::bf16) {
+    copy_rows_to(w, r0, n, static_cast<kernels::bf16*>(dst));
+  } else if (to == DType::f32) {
+    copy_rows_to(w, r0, n, static_cast<float*>(dst));
+  } else {
+    fail(ErrorCode::internal, std::string("weights: no layer keeps weights in ") + to_string(to));
+  }
+}
+
+std::vector<float> f32_values(const TensorView& v) {
+  std::vector<float> out;
+  if (v.empty()) return out;
+  const TensorView m = as_matrix(v);
+  out.resize(static_cast<size_t>(m.shape[0] * m.shape[1]));
+  copy_rows(m, 0, m.shape[0], DType::f32, out.data());
+  return out;
+}
+
+}  // namespace detail
+
+void WeightsView::validate(const Config& c) const {
+  const int64_t E = c.d_model, KW = c.kv_width();
+  auto check = [](const char* name, const TensorView& t, int64_t rows, int64_t cols) {
+    std::string want("(");  // appended piecewise: GCC 12 warns (-Wrestrict) on "(" + std::to_string(...)
+    want += std::to_string(rows);
+    if (cols != 0) want += ", " + std::to_string(cols);
+    want += ")";
+    const int rank = cols == 0 ? 1 : 2;
+    if (t.empty()) invalid(std::string("weights: ") + name + " is missing (expected " + want + ")");
+    if (t.rank != rank || t.shape[0] != rows || (rank == 2 && t.shape[1] != cols)) {
+      invalid(std::string("weights: ") + name + " has shape " + t.shape_str() + ", expected " + want);
+    }
+    if (t.dtype != DType::f32 && t.dtype != DType::bf16 && t.dtype != DType::f16) {
+      invalid(std::string("weights: ") + name + " has dtype " + to_string(t.dtype) + "; weights are f32, bf16 or f16");
+    }
+  };
+  check("w_q", w_q, E, c.query_width());
+  check("w_k", w_k, KW, c.key_width());
+  check("w_v", w_v, KW, c.value_width());
+  check("w_o", w_o, E, E);
+  if (c.qkv_bias) {
+    check("b_q", b_q, E, 0);
+    check("b_k", b_k, KW, 0);
+    check("b_v", b_v, KW, 0);
+  } else if (!b_q.empty() || !b_k.empty() || !b_v.empty()) {
+    invalid("weights: Q/K/V biases given but config.qkv_bias is false");
+  }
+  if (c.out_bias) {
+    check("b_o", b_o, E, 0);
+  } else if (!b_o.empty()) {
+    invalid("weights: output bias given but config.out_bias is false");
+  }
+}
+
+WeightsView Weights::view(const Config& c) const {
+  const int64_t E = c.d_model, KW = c.kv_width();
+  auto bias = [](const std::vector<float>& b) {
+    return b.empty() ? TensorView{} : TensorView::f32(b.data(), {static_cast<int64_t>(b.size())});
+  };
+  WeightsView v;
+  v.w_q = TensorView::f32(w_q.data(), {E, c.query_width()});
+  v.w_k = TensorView::f32(w_k.data(), {KW, c.key_width()});
+  v.w_v = TensorView::f32(w_v.data(), {KW, c.value_width()});
+  v.w_o = TensorView::f32(w_o.data(), {E, E});
+  v.b_q = bias(b_q), v.b_k = bias(b_k), v.b_v = bias(b_v), v.b_o = bias(b_o);
+  return v;
+}
+
+Weights Weights::copy_of(const WeightsView& v) {
+  Weights w;
+  for (auto [dst, src] : {std::pair{&w.w_q, &v.w_q}, {&w.w_k, &v.w_k}, {&w.w_v, &v.w_v}, {&w.w_o, &v.w_o},
+                          {&w.b_q, &v.b_q}, {&w.b_k, &v.b_k}, {&w.b_v, &v.b_v}, {&w.b_o, &v.b_o}}) {
+    *dst = detail::f32_values(*src);
+  }
+  return w;
+}
 
 void Weights::validate(const Config& c) const {
   const int64_t E = c.d_model, KW = c.kv_width();

@@ -25,15 +25,16 @@ inline constexpr int64_t kLinearPanel = 16;  // outputs per panel: one AVX-512 v
 inline int64_t linear_panels(int64_t N) { return (N + kLinearPanel - 1) / kLinearPanel; }
 inline int64_t linear_packed_elements(int64_t N, int64_t K) { return linear_panels(N) * K * kLinearPanel; }
 
-// w (N, K) row-major f32 -> packed (linear_packed_elements(N, K) elements of T, f32 or bf16), the layout above;
-// bf16 rounds each weight to nearest even, once.
-template <class T>
-void pack_linear_weights(const float* w, int64_t N, int64_t K, T* packed) {
+// w (N, K) row-major of S (f32 or bf16) -> packed (linear_packed_elements(N, K) elements of T, f32 or bf16), the
+// layout above; f32 -> bf16 rounds each weight to nearest even, once (the engine packs one panel at a time, N <= 16,
+// from rows already in T).
+template <class T, class S>
+void pack_linear_weights(const S* w, int64_t N, int64_t K, T* packed) {
   for (int64_t p = 0; p < linear_panels(N); ++p) {
     for (int64_t k = 0; k < K; ++k) {
       for (int64_t c = 0; c < kLinearPanel; ++c) {
         const int64_t n = p * kLinearPanel + c;
-        packed[(p * K + k) * kLinearPanel + c] = narrow<T>(n < N ? w[n * K + k] : 0.0f);
+        packed[(p * K + k) * kLinearPanel + c] = narrow<T>(n < N ? widen(w[n * K + k]) : 0.0f);
       }
     }
   }

@@ -221,6 +221,15 @@ ga::AttentionInputs attention_inputs(int64_t num_heads, const py::object& query,
 
 }  // namespace
 
+// A layer of type L built from one attention layer of a safetensors file, its tensors read as stored (a BF16 file
+// reaches a bf16 layer without an f32 copy); `config` gives num_heads and context_length, the file the sizes.
+template <class L>
+L layer_from_safetensors(const std::string& path, const ga::Config& config, const std::string& prefix, int threads,
+                         const std::string& isa, const std::string& compute) {
+  const ga::StoredLayer stored = ga::open_safetensors_layer(path, prefix);
+  return L(ga::apply_loaded_shapes(config, stored), stored.weights, engine_options(threads, isa, compute));
+}
+
 PYBIND11_MODULE(_gpt2attn, m) {
   m.doc() = "gpt2attn: GPT-2-style multi-head attention on CPUs (the C++ library, zero-copy over float32 arrays)";
   create_errors(m);
@@ -339,6 +348,11 @@ PYBIND11_MODULE(_gpt2attn, m) {
            py::arg("compute") = "f32",
            "compute: 'f32' or 'bf16' (bf16 weights, projections and attention core with f32 accumulation; "
            "inputs and outputs stay float32 arrays).")
+      .def_static("from_safetensors", &layer_from_safetensors<ga::MultiHeadAttention>, py::arg("path"), py::arg("config"),
+                  py::arg("prefix") = "", py::arg("threads") = 0, py::arg("isa") = "best", py::arg("compute") = "f32",
+                  "The layer of a safetensors file (torch or Hugging Face GPT-2 names after prefix), its tensors read "
+                  "as stored: F32, F16 or BF16, converted once into the layer's compute type. config gives num_heads "
+                  "and context_length, the file the sizes.")
       .def(
           "forward",
           [](ga::MultiHeadAttention& self, const py::object& query, const py::object& key, const py::object& value,
@@ -378,6 +392,11 @@ PYBIND11_MODULE(_gpt2attn, m) {
            py::arg("compute") = "f32",
            "compute: 'f32' or 'bf16' (bf16 weights, projections and attention core with f32 accumulation; "
            "inputs and outputs stay float32 arrays).")
+      .def_static("from_safetensors", &layer_from_safetensors<ga::CausalSelfAttention>, py::arg("path"), py::arg("config"),
+                  py::arg("prefix") = "", py::arg("threads") = 0, py::arg("isa") = "best", py::arg("compute") = "f32",
+                  "The layer of a safetensors file (torch or Hugging Face GPT-2 names after prefix), its tensors read "
+                  "as stored: F32, F16 or BF16, converted once into the layer's compute type. config gives num_heads "
+                  "and context_length, the file the sizes.")
       .def(
           "forward",
           [](ga::CausalSelfAttention& self, const py::object& x, const py::object& out, int threads,

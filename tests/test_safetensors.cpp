@@ -7,10 +7,13 @@
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <random>
 
 #include "engine/io/file_io.hpp"
 #include "engine/io/safetensors.hpp"
+#include "gpt2attn/attention.hpp"
 #include "gpt2attn/weights.hpp"
+#include "kernels/bf16.hpp"
 #include "tests/file_test_util.hpp"
 
 namespace gpt2attn {
@@ -266,10 +269,16 @@ TEST_F(Safetensors, RejectsInconsistentOffsetsAndSizes) {
 }
 
 TEST_F(Safetensors, RejectsTruncatedDataSection) {
-  const std::string good = st_file({f32("a", {4}), f32("b", {2, 2})});
-  ASSERT_NO_THROW(safetensors::read(file(good)));
-  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(good.substr(0, good.size() - 4))); }, ErrorCode::bad_file,
-                          "truncated"));
+  for (auto entry : {f32, bf16, f16}) {
+    const std::string good = st_file({entry("a", {4}, 0.0f), entry("b", {2, 2}, 0.0f)});
+    ASSERT_NO_THROW(safetensors::read(file(good)));
+    EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(good.substr(0, good.size() - 2))); }, ErrorCode::bad_file,
+                            "truncated"));
+  }
+  // A whole BF16 layer cut short in its last tensor, as a layer loader sees it.
+  const std::string layer = st_file({bf16("in_proj_weight", {6, 2}), bf16("out_proj.weight", {2, 2})});
+  const std::string cut = file(layer.substr(0, layer.size() - 2));
+  EXPECT_TRUE(ThrowsError([&] { open_safetensors_layer(cut); }, ErrorCode::bad_file, "truncated"));
 }
 
 TEST_F(Safetensors, RejectsBadMetadata) {
@@ -614,6 +623,123 @@ TEST_F(Safetensors, RejectsLayerShapesThatDisagree) {
     const std::string p = file(st_file(c.entries));
     EXPECT_TRUE(ThrowsError([&] { load_safetensors_layer(p); }, ErrorCode::bad_file, c.word)) << c.word;
   }
+}
+
+// ---- open_safetensors_layer: a layer built from the file's bytes as stored ----
+
+// `n` random values in [-scale, scale) as `dtype` bytes (each value representable in it, so the file holds exactly
+// those values): the layer from the stored bytes and the layer from their exact f32 copy see the same numbers.
+Entry random_entry(const std::string& name, const char* dtype, const std::vector<int64_t>& shape, std::mt19937& rng,
+                   float scale = 0.5f) {
+  std::uniform_real_distribution<float> u(-scale, scale);
+  const int64_t n = numel(shape);
+  if (std::string(dtype) == "F32") {
+    std::vector<float> v(n);
+    for (float& x : v) x = u(rng);
+    return {name, dtype, shape, le_bytes(v)};
+  }
+  std::vector<uint16_t> h(n);
+  for (uint16_t& x : h) {
+    const float v = u(rng);
+    // f16 by its exact small-integer encoding: v * 1024 rounded is an integer of magnitude < 2048 (exact in f16),
+    // stored as that integer scaled by 2^-10 (the exponent lowered by 10).
+    const float q = std::nearbyint(v * 1024.0f);
+    const uint16_t as_int = to_f16(q);
+    const uint16_t scaled = q == 0.0f ? as_int : static_cast<uint16_t>(as_int - (10u << 10));
+    x = std::string(dtype) == "BF16" ? kernels::to_bf16(v).bits : scaled;
+  }
+  return {name, dtype, shape, le_bytes(h)};
+}
+
+TEST_F(Safetensors, LayerFromStoredTensorsEqualsLayerFromTheirF32Copy) {
+  // E = 48, H = 4 (D = 12): every layout, stored dtype and compute type; with a 1-byte tensor first, every tensor
+  // is unaligned (read through copies), without it oneDNN reorders the stored bytes through their strides.
+  const int64_t E = 48, H = 4, B = 2, T = 9;
+  std::mt19937 rng(7);
+  std::vector<float> x(B * T * E);
+  for (float& v : x) v = std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng);
+  for (const char* dtype : {"F32", "BF16", "F16"}) {
+    for (const char* layout : {"torch-fused", "torch-separate", "hf-gpt2"}) {
+      for (bool unaligned : {false, true}) {
+        std::vector<Entry> entries;
+        if (unaligned) entries.push_back({"pad", "U8", {1}, std::string(1, '\0')});
+        const std::string L(layout);
+        if (L == "torch-fused") {
+          entries.push_back(random_entry("in_proj_weight", dtype, {3 * E, E}, rng));
+          entries.push_back(random_entry("in_proj_bias", dtype, {3 * E}, rng));
+        } else if (L == "torch-separate") {
+          for (const char* n : {"q_proj_weight", "k_proj_weight", "v_proj_weight"})
+            entries.push_back(random_entry(n, dtype, {E, E}, rng));
+        } else {
+          entries.push_back(random_entry("c_attn.weight", dtype, {E, 3 * E}, rng));
+          entries.push_back(random_entry("c_attn.bias", dtype, {3 * E}, rng));
+        }
+        entries.push_back(random_entry(L == "hf-gpt2" ? "c_proj.weight" : "out_proj.weight", dtype, {E, E}, rng));
+        entries.push_back(random_entry(L == "hf-gpt2" ? "c_proj.bias" : "out_proj.bias", dtype, {E}, rng));
+        const std::string p = file(st_file(entries));
+
+        Config c;
+        c.num_heads = H;
+        c.context_length = 64;
+        c.causal = true;
+        const Config cfg = apply_loaded_shapes(c, load_safetensors_layer(p));
+        const Weights copy = load_safetensors_layer(p).weights;
+        for (DType compute : {DType::f32, DType::bf16}) {
+          for (Isa isa : compiled_isas()) {
+            const std::string what = std::string(dtype) + " " + layout + (unaligned ? " unaligned" : "") + " " +
+                                     to_string(compute) + " " + to_string(isa);
+            const EngineOptions o{1, isa, compute};
+            // The stored layer is built and its file bytes freed before it runs: it keeps nothing of the views.
+            CausalSelfAttention stored = [&] {
+              const StoredLayer s = open_safetensors_layer(p);
+              return CausalSelfAttention(cfg, s.weights, o);
+            }();
+            CausalSelfAttention from_copy(cfg, copy, o);
+            std::vector<float> y1(B * T * E), y2(B * T * E);
+            stored.forward(x.data(), B, T, y1.data());
+            from_copy.forward(x.data(), B, T, y2.data());
+            ASSERT_EQ(std::memcmp(y1.data(), y2.data(), y1.size() * 4), 0) << "forward, " << what;
+            // Decode reads its own panel-packed copy of the weights.
+            KvCache k1(cfg, {16, 64, 0, DType::f32}), k2(cfg, {16, 64, 0, DType::f32});
+            const SequenceId s1 = k1.create(), s2 = k2.create();
+            stored.extend(k1, s1, x.data(), T, y1.data());
+            from_copy.extend(k2, s2, x.data(), T, y2.data());
+            stored.decode(k1, &s1, 1, x.data() + T * E, y1.data());
+            from_copy.decode(k2, &s2, 1, x.data() + T * E, y2.data());
+            ASSERT_EQ(std::memcmp(y1.data(), y2.data(), E * 4), 0) << "decode, " << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(Safetensors, StoredLayerViewsMatchTheFileAndRefuseOtherDtypes) {
+  const int64_t E = 4;
+  const std::string p = file(st_file({bf16("c_attn.weight", {E, 3 * E}), f16("c_proj.weight", {E, E}, 1.0f)}));
+  const StoredLayer s = open_safetensors_layer(p);
+  EXPECT_EQ(s.naming, "hf-gpt2");
+  EXPECT_EQ(s.weights.w_q.dtype, DType::bf16);
+  EXPECT_EQ(s.weights.w_o.dtype, DType::f16);
+  // Conv1D: W_q is the (E, d_in) view of c_attn's first E columns, strides (1, 3E).
+  EXPECT_EQ(s.weights.w_q.shape_str(), "(4, 4)");
+  EXPECT_EQ(s.weights.w_q.strides[0], 1);
+  EXPECT_EQ(s.weights.w_q.strides[1], 3 * E);
+  EXPECT_TRUE(s.weights.b_q.empty() && s.weights.b_o.empty());
+  Config c;
+  c.num_heads = 2;
+  const Config cfg = apply_loaded_shapes(c, s);
+  EXPECT_NO_THROW(s.weights.validate(cfg));
+  WeightsView bad = s.weights;
+  bad.w_k.dtype = DType::i8;
+  EXPECT_TRUE(ThrowsError([&] { bad.validate(cfg); }, ErrorCode::invalid_argument, "w_k has dtype i8"));
+  bad = s.weights;
+  bad.w_v.shape[1] = 3;
+  EXPECT_TRUE(ThrowsError([&] { MultiHeadAttention(cfg, bad); }, ErrorCode::invalid_argument,
+                          "w_v has shape (4, 3), expected (4, 4)"));
+  bad = s.weights;
+  bad.w_o = TensorView{};
+  EXPECT_TRUE(ThrowsError([&] { MultiHeadAttention(cfg, bad); }, ErrorCode::invalid_argument, "w_o is missing"));
 }
 
 }  // namespace

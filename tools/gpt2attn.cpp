@@ -258,7 +258,7 @@ int cmd_forward(int argc, char** argv) {
   if (a.has("key") != a.has("value")) throw UsageError("--key and --value must be given together");
   if (a.has("mask-kind") && !a.has("mask")) throw UsageError("--mask-kind given without --mask");
 
-  const ga::LoadedLayer layer = ga::load_safetensors_layer(a.required("weights"), a.get("prefix"));
+  const ga::StoredLayer layer = ga::open_safetensors_layer(a.required("weights"), a.get("prefix"));
   const ga::npy::Array q = read_float_input(a.required("query"), "query");
   ga::npy::Array k, v, mask, padding;
   ga::AttentionInputs in;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/io/file_io.hpp"
+#include "engine/weights_copy.hpp"
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn::safetensors {
@@ -240,28 +241,34 @@ File read(const std::string& path) {
   return f;
 }
 
-std::vector<float> File::to_f32(const std::string& name) const {
+TensorView File::view(const std::string& name) const {
   const auto it = tensors.find(name);
   if (it == tensors.end()) invalid(path + ": no tensor named '" + name + "'");
   const Tensor& t = it->second;
-  const uint64_t bytes = t.end - t.begin;
-  const unsigned char* src = bytes ? data.data() + t.begin : nullptr;  // data may be empty (null)
-  std::vector<float> out;
-  if (t.dtype == "F32") {
-    out.resize(bytes / 4);
-    if (bytes) std::memcpy(out.data(), src, bytes);
-  } else if (t.dtype == "F16" || t.dtype == "BF16") {
-    const bool bf16 = t.dtype == "BF16";
-    out.resize(bytes / 2);
-    for (size_t i = 0; i < out.size(); ++i) {
-      uint16_t h;
-      std::memcpy(&h, src + 2 * i, 2);
-      out[i] = bf16 ? io::bf16_to_f32(h) : io::f16_to_f32(h);
-    }
-  } else {
-    io::file_error(path, "tensor '" + name + "' has dtype " + t.dtype + "; only F32, F16 and BF16 load as float32");
+  static const std::pair<const char*, DType> kTypes[] = {{"F32", DType::f32}, {"F16", DType::f16}, {"BF16", DType::bf16}};
+  const auto type = std::find_if(std::begin(kTypes), std::end(kTypes), [&](const auto& k) { return t.dtype == k.first; });
+  if (type == std::end(kTypes)) {
+    io::file_error(path, "tensor '" + name + "' has dtype " + t.dtype + "; only F32, F16 and BF16 load as weights");
   }
-  return out;
+  if (t.shape.size() > 4) {
+    io::file_error(path, "tensor '" + name + "' has rank " + std::to_string(t.shape.size()) + "; at most 4 load");
+  }
+  TensorView v;
+  v.data = t.end > t.begin ? data.data() + t.begin : nullptr;  // an empty tensor (or data section) has no bytes
+  v.dtype = type->second;
+  v.rank = static_cast<int>(t.shape.size());
+  int64_t stride = 1;
+  for (int d = v.rank - 1; d >= 0; --d) {
+    v.shape[d] = t.shape[d];
+    v.strides[d] = stride;
+    stride *= t.shape[d];
+  }
+  return v;
+}
+
+std::vector<float> File::to_f32(const std::string& name) const {
+  const TensorView v = view(name);
+  return detail::f32_values(TensorView::contiguous(v.data, v.dtype, {v.numel()}));
 }
 
 void write_f32(const std::string& path,

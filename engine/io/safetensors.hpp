@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "gpt2attn/tensor.hpp"
+
 namespace gpt2attn::safetensors {
 
 struct Tensor {
@@ -21,7 +23,10 @@ struct File {
   std::vector<uint8_t> data;              // the data section (everything after the header)
 
   bool has(const std::string& name) const { return tensors.count(name) != 0; }
-  // The tensor converted to f32 (F32/F16/BF16); throws Error(bad_file) for other dtypes.
+  // A contiguous view of the tensor's bytes in `data`, as stored (F32, F16 or BF16; not necessarily aligned);
+  // throws Error(bad_file) for other dtypes or a rank past 4, invalid_argument for a name the file lacks.
+  TensorView view(const std::string& name) const;
+  // The tensor converted to f32, flat (exact for F32, F16 and BF16); the same errors as view().
   std::vector<float> to_f32(const std::string& name) const;
 };
 

@@ -1,5 +1,8 @@
 // engine/io/weights_io.cpp: maps one attention layer of a safetensors file (torch or Hugging Face GPT-2 naming)
-// onto Weights in torch layout. Byte-level checks are safetensors.cpp's; checks against a Config are validate()'s.
+// onto a WeightsView in torch layout over the file's bytes: fused tensors are split by offset, Conv1D weights are
+// transposed views, nothing is converted. Byte-level checks are safetensors.cpp's; checks against a Config are
+// validate()'s.
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,7 +51,7 @@ class Layer {
       bad("tensor '" + p_ + name + "' has shape " + shape_text(s) + ", expected " + shape_text(want) + " " + meaning);
   }
 
-  std::vector<float> load(const std::string& name) const { return f_.to_f32(p_ + name); }
+  TensorView view(const std::string& name) const { return f_.view(p_ + name); }
 
   const std::string& prefix() const { return p_; }
 
@@ -57,11 +60,28 @@ class Layer {
   std::string p_;
 };
 
+// The (rows, cols) view with strides (stride_r, stride_c) whose first element is element `offset` of t.
+TensorView part(const TensorView& t, int64_t offset, int64_t rows, int64_t cols, int64_t stride_r, int64_t stride_c) {
+  TensorView v = t;
+  v.data = static_cast<const std::byte*>(t.data) + offset * static_cast<int64_t>(size_of(t.dtype));
+  v.rank = 2;
+  v.shape = {rows, cols, 0, 0};
+  v.strides = {stride_r, stride_c, 0, 0};
+  return v;
+}
+// Elements [offset, offset + n) of the rank-1 view t.
+TensorView part(const TensorView& t, int64_t offset, int64_t n) {
+  TensorView v = t;
+  v.data = static_cast<const std::byte*>(t.data) + offset * static_cast<int64_t>(size_of(t.dtype));
+  v.shape[0] = n;
+  return v;
+}
+
 // Splits an (E + 2 KW) bias into the three per-projection biases (KW = H_kv * D, E for plain multi-head).
-void split_qkv_bias(const std::vector<float>& b, int64_t E, int64_t KW, Weights& w) {
-  w.b_q.assign(b.begin(), b.begin() + E);
-  w.b_k.assign(b.begin() + E, b.begin() + E + KW);
-  w.b_v.assign(b.begin() + E + KW, b.begin() + E + 2 * KW);
+void split_qkv_bias(const TensorView& b, int64_t E, int64_t KW, WeightsView& w) {
+  w.b_q = part(b, 0, E);
+  w.b_k = part(b, E, KW);
+  w.b_v = part(b, E + KW, KW);
 }
 
 // The K/V width KW of a fused [q | k | v] projection with `rows` outputs (E + 2 KW) under an output projection of
@@ -82,7 +102,7 @@ const char* const kHfNames[] = {"c_attn.weight", "c_proj.weight"};
 // torch.nn.MultiheadAttention.state_dict(): in_proj_weight (3E, d_in) when q, k and v share a width,
 // otherwise q_proj_weight (E, d_in), k_proj_weight (E, kdim), v_proj_weight (E, vdim). Grouped K/V heads
 // (KW = H_kv * D < E) give in_proj_weight (E + 2 KW, d_in), or k/v_proj_weight (KW, kdim/vdim).
-LoadedLayer load_torch(const Layer& L) {
+StoredLayer load_torch(const Layer& L) {
   // add_bias_kv appends learned rows to K and V; silently dropping them would give wrong outputs.
   if (L.has("bias_k") || L.has("bias_v"))
     L.bad("'" + L.prefix() + "bias_k'/'bias_v' present: add_bias_kv=True layers are not supported");
@@ -90,9 +110,9 @@ LoadedLayer load_torch(const Layer& L) {
   if (separate && L.has("in_proj_weight"))
     L.bad("both '" + L.prefix() + "in_proj_weight' and separate q/k/v_proj_weight present; which one applies is ambiguous");
 
-  LoadedLayer l;
+  StoredLayer l;
   l.naming = "torch";
-  Weights& w = l.weights;
+  WeightsView& w = l.weights;
   const int64_t E = L.matrix("out_proj.weight", "(E, E)")[0];
   L.expect("out_proj.weight", {E, E}, "(E, E)");
   int64_t KW = 0;
@@ -100,11 +120,11 @@ LoadedLayer load_torch(const Layer& L) {
     const auto& s = L.matrix("in_proj_weight", "(3E, d_in)");
     KW = fused_kv_width(L, "in_proj_weight", s, s[0], E, "(E + 2 KW, d_in)");
     l.d_in = l.kdim = l.vdim = s[1];
-    const std::vector<float> in = L.load("in_proj_weight");
-    const int64_t nq = E * l.d_in, nkv = KW * l.d_in;
-    w.w_q.assign(in.begin(), in.begin() + nq);
-    w.w_k.assign(in.begin() + nq, in.begin() + nq + nkv);
-    w.w_v.assign(in.begin() + nq + nkv, in.begin() + nq + 2 * nkv);
+    const TensorView in = L.view("in_proj_weight");  // [W_q; W_k; W_v] stacked by rows
+    const int64_t d_in = l.d_in;
+    w.w_q = part(in, 0, E, d_in, d_in, 1);
+    w.w_k = part(in, E * d_in, KW, d_in, d_in, 1);
+    w.w_v = part(in, (E + KW) * d_in, KW, d_in, d_in, 1);
   } else {
     const auto& sq = L.matrix("q_proj_weight", "(E, d_in)");
     if (sq[0] != E) L.expect("q_proj_weight", {E, sq[1]}, "(E, d_in) with E from out_proj.weight");
@@ -115,9 +135,9 @@ LoadedLayer load_torch(const Layer& L) {
     if (sv[0] != KW) L.expect("v_proj_weight", {KW, sv[1]}, "(KW, vdim) with the K/V width KW from k_proj_weight");
     l.kdim = sk[1];
     l.vdim = sv[1];
-    w.w_q = L.load("q_proj_weight");
-    w.w_k = L.load("k_proj_weight");
-    w.w_v = L.load("v_proj_weight");
+    w.w_q = L.view("q_proj_weight");
+    w.w_k = L.view("k_proj_weight");
+    w.w_v = L.view("v_proj_weight");
   }
   l.d_model = E;
   l.kv_width = KW;
@@ -125,23 +145,23 @@ LoadedLayer load_torch(const Layer& L) {
   l.qkv_bias = L.has("in_proj_bias");
   if (l.qkv_bias) {
     L.expect("in_proj_bias", {E + 2 * KW}, "(E + 2 KW)");
-    split_qkv_bias(L.load("in_proj_bias"), E, KW, w);
+    split_qkv_bias(L.view("in_proj_bias"), E, KW, w);
   }
-  w.w_o = L.load("out_proj.weight");
+  w.w_o = L.view("out_proj.weight");
   l.out_bias = L.has("out_proj.bias");
   if (l.out_bias) {
     L.expect("out_proj.bias", {E}, "(E)");
-    w.b_o = L.load("out_proj.bias");
+    w.b_o = L.view("out_proj.bias");
   }
   return l;
 }
 
 // Hugging Face GPT-2: Conv1D computes y = x @ W + b with W stored (in, out), the transpose of torch's
 // Linear, so both projections are transposed here once.
-LoadedLayer load_hf_gpt2(const Layer& L) {
-  LoadedLayer l;
+StoredLayer load_hf_gpt2(const Layer& L) {
+  StoredLayer l;
   l.naming = "hf-gpt2";
-  Weights& w = l.weights;
+  WeightsView& w = l.weights;
   const int64_t E = L.matrix("c_proj.weight", "(E, E) Conv1D weight")[0];
   L.expect("c_proj.weight", {E, E}, "(E, E) Conv1D weight");
   const auto& s = L.matrix("c_attn.weight", "(d_in, 3E) Conv1D weight");
@@ -150,32 +170,24 @@ LoadedLayer load_hf_gpt2(const Layer& L) {
   l.kv_width = KW;
   l.d_in = l.kdim = l.vdim = d_in;
 
-  const std::vector<float> W = L.load("c_attn.weight");  // (d_in, E + 2 KW)
+  // W (d_in, E + 2 KW) row-major: output e of input i at i * ld + e, so W_q is the (E, d_in) view with strides
+  // (1, ld) and W_k, W_v start E and E + KW columns in.
+  const TensorView W = L.view("c_attn.weight");
   const int64_t ld = E + 2 * KW;
-  w.w_q.resize(E * d_in);
-  w.w_k.resize(KW * d_in);
-  w.w_v.resize(KW * d_in);
-  for (int64_t i = 0; i < d_in; ++i) {
-    for (int64_t e = 0; e < E; ++e) w.w_q[e * d_in + i] = W[i * ld + e];
-    for (int64_t e = 0; e < KW; ++e) {
-      w.w_k[e * d_in + i] = W[i * ld + E + e];
-      w.w_v[e * d_in + i] = W[i * ld + E + KW + e];
-    }
-  }
+  w.w_q = part(W, 0, E, d_in, 1, ld);
+  w.w_k = part(W, E, KW, d_in, 1, ld);
+  w.w_v = part(W, E + KW, KW, d_in, 1, ld);
   l.qkv_bias = L.has("c_attn.bias");
   if (l.qkv_bias) {
     L.expect("c_attn.bias", {E + 2 * KW}, "(E + 2 KW)");
-    split_qkv_bias(L.load("c_attn.bias"), E, KW, w);
+    split_qkv_bias(L.view("c_attn.bias"), E, KW, w);
   }
 
-  const std::vector<float> P = L.load("c_proj.weight");  // (E in, E out)
-  w.w_o.resize(E * E);
-  for (int64_t i = 0; i < E; ++i)
-    for (int64_t o = 0; o < E; ++o) w.w_o[o * E + i] = P[i * E + o];
+  w.w_o = part(L.view("c_proj.weight"), 0, E, E, 1, E);  // (E in, E out): transposed
   l.out_bias = L.has("c_proj.bias");
   if (l.out_bias) {
     L.expect("c_proj.bias", {E}, "(E)");
-    w.b_o = L.load("c_proj.bias");
+    w.b_o = L.view("c_proj.bias");
   }
   return l;
 }
@@ -210,27 +222,39 @@ std::string sample_names(const File& f) {
 
 }  // namespace
 
-LoadedLayer load_safetensors_layer(const std::string& path, const std::string& prefix) {
-  const File f = safetensors::read(path);
+StoredLayer open_safetensors_layer(const std::string& path, const std::string& prefix) {
+  // The views point into f->data; the returned layer's storage keeps it alive.
+  const auto f = std::make_shared<const File>(safetensors::read(path));
   // "h.3.attn" and "h.3.attn." both name the same module; the exact prefix is tried first.
   std::vector<std::string> prefixes{prefix};
   if (!prefix.empty() && prefix.back() != '.') prefixes.push_back(prefix + ".");
   for (const std::string& p : prefixes) {
-    const Layer L(f, p);
+    const Layer L(*f, p);
     const bool torch = has_any(L, kTorchNames), hf = has_any(L, kHfNames);
     if (torch && hf)
       L.bad("both torch (in_proj_weight/out_proj.weight) and Hugging Face (c_attn/c_proj) names under prefix '" + p +
             "'; which layer to load is ambiguous");
-    if (torch) return load_torch(L);
-    if (hf) return load_hf_gpt2(L);
+    if (torch || hf) {
+      StoredLayer l = torch ? load_torch(L) : load_hf_gpt2(L);
+      l.storage = f;
+      return l;
+    }
   }
   fail(ErrorCode::bad_file,
        path + ": no attention layer under prefix '" + prefix +
            "': looked for in_proj_weight or q/k/v_proj_weight with out_proj.weight (torch) and c_attn.weight with "
-           "c_proj.weight (hf-gpt2); " + sample_names(f));
+           "c_proj.weight (hf-gpt2); " + sample_names(*f));
 }
 
-Config apply_loaded_shapes(Config c, const LoadedLayer& l) {
+LoadedLayer load_safetensors_layer(const std::string& path, const std::string& prefix) {
+  const StoredLayer s = open_safetensors_layer(path, prefix);
+  LoadedLayer l;
+  static_cast<LayerShapes&>(l) = s;
+  l.weights = Weights::copy_of(s.weights);
+  return l;
+}
+
+Config apply_loaded_shapes(Config c, const LayerShapes& l) {
   c.d_model = l.d_model;
   c.d_in = l.d_in;
   c.kdim = l.kdim;

@@ -91,6 +91,8 @@ class MultiHeadAttention {
   // Validates config and weights (throws Error naming the problem), repacks weights for oneDNN,
   // registers the causal mask for config.context_length, and picks the kernel ISA once.
   MultiHeadAttention(const Config& config, const Weights& weights, const EngineOptions& options = {});
+  // The same from views of weights in f32, bf16 or f16 (gpt2attn/weights.hpp), e.g. a safetensors file's bytes.
+  MultiHeadAttention(const Config& config, const WeightsView& weights, const EngineOptions& options = {});
   ~MultiHeadAttention();
   MultiHeadAttention(MultiHeadAttention&&) noexcept;
   MultiHeadAttention& operator=(MultiHeadAttention&&) noexcept;
@@ -134,6 +136,7 @@ class MultiHeadAttention {
 class CausalSelfAttention {
  public:
   CausalSelfAttention(Config config, const Weights& weights, const EngineOptions& options = {});
+  CausalSelfAttention(Config config, const WeightsView& weights, const EngineOptions& options = {});
   // x: (B, T, d_in) contiguous f32, out: (B, T, E) contiguous f32.
   void forward(const float* x, int64_t B, int64_t T, float* out, const RunOptions& run = {}, Workspace* ws = nullptr);
 

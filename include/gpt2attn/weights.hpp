@@ -1,14 +1,35 @@
 // gpt2attn/weights.hpp: the layer's parameters in torch layout ([out, in], y = x W^T + b) and their loaders.
-// Loading converts once (HF Conv1D transposes, f16/bf16 widen to f32); the engine repacks for oneDNN.
+// A layer is built from a WeightsView: views of f32, bf16 or f16 tensors with any strides, which it converts once
+// into its own packed copies in the compute type. Weights (owned f32 vectors) give one; a safetensors file gives
+// one over its bytes as stored (open_safetensors_layer), so a BF16 file reaches a bf16 layer without an f32 copy.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "gpt2attn/config.hpp"
+#include "gpt2attn/tensor.hpp"
 
 namespace gpt2attn {
+
+// Views of one layer's parameters, in memory the caller owns until the layer is constructed (the layer keeps its
+// own converted copies, nothing of the views). Matrices rank 2 in torch layout, (outputs, inputs), any strides (a
+// Hugging Face Conv1D weight is the transposed view, strides (1, outputs)); biases rank 1 (empty views when the
+// config has none). Element types f32, bf16 or f16: a bf16 layer takes bf16 as it is, rounds f32 and f16 to
+// nearest even once; an f32 layer widens bf16 and f16 exactly.
+struct WeightsView {
+  TensorView w_q;  // (E, d_in)
+  TensorView w_k;  // (H_kv * D, kdim)
+  TensorView w_v;  // (H_kv * D, vdim)
+  TensorView w_o;  // (E, E)
+  TensorView b_q, b_k, b_v;  // (E), (H_kv * D), (H_kv * D), or all empty when qkv_bias = false
+  TensorView b_o;            // (E), or empty when out_bias = false
+
+  // Throws invalid_argument naming the tensor whose rank, shape or dtype disagrees with the config.
+  void validate(const Config& c) const;
+};
 
 struct Weights {
   std::vector<float> w_q;  // (E, d_in)
@@ -23,15 +44,33 @@ struct Weights {
 
   // Random weights (uniform +-1/sqrt(fan_in), like torch's default init), reproducible from the seed.
   static Weights random(const Config& c, uint64_t seed);
+
+  // Contiguous f32 views of these vectors with the config's shapes (validate(c) first).
+  WeightsView view(const Config& c) const;
+  // Contiguous f32 copies of what `v` views, each in row-major order of its view's shape (widened exactly from
+  // bf16 and f16); an empty view gives an empty vector.
+  static Weights copy_of(const WeightsView& v);
 };
 
-// What a safetensors file held for one attention layer: its weights and the sizes read from the shapes.
-struct LoadedLayer {
-  Weights weights;
+// The sizes one attention layer of a file has, read from its tensors' shapes.
+struct LayerShapes {
   int64_t d_model = 0, d_in = 0, kdim = 0, vdim = 0;
   int64_t kv_width = 0;  // rows of the K and V projections: d_model, or H_kv * D with grouped K/V heads
   bool qkv_bias = false, out_bias = false;
   std::string naming;  // "torch" (nn.MultiheadAttention state_dict) or "hf-gpt2" (Conv1D c_attn/c_proj)
+};
+
+// What a safetensors file held for one attention layer, converted to f32.
+struct LoadedLayer : LayerShapes {
+  Weights weights;
+};
+
+// One attention layer of a safetensors file as the file stores it: views of its tensors in their own dtypes
+// (F32, F16, BF16) and layouts (fused Q/K/V split by offset, Conv1D weights as transposed views) over the file's
+// bytes, which `storage` holds in memory; nothing is converted. Give `weights` to a layer constructor.
+struct StoredLayer : LayerShapes {
+  WeightsView weights;
+  std::shared_ptr<const void> storage;  // the views point into it: keep it until the layer is constructed
 };
 
 // Reads one layer from a safetensors file. Accepts both namings after `prefix` (e.g. "h.3.attn."):
@@ -43,11 +82,13 @@ struct LoadedLayer {
 // (KW, kdim/vdim), c_attn (d_in, E + 2 KW), biases (E + 2 KW); E comes from the output projection.
 // F32, F16 and BF16 load. Other tensors are ignored. Every header field, offset and size is checked;
 // a bad file throws Error(bad_file) naming the file and the problem.
+StoredLayer open_safetensors_layer(const std::string& path, const std::string& prefix = "");
+// The same layer converted to f32 Weights (exact for every stored dtype).
 LoadedLayer load_safetensors_layer(const std::string& path, const std::string& prefix = "");
 
 // Completes `c` from what the file said (d_model, d_in, kdim, vdim, biases, and num_kv_heads when it is 0: the K/V
 // width over the head size); num_heads etc. stay the caller's. Throws invalid_argument when the result is not a
 // valid config or the file's K/V width is not c.kv_heads() x the head size.
-Config apply_loaded_shapes(Config c, const LoadedLayer& l);
+Config apply_loaded_shapes(Config c, const LayerShapes& l);
 
 }  // namespace gpt2attn

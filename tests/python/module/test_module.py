@@ -185,6 +185,32 @@ def test_bf16_compute_is_as_accurate_as_torch_bf16():
         gpt2attn.from_hf_gpt2_block(hf, "h.0.attn.", num_heads=6, compute="fp8")
 
 
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
+def test_from_safetensors_builds_the_layer_of_its_f32_copy(tmp_path, dtype):
+    """from_safetensors reads the file's tensors as stored (a BF16 file reaches a bf16 layer without an f32 copy); the
+    layer equals, bitwise, the one built from load_safetensors' exact f32 copy of the same file."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts"))
+    from export_safetensors import write_safetensors
+    rng = np.random.default_rng(22)
+    module = torch.nn.MultiheadAttention(64, 4, batch_first=True).eval()
+    path = str(tmp_path / "w.safetensors")
+    write_safetensors(path, pc.hf_gpt2_layout(pc.state_dict_of(module), "h.1.attn."), dtype=dtype)
+    cfg = gpt2attn.preset("gpt2-small")
+    cfg.num_heads, cfg.context_length = 4, 64
+    x = rand(rng, 2, 19, 64)
+    for compute in ("f32", "bf16"):
+        stored = gpt2attn.CausalSelfAttention.from_safetensors(path, cfg, prefix="h.1.attn.", compute=compute)
+        loaded_cfg, weights = gpt2attn.load_safetensors(path, "h.1.attn.", cfg)
+        copy = gpt2attn.CausalSelfAttention(loaded_cfg, weights, compute=compute)
+        assert stored.config.d_model == 64 and stored.config.qkv_bias
+        np.testing.assert_array_equal(stored.forward(x), copy.forward(x))
+        mha = gpt2attn.MultiHeadAttention.from_safetensors(path, cfg, prefix="h.1.attn.", compute=compute)
+        mha_copy = gpt2attn.MultiHeadAttention(loaded_cfg, weights, compute=compute)
+        np.testing.assert_array_equal(mha.forward(x), mha_copy.forward(x))
+    with pytest.raises(gpt2attn.BadFile, match="no attention layer"):
+        gpt2attn.CausalSelfAttention.from_safetensors(path, cfg, prefix="h.7.attn.")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Zero copy: inputs are read where they lie, out= is written in place.
 
