@@ -138,7 +138,7 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
       kset(detail::kernels_for(isa, compute, compute)),
       default_threads(o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads())),
       out(w.w_o, cfg.out_bias ? detail::f32_values(w.b_o).data() : nullptr, compute) {
-  const int64_t D = cfg.head_dim(), E = cfg.d_model, KW = cfg.kv_width();
+  const int64_t D = cfg.head_dim();
   auto per_head = [&](std::vector<Linear>& dst, int64_t heads, const TensorView& weight, const TensorView& bias) {
     const std::vector<float> b = detail::f32_values(bias);
     for (int64_t h = 0; h < heads; ++h) {
@@ -148,31 +148,6 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
   per_head(proj_q, cfg.num_heads, w.w_q, w.b_q);
   per_head(proj_k, cfg.kv_heads(), w.w_k, w.b_k);
   per_head(proj_v, cfg.kv_heads(), w.w_v, w.b_v);
-
-  if (cfg.causal && cfg.same_input_widths()) {
-    const int64_t d_in = cfg.query_width(), N = E + 2 * KW;  // [q | k | v] per token
-    const int64_t row_bytes = d_in * static_cast<int64_t>(size_of(compute));
-    // Rows [n0, n0 + n) of the fused W_qkv (N, d_in), each read from whichever of W_q, W_k, W_v holds it.
-    qkv_packed = pack_linear(N, d_in, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
-      for (int64_t r = n0; r < n0 + n;) {
-        const auto [view, first] = r < E ? std::pair{&w.w_q, r} : r < E + KW ? std::pair{&w.w_k, r - E}
-                                                                              : std::pair{&w.w_v, r - E - KW};
-        const int64_t take = std::min(n0 + n - r, view->shape[0] - first);
-        detail::copy_rows(*view, first, take, compute, dst + (r - n0) * row_bytes);
-        r += take;
-      }
-    });
-    if (cfg.qkv_bias) {
-      for (const TensorView* b : {&w.b_q, &w.b_k, &w.b_v}) {
-        const std::vector<float> v = detail::f32_values(*b);
-        qkv_bias.insert(qkv_bias.end(), v.begin(), v.end());
-      }
-    }
-    out_packed = pack_linear(E, E, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
-      detail::copy_rows(w.w_o, n0, n, compute, dst);
-    });
-    if (cfg.out_bias) out_bias = detail::f32_values(w.b_o);
-  }
 
   // Every K/V storage dtype the table serves in this compute type at this level (a layer serves caches of any).
   for (const detail::KernelSet& row : detail::kernel_table()) {
@@ -184,6 +159,32 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
   // The band of the registered causal mask a diagonal tile reaches (see causal_row in layer.hpp).
   causal_row.resize(static_cast<size_t>(2 * kernels::causal_band_center()));
   kernels::fill_causal_band(causal_row.data());
+}
+
+void MultiHeadAttention::Impl::pack_decode_weights(const WeightsView& w) {
+  const int64_t E = cfg.d_model, KW = cfg.kv_width();
+  const int64_t d_in = cfg.query_width(), N = E + 2 * KW;  // [q | k | v] per token
+  const int64_t row_bytes = d_in * static_cast<int64_t>(size_of(compute));
+  // Rows [n0, n0 + n) of the fused W_qkv (N, d_in), each read from whichever of W_q, W_k, W_v holds it.
+  qkv_packed = pack_linear(N, d_in, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
+    for (int64_t r = n0; r < n0 + n;) {
+      const auto [view, first] = r < E ? std::pair{&w.w_q, r} : r < E + KW ? std::pair{&w.w_k, r - E}
+                                                                            : std::pair{&w.w_v, r - E - KW};
+      const int64_t take = std::min(n0 + n - r, view->shape[0] - first);
+      detail::copy_rows(*view, first, take, compute, dst + (r - n0) * row_bytes);
+      r += take;
+    }
+  });
+  if (cfg.qkv_bias) {
+    for (const TensorView* b : {&w.b_q, &w.b_k, &w.b_v}) {
+      const std::vector<float> v = detail::f32_values(*b);
+      qkv_bias.insert(qkv_bias.end(), v.begin(), v.end());
+    }
+  }
+  out_packed = pack_linear(E, E, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
+    detail::copy_rows(w.w_o, n0, n, compute, dst);
+  });
+  if (cfg.out_bias) out_bias = detail::f32_values(w.b_o);
 }
 
 int64_t MultiHeadAttention::Impl::scratch_stride(const kernels::AttentionKernel& k) const {
@@ -405,6 +406,8 @@ CausalSelfAttention::CausalSelfAttention(Config config, const Weights& weights, 
 CausalSelfAttention::CausalSelfAttention(Config config, const WeightsView& weights, const EngineOptions& options)
     : mha_((config.causal = true, config), weights, options) {
   if (!mha_.config().same_input_widths()) invalid("CausalSelfAttention: kdim and vdim must equal d_in");
+  detail::translate_bad_alloc("CausalSelfAttention: packing the decode weights",
+                              [&] { mha_.impl_->pack_decode_weights(weights); });
 }
 
 void CausalSelfAttention::forward(const float* x, int64_t B, int64_t T, float* out, const RunOptions& run,

@@ -68,10 +68,10 @@ struct MultiHeadAttention::Impl {
   detail::Linear out;
   // Decode's projections have M = B rows: they stream the weights, and run on our few-row kernel
   // (kernels/linear.hpp) over panel-packed copies: the fused (E + 2 H_kv D, d_in) QKV, so one pass over the B new
-  // tokens reads the QKV weights once, and the (E, E) output projection. Built only for causal
-  // self-attention layers (the ones that can serve a KV cache).
-  // Decode's weights, panel-packed in the compute type (pack_linear_weights; bf16 halves the bytes a step streams);
-  // the biases stay f32.
+  // tokens reads the QKV weights once, and the (E, E) output projection. Built by pack_decode_weights for a
+  // CausalSelfAttention (the only layer that serves a KV cache), empty in a plain MultiHeadAttention, which so
+  // holds one copy of its weights, not two. In the compute type (pack_linear_weights; bf16 halves the bytes a
+  // step streams); the biases stay f32.
   std::vector<std::byte> qkv_packed;       // W_qkv (E + 2 H_kv D, d_in)
   std::vector<std::byte> out_packed;       // W_o (E, E)
   std::vector<float> qkv_bias, out_bias;   // (E + 2 H_kv D) and (E), or empty
@@ -87,6 +87,8 @@ struct MultiHeadAttention::Impl {
   std::mutex mu;
 
   Impl(const Config& c, const WeightsView& w, const EngineOptions& o);
+  // Fills qkv_packed, out_packed and their biases from w (a causal layer whose K, V and query widths agree).
+  void pack_decode_weights(const WeightsView& w);
 
   int threads_for(const RunOptions& run) const { return run.threads > 0 ? run.threads : default_threads; }
 
