@@ -34,7 +34,7 @@ const char* kUsage = R"(usage:
                    [--threads N] [--isa best|avx512_bf16|avx512|avx2|scalar] --output y.npy
   gpt2attn bench   [--preset NAME ...] [--batch B] [--seq T] [--mode prefill|decode] [--dtype f32|bf16 ...]
                    [--kv-heads N]
-                   [--kv-dtype f32|bf16|int8]
+                   [--kv-dtype f32|bf16|int8 ...]
                    [--threads N] [--isa ...] [--repeats N] [--cache warm|cold] [--check | --no-check] [--json]
   gpt2attn presets
 
@@ -75,7 +75,8 @@ bench    times the whole layer (QKV projection, causal attention, output project
          bytes per step = weights ((E+2KW)*d_in + E*E)*(4 or 2 by --dtype) + K/V read B*T*2*KW*(4, 2 or 1 by
          --kv-dtype), plus for int8 B*T*2*N*4 of scales (N K/V heads); GB/s = bytes per step / step.
          --kv-dtype bf16 stores the cache's K/V in bf16 (half the K/V bytes); int8 in symmetric int8 with one
-         f32 scale per token and K/V head (about a quarter); default f32.
+         f32 scale per token and K/V head (about a quarter); default f32. Given more than once (like
+         --dtype), every case runs with each cache, so one run compares them.
          A sweep of several presets reports each finished case on stderr (one line rewritten in place on a
          terminal) when its rows go to --json or to a pipe; stdout carries the rows alone.
          --check compares sequence 0's output of the first timed step with the last row of the naive
@@ -601,11 +602,16 @@ int cmd_bench(int argc, char** argv) {
   if (cache != "warm" && cache != "cold") throw UsageError("--cache must be warm or cold, got " + cache);
   if (a.has("cache") && !decode) throw UsageError("--cache applies to --mode decode only");
   if (a.has("kv-dtype") && !decode) throw UsageError("--kv-dtype applies to --mode decode only");
-  const std::string kv_name = a.get("kv-dtype", "f32");
-  if (kv_name != "f32" && kv_name != "bf16" && kv_name != "int8") {
-    throw UsageError("--kv-dtype " + kv_name + " is not supported (supported: f32, bf16, int8)");
+  // --kv-dtype, like --dtype, may repeat: every case runs with each cache, so one run compares them.
+  const std::vector<std::string> kv_names =
+      a.has("kv-dtype") ? a.values.at("kv-dtype") : std::vector<std::string>{"f32"};
+  for (auto it = kv_names.begin(); it != kv_names.end(); ++it) {
+    if (*it != "f32" && *it != "bf16" && *it != "int8") {
+      throw UsageError("--kv-dtype " + *it + " is not supported (supported: f32, bf16, int8)");
+    }
+    if (std::find(kv_names.begin(), it, *it) != it) throw UsageError("--kv-dtype " + *it + " given twice");
   }
-  const ga::DType kv_dtype = kv_name == "int8" ? ga::DType::i8 : ga::dtype_from_string(kv_name);
+  auto kv_dtype_of = [](const std::string& n) { return n == "int8" ? ga::DType::i8 : ga::dtype_from_string(n); };
   const auto B = a.integer<int64_t>("batch", 1, 1), T = a.integer<int64_t>("seq", 1024, 1);
   const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
   const int repeats = a.integer<int>("repeats", 5, 1);
@@ -657,20 +663,26 @@ int cmd_bench(int argc, char** argv) {
   bool all_ok = true;
   // Progress on stderr, never on stdout: a line per finished case, or one line rewritten in place when stderr is
   // a terminal; only for a sweep of several cases whose rows are not already appearing on that terminal.
-  std::vector<std::pair<ga::DType, std::string>> cases;  // every preset in each --dtype, in the order given
+  struct Case {
+    ga::DType compute;
+    std::string kv_name, preset;
+  };
+  std::vector<Case> cases;  // every preset in each --dtype and each --kv-dtype, in the order given
   for (const ga::DType compute : computes) {
-    for (const auto& name : presets) cases.emplace_back(compute, name);
+    for (const std::string& kv : kv_names) {
+      for (const auto& name : presets) cases.push_back({compute, kv, name});
+    }
   }
   const size_t n_cases = cases.size();
   const bool progress = n_cases > 1 && (json || isatty(STDOUT_FILENO) == 0);
   const bool bar = progress && isatty(STDERR_FILENO) != 0;
   size_t done = 0;
-  for (const auto& [compute, name] : cases) {
+  for (const auto& [compute, kv_name, name] : cases) {
     const int64_t t = seq_for(name);
     const ga::Config cfg = config_for(name);
-    const BenchResult r =
-        decode ? bench_decode(name, cfg, B, t, compute, threads, isa, repeats, check, cache == "cold", kv_dtype)
-               : bench_prefill(name, cfg, B, t, compute, threads, isa, repeats, check);
+    const BenchResult r = decode ? bench_decode(name, cfg, B, t, compute, threads, isa, repeats, check,
+                                                cache == "cold", kv_dtype_of(kv_name))
+                                 : bench_prefill(name, cfg, B, t, compute, threads, isa, repeats, check);
     const char* dtype = ga::to_string(compute);
     const bool ok = !r.checked || r.allowed >= 0;
     all_ok = all_ok && ok;

@@ -202,6 +202,8 @@ def main():
         [r"--kv-dtype f16 is not supported \(supported: f32, bf16, int8\)"], with_output=False)
     err("bench_kv_dtype_without_decode", bench + ["--kv-dtype", "bf16"],
         [r"--kv-dtype applies to --mode decode only"], with_output=False)
+    err("bench_kv_dtype_twice", bench + ["--mode", "decode", "--kv-dtype", "bf16", "--kv-dtype", "bf16"],
+        [r"--kv-dtype bf16 given twice"], with_output=False)
 
     # --- bench sizes: products checked, and a case larger than physical memory refused before allocating ---
     err("bench_batch_times_seq_overflows", ["bench", "--batch", "280379743338241", "--seq", "257",
