@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <exception>
 #include <string>
@@ -116,7 +117,7 @@ ExtendPlan extend_plan(const AttnShape& s, DType t, bool stage, int threads, int
 struct DecodePlan {
   Region<float> stage, ctx;
   Region<std::byte*> tables;
-  Region<int64_t> lengths, item_base;
+  Region<int64_t> lengths, item_base, pending;
   Region<float> m, l, acc, scratch;
   int64_t bytes = 0, max_items = 0;
 };
@@ -130,6 +131,7 @@ DecodePlan decode_plan(const AttnShape& s, int threads, int64_t table_entries, i
   r.tables = p.region<std::byte*>({B, table_entries}, "decode: block tables");
   r.lengths = p.region<int64_t>({B}, "decode: lengths");
   r.item_base = p.region<int64_t>({B + 1}, "decode: work items");
+  r.pending = p.region<int64_t>({B}, "decode: unfinished splits");
   r.m = p.region<float>({r.max_items, H}, "decode: partial maxima");
   r.l = p.region<float>({r.max_items, H}, "decode: partial sums");
   r.acc = p.region<float>({r.max_items, H, D}, "decode: partial outputs");
@@ -278,6 +280,8 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   item_base[0] = 0;
   for (int64_t b = 0; b < B; ++b) item_base[b + 1] = item_base[b] + ceil_div(lengths[b] + 1, split_len);
   const int64_t items = item_base[B];
+  int64_t* pending = r.pending.in(w);  // splits of sequence b not yet computed
+  for (int64_t b = 0; b < B; ++b) pending[b] = item_base[b + 1] - item_base[b];
 
   const int64_t bt = kv.block_tokens;
   float *pm = r.m.in(w), *pl = r.l.in(w), *pacc = r.acc.in(w);
@@ -286,39 +290,47 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   const PanelItems in_items = panel_items(*lin, ldstage, threads), out_items = panel_items(*lin, E, threads);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   float* scratch_base = r.scratch.in(w);
-  // One parallel region for the whole step; each `omp for` ends in a barrier, which orders the stages.
+  // One parallel region for the whole step, three stages, each `omp for` ending in the barrier that orders them:
+  // the QKV projection, attention (which also stores the new K/V rows and merges the splits), the output
+  // projection. Every barrier costs a descheduled thread's whole time slice on a busy machine, so none is spent on
+  // work that can ride on a stage: the new token's K/V rows are stored by the one split that reads them (the
+  // sequence's last), and a sequence's partial softmax states are merged by whichever of its splits ends last.
 #pragma omp parallel num_threads(threads)
   {
     // The QKV projection of the B new tokens, split by weight panels: each thread streams its share of W once.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < in_items.count(); ++it) lin->run(proj_in, in_items.begin(it), in_items.end(it));
-    // The new token's K and V rows go to position lengths[b] of each K/V head's tile in its block.
-#pragma omp for
-    for (int64_t bh = 0; bh < B * H_kv; ++bh) {
-      const int64_t b = bh / H_kv, h = bh % H_kv, t = lengths[b];
-      std::byte* block = tables[b * stride + t / bt];
-      kv.store_row(block, KvPart::key, h, t % bt, stage + b * ldstage + E + h * D);
-      kv.store_row(block, KvPart::value, h, t % bt, stage + b * ldstage + E + KW + h * D);
-    }
-    // (implicit barrier: every row is stored before any attention reads it)
     float* scratch = scratch_base + omp_get_thread_num() * sstride;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t b = std::upper_bound(item_base, item_base + B + 1, it) - item_base - 1;
       const int64_t n = lengths[b] + 1, splits = item_base[b + 1] - item_base[b], s = it - item_base[b];
       const int64_t chunk = ceil_div(n, splits);  // even chunks: no split much shorter than the others
+      const int64_t j0 = s * chunk, j1 = std::min(n, j0 + chunk);
+      if (j1 == n) {
+        // Key n - 1 is the new token: its K and V rows go to position lengths[b] of each K/V head's tile in its
+        // block, read by this split alone.
+        const int64_t t = lengths[b];
+        std::byte* block = tables[b * stride + t / bt];
+        for (int64_t h = 0; h < H_kv; ++h) {
+          kv.store_row(block, KvPart::key, h, t % bt, stage + b * ldstage + E + h * D);
+          kv.store_row(block, KvPart::value, h, t % bt, stage + b * ldstage + E + KW + h * D);
+        }
+      }
       kernels::DecodeArgs a;
       a.q = stage + b * ldstage, a.ldq = D;
       a.blocks = tables + b * stride, a.layout = kv.layout;
       a.H = H, a.D = D, a.scale = scale;
-      const int64_t j0 = s * chunk, j1 = std::min(n, j0 + chunk);
       kern->run(a, j0, j1, scratch, pm + it * H, pl + it * H, pacc + it * H * D);
-    }
-#pragma omp for
-    for (int64_t bh = 0; bh < B * H; ++bh) {
-      const int64_t b = bh / H, h = bh % H, first = item_base[b], splits = item_base[b + 1] - first;
-      kernels::merge_softmax_partials(pm + first * H + h, pl + first * H + h, H, pacc + (first * H + h) * D, H * D,
-                                      splits, D, ctx + b * E + h * D);
+      // The last of the sequence's splits to finish merges them into its ctx row; acq_rel makes every other
+      // split's m, l and acc visible to it.
+      if (std::atomic_ref<int64_t>(pending[b]).fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        const int64_t first = item_base[b];
+        for (int64_t h = 0; h < H; ++h) {
+          kernels::merge_softmax_partials(pm + first * H + h, pl + first * H + h, H, pacc + (first * H + h) * D,
+                                          H * D, splits, D, ctx + b * E + h * D);
+        }
+      }
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < out_items.count(); ++it) lin->run(proj_out, out_items.begin(it), out_items.end(it));
