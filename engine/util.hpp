@@ -3,6 +3,8 @@
 // error messages. Nothing here allocates on success or knows about attention.
 #pragma once
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <initializer_list>
 #include <new>
@@ -35,6 +37,26 @@ inline int64_t checked_product(std::initializer_list<int64_t> factors, const cha
   int64_t r = 1;
   for (int64_t f : factors) r = checked_mul(r, f, what);
   return r;
+}
+
+// The machine's physical memory in bytes, or INT64_MAX where the system does not say.
+inline int64_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  int64_t r = 0;
+  if (pages <= 0 || page <= 0 || __builtin_mul_overflow(static_cast<int64_t>(pages), static_cast<int64_t>(page), &r)) {
+    return INT64_MAX;
+  }
+  return r;
+}
+// Error(out_of_memory) naming `what` when one buffer of `bytes` would exceed the physical memory. Linux overcommits:
+// such an allocation often succeeds, and the process is OOM-killed later, when its pages are touched (a KV pool
+// filling up in a server); refusing it up front gives the caller an error instead.
+inline void check_fits_in_memory(int64_t bytes, const char* what) {
+  const int64_t physical = physical_memory_bytes();
+  if (bytes > physical) {
+    fail(ErrorCode::out_of_memory, std::string(what) + ": " + str(bytes) + " bytes exceed the machine's " +
+                                       str(physical) + " bytes of physical memory");
+  }
 }
 
 // ceil(a / b) for a >= 0, b > 0, without the overflow of (a + b - 1) / b.

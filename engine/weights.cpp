@@ -6,6 +6,7 @@
 #include <random>
 
 #include "engine/io/file_io.hpp"
+#include "engine/util.hpp"
 #include "engine/weights_copy.hpp"
 #include "gpt2attn/error.hpp"
 #include "gpt2attn/weights.hpp"
@@ -183,6 +184,13 @@ Weights Weights::random(const Config& c, uint64_t seed) {
     for (float& x : w) x = u(rng);
   };
   const int64_t E = c.d_model, KW = c.kv_width();
+  // Refused before anything is allocated when the four matrices cannot fit (widths go up to 2^20).
+  const int64_t floats = detail::checked_add(
+      detail::checked_product({E, c.query_width()}, "Weights::random"),
+      detail::checked_add(detail::checked_product({KW, c.key_width() + c.value_width()}, "Weights::random"),
+                          detail::checked_product({E, E}, "Weights::random"), "Weights::random"),
+      "Weights::random");
+  detail::check_fits_in_memory(detail::checked_mul(floats, 4, "Weights::random"), "Weights::random");
   Weights w;
   fill(w.w_q, E * c.query_width(), c.query_width());
   fill(w.w_k, KW * c.key_width(), c.key_width());

@@ -3,6 +3,7 @@
 // context, and allocation failures surfacing as Error(out_of_memory). Each case is a refusal with a message that
 // names the problem, never a crash or a silent truncation.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <limits>
@@ -102,6 +103,24 @@ TEST(Limits, HugeCallsAreRefusedNotWrapped) {
                       ErrorCode::invalid_argument, {"capacity"}));
   EXPECT_TRUE(refused([&] { KvCache(c, KvCacheOptions{.block_tokens = 4, .capacity_bytes = SIZE_MAX}); },
                       ErrorCode::invalid_argument, {"capacity"}));
+}
+
+// Linux overcommits: a buffer larger than the machine's memory may be granted and the process OOM-killed when it
+// is touched. Every buffer sized by a caller's request (the KV pool, a workspace, random weights) is refused first.
+TEST(Limits, BuffersBeyondPhysicalMemoryAreRefused) {
+  const int64_t physical = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  ASSERT_GT(physical, 0);
+  const Config c = small();
+  EXPECT_TRUE(refused([&] { KvCache(c, KvCacheOptions{.capacity_bytes = static_cast<size_t>(physical) * 2}); },
+                      ErrorCode::out_of_memory, {"KvCache", "physical memory"}));
+  CausalSelfAttention layer(c, Weights::random(c, 3));
+  // B sequences of 64 tokens: the Q/K/V buffers alone are 3 x B x 64 x 16 floats.
+  const int64_t B = physical / (3 * 64 * 16 * 4) + 1;
+  EXPECT_TRUE(refused([&] { layer.layer().reserve(B, 64, 64); }, ErrorCode::out_of_memory,
+                      {"workspace", "physical memory"}));
+  Config wide = small();
+  wide.d_model = wide.d_in = wide.kdim = wide.vdim = 1 << 20;  // 4 x 2^40 floats
+  EXPECT_TRUE(refused([&] { Weights::random(wide, 1); }, ErrorCode::out_of_memory, {"physical memory"}));
 }
 
 // libgomp overflows its stack starting a team of 100,000 threads, or exit()s when it cannot create one; a

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "engine/io/file_io.hpp"
+#include "engine/util.hpp"
 #include "tools/npy.hpp"
 #include "gpt2attn/gpt2attn.h"
 #include "gpt2attn/gpt2attn.hpp"
@@ -420,16 +421,6 @@ BenchSizes bench_sizes(const std::string& name, const ga::Config& cfg, int64_t B
   return s;
 }
 
-// Physical memory in bytes; int64's maximum when the system does not say.
-int64_t physical_memory_bytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-  int64_t bytes = 0;
-  if (pages <= 0 || page <= 0 || __builtin_mul_overflow(pages, page, &bytes)) {
-    return std::numeric_limits<int64_t>::max();
-  }
-  return bytes;
-}
-
 // The median of the timed runs. Callers time at least one (--repeats >= 1); an empty list is still refused
 // rather than read past its end.
 double median(std::vector<double> ms) {
@@ -643,7 +634,7 @@ int cmd_bench(int argc, char** argv) {
   };
   // Every case is sized before any runs: one this machine cannot hold is refused up front, naming the bytes,
   // rather than failing (or swapping) partway through the table.
-  const int64_t physical = physical_memory_bytes();
+  const int64_t physical = ga::detail::physical_memory_bytes();
   for (const auto& name : presets) {
     const int64_t need = bench_sizes(name, config_for(name), B, seq_for(name), decode, repeats).bytes;
     if (need > physical) {
