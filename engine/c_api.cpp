@@ -3,7 +3,9 @@
 #include "gpt2attn/gpt2attn.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -14,6 +16,9 @@
 #include "gpt2attn/gpt2attn.hpp"
 
 namespace ga = gpt2attn;
+
+#define GPT2ATTN_STR2(x) #x
+#define GPT2ATTN_STR(x) GPT2ATTN_STR2(x)
 
 // The handles are the C++ objects plus what a C caller needs to borrow as a stable `const char*`.
 struct gpt2attn_layer {
@@ -89,7 +94,56 @@ ga::RunOptions run_options(int threads) {
   return run;
 }
 
-ga::Config to_cpp(const gpt2attn_config_t& c) {
+// ---- struct_size: the ABI policy's rule for structs that grow (gpt2attn.h) ----------------------------------------
+// The size of each struct's first version: the smallest struct_size accepted. Appending a field leaves these as they
+// are; the fields after them read as 0 from a caller whose header predates them.
+constexpr size_t kConfigFirstSize = offsetof(gpt2attn_config_t, num_kv_heads) + sizeof(int64_t);
+constexpr size_t kKvCacheOptionsFirstSize = offsetof(gpt2attn_kv_cache_options_t, kv_dtype) + sizeof(const char*);
+// Far above any struct this API will have, far below what a garbage struct_size (an uninitialised struct) makes us
+// read or write.
+constexpr size_t kMaxStructSize = 4096;
+
+// The caller's struct_size, checked against [first_size, kMaxStructSize]; `type` is the C name without its _t.
+size_t checked_struct_size(uint32_t struct_size, size_t first_size, const char* name, const char* type) {
+  if (struct_size < first_size || struct_size > kMaxStructSize) {
+    ga::invalid(std::string(name) + ".struct_size is " + std::to_string(struct_size) + ": set it to sizeof(" + type +
+                "_t), as " + type + "_init() does");
+  }
+  return struct_size;
+}
+
+// A struct the caller passes in, read by its struct_size: fields past the caller's size are 0 (their default), and
+// the bytes a newer header added past ours must be 0, since this library cannot do what a nonzero field asks.
+template <class T>
+T read_sized(const T* p, size_t first_size, const char* name, const char* type) {
+  const size_t n = checked_struct_size(deref(p, name).struct_size, first_size, name, type);
+  T v;
+  std::memset(&v, 0, sizeof v);
+  std::memcpy(&v, p, std::min(n, sizeof(T)));
+  const auto* bytes = reinterpret_cast<const unsigned char*>(p);
+  for (size_t i = sizeof(T); i < n; ++i) {
+    if (bytes[i] != 0) {
+      ga::invalid(std::string(name) + ".struct_size is " + std::to_string(n) + " and byte " + std::to_string(i) +
+                  " is set: a field of a newer gpt2attn.h than this library (" + GPT2ATTN_STR(GPT2ATTN_VERSION_MAJOR) +
+                  "." + GPT2ATTN_STR(GPT2ATTN_VERSION_MINOR) + "." + GPT2ATTN_STR(GPT2ATTN_VERSION_PATCH) +
+                  ", sizeof(" + type + "_t) = " + std::to_string(sizeof(T)) + ") knows");
+    }
+  }
+  return v;
+}
+
+// A struct the library fills: written up to the caller's struct_size, which it keeps; bytes past ours are zeroed
+// (fields this library does not know read as their default). Checked before anything is written.
+template <class T>
+void write_sized(T* p, T v, size_t first_size, const char* name, const char* type) {
+  const size_t n = checked_struct_size(deref(p, name).struct_size, first_size, name, type);
+  v.struct_size = p->struct_size;
+  std::memcpy(p, &v, std::min(n, sizeof(T)));
+  if (n > sizeof(T)) std::memset(reinterpret_cast<unsigned char*>(p) + sizeof(T), 0, n - sizeof(T));
+}
+
+ga::Config to_cpp(const gpt2attn_config_t* config) {
+  const gpt2attn_config_t c = read_sized(config, kConfigFirstSize, "config", "gpt2attn_config");
   ga::Config cfg;
   cfg.d_model = c.d_model;
   cfg.num_heads = c.num_heads;
@@ -103,7 +157,7 @@ ga::Config to_cpp(const gpt2attn_config_t& c) {
 }
 
 gpt2attn_config_t to_c(const ga::Config& cfg) {
-  gpt2attn_config_t c{};
+  gpt2attn_config_t c{};  // struct_size: write_sized keeps the caller's
   c.d_model = cfg.d_model;
   c.num_heads = cfg.num_heads;
   c.num_kv_heads = cfg.kv_heads();
@@ -136,8 +190,6 @@ extern "C" {
 
 const char* gpt2attn_last_error(void) { return t_last_error; }
 
-#define GPT2ATTN_STR2(x) #x
-#define GPT2ATTN_STR(x) GPT2ATTN_STR2(x)
 const char* gpt2attn_version(void) {
   return GPT2ATTN_STR(GPT2ATTN_VERSION_MAJOR) "." GPT2ATTN_STR(GPT2ATTN_VERSION_MINOR) "." GPT2ATTN_STR(
       GPT2ATTN_VERSION_PATCH);
@@ -165,8 +217,7 @@ const char* gpt2attn_best_isa(void) {
 gpt2attn_status_t gpt2attn_config_preset(const char* name, gpt2attn_config_t* out) {
   return guarded(__func__, [&] {
     require(name, "name");
-    require(out, "out");
-    *out = to_c(ga::preset(name));
+    write_sized(out, to_c(ga::preset(name)), kConfigFirstSize, "out", "gpt2attn_config");
   });
 }
 
@@ -175,7 +226,7 @@ gpt2attn_status_t gpt2attn_config_preset(const char* name, gpt2attn_config_t* ou
 gpt2attn_status_t gpt2attn_layer_create_random(const gpt2attn_config_t* config, uint64_t seed,
                                                gpt2attn_layer_t** out) {
   return guarded(__func__, [&] {
-    const ga::Config cfg = to_cpp(deref(config, "config"));
+    const ga::Config cfg = to_cpp(config);
     require(out, "out");
     make_layer(cfg, ga::Weights::random(cfg, seed), out);
   });
@@ -185,7 +236,7 @@ gpt2attn_status_t gpt2attn_layer_create(const gpt2attn_config_t* config, const f
                                         const float* in_proj_bias, const float* out_proj_weight,
                                         const float* out_proj_bias, gpt2attn_layer_t** out) {
   return guarded(__func__, [&] {
-    const ga::Config cfg = to_cpp(deref(config, "config"));
+    const ga::Config cfg = to_cpp(config);
     require(in_proj_weight, "in_proj_weight");
     require(out_proj_weight, "out_proj_weight");
     require(out, "out");
@@ -237,8 +288,7 @@ void gpt2attn_layer_destroy(gpt2attn_layer_t* layer) { delete layer; }
 gpt2attn_status_t gpt2attn_layer_config(const gpt2attn_layer_t* layer, gpt2attn_config_t* out) {
   return guarded(__func__, [&] {
     const auto& l = deref(layer, "layer");
-    require(out, "out");
-    *out = to_c(l.attn.config());
+    write_sized(out, to_c(l.attn.config()), kConfigFirstSize, "out", "gpt2attn_config");
   });
 }
 
@@ -270,13 +320,9 @@ gpt2attn_status_t gpt2attn_kv_cache_create_with(const gpt2attn_layer_t* layer,
                                                 const gpt2attn_kv_cache_options_t* options, gpt2attn_kv_cache_t** out) {
   return guarded(__func__, [&] {
     const auto& l = deref(layer, "layer");
-    const gpt2attn_kv_cache_options_t& opt = deref(options, "options");
+    const gpt2attn_kv_cache_options_t opt =
+        read_sized(options, kKvCacheOptionsFirstSize, "options", "gpt2attn_kv_cache_options");
     require(out, "out");
-    // The first version of the struct is the whole struct; a later header may append fields.
-    if (opt.struct_size != sizeof(gpt2attn_kv_cache_options_t)) {
-      ga::invalid("options.struct_size must be sizeof(gpt2attn_kv_cache_options_t) = " +
-                  std::to_string(sizeof(gpt2attn_kv_cache_options_t)) + ", got " + std::to_string(opt.struct_size));
-    }
     if (opt.capacity_tokens < 0) {
       ga::invalid("options.capacity_tokens must be >= 0, got " + std::to_string(opt.capacity_tokens));
     }

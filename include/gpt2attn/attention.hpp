@@ -8,6 +8,7 @@
 #include <string>
 
 #include "gpt2attn/config.hpp"
+#include "gpt2attn/export.h"
 #include "gpt2attn/isa.hpp"
 #include "gpt2attn/kv_cache.hpp"
 #include "gpt2attn/tensor.hpp"
@@ -21,7 +22,7 @@ namespace gpt2attn {
 // a team that large (its stack overflows, or it calls exit() when thread creation fails). A default taken from
 // omp_get_max_threads() (OMP_NUM_THREADS) is clamped to it.
 inline constexpr int kMaxThreads = 1024;
-int max_threads();
+GPT2ATTN_API int max_threads();
 
 struct EngineOptions {
   int threads = 0;        // default thread count for forward(); 0 = omp_get_max_threads() at construction
@@ -58,7 +59,7 @@ struct RunOptions {
 // A Workspace grows when a call needs more than it holds; once it has seen or reserved the largest call,
 // later calls allocate nothing (the steady state of a server). One Workspace serves any number of layers;
 // using one Workspace from two threads at once is refused with an error.
-class Workspace {
+class GPT2ATTN_API Workspace {
  public:
   Workspace();
   ~Workspace();
@@ -66,7 +67,7 @@ class Workspace {
   Workspace& operator=(Workspace&&) noexcept;
   size_t bytes() const;  // scratch memory held now (oneDNN primitives not counted)
 
-  struct Impl;  // engine-internal (engine/workspace.hpp)
+  struct GPT2ATTN_LOCAL Impl;  // engine-internal (engine/workspace.hpp)
   Impl& impl() { return *impl_; }
 
  private:
@@ -86,7 +87,7 @@ class Workspace {
 //   masked: keep-mask == 0, block-mask != 0, key_padding != 0, causal j > i + (Tk - T)
 //   p = softmax_j(s); a row with every entry masked gives p = 0 (never NaN)
 //   out = concat_h(p V) W_o^T + b_o, shape (B, T, E)
-class MultiHeadAttention {
+class GPT2ATTN_API MultiHeadAttention {
  public:
   // Validates config and weights (throws Error naming the problem), repacks weights for oneDNN,
   // registers the causal mask for config.context_length, and picks the kernel ISA once.
@@ -119,7 +120,7 @@ class MultiHeadAttention {
   std::string implementation() const;  // e.g. "tiled-online-softmax/avx512 + onednn-matmul"
   int default_threads() const;
 
- struct Impl;  // engine-internal (engine/layer.hpp)
+  struct GPT2ATTN_LOCAL Impl;  // engine-internal (engine/layer.hpp)
 
  private:
   friend class CausalSelfAttention;
@@ -133,7 +134,7 @@ class MultiHeadAttention {
 // for each of B sequences. Inference only: RunOptions::training must be false. Every check (ids, lengths
 // against context_length, finiteness, pool capacity) happens before anything is written: on error the
 // cache and `out` are as they were.
-class CausalSelfAttention {
+class GPT2ATTN_API CausalSelfAttention {
  public:
   CausalSelfAttention(Config config, const Weights& weights, const EngineOptions& options = {});
   CausalSelfAttention(Config config, const WeightsView& weights, const EngineOptions& options = {});

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "gpt2attn/export.h"
+
 namespace gpt2attn {
 
 // Upper bounds Config::validate() enforces on every size a file, a flag or a C struct can set. They keep every
@@ -16,7 +18,7 @@ inline constexpr int64_t kMaxContextLength = int64_t{1} << 24;  // 16,777,216 to
 
 // Vocabulary used at every boundary: B batch, T query length, Tk key length, E model width (d_model),
 // H heads, H_kv K/V heads, D = E / H head size. Input widths: d_in (query), kdim (key), vdim (value).
-struct Config {
+struct GPT2ATTN_API Config {
   int64_t d_model = 0;          // E: width of Q, K, V after projection and of the output
   int64_t num_heads = 0;        // H; must divide E
   int64_t num_kv_heads = 0;     // H_kv: K/V heads, shared by groups of H / H_kv query heads (grouped-query
@@ -49,17 +51,17 @@ struct Config {
 // Presets compiled into the library from configs/*.json: gpt2-small (768/12), gpt2-medium (1024/16),
 // gpt2-large (1280/20), gpt2-xl (1600/25), the GPT-3 family up to gpt3-175b (12288/96).
 // All presets are causal self-attention with biases, dropout 0.
-std::vector<std::string> preset_names();
-Config preset(const std::string& name);  // throws invalid_argument listing the known names
+GPT2ATTN_API std::vector<std::string> preset_names();
+GPT2ATTN_API Config preset(const std::string& name);  // throws invalid_argument listing the known names
 
 // Parses a config JSON object ({"d_model": 768, "num_heads": 12, ...}); unknown keys are an error.
-Config config_from_json(const std::string& json_text, const std::string& origin = "<json>");
-Config load_config(const std::string& path);
+GPT2ATTN_API Config config_from_json(const std::string& json_text, const std::string& origin = "<json>");
+GPT2ATTN_API Config load_config(const std::string& path);
 // A Hugging Face GPT-2 config.json (n_embd, n_head, n_positions or n_ctx; its other keys are not ours and are
 // ignored) as a causal Config with biases. Throws Error(bad_file) naming the file and the missing or bad key.
-Config hf_gpt2_config_from_json(const std::string& json_text, const std::string& origin = "<json>");
+GPT2ATTN_API Config hf_gpt2_config_from_json(const std::string& json_text, const std::string& origin = "<json>");
 // A config file in either format: a Hugging Face GPT-2 config.json (it has n_embd) or ours (configs/*.json).
-Config load_any_config(const std::string& path);
-std::string to_json(const Config& c);
+GPT2ATTN_API Config load_any_config(const std::string& path);
+GPT2ATTN_API std::string to_json(const Config& c);
 
 }  // namespace gpt2attn

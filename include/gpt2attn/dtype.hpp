@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "gpt2attn/export.h"
+
 namespace gpt2attn {
 
 enum class DType : uint8_t {
@@ -29,7 +31,8 @@ constexpr size_t size_of(DType t) {
   return 0;
 }
 
-const char* to_string(DType t);             // "f32", "bf16", "f16", "i8", "u8"
-DType dtype_from_string(const std::string& s);  // the inverse; throws invalid_argument naming the known ones
+GPT2ATTN_API const char* to_string(DType t);  // "f32", "bf16", "f16", "i8", "u8"
+// The inverse; throws invalid_argument naming the known ones.
+GPT2ATTN_API DType dtype_from_string(const std::string& s);
 
 }  // namespace gpt2attn

@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "gpt2attn/export.h"
+
 namespace gpt2attn {
 
 enum class ErrorCode : int {
@@ -14,7 +16,7 @@ enum class ErrorCode : int {
   internal = 4,          // a bug or an unexpected failure inside a dependency (oneDNN)
 };
 
-class Error : public std::runtime_error {
+class GPT2ATTN_API Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& what) : std::runtime_error(what), code_(code) {}
   ErrorCode code() const noexcept { return code_; }

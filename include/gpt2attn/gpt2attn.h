@@ -17,23 +17,52 @@
  *
  * Concurrency: handles may be shared between threads. Calls that pass their own workspace run in parallel
  * on one layer and one cache, provided each workspace and each sequence is used by one call at a time;
- * calls with a NULL workspace on one layer are serialised. */
+ * calls with a NULL workspace on one layer are serialised.
+ *
+ * ABI policy: what a program compiled against this header can rely on.
+ * - The C API is the stable interface. It lives in libgpt2attn.so.N, N = GPT2ATTN_ABI_VERSION, and every release
+ *   that ships that file name keeps it: a program built against this header runs unchanged against any later
+ *   such release. Anything that would break that raises N, so an old program never loads an incompatible library.
+ * - Within one N, functions are never removed and their signatures and documented meaning never change. Releases
+ *   add functions (a program using one needs that release or later: gpt2attn_version() says which is loaded) and
+ *   may add status codes: treat any nonzero status as a failure and report gpt2attn_last_error().
+ * - Handles are opaque: their size and contents are not part of the ABI.
+ * - Structs grow only at their end, and each leads with struct_size, which the caller sets to sizeof the struct
+ *   as its own header declares it (gpt2attn_config_init() and gpt2attn_kv_cache_options_init() do). A struct
+ *   passed in is read by its struct_size: fields an older caller's header did not have read as 0, and 0 always
+ *   means what the release before the field did; fields of a newer header that this library does not know must
+ *   be 0, or the call fails with GPT2ATTN_ERR_INVALID_ARGUMENT naming struct_size (the caller asked for something
+ *   this library cannot do). A struct the library fills (gpt2attn_config_preset, gpt2attn_layer_config) is
+ *   written up to the caller's struct_size: fields the library does not know are set to 0. A struct_size below
+ *   the struct's first version, or above 4096, is refused. Fields are appended in groups of 8 bytes, so no
+ *   version ends in padding that an older library would have to read as a field.
+ * - The C++ API (the gpt2attn/<name>.hpp headers) is exported by the same library but is source-compatible only:
+ *   its classes and option structs grow between releases, so C++ code is rebuilt for each release. Its symbols
+ *   carry the release's version (GPT2ATTN_CXX_MAJOR.MINOR.PATCH), so a C++ program run against another release
+ *   stops at load time with an error naming that version instead of misbehaving.
+ * The library exports nothing but these two APIs (checked by tests/c/check_exports.cmake). */
 #ifndef GPT2ATTN_GPT2ATTN_H
 #define GPT2ATTN_GPT2ATTN_H
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
+
+#include "gpt2attn/export.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* Kept equal to project(VERSION) in CMakeLists.txt (checked at configure time). */
+/* The release this header comes with; kept equal to project(VERSION) in CMakeLists.txt (checked at configure
+ * time). gpt2attn_version() gives the loaded library's. */
 #define GPT2ATTN_VERSION_MAJOR 0
 #define GPT2ATTN_VERSION_MINOR 1
 #define GPT2ATTN_VERSION_PATCH 0
+/* N in libgpt2attn.so.N (the SONAME): raised only when the C ABI breaks (see the policy above). */
+#define GPT2ATTN_ABI_VERSION 1
 
-/* The same numbers as gpt2attn::ErrorCode; 0 is success. */
+/* The same numbers as gpt2attn::ErrorCode; 0 is success. Later releases may add codes. */
 typedef enum gpt2attn_status {
   GPT2ATTN_OK = 0,
   GPT2ATTN_ERR_INVALID_ARGUMENT = 1, /* a handle, pointer, id, shape or size the caller passed is wrong */
@@ -47,8 +76,10 @@ typedef struct gpt2attn_kv_cache gpt2attn_kv_cache_t;   /* a paged K/V pool and 
 typedef struct gpt2attn_workspace gpt2attn_workspace_t; /* per-thread scratch memory for compute calls */
 typedef int64_t gpt2attn_seq_t;                         /* a sequence id; never reused within one cache */
 
-/* The layer's sizes. Always causal self-attention, inference only (no dropout). */
+/* The layer's sizes. Always causal self-attention, inference only (no dropout). Set struct_size (see the ABI
+ * policy): start from gpt2attn_config_init() or a zeroed struct with struct_size = sizeof(gpt2attn_config_t). */
 typedef struct gpt2attn_config {
+  uint32_t struct_size;
   int64_t d_model;        /* E */
   int64_t num_heads;      /* H; must divide E */
   int64_t d_in;           /* input width; 0 means E */
@@ -58,113 +89,144 @@ typedef struct gpt2attn_config {
   int64_t num_kv_heads;   /* H_kv: K/V heads shared by groups of query heads; must divide H; 0 means H */
 } gpt2attn_config_t;
 
-/* ---- library ---------------------------------------------------------------------------------------------- */
-
-/* The message of this thread's last failed call ("" if none); valid until this thread's next failing call. */
-const char* gpt2attn_last_error(void);
-/* "MAJOR.MINOR.PATCH" of the linked library. */
-const char* gpt2attn_version(void);
-/* A static name for a status: "ok", "invalid argument", "bad file", "out of memory", "internal", "unknown". */
-const char* gpt2attn_status_string(gpt2attn_status_t status);
-/* The strongest kernel instruction set this CPU runs: "avx512_bf16", "avx512", "avx2" or "scalar" (static string). */
-const char* gpt2attn_best_isa(void);
-/* *out = a preset's sizes: "gpt2-small" (E=768, H=12), "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-*". */
-gpt2attn_status_t gpt2attn_config_preset(const char* name, gpt2attn_config_t* out);
-
-/* ---- layer ------------------------------------------------------------------------------------------------ */
-
-/* A layer with random weights (uniform +-1/sqrt(fan_in), reproducible from seed) for `config`. */
-gpt2attn_status_t gpt2attn_layer_create_random(const gpt2attn_config_t* config, uint64_t seed,
-                                               gpt2attn_layer_t** out);
-/* From torch MHA arrays (copied): in_proj_weight (E + 2 KW, d_in), in_proj_bias (E + 2 KW) or NULL iff !qkv_bias,
-   out_proj_*; KW = H_kv * D, which is E (3E rows in all) unless num_kv_heads groups the K/V heads. */
-gpt2attn_status_t gpt2attn_layer_create(const gpt2attn_config_t* config, const float* in_proj_weight,
-                                        const float* in_proj_bias, const float* out_proj_weight,
-                                        const float* out_proj_bias, gpt2attn_layer_t** out);
-/* From safetensors (torch or HF GPT-2 names after prefix, e.g. "h.3.attn."; NULL = ""); E, d_in and the K/V heads
-   (grouped-query checkpoints) from the shapes. */
-gpt2attn_status_t gpt2attn_layer_load_safetensors(const char* path, const char* prefix, int64_t num_heads,
-                                                  int64_t context_length, gpt2attn_layer_t** out);
-/* Frees the layer; NULL is a no-op. Caches and workspaces used with it stay valid. */
-void gpt2attn_layer_destroy(gpt2attn_layer_t* layer);
-
-/* *out = the layer's sizes (E, H, d_in, context_length, biases, H_kv). */
-gpt2attn_status_t gpt2attn_layer_config(const gpt2attn_layer_t* layer, gpt2attn_config_t* out);
-/* *isa ("avx512"...) and *implementation (kernels + GEMMs), each optional; strings live as long as the layer. */
-gpt2attn_status_t gpt2attn_layer_describe(const gpt2attn_layer_t* layer, const char** isa,
-                                          const char** implementation);
-
-/* ---- KV cache and sequences ------------------------------------------------------------------------------- */
-
-/* A pool for this E and H, allocated now: capacity_tokens in blocks of block_tokens (0: 64 or context_length). */
-gpt2attn_status_t gpt2attn_kv_cache_create(const gpt2attn_layer_t* layer, int64_t block_tokens,
-                                           int64_t capacity_tokens, gpt2attn_kv_cache_t** out);
-/* Pool options that can grow: set struct_size = sizeof(gpt2attn_kv_cache_options_t) (a later library reads an
- * older, shorter struct by its size). Exactly one of capacity_tokens (rounded up to whole blocks) and
- * capacity_bytes (rounded down) is nonzero. kv_dtype: "f32" (NULL means f32), "bf16" (half the bytes, each K/V
- * value rounded to nearest even once) or "i8" (symmetric int8 with one f32 scale per token, K/V head and K or V:
- * a quarter of the bytes plus the scales); each value is converted once, when appended; attention still computes
- * in f32. */
+/* Pool options. Exactly one of capacity_tokens (rounded up to whole blocks) and capacity_bytes (rounded down) is
+ * nonzero. kv_dtype: "f32" (NULL means f32), "bf16" (half the bytes, each K/V value rounded to nearest even once)
+ * or "i8" (symmetric int8 with one f32 scale per token, K/V head and K or V: a quarter of the bytes plus the
+ * scales); each value is converted once, when appended; attention still computes in f32. Set struct_size as for
+ * gpt2attn_config_t (gpt2attn_kv_cache_options_init()). */
 typedef struct gpt2attn_kv_cache_options {
   uint32_t struct_size;
-  int64_t block_tokens;    /* 0: 64 or context_length */
+  int64_t block_tokens; /* 0: 64 or context_length */
   int64_t capacity_tokens;
   uint64_t capacity_bytes;
   const char* kv_dtype;
 } gpt2attn_kv_cache_options_t;
-gpt2attn_status_t gpt2attn_kv_cache_create_with(const gpt2attn_layer_t* layer,
-                                                const gpt2attn_kv_cache_options_t* options, gpt2attn_kv_cache_t** out);
+
+/* The struct_size of a struct as this header declares it. */
+#ifdef __cplusplus
+#define GPT2ATTN_STRUCT_SIZE(type) static_cast<uint32_t>(sizeof(type))
+#else
+#define GPT2ATTN_STRUCT_SIZE(type) ((uint32_t)sizeof(type))
+#endif
+
+/* Every field 0 (its default) and struct_size set: fill in what you need. Inline, so struct_size is the size the
+ * caller was compiled with, which is what the library must be told. */
+static inline gpt2attn_config_t gpt2attn_config_init(void) {
+  gpt2attn_config_t c;
+  memset(&c, 0, sizeof c);
+  c.struct_size = GPT2ATTN_STRUCT_SIZE(gpt2attn_config_t);
+  return c;
+}
+static inline gpt2attn_kv_cache_options_t gpt2attn_kv_cache_options_init(void) {
+  gpt2attn_kv_cache_options_t o;
+  memset(&o, 0, sizeof o);
+  o.struct_size = GPT2ATTN_STRUCT_SIZE(gpt2attn_kv_cache_options_t);
+  return o;
+}
+
+/* ---- library ---------------------------------------------------------------------------------------------- */
+
+/* The message of this thread's last failed call ("" if none); valid until this thread's next failing call. */
+GPT2ATTN_API const char* gpt2attn_last_error(void);
+/* "MAJOR.MINOR.PATCH" of the loaded library (GPT2ATTN_VERSION_* are the header's). */
+GPT2ATTN_API const char* gpt2attn_version(void);
+/* A static name for a status: "ok", "invalid argument", "bad file", "out of memory", "internal", "unknown". */
+GPT2ATTN_API const char* gpt2attn_status_string(gpt2attn_status_t status);
+/* The strongest kernel instruction set this CPU runs: "avx512_bf16", "avx512", "avx2" or "scalar" (static string). */
+GPT2ATTN_API const char* gpt2attn_best_isa(void);
+/* *out = a preset's sizes: "gpt2-small" (E=768, H=12), "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-*".
+ * out->struct_size must be set. */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_config_preset(const char* name, gpt2attn_config_t* out);
+
+/* ---- layer ------------------------------------------------------------------------------------------------ */
+
+/* A layer with random weights (uniform +-1/sqrt(fan_in), reproducible from seed) for `config`. */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_create_random(const gpt2attn_config_t* config, uint64_t seed,
+                                                            gpt2attn_layer_t** out);
+/* From torch MHA arrays (copied): in_proj_weight (E + 2 KW, d_in), in_proj_bias (E + 2 KW) or NULL iff !qkv_bias,
+   out_proj_*; KW = H_kv * D, which is E (3E rows in all) unless num_kv_heads groups the K/V heads. */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_create(const gpt2attn_config_t* config, const float* in_proj_weight,
+                                                     const float* in_proj_bias, const float* out_proj_weight,
+                                                     const float* out_proj_bias, gpt2attn_layer_t** out);
+/* From safetensors (torch or HF GPT-2 names after prefix, e.g. "h.3.attn."; NULL = ""); E, d_in and the K/V heads
+   (grouped-query checkpoints) from the shapes. */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_load_safetensors(const char* path, const char* prefix,
+                                                               int64_t num_heads, int64_t context_length,
+                                                               gpt2attn_layer_t** out);
+/* Frees the layer; NULL is a no-op. Caches and workspaces used with it stay valid. */
+GPT2ATTN_API void gpt2attn_layer_destroy(gpt2attn_layer_t* layer);
+
+/* *out = the layer's sizes (E, H, d_in, context_length, biases, H_kv); out->struct_size must be set. */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_config(const gpt2attn_layer_t* layer, gpt2attn_config_t* out);
+/* *isa ("avx512"...) and *implementation (kernels + GEMMs), each optional; strings live as long as the layer. */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_describe(const gpt2attn_layer_t* layer, const char** isa,
+                                                       const char** implementation);
+
+/* ---- KV cache and sequences ------------------------------------------------------------------------------- */
+
+/* A pool for this E and H, allocated now: capacity_tokens in blocks of block_tokens (0: 64 or context_length). */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_kv_cache_create(const gpt2attn_layer_t* layer, int64_t block_tokens,
+                                                        int64_t capacity_tokens, gpt2attn_kv_cache_t** out);
+/* The same with options (a bf16 or i8 K/V store, a byte capacity): gpt2attn_kv_cache_options_t above. */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_kv_cache_create_with(const gpt2attn_layer_t* layer,
+                                                             const gpt2attn_kv_cache_options_t* options,
+                                                             gpt2attn_kv_cache_t** out);
 /* Frees the pool and every sequence in it; NULL is a no-op. */
-void gpt2attn_kv_cache_destroy(gpt2attn_kv_cache_t* cache);
+GPT2ATTN_API void gpt2attn_kv_cache_destroy(gpt2attn_kv_cache_t* cache);
 /* The pool's sizes in bytes and its K/V storage type ("f32", "bf16" or "i8", a static string); any out may be
  * NULL. */
-gpt2attn_status_t gpt2attn_kv_cache_bytes(const gpt2attn_kv_cache_t* cache, uint64_t* block_bytes,
-                                          uint64_t* capacity_bytes, const char** kv_dtype);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_kv_cache_bytes(const gpt2attn_kv_cache_t* cache, uint64_t* block_bytes,
+                                                       uint64_t* capacity_bytes, const char** kv_dtype);
 /* Pool state; any out pointer may be NULL. Room left: free_blocks * block_tokens tokens. */
-gpt2attn_status_t gpt2attn_kv_cache_stats(const gpt2attn_kv_cache_t* cache, int64_t* block_tokens,
-                                          int64_t* total_blocks, int64_t* free_blocks, int64_t* num_sequences);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_kv_cache_stats(const gpt2attn_kv_cache_t* cache, int64_t* block_tokens,
+                                                       int64_t* total_blocks, int64_t* free_blocks,
+                                                       int64_t* num_sequences);
 
 /* A new empty sequence (takes no block until tokens are appended). */
-gpt2attn_status_t gpt2attn_seq_create(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t* out);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_create(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t* out);
 /* A new sequence sharing parent's cached tokens (blocks shared, copied on first write). */
-gpt2attn_status_t gpt2attn_seq_fork(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t parent, gpt2attn_seq_t* out);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_fork(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t parent,
+                                                 gpt2attn_seq_t* out);
 /* Returns the sequence's unshared blocks to the pool; the id becomes invalid. */
-gpt2attn_status_t gpt2attn_seq_release(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_release(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq);
 /* *out = cached tokens of seq. */
-gpt2attn_status_t gpt2attn_seq_length(const gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq, int64_t* out);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_length(const gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq,
+                                                   int64_t* out);
 /* *out = blocks appending `tokens` to seq would take from the pool now (for admission control). */
-gpt2attn_status_t gpt2attn_seq_blocks_needed(const gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq,
-                                             int64_t tokens, int64_t* out);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_blocks_needed(const gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq,
+                                                          int64_t tokens, int64_t* out);
 
 /* ---- workspace -------------------------------------------------------------------------------------------- */
 
 /* Scratch memory for compute calls: one per concurrently calling thread; grows on demand. */
-gpt2attn_status_t gpt2attn_workspace_create(gpt2attn_workspace_t** out);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_workspace_create(gpt2attn_workspace_t** out);
 /* Frees it; NULL is a no-op. */
-void gpt2attn_workspace_destroy(gpt2attn_workspace_t* ws);
+GPT2ATTN_API void gpt2attn_workspace_destroy(gpt2attn_workspace_t* ws);
 /* *out = scratch bytes held now. */
-gpt2attn_status_t gpt2attn_workspace_bytes(const gpt2attn_workspace_t* ws, size_t* out);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_workspace_bytes(const gpt2attn_workspace_t* ws, size_t* out);
 
 /* ---- compute (ws may be NULL: the layer's own workspace, calls serialised) ---------------------------------- */
 
 /* Prefill / chunked prefill: appends T tokens to seq, x (T, d_in) -> out (T, E); length + T <= context_length. */
-gpt2attn_status_t gpt2attn_layer_extend(gpt2attn_layer_t* layer, gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq,
-                                        const float* x, int64_t T, float* out, int threads,
-                                        gpt2attn_workspace_t* ws);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_extend(gpt2attn_layer_t* layer, gpt2attn_kv_cache_t* cache,
+                                                     gpt2attn_seq_t seq, const float* x, int64_t T, float* out,
+                                                     int threads, gpt2attn_workspace_t* ws);
 /* One decode step for B distinct sequences: seqs (B), x (B, d_in) one new token each -> out (B, E). */
-gpt2attn_status_t gpt2attn_layer_decode(gpt2attn_layer_t* layer, gpt2attn_kv_cache_t* cache,
-                                        const gpt2attn_seq_t* seqs, int64_t B, const float* x, float* out,
-                                        int threads, gpt2attn_workspace_t* ws);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_decode(gpt2attn_layer_t* layer, gpt2attn_kv_cache_t* cache,
+                                                     const gpt2attn_seq_t* seqs, int64_t B, const float* x,
+                                                     float* out, int threads, gpt2attn_workspace_t* ws);
 /* Causal self-attention without a cache: x (B, T, d_in) -> out (B, T, E). */
-gpt2attn_status_t gpt2attn_layer_forward(gpt2attn_layer_t* layer, const float* x, int64_t B, int64_t T, float* out,
-                                         int threads, gpt2attn_workspace_t* ws);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_forward(gpt2attn_layer_t* layer, const float* x, int64_t B,
+                                                      int64_t T, float* out, int threads, gpt2attn_workspace_t* ws);
 /* Grows ws (NULL: the layer's own) for extend <= max_extend_tokens, decode <= max_decode_batch: decode then never
  * allocates; extend allocates nothing of gpt2attn's own once a chunk shape was seen (oneDNN's GEMMs still do). */
-gpt2attn_status_t gpt2attn_layer_reserve(gpt2attn_layer_t* layer, int64_t max_extend_tokens,
-                                         int64_t max_decode_batch, int threads, gpt2attn_workspace_t* ws);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_reserve(gpt2attn_layer_t* layer, int64_t max_extend_tokens,
+                                                      int64_t max_decode_batch, int threads,
+                                                      gpt2attn_workspace_t* ws);
 /* *out = the scratch bytes gpt2attn_layer_reserve would hold for these sizes. */
-gpt2attn_status_t gpt2attn_layer_reserve_bytes(const gpt2attn_layer_t* layer, int64_t max_extend_tokens,
-                                               int64_t max_decode_batch, int threads, size_t* out);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_reserve_bytes(const gpt2attn_layer_t* layer,
+                                                            int64_t max_extend_tokens, int64_t max_decode_batch,
+                                                            int threads, size_t* out);
 
 #ifdef __cplusplus
 } /* extern "C" */

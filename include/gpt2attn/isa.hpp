@@ -7,18 +7,20 @@
 #include <string>
 #include <vector>
 
+#include "gpt2attn/export.h"
+
 namespace gpt2attn {
 
 // `best` takes the strongest level this CPU runs (GPT2ATTN_ISA=scalar|avx2|avx512|avx512_bf16 in the environment
 // overrides it); the others name a level. avx512_bf16 is avx512 plus the AVX512-BF16 dot product (vdpbf16ps): it
 // changes only bf16 compute, whose products it runs at twice the f32 FMA rate; f32 layers run the avx512 kernels.
 enum class Isa : uint8_t { best, scalar, avx2, avx512, avx512_bf16 };
-const char* to_string(Isa isa);
-Isa isa_from_string(const std::string& s);  // "best" | "scalar" | "avx2" | "avx512" | "avx512_bf16"
-Isa best_supported_isa();                   // what `best` resolves to on this machine
-bool isa_supported(Isa isa);
-std::vector<Isa> compiled_isas();           // every level built into the library, best first, scalar last
+GPT2ATTN_API const char* to_string(Isa isa);
+GPT2ATTN_API Isa isa_from_string(const std::string& s);  // "best" | "scalar" | "avx2" | "avx512" | "avx512_bf16"
+GPT2ATTN_API Isa best_supported_isa();                   // what `best` resolves to on this machine
+GPT2ATTN_API bool isa_supported(Isa isa);
+GPT2ATTN_API std::vector<Isa> compiled_isas();           // every level built into the library, best first, scalar last
 // The CPU features a level needs ("avx512f", "fma", ...), as its kernels are compiled with them.
-std::vector<std::string> isa_features(Isa isa);
+GPT2ATTN_API std::vector<std::string> isa_features(Isa isa);
 
 }  // namespace gpt2attn

@@ -10,6 +10,7 @@
 
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/dtype.hpp"
+#include "gpt2attn/export.h"
 
 namespace gpt2attn {
 
@@ -41,7 +42,7 @@ struct KvCacheOptions {
 //
 // Forks share blocks: a fork's blocks are the parent's, reference counted; a full shared block is never
 // written again, and the first append into a shared partially filled block copies it (copy on write).
-class KvCache {
+class GPT2ATTN_API KvCache {
  public:
   // Allocates the whole pool now (Error out_of_memory if that fails); nothing is allocated later except
   // each sequence's block table, which grows to at most ceil(context_length / block_tokens) entries and is
@@ -77,7 +78,7 @@ class KvCache {
   void read_key(SequenceId seq, int64_t h, int64_t t, float* dst) const;
   void read_value(SequenceId seq, int64_t h, int64_t t, float* dst) const;
 
-  struct Impl;  // engine-internal (engine/kv_cache.hpp)
+  struct GPT2ATTN_LOCAL Impl;  // engine-internal (engine/kv_cache.hpp)
   Impl& impl() { return *impl_; }
   const Impl& impl() const { return *impl_; }
 

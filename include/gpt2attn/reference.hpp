@@ -5,11 +5,12 @@
 #include <vector>
 
 #include "gpt2attn/attention.hpp"
+#include "gpt2attn/export.h"
 
 namespace gpt2attn {
 
 // Returns out (B, T, E) in double. Validates like MultiHeadAttention::forward (same errors).
-std::vector<double> reference_forward(const Config& config, const Weights& weights, const AttentionInputs& in,
-                                      const RunOptions& run = {});
+GPT2ATTN_API std::vector<double> reference_forward(const Config& config, const Weights& weights,
+                                                   const AttentionInputs& in, const RunOptions& run = {});
 
 }  // namespace gpt2attn

@@ -8,10 +8,11 @@
 #include <string>
 
 #include "gpt2attn/dtype.hpp"
+#include "gpt2attn/export.h"
 
 namespace gpt2attn {
 
-struct TensorView {
+struct GPT2ATTN_API TensorView {
   const void* data = nullptr;
   DType dtype = DType::f32;
   int rank = 0;
@@ -43,7 +44,7 @@ struct TensorView {
 // mask of B * H rows (torch's (B * num_heads, T, Tk) attn_mask, batch-major) becomes (B, H, T, Tk). Anything else
 // is returned as it is, for forward() to accept or refuse with its own message. Used by the CLI and the Python
 // module.
-TensorView torch_mask_view(TensorView mask, int64_t B, int64_t H);
+GPT2ATTN_API TensorView torch_mask_view(TensorView mask, int64_t B, int64_t H);
 
 // How a user mask is read. Each is broadcast from (T, Tk), (B, T, Tk) or (B, H, T, Tk).
 enum class MaskKind : uint8_t {
@@ -52,10 +53,10 @@ enum class MaskKind : uint8_t {
   additive,  // float added to the scaled scores (torch's float attn_mask; -inf blocks)
 };
 
-const char* to_string(MaskKind k);
+GPT2ATTN_API const char* to_string(MaskKind k);
 // How torch reads a mask given without a kind, by its dtype: a float mask is added (additive), a bool or uint8 one
 // blocks where nonzero (block). The CLI and the Python module use it when no kind is named.
-MaskKind torch_mask_kind(DType mask_dtype);
-MaskKind mask_kind_from_string(const std::string& s);  // "keep" | "block" | "additive"
+GPT2ATTN_API MaskKind torch_mask_kind(DType mask_dtype);
+GPT2ATTN_API MaskKind mask_kind_from_string(const std::string& s);  // "keep" | "block" | "additive"
 
 }  // namespace gpt2attn

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gpt2attn/config.hpp"
+#include "gpt2attn/export.h"
 #include "gpt2attn/tensor.hpp"
 
 namespace gpt2attn {
@@ -19,7 +20,7 @@ namespace gpt2attn {
 // Hugging Face Conv1D weight is the transposed view, strides (1, outputs)); biases rank 1 (empty views when the
 // config has none). Element types f32, bf16 or f16: a bf16 layer takes bf16 as it is, rounds f32 and f16 to
 // nearest even once; an f32 layer widens bf16 and f16 exactly.
-struct WeightsView {
+struct GPT2ATTN_API WeightsView {
   TensorView w_q;  // (E, d_in)
   TensorView w_k;  // (H_kv * D, kdim)
   TensorView w_v;  // (H_kv * D, vdim)
@@ -31,7 +32,7 @@ struct WeightsView {
   void validate(const Config& c) const;
 };
 
-struct Weights {
+struct GPT2ATTN_API Weights {
   std::vector<float> w_q;  // (E, d_in)
   std::vector<float> w_k;  // (H_kv * D, kdim): E rows unless the config groups K/V heads
   std::vector<float> w_v;  // (H_kv * D, vdim)
@@ -82,13 +83,13 @@ struct StoredLayer : LayerShapes {
 // (KW, kdim/vdim), c_attn (d_in, E + 2 KW), biases (E + 2 KW); E comes from the output projection.
 // F32, F16 and BF16 load. Other tensors are ignored. Every header field, offset and size is checked;
 // a bad file throws Error(bad_file) naming the file and the problem.
-StoredLayer open_safetensors_layer(const std::string& path, const std::string& prefix = "");
+GPT2ATTN_API StoredLayer open_safetensors_layer(const std::string& path, const std::string& prefix = "");
 // The same layer converted to f32 Weights (exact for every stored dtype).
-LoadedLayer load_safetensors_layer(const std::string& path, const std::string& prefix = "");
+GPT2ATTN_API LoadedLayer load_safetensors_layer(const std::string& path, const std::string& prefix = "");
 
 // Completes `c` from what the file said (d_model, d_in, kdim, vdim, biases, and num_kv_heads when it is 0: the K/V
 // width over the head size); num_heads etc. stay the caller's. Throws invalid_argument when the result is not a
 // valid config or the file's K/V width is not c.kv_heads() x the head size.
-Config apply_loaded_shapes(Config c, const LayerShapes& l);
+GPT2ATTN_API Config apply_loaded_shapes(Config c, const LayerShapes& l);
 
 }  // namespace gpt2attn

@@ -1,5 +1,6 @@
-/* tests/c/test_c_api.c: the C API exercised from C (compiled as C11): prefill and batched decode through a paged
- * KV cache checked against the layer's own full forward, and the error contract (status, message, no writes). */
+/* tests/c/test_c_api.c: the C API exercised from C (compiled as C11, linked to libgpt2attn.so): prefill and batched
+ * decode through a paged KV cache checked against the layer's own full forward, the error contract (status,
+ * message, no writes) and the struct_size rule of the ABI policy (older and newer callers' structs). */
 #include <gpt2attn/gpt2attn.h>
 
 #include <math.h>
@@ -83,6 +84,18 @@ static void set_sentinel(float* out, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = SENTINEL;
 }
 
+/* A config from its sizes, struct_size set as the ABI policy asks. */
+static gpt2attn_config_t config_of(int64_t e, int64_t h, int64_t ctx, int qkv_bias, int out_bias, int64_t kv_heads) {
+  gpt2attn_config_t c = gpt2attn_config_init();
+  c.d_model = e;
+  c.num_heads = h;
+  c.context_length = ctx;
+  c.qkv_bias = qkv_bias;
+  c.out_bias = out_bias;
+  c.num_kv_heads = kv_heads;
+  return c;
+}
+
 static int64_t seq_len(const gpt2attn_kv_cache_t* cache, gpt2attn_seq_t s) {
   int64_t n = -1;
   if (gpt2attn_seq_length(cache, s, &n) != GPT2ATTN_OK) return -1;
@@ -106,7 +119,7 @@ static void test_library(gpt2attn_layer_t* layer) {
         impl ? impl : "(null)");
   printf("library %s, layer isa %s (%s)\n", gpt2attn_version(), isa ? isa : "?", impl ? impl : "?");
 
-  gpt2attn_config_t c;
+  gpt2attn_config_t c = gpt2attn_config_init();
   CHECK_OK(gpt2attn_config_preset("gpt2-small", &c));
   CHECK(c.d_model == 768 && c.num_heads == 12 && c.d_in == 768 && c.context_length == 1024 && c.qkv_bias &&
             c.out_bias,
@@ -227,7 +240,7 @@ static void test_argument_errors(gpt2attn_layer_t* layer, const float* xa) {
   CHECK_ERR(gpt2attn_layer_extend(layer, cache, s, xa, 2, y, 100000, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "threads");
   {
     /* A context length near INT64_MAX wrapped the layer's sizes and forward wrote past its workspace. */
-    gpt2attn_config_t huge;
+    gpt2attn_config_t huge = gpt2attn_config_init();
     CHECK_OK(gpt2attn_config_preset("gpt2-small", &huge));
     gpt2attn_layer_t* none = NULL;
     huge.context_length = INT64_MAX;
@@ -356,7 +369,7 @@ static void test_pool_exhaustion(gpt2attn_layer_t* layer, const float* xa, const
  * This pins in_proj_weight's row order ([W_q; W_k; W_v]) and the bias slices. */
 static void test_explicit_weights(void) {
   enum { e = 8, h = 2, t = 3 };
-  gpt2attn_config_t c = {e, h, 0, 8, 1, 1, 0};
+  gpt2attn_config_t c = config_of(e, h, 8, 1, 1, 0);
   static float w_in[3 * e * e], b_in[3 * e], w_out[e * e], b_out[e];
   for (int i = 0; i < e; ++i) {
     w_in[(2 * e + i) * e + i] = 1.0f; /* W_v = I */
@@ -387,7 +400,7 @@ static void test_explicit_weights(void) {
  * x[0..4), both query heads read the one K/V head, so row t is [mean x[0..t][0..4) twice] + b_v + b_o. */
 static void test_grouped_kv_heads(void) {
   enum { e = 8, h = 2, d = 4, t = 3 };
-  gpt2attn_config_t c = {e, h, 0, 8, 0, 1, 3};
+  gpt2attn_config_t c = config_of(e, h, 8, 0, 1, 3);
   gpt2attn_layer_t* layer = NULL;
   static float w_in[(e + 2 * d) * e], w_out[e * e], b_out[e];
   CHECK_ERR(gpt2attn_layer_create_random(&c, 1, &layer), GPT2ATTN_ERR_INVALID_ARGUMENT, "num_kv_heads");
@@ -399,7 +412,7 @@ static void test_grouped_kv_heads(void) {
   }
   CHECK_OK(gpt2attn_layer_create(&c, w_in, NULL, w_out, b_out, &layer));
   if (!layer) return;
-  gpt2attn_config_t back;
+  gpt2attn_config_t back = gpt2attn_config_init();
   CHECK_OK(gpt2attn_layer_config(layer, &back));
   CHECK(back.num_kv_heads == 1, "layer_config reports num_kv_heads = 1");
   float x[t * e], y[t * e], want[t * e];
@@ -419,9 +432,7 @@ static void test_grouped_kv_heads(void) {
 /* bf16 and int8 caches through the options struct: half (bf16) and a quarter plus the scales (i8) of an f32
  * block's bytes, the same outputs within storage rounding, and bad options refused by name. */
 static void test_bf16_cache(gpt2attn_layer_t* layer, const float* xa) {
-  gpt2attn_kv_cache_options_t o;
-  memset(&o, 0, sizeof o);
-  o.struct_size = sizeof o;
+  gpt2attn_kv_cache_options_t o = gpt2attn_kv_cache_options_init();
   o.block_tokens = BLOCK;
   o.capacity_tokens = 64;
   gpt2attn_kv_cache_t *f32 = NULL, *bf = NULL, *q8 = NULL;
@@ -472,8 +483,65 @@ static void test_bf16_cache(gpt2attn_layer_t* layer, const float* xa) {
   CHECK(bad == NULL, "a refused create writes no handle");
 }
 
+/* The struct_size rule (ABI policy in gpt2attn.h), seen from callers compiled against other headers. A newer header
+ * is modelled by a struct with one more int64_t field after ours: accepted while that field is 0 (its default),
+ * refused once set; a struct the library fills gets the field zeroed. A missing or wild struct_size is refused, and
+ * a refused call writes nothing. (An older, shorter struct cannot be made yet: these are the first versions.) */
+static void test_struct_size(gpt2attn_layer_t* layer) {
+  struct newer_config {
+    gpt2attn_config_t base;
+    int64_t future;
+  } newer;
+  memset(&newer, 0, sizeof newer);
+  newer.base = config_of(E, H, CTX, 1, 1, 0);
+  newer.base.struct_size = sizeof newer;
+  gpt2attn_layer_t* made = NULL;
+  CHECK_OK(gpt2attn_layer_create_random(&newer.base, 7, &made));
+  gpt2attn_layer_destroy(made);
+  made = NULL;
+  newer.future = 1;
+  CHECK_ERR(gpt2attn_layer_create_random(&newer.base, 7, &made), GPT2ATTN_ERR_INVALID_ARGUMENT, "newer gpt2attn.h");
+  CHECK(made == NULL, "no layer from a config with an unknown field set");
+
+  newer.future = 77;
+  newer.base.d_model = 1;
+  CHECK_OK(gpt2attn_layer_config(layer, &newer.base));
+  CHECK(newer.base.d_model == E && newer.base.struct_size == sizeof newer && newer.future == 0,
+        "layer_config into a newer struct: d_model %lld, struct_size %u, unknown field %lld",
+        (long long)newer.base.d_model, newer.base.struct_size, (long long)newer.future);
+
+  gpt2attn_config_t c = config_of(E, H, CTX, 1, 1, 0);
+  c.struct_size = 0; /* forgotten */
+  CHECK_ERR(gpt2attn_layer_create_random(&c, 7, &made), GPT2ATTN_ERR_INVALID_ARGUMENT, "config.struct_size is 0");
+  c.struct_size = 1u << 20; /* garbage */
+  CHECK_ERR(gpt2attn_layer_create_random(&c, 7, &made), GPT2ATTN_ERR_INVALID_ARGUMENT, "sizeof(gpt2attn_config_t)");
+  c.struct_size = 8;
+  c.d_model = 1;
+  CHECK_ERR(gpt2attn_config_preset("gpt2-small", &c), GPT2ATTN_ERR_INVALID_ARGUMENT, "out.struct_size is 8");
+  CHECK_ERR(gpt2attn_layer_config(layer, &c), GPT2ATTN_ERR_INVALID_ARGUMENT, "out.struct_size");
+  CHECK(c.d_model == 1 && c.struct_size == 8, "a refused fill wrote nothing");
+  CHECK(made == NULL, "no layer from a bad struct_size");
+
+  struct newer_options {
+    gpt2attn_kv_cache_options_t base;
+    int64_t future;
+  } opt;
+  memset(&opt, 0, sizeof opt);
+  opt.base = gpt2attn_kv_cache_options_init();
+  opt.base.struct_size = sizeof opt;
+  opt.base.capacity_tokens = 16;
+  gpt2attn_kv_cache_t* cache = NULL;
+  CHECK_OK(gpt2attn_kv_cache_create_with(layer, &opt.base, &cache));
+  gpt2attn_kv_cache_destroy(cache);
+  cache = NULL;
+  opt.future = -1;
+  CHECK_ERR(gpt2attn_kv_cache_create_with(layer, &opt.base, &cache), GPT2ATTN_ERR_INVALID_ARGUMENT,
+            "options.struct_size");
+  CHECK(cache == NULL, "no pool from options with an unknown field set");
+}
+
 int main(void) {
-  gpt2attn_config_t cfg = {E, H, 0, CTX, 1, 1, 0};
+  gpt2attn_config_t cfg = config_of(E, H, CTX, 1, 1, 0);
   gpt2attn_layer_t* layer = NULL;
   if (gpt2attn_layer_create_random(&cfg, 1234, &layer) != GPT2ATTN_OK) {
     fprintf(stderr, "cannot create the layer: %s\n0 passed, 1 failed\n", gpt2attn_last_error());
@@ -491,6 +559,7 @@ int main(void) {
   test_explicit_weights();
   test_grouped_kv_heads();
   test_bf16_cache(layer, xa);
+  test_struct_size(layer);
   gpt2attn_layer_destroy(layer);
 
   printf("%d passed, %d failed\n", g_passed, g_failed);

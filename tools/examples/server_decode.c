@@ -83,7 +83,7 @@ static gpt2attn_status_t leave(server_t* s) {
 }
 
 static gpt2attn_status_t serve(server_t* s, const char* preset, int steps) {
-  gpt2attn_config_t cfg;
+  gpt2attn_config_t cfg = gpt2attn_config_init(); /* struct_size set (the ABI policy in gpt2attn.h) */
   gpt2attn_status_t st = gpt2attn_config_preset(preset, &cfg);
   if (st != GPT2ATTN_OK) return fail("config_preset", st);
   st = gpt2attn_layer_create_random(&cfg, 42, &s->layer);
