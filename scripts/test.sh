@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what is missing, builds, runs every test under ctest (GoogleTest suites for
-# every compiled instruction set, the C API test, the server examples, the allocation test and PyTorch parity
-# through the CLI), then the concurrency tests under ThreadSanitizer (scripts/tsan.sh; GPT2ATTN_SKIP_TSAN=1
-# skips them) and the suite under ASan + UBSan (scripts/asan.sh; GPT2ATTN_SKIP_ASAN=1 skips it). Extra arguments
-# go to the first ctest run.
+# every compiled instruction set, the C API and ABI tests, programs built against the install tree, the server
+# examples, the allocation test and PyTorch parity through the CLI), then the concurrency tests under
+# ThreadSanitizer (scripts/tsan.sh; GPT2ATTN_SKIP_TSAN=1 skips them), the suite under ASan + UBSan (scripts/asan.sh;
+# GPT2ATTN_SKIP_ASAN=1 skips it) and the parsers' fuzz targets (scripts/fuzz.sh; GPT2ATTN_SKIP_FUZZ=1). Extra
+# arguments go to the first ctest run.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${GPT2ATTN_BUILD_DIR:-$root/build}
@@ -16,4 +17,9 @@ fi
 # does). The three long PyTorch parity sweeps run once, above: they drive the CLI, whose paths the CLI tests cover.
 if [ "${GPT2ATTN_SKIP_ASAN:-0}" != 1 ]; then
   bash "$root/scripts/asan.sh" -E "python.test_torch_mha_parity|python.test_torch_bf16_parity|python.test_seed_modules"
+fi
+# The libFuzzer targets of the file parsers (tests/fuzz), 60 s each under ASan + UBSan (scripts/fuzz.sh;
+# GPT2ATTN_SKIP_FUZZ=1 skips them, CI never does). A finding fails the run and prints the input's path.
+if [ "${GPT2ATTN_SKIP_FUZZ:-0}" != 1 ]; then
+  bash "$root/scripts/fuzz.sh" 60
 fi

@@ -212,21 +212,14 @@ std::string shape_tuple_text(const std::vector<int64_t>& shape) {
   return s + (shape.size() == 1 ? ",)" : ")");
 }
 
-}  // namespace
-
-int64_t Array::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;  // read() proved the product fits
-  return n;
-}
-
-Array read(const std::string& path) {
-  const uint64_t size = io::file_size(path);
-  std::ifstream in = io::open_for_read(path);
+// read() and parse(): the whole format, from a file or from memory.
+Array parse_from(io::ByteSource& src) {
+  const std::string& path = src.path();
+  const uint64_t size = src.size();
 
   // Prefix: magic (6), version major/minor (2), header length (2 bytes in 1.0, 4 bytes in 2.0 and 3.0).
   unsigned char prefix[12] = {};
-  io::read_exact(in, path, prefix, std::min<uint64_t>(size, 8));
+  src.read(prefix, std::min<uint64_t>(size, 8));
   if (size < sizeof kMagic || std::memcmp(prefix, kMagic, sizeof kMagic) != 0)
     io::file_error(path, "bad magic: not a .npy file");
   if (size < 8) io::file_error(path, "truncated header: file ends inside the version field");
@@ -236,7 +229,7 @@ Array read(const std::string& path) {
   const uint64_t len_bytes = major == 1 ? 2 : 4;
   const uint64_t prefix_size = 8 + len_bytes;
   if (size < prefix_size) io::file_error(path, "truncated header: file ends inside the header length field");
-  io::read_exact(in, path, prefix + 8, len_bytes);
+  src.read(prefix + 8, len_bytes);
   uint64_t header_len = 0;
   for (uint64_t i = len_bytes; i-- > 0;) header_len = (header_len << 8) | prefix[8 + i];
   if (header_len > size - prefix_size)
@@ -244,7 +237,7 @@ Array read(const std::string& path) {
                              std::to_string(size - prefix_size) + " follow");
 
   std::string text(header_len, '\0');
-  io::read_exact(in, path, text.data(), header_len);
+  src.read(text.data(), header_len);
   const Header h = HeaderParser(text, path).parse();
   if (h.fortran_order)
     io::file_error(path, "fortran_order is True; only C-order arrays are read (save np.ascontiguousarray(a))");
@@ -257,6 +250,17 @@ Array read(const std::string& path) {
       io::file_error(path, "shape " + shape_tuple_text(h.shape) + " overflows the element count");
   if (__builtin_mul_overflow(numel, dt.itemsize, &bytes))
     io::file_error(path, "shape " + shape_tuple_text(h.shape) + " overflows the byte count");
+  // An empty array's payload bounds none of its other dimensions: refused as numpy refuses (0, 2^32, 2^32) ("array is
+  // too big"), so that the row-major strides a consumer derives from the shape fit int64.
+  if (numel == 0) {
+    uint64_t extent = dt.itemsize;
+    for (int64_t d : h.shape)
+      if (d != 0 && (__builtin_mul_overflow(extent, static_cast<uint64_t>(d), &extent) ||
+                     extent > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())))
+        io::file_error(path, "shape " + shape_tuple_text(h.shape) +
+                                 " is too large for any array, even an empty one (its non-zero dimensions span over "
+                                 "2^63 bytes; numpy refuses it too)");
+  }
 
   const uint64_t payload = size - prefix_size - header_len;
   if (payload != bytes) {
@@ -272,18 +276,18 @@ Array read(const std::string& path) {
   // From here every allocation is bounded by the file size, which the comparison above guarantees.
   if (dt.kind == Kind::u8) {
     a.u8.resize(numel);
-    io::read_exact(in, path, a.u8.data(), bytes);
+    src.read(a.u8.data(), bytes);
     if (dt.is_bool)
       for (uint8_t& v : a.u8) v = v != 0;
     return a;
   }
   a.f32.resize(numel);
   if (dt.itemsize == 4) {
-    io::read_exact(in, path, a.f32.data(), bytes);
+    src.read(a.f32.data(), bytes);
     return a;
   }
   std::vector<unsigned char> raw(bytes);
-  io::read_exact(in, path, raw.data(), bytes);
+  src.read(raw.data(), bytes);
   for (uint64_t i = 0; i < numel; ++i) {
     if (dt.itemsize == 2) {
       uint16_t h16;
@@ -296,6 +300,25 @@ Array read(const std::string& path) {
     }
   }
   return a;
+}
+
+}  // namespace
+
+int64_t Array::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;  // read() proved the product fits
+  return n;
+}
+
+Array read(const std::string& path) {
+  io::ByteSource src(path, io::file_size(path));
+  src.open();  // an unreadable file is "cannot open" even when it is too short to hold a magic
+  return parse_from(src);
+}
+
+Array parse(const std::string& path, const uint8_t* bytes, size_t size) {
+  io::ByteSource src(path, bytes, size);
+  return parse_from(src);
 }
 
 void write_f32(const std::string& path, const float* data, const std::vector<int64_t>& shape) {

@@ -21,9 +21,13 @@ struct Array {
 };
 
 // Accepts little-endian <f2/<f4/<f8 (or '='), |u1, |b1; C order only. Fortran order, big-endian data,
-// other dtypes, a bad magic, a truncated header or payload, or a shape/size mismatch throw
-// Error(bad_file) naming the path and the problem.
+// other dtypes, a bad magic, a truncated header or payload, a shape/size mismatch, or a shape no array can have (an
+// empty one whose other dimensions span over 2^63 bytes, as numpy refuses) throw Error(bad_file) naming the path and
+// the problem.
 Array read(const std::string& path);
+// The same checks and messages over a file's bytes already in memory (the fuzz targets); `path` names them in
+// messages.
+Array parse(const std::string& path, const uint8_t* bytes, size_t size);
 
 // Writes a little-endian float32 C-order array. Throws Error(bad_file) if the file cannot be written.
 void write_f32(const std::string& path, const float* data, const std::vector<int64_t>& shape);

@@ -53,6 +53,43 @@ inline void read_exact(std::ifstream& in, const std::string& path, void* dst, ui
   if (static_cast<uint64_t>(in.gcount()) != n) file_error(path, "read failed (file shrank while reading?)");
 }
 
+// A file's bytes read front to back, from disk or from memory: each reader has one parser that both its read(path)
+// and its in-memory parse(path, bytes) run, so a file and the same bytes in memory give the same result and the same
+// messages (the fuzz targets use the in-memory one). A file is opened at the first read, or by open().
+class ByteSource {
+ public:
+  // The file at `path`, `size` bytes long (file_size(path)).
+  ByteSource(const std::string& path, uint64_t size) : path_(path), size_(size) {}
+  // `size` bytes at `data`, which the caller keeps alive; `path` only names them in messages.
+  ByteSource(const std::string& path, const void* data, uint64_t size)
+      : path_(path), size_(size), mem_(static_cast<const unsigned char*>(data)), in_memory_(true) {}
+
+  const std::string& path() const { return path_; }
+  uint64_t size() const { return size_; }
+  void open() {
+    if (!in_memory_ && !in_.is_open()) in_ = open_for_read(path_);
+  }
+  // The next n bytes. Parsers check n against size() before reading, so running past the end is their bug.
+  void read(void* dst, uint64_t n) {
+    if (n == 0) return;
+    if (n > size_ - pos_) fail(ErrorCode::internal, path_ + ": read of " + std::to_string(n) + " bytes past the end");
+    if (in_memory_) {
+      std::memcpy(dst, mem_ + pos_, n);
+    } else {
+      open();
+      read_exact(in_, path_, dst, n);
+    }
+    pos_ += n;
+  }
+
+ private:
+  std::string path_;
+  uint64_t size_ = 0, pos_ = 0;
+  const unsigned char* mem_ = nullptr;  // may be null for 0 bytes
+  bool in_memory_ = false;
+  std::ifstream in_;
+};
+
 inline uint64_t load_le_u64(const unsigned char* p) {
   uint64_t v = 0;
   for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];

@@ -103,6 +103,18 @@ Tensor parse_entry(const std::string& path, const std::string& name, const json&
       io::file_error(path, where + "shape " + shape_text(t.shape) + " overflows the element count");
   if (__builtin_mul_overflow(numel, itemsize, &bytes))
     io::file_error(path, where + "shape " + shape_text(t.shape) + " overflows the byte count");
+  // An empty tensor's bytes bound none of its other dimensions: [0, 2^32, 2^32] passes the checks above, yet the
+  // row-major strides that view() and every consumer derive from it overflow int64. Refused as numpy refuses such a
+  // shape ("array is too big"): the non-zero dimensions' byte count must fit int64.
+  if (numel == 0) {
+    uint64_t extent = itemsize;
+    for (int64_t d : t.shape)
+      if (d != 0 && (__builtin_mul_overflow(extent, static_cast<uint64_t>(d), &extent) ||
+                     extent > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())))
+        io::file_error(path, where + "shape " + shape_text(t.shape) +
+                                 " is too large for any tensor, even an empty one (its non-zero dimensions span over "
+                                 "2^63 bytes)");
+  }
   if (bytes != t.end - t.begin)
     io::file_error(path, where + "shape " + shape_text(t.shape) + " " + t.dtype + " needs " + std::to_string(bytes) +
                              " bytes but data_offsets span " + std::to_string(t.end - t.begin) + " bytes");
@@ -193,17 +205,16 @@ void check_layout(const std::string& path, const std::map<std::string, Tensor>& 
                            " (the data section must end where the last tensor does)");
 }
 
-}  // namespace
-
-File read(const std::string& path) {
-  const uint64_t size = io::file_size(path);
+// read() and parse(): the whole format, from a file or from memory.
+File parse_from(io::ByteSource& src) {
+  const std::string& path = src.path();
+  const uint64_t size = src.size();
   if (size == 0) io::file_error(path, "empty file (a safetensors file starts with an 8-byte header length)");
   if (size < 8)
     io::file_error(path, "too short: " + std::to_string(size) +
                              " bytes (a safetensors file starts with an 8-byte header length)");
-  std::ifstream in = io::open_for_read(path);
   unsigned char len_bytes[8];
-  io::read_exact(in, path, len_bytes, 8);
+  src.read(len_bytes, 8);
   const uint64_t header_len = io::load_le_u64(len_bytes);
   if (header_len > kMaxHeaderBytes)
     io::file_error(path, "header length " + std::to_string(header_len) + " is over the 100 MB limit (corrupt file?)");
@@ -212,7 +223,7 @@ File read(const std::string& path) {
                              std::to_string(size - 8) + " bytes follow)");
 
   std::string text(header_len, '\0');
-  io::read_exact(in, path, text.data(), header_len);
+  src.read(text.data(), header_len);
   // nlohmann stops at a NUL as if the input ended, which would accept "{}\0garbage"; the format says JSON only.
   if (const size_t nul = text.find('\0'); nul != std::string::npos)
     io::file_error(path, "header is not valid JSON: NUL byte at offset " + std::to_string(nul));
@@ -237,8 +248,20 @@ File read(const std::string& path) {
 
   // Every tensor's bytes were proved to lie inside data_size, so this is the only large allocation.
   f.data.resize(data_size);
-  io::read_exact(in, path, f.data.data(), data_size);
+  src.read(f.data.data(), data_size);
   return f;
+}
+
+}  // namespace
+
+File read(const std::string& path) {
+  io::ByteSource src(path, io::file_size(path));  // opened at the first read, after the size checks
+  return parse_from(src);
+}
+
+File parse(const std::string& path, const uint8_t* bytes, size_t size) {
+  io::ByteSource src(path, bytes, size);
+  return parse_from(src);
 }
 
 TensorView File::view(const std::string& name) const {

@@ -32,11 +32,15 @@ struct File {
 
 // Checks: file size >= 8, header length <= file size - 8 and <= 100 MB, valid JSON object with no key twice in
 // any one object, every entry has dtype/shape/data_offsets of the right types, known dtype, non-negative shape
-// whose byte size equals end - begin, begin <= end <= data size, no overflow; and the offsets tile the data
+// whose byte size equals end - begin, begin <= end <= data size, no overflow (an empty tensor's non-zero dimensions
+// too: their byte count fits int64, as numpy requires); and the offsets tile the data
 // section exactly: sorted by (begin, end), the first starts at 0, each starts where the previous non-empty one
 // ends (no overlap, no gap; an empty tensor may sit only at such a boundary), the last ends at the data size (no
 // trailing bytes). Throws Error(bad_file) naming path + tensor(s) (or the duplicated key).
 File read(const std::string& path);
+// The same checks and messages over a file's bytes already in memory (the fuzz targets); `path` names them in
+// messages and becomes File::path.
+File parse(const std::string& path, const uint8_t* bytes, size_t size);
 
 // Writes a safetensors file of F32 tensors (used by tests and `gpt2attn` tooling).
 void write_f32(const std::string& path,

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "engine/io/weights_io.hpp"
+
 #include "engine/io/safetensors.hpp"
 #include "gpt2attn/error.hpp"
 #include "gpt2attn/weights.hpp"
@@ -222,9 +224,8 @@ std::string sample_names(const File& f) {
 
 }  // namespace
 
-StoredLayer open_safetensors_layer(const std::string& path, const std::string& prefix) {
-  // The views point into f->data; the returned layer's storage keeps it alive.
-  const auto f = std::make_shared<const File>(safetensors::read(path));
+StoredLayer detail::open_safetensors_layer(std::shared_ptr<const File> f, const std::string& prefix) {
+  const std::string& path = f->path;
   // "h.3.attn" and "h.3.attn." both name the same module; the exact prefix is tried first.
   std::vector<std::string> prefixes{prefix};
   if (!prefix.empty() && prefix.back() != '.') prefixes.push_back(prefix + ".");
@@ -244,6 +245,11 @@ StoredLayer open_safetensors_layer(const std::string& path, const std::string& p
        path + ": no attention layer under prefix '" + prefix +
            "': looked for in_proj_weight or q/k/v_proj_weight with out_proj.weight (torch) and c_attn.weight with "
            "c_proj.weight (hf-gpt2); " + sample_names(*f));
+}
+
+StoredLayer open_safetensors_layer(const std::string& path, const std::string& prefix) {
+  // The views point into the file's data; the returned layer's storage keeps it alive.
+  return detail::open_safetensors_layer(std::make_shared<const File>(safetensors::read(path)), prefix);
 }
 
 LoadedLayer load_safetensors_layer(const std::string& path, const std::string& prefix) {
