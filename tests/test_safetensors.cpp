@@ -2,7 +2,10 @@
 // Conv1D transpose checked element by element), f16/bf16 widening, and one test per corruption class.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <bit>
+#include <filesystem>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -279,6 +282,17 @@ TEST_F(Safetensors, RejectsTruncatedDataSection) {
   const std::string layer = st_file({bf16("in_proj_weight", {6, 2}), bf16("out_proj.weight", {2, 2})});
   const std::string cut = file(layer.substr(0, layer.size() - 2));
   EXPECT_TRUE(ThrowsError([&] { open_safetensors_layer(cut); }, ErrorCode::bad_file, "truncated"));
+}
+
+// A data section larger than the machine's memory is refused before it is read (a sparse file: no disk used).
+TEST_F(Safetensors, RefusesADataSectionBeyondPhysicalMemory) {
+  const int64_t physical = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  const int64_t n = physical / 4 + (int64_t{1} << 28);  // f32 elements: 1 GiB past the physical memory
+  json h = json::object();
+  h["big"] = {{"dtype", "F32"}, {"shape", {n}}, {"data_offsets", {0, 4 * n}}};
+  const std::string p = file(st_raw(h.dump(), ""));
+  std::filesystem::resize_file(p, std::filesystem::file_size(p) + static_cast<uintmax_t>(4 * n));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(p); }, ErrorCode::out_of_memory, "physical memory"));
 }
 
 TEST_F(Safetensors, RejectsBadMetadata) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/io/file_io.hpp"
+#include "engine/util.hpp"
 #include "engine/weights_copy.hpp"
 #include "gpt2attn/error.hpp"
 
@@ -247,6 +248,8 @@ File parse_from(io::ByteSource& src) {
   check_layout(path, f.tensors, data_size);
 
   // Every tensor's bytes were proved to lie inside data_size, so this is the only large allocation.
+  detail::check_fits_in_memory(static_cast<int64_t>(std::min<uint64_t>(data_size, INT64_MAX)),
+                               (path + ": the data section").c_str());
   f.data.resize(data_size);
   src.read(f.data.data(), data_size);
   return f;
