@@ -26,7 +26,7 @@ class IsaTest : public ::testing::TestWithParam<Isa> {
 // or the next level down where `forced` has no rows of that type (avx512_bf16 has bf16 rows only).
 inline Isa kernel_level(Isa forced, DType compute) { return detail::kernels_for(forced, compute, compute).isa; }
 
-// The test-name suffix: "Isa/FastPathSweep.RandomConfigsMatchReference/avx2".
+// The test-name suffix: "Isa/FastPathSweep.RandomCasesMatchReference/avx2".
 inline std::string isa_name(const ::testing::TestParamInfo<Isa>& info) { return to_string(info.param); }
 
 }  // namespace gpt2attn::test

@@ -1,7 +1,8 @@
-// tests/kv_harness.hpp: what the KV-cache suites (tests/test_kv_cache_*.cpp, tests/test_kv_pool.cpp) share: the
-// config and pool builders, the block accounting model, cache snapshots, the Harness that drives a layer and a
-// pool while recording every sequence's history, and the only reads of cached K/V the tests make (cached_key,
-// cached_value, block_of), so a change in how the pool stores K/V is absorbed here. It holds no TEST.
+// tests/kv_harness.hpp: what the KV-cache suites (tests/test_kv_cache_*.cpp, tests/test_kv_pool.cpp,
+// tests/test_kv_soak.cpp, the sweep's serving cases) share: the config and pool builders, the block accounting model,
+// cache snapshots, the Harness that drives a layer and a pool while recording every sequence's history, and the only
+// reads of cached K/V the tests make (cached_key, cached_value, block_of, held_blocks), so a change in how the pool
+// stores K/V is absorbed here. It holds no TEST.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -214,6 +215,34 @@ inline ::testing::AssertionResult same_snapshot(const CacheSnapshot& before, con
   return ::testing::AssertionSuccess();
 }
 
+// The raw bytes of every pool block the sequences `ids` hold, by block index: their cached K/V at the storage level,
+// whatever the dtype. A call may write only blocks its own sequences hold alone (a shared block is copied first),
+// so every block of the other sequences, unwritten slots included, must keep these bytes exactly. Cheap enough to
+// take around every operation of a long script (a memcpy per block), unlike snapshot(), which reads every row.
+using BlockBytes = std::map<int32_t, std::vector<unsigned char>>;
+inline BlockBytes held_blocks(const KvCache& cache, const std::vector<SequenceId>& ids) {
+  BlockBytes held;
+  const KvCache::Impl& p = cache.impl();
+  for (SequenceId id : ids) {
+    for (int64_t t = 0; t < cache.length(id); t += cache.block_tokens()) {
+      const int32_t b = block_of(cache, id, t);
+      if (held.count(b)) continue;
+      const auto* bytes = reinterpret_cast<const unsigned char*>(p.block(b));
+      held[b].assign(bytes, bytes + p.block_bytes);
+    }
+  }
+  return held;
+}
+// Which blocks of `before` changed; empty when none did.
+inline std::string changed_blocks(const KvCache& cache, const BlockBytes& before) {
+  std::ostringstream s;
+  const KvCache::Impl& p = cache.impl();
+  for (const auto& [b, bytes] : before) {
+    if (std::memcmp(p.block(b), bytes.data(), bytes.size()) != 0) s << " block " << b << " changed;";
+  }
+  return s.str();
+}
+
 // The K/V a sequence's cache must hold: x W_k^T + b_k and x W_v^T + b_v in double, for tokens [0, L).
 inline ::testing::AssertionResult kv_matches_projection(const KvCache& cache, SequenceId id, const Config& c,
                                                         const Weights& w, const std::vector<float>& x,
@@ -243,11 +272,19 @@ inline ::testing::AssertionResult kv_matches_projection(const KvCache& cache, Se
 
 // =============================================================================================================
 // A layer, a pool, the block model and every sequence's history; each operation feeds random tokens, records
-// the outputs, and updates the model. Checks compare against reference_forward over a sequence's history.
+// the outputs, and updates the model. Checks compare against reference_forward over a sequence's history, at the
+// policy of the layer's compute type and the cache's storage type (layer_tolerance; f32 and f32 by default).
+
+inline KvCacheOptions pool(int64_t block_tokens, int64_t capacity_tokens, DType kv) {
+  KvCacheOptions o = pool(block_tokens, capacity_tokens);
+  o.dtype = kv;
+  return o;
+}
 
 struct Harness {
   Config cfg;
   Weights w;
+  DType compute, kv;  // the layer's compute type, the cache's storage type
   CausalSelfAttention block;
   KvCache cache;
   BlockModel model;
@@ -258,11 +295,14 @@ struct Harness {
   Workspace ws;
   int calls = 0;  // alternates the caller's Workspace and the layer's own
 
-  Harness(const Config& c, Isa isa_, int64_t block_tokens, int64_t capacity_tokens, uint64_t seed, int threads_)
+  Harness(const Config& c, Isa isa_, int64_t block_tokens, int64_t capacity_tokens, uint64_t seed, int threads_,
+          DType compute_ = DType::f32, DType kv_ = DType::f32)
       : cfg(c),
         w(Weights::random(c, seed)),
-        block(make_block(c, w, isa_, threads_)),
-        cache(block.config(), pool(block_tokens, capacity_tokens)),
+        compute(compute_),
+        kv(kv_),
+        block(make_block(c, w, isa_, threads_, compute_)),
+        cache(block.config(), pool(block_tokens, capacity_tokens, kv_)),
         rng(seed + 1),
         isa(isa_),
         threads(threads_) {
@@ -276,7 +316,8 @@ struct Harness {
   Workspace* next_ws() { return (calls++ % 2) ? &ws : nullptr; }
   RunOptions run() const { return RunOptions{.threads = threads}; }
   std::string ctx(const std::string& what) const {
-    return label(isa, threads, what) + " | " + test::describe(cfg) + " block_tokens=" + std::to_string(model.bt);
+    return label(isa, threads, what) + " | " + test::describe(cfg) + " block_tokens=" + std::to_string(model.bt) +
+           " compute=" + to_string(compute) + " kv=" + to_string(kv);
   }
 
   SequenceId create() {
@@ -341,10 +382,13 @@ struct Harness {
     const SeqTrack& s = seqs.at(id);
     const int64_t N = static_cast<int64_t>(s.x.size()) / W();
     if (N == 0) return ::testing::AssertionSuccess();
-    return all_close(s.out, reference_sequence(cfg, w, s.x), Dtype::f32, reduction_length(cfg, N),
-                     ctx(what + " | sequence " + std::to_string(id) + " N=" + std::to_string(N) +
-                         "; index = token * E + e"));
+    const int64_t K = reduction_length(cfg, N), D = cfg.head_dim();
+    return all_close_within(s.out, reference_sequence(cfg, w, s.x),
+                            [&](double m) { return layer_tolerance(compute, kv, D, K, m); },
+                            ctx(what + " | sequence " + std::to_string(id) + " N=" + std::to_string(N) +
+                                "; index = token * E + e"));
   }
+  // The cached K/V against the f32 projection: for an f32 layer over an f32 cache (others hold rounded values).
   ::testing::AssertionResult kv_ok(SequenceId id, const std::string& what) const {
     return kv_matches_projection(cache, id, cfg, w, seqs.at(id).x, ctx(what + " | sequence " + std::to_string(id)));
   }
