@@ -336,6 +336,9 @@ MultiHeadAttention::MultiHeadAttention(const Config& config, const WeightsView& 
     invalid(std::string("MultiHeadAttention: EngineOptions.compute ") + to_string(options.compute) +
             " is not a compute type (expected f32 or bf16)");
   }
+  // oneDNN's weight reorders run OpenMP teams: at the layer's thread count, not the process default (a threads = 1
+  // layer built in a process with OMP_NUM_THREADS=2 would otherwise start a second thread).
+  detail::ScopedOmpThreads scope(options.threads);
   detail::translate_bad_alloc("MultiHeadAttention: constructing the layer",
                               [&] { impl_ = std::make_unique<Impl>(config, weights, options); });
 }

@@ -11,6 +11,7 @@
 
 #include "gpt2attn/error.hpp"
 #include "gpt2attn/reference.hpp"
+#include "kernels/bf16.hpp"
 
 namespace gpt2attn {
 namespace {
@@ -633,6 +634,30 @@ TEST(ReferenceShapes, StridedViewsMatchContiguousCopies) {
   cross.value = TensorView::f32(vpad.data(), {B, Tk, E}).with_strides({Tk * P, P, 1});
   cross.attn_mask = TensorView::f32(add_t.data(), {T, Tk}).with_strides({1, T});
   EXPECT_TRUE(near(reference_forward(c, w, cross), cross_want, 0.0));
+}
+
+// bf16 views (which forward() accepts) are read as bf16: the result equals that of f32 views holding the same,
+// bf16-exact values. (An earlier reference read them as f32: garbage, and reads past the end.)
+TEST(ReferenceShapes, Bf16ViewsReadAsTheirValues) {
+  const int64_t E = 8, H = 2, B = 1, T = 3, Tk = 5;
+  const Config c = make_config(E, H);
+  const Weights w = random_weights(c, 32);
+  std::vector<float> q = uniform(B * T * E, 6), k = uniform(B * Tk * E, 7), v = uniform(B * Tk * E, 8);
+  std::vector<kernels::bf16> qb, kb, vb;
+  for (auto [src, dst] : {std::pair{&q, &qb}, {&k, &kb}, {&v, &vb}}) {
+    for (float& x : *src) {
+      dst->push_back(kernels::to_bf16(x));
+      x = kernels::widen(dst->back());  // the f32 twin holds exactly the bf16 values
+    }
+  }
+  AttentionInputs f32_in, bf16_in;
+  f32_in.query = TensorView::f32(q.data(), {B, T, E});
+  f32_in.key = TensorView::f32(k.data(), {B, Tk, E});
+  f32_in.value = TensorView::f32(v.data(), {B, Tk, E});
+  bf16_in.query = TensorView::contiguous(qb.data(), DType::bf16, {B, T, E});
+  bf16_in.key = TensorView::contiguous(kb.data(), DType::bf16, {B, Tk, E});
+  bf16_in.value = TensorView::contiguous(vb.data(), DType::bf16, {B, Tk, E});
+  EXPECT_TRUE(near(reference_forward(c, w, bf16_in), reference_forward(c, w, f32_in), 0.0));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
