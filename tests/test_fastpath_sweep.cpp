@@ -69,24 +69,9 @@ struct SweepSettings {
 
 SweepSettings sweep_settings() {
   SweepSettings s;
-  // Whole-string parse (decimal, or hex with 0x); anything else is reported rather than silently defaulted.
-  auto parse = [&](const char* name, uint64_t& out, bool positive) {
-    const char* v = std::getenv(name);
-    if (!v || !*v) return;
-    char* end = nullptr;
-    errno = 0;
-    const unsigned long long x = std::strtoull(v, &end, 0);
-    if (errno || *end || v[0] == '-' || (positive && x == 0)) {
-      s.error = std::string(name) + "='" + v + "' is not a " + (positive ? "positive " : "") + "integer";
-      return;
-    }
-    out = x;
-  };
-  uint64_t cases = static_cast<uint64_t>(s.cases);
-  parse("GPT2ATTN_SWEEP_CASES", cases, true);
-  if (cases > (uint64_t{1} << 40)) s.error = "GPT2ATTN_SWEEP_CASES is implausibly large";
-  s.cases = static_cast<int64_t>(cases);
-  parse("GPT2ATTN_SWEEP_SEED", s.seed, false);
+  s.cases = static_cast<int64_t>(
+      test::env_uint("GPT2ATTN_SWEEP_CASES", static_cast<uint64_t>(s.cases), true, uint64_t{1} << 40, s.error));
+  s.seed = test::env_uint("GPT2ATTN_SWEEP_SEED", s.seed, false, UINT64_MAX, s.error);
   return s;
 }
 

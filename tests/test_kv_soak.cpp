@@ -64,23 +64,9 @@ struct SoakSettings {
 
 SoakSettings soak_settings() {
   SoakSettings s;
-  auto parse = [&](const char* name, uint64_t& out, bool positive) {
-    const char* v = std::getenv(name);
-    if (!v || !*v) return;
-    char* end = nullptr;
-    errno = 0;
-    const unsigned long long x = std::strtoull(v, &end, 0);
-    if (errno || *end || v[0] == '-' || (positive && x == 0)) {
-      s.error = std::string(name) + "='" + v + "' is not a " + (positive ? "positive " : "") + "integer";
-      return;
-    }
-    out = x;
-  };
-  uint64_t ops = static_cast<uint64_t>(s.ops);
-  parse("GPT2ATTN_SOAK_OPS", ops, true);
-  if (ops > (uint64_t{1} << 40)) s.error = "GPT2ATTN_SOAK_OPS is implausibly large";
-  s.ops = static_cast<int64_t>(ops);
-  parse("GPT2ATTN_SOAK_SEED", s.seed, false);
+  s.ops = static_cast<int64_t>(
+      test::env_uint("GPT2ATTN_SOAK_OPS", static_cast<uint64_t>(s.ops), true, uint64_t{1} << 40, s.error));
+  s.seed = test::env_uint("GPT2ATTN_SOAK_SEED", s.seed, false, UINT64_MAX, s.error);
   return s;
 }
 

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -263,5 +265,22 @@ class Rng {
   }
   std::mt19937_64 g;
 };
+
+// An unsigned integer from the environment (decimal, or hex with 0x), or `fallback` when unset or empty: the sizes and
+// seeds of the long suites (GPT2ATTN_SWEEP_*, GPT2ATTN_SOAK_*). A value that is not a whole integer (or is 0 where
+// `positive`, or above `max`) is reported in `error` rather than silently defaulted.
+inline uint64_t env_uint(const char* name, uint64_t fallback, bool positive, uint64_t max, std::string& error) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long x = std::strtoull(v, &end, 0);
+  if (errno || *end || v[0] == '-' || (positive && x == 0) || x > max) {
+    error = std::string(name) + "='" + v + "' is not a " + (positive ? "positive " : "") + "integer up to " +
+            std::to_string(max);
+    return fallback;
+  }
+  return x;
+}
 
 }  // namespace gpt2attn::test
