@@ -12,17 +12,24 @@ std::string TensorView::shape_str() const {
 }
 
 TensorView TensorView::contiguous(const void* data, DType dtype, std::initializer_list<int64_t> shape) {
+  return contiguous(data, dtype, std::vector<int64_t>(shape));
+}
+
+TensorView TensorView::contiguous(const void* data, DType dtype, const std::vector<int64_t>& shape) {
   if (shape.size() > 4) invalid("TensorView: rank " + std::to_string(shape.size()) + " > 4");
   TensorView v;
   v.data = data;
   v.dtype = dtype;
   v.rank = static_cast<int>(shape.size());
-  int i = 0;
-  for (int64_t s : shape) v.shape[i++] = s;
   int64_t stride = 1;
   for (int d = v.rank - 1; d >= 0; --d) {
+    v.shape[d] = shape[d];
     v.strides[d] = stride;
-    stride *= v.shape[d];
+    // The outermost stride is not needed past the last dimension; every inner one must exist.
+    if (d > 0 && (shape[d] < 0 || __builtin_mul_overflow(stride, shape[d], &stride))) {
+      v.shape[0] = shape[0];
+      invalid("TensorView: shape " + v.shape_str() + " has strides past int64");
+    }
   }
   return v;
 }

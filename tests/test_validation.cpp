@@ -260,6 +260,20 @@ TEST_F(Validation, TorchMaskLayoutsReadAsTheExactShapes) {
   expect_rejected(cfg, in, run, {"attn_mask", "got (3, 3, 4)"});
 }
 
+// A view from a runtime shape (a file's): the same strides as from a braced list, and a shape whose strides would
+// overflow int64 refused rather than wrapped.
+TEST(TensorViewShape, ContiguousFromAVectorChecksItsStrides) {
+  const float x = 0.0f;
+  const TensorView a = TensorView::contiguous(&x, DType::f32, std::vector<int64_t>{2, 3, 4});
+  const TensorView b = TensorView::contiguous(&x, DType::f32, {2, 3, 4});
+  EXPECT_EQ(a.strides, b.strides);
+  EXPECT_EQ(a.strides, (std::array<int64_t, 4>{12, 4, 1, 0}));
+  EXPECT_NO_THROW(TensorView::contiguous(&x, DType::f32, std::vector<int64_t>{int64_t{1} << 40, 1 << 20}));
+  EXPECT_THROW(TensorView::contiguous(&x, DType::f32, std::vector<int64_t>{0, int64_t{1} << 32, int64_t{1} << 32}),
+               Error);
+  EXPECT_THROW(TensorView::contiguous(&x, DType::f32, std::vector<int64_t>{1, 1, 1, 1, 1}), Error);
+}
+
 TEST_F(Validation, AdditiveMaskMustBeFloat) {
   AttentionInputs in = self();
   in.attn_mask = TensorView::u8(u8.data(), {T, T});

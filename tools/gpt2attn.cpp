@@ -212,20 +212,9 @@ std::vector<ga::DType> compute_dtypes(const Args& a, bool repeatable) {
 
 ga::TensorView view_of(const ga::npy::Array& arr, const std::string& what) {
   if (arr.shape.size() > 4) ga::invalid(what + ": rank " + std::to_string(arr.shape.size()) + " > 4");
-  ga::TensorView v;
-  if (arr.kind == ga::npy::Kind::f32) {
-    v = ga::TensorView::f32(arr.f32.data(), {});
-  } else {
-    v = ga::TensorView::u8(arr.u8.data(), {});
-  }
-  v.rank = static_cast<int>(arr.shape.size());
-  int64_t stride = 1;
-  for (int d = v.rank - 1; d >= 0; --d) {
-    v.shape[d] = arr.shape[d];
-    v.strides[d] = stride;
-    stride *= arr.shape[d];
-  }
-  return v;
+  const bool f32 = arr.kind == ga::npy::Kind::f32;
+  return ga::TensorView::contiguous(f32 ? static_cast<const void*>(arr.f32.data()) : arr.u8.data(),
+                                    f32 ? ga::DType::f32 : ga::DType::u8, arr.shape);
 }
 
 ga::npy::Array read_float_input(const std::string& path, const std::string& what) {

@@ -279,17 +279,8 @@ TensorView File::view(const std::string& name) const {
   if (t.shape.size() > 4) {
     io::file_error(path, "tensor '" + name + "' has rank " + std::to_string(t.shape.size()) + "; at most 4 load");
   }
-  TensorView v;
-  v.data = t.end > t.begin ? data.data() + t.begin : nullptr;  // an empty tensor (or data section) has no bytes
-  v.dtype = type->second;
-  v.rank = static_cast<int>(t.shape.size());
-  int64_t stride = 1;
-  for (int d = v.rank - 1; d >= 0; --d) {
-    v.shape[d] = t.shape[d];
-    v.strides[d] = stride;
-    stride *= t.shape[d];
-  }
-  return v;
+  // An empty tensor (or data section) has no bytes. parse() refused shapes whose strides overflow.
+  return TensorView::contiguous(t.end > t.begin ? data.data() + t.begin : nullptr, type->second, t.shape);
 }
 
 std::vector<float> File::to_f32(const std::string& name) const {

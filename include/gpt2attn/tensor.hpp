@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "gpt2attn/dtype.hpp"
 #include "gpt2attn/export.h"
@@ -27,8 +28,10 @@ struct GPT2ATTN_API TensorView {
   }
   std::string shape_str() const;  // "(2, 7, 768)"
 
-  // A row-major contiguous view.
+  // A row-major contiguous view. Rank <= 4, and a shape whose strides would overflow int64 is refused
+  // (invalid_argument).
   static TensorView contiguous(const void* data, DType dtype, std::initializer_list<int64_t> shape);
+  static TensorView contiguous(const void* data, DType dtype, const std::vector<int64_t>& shape);
   static TensorView f32(const float* data, std::initializer_list<int64_t> shape) {
     return contiguous(data, DType::f32, shape);
   }
