@@ -11,27 +11,34 @@ std::string TensorView::shape_str() const {
   return s + (rank == 1 ? ",)" : ")");
 }
 
-TensorView TensorView::contiguous(const void* data, DType dtype, std::initializer_list<int64_t> shape) {
-  return contiguous(data, dtype, std::vector<int64_t>(shape));
-}
-
-TensorView TensorView::contiguous(const void* data, DType dtype, const std::vector<int64_t>& shape) {
-  if (shape.size() > 4) invalid("TensorView: rank " + std::to_string(shape.size()) + " > 4");
+namespace {
+// The row-major view of dims[0..n): no allocation (decode builds views on its hot path).
+TensorView contiguous_view(const void* data, DType dtype, const int64_t* dims, size_t n) {
+  if (n > 4) invalid("TensorView: rank " + std::to_string(n) + " > 4");
   TensorView v;
   v.data = data;
   v.dtype = dtype;
-  v.rank = static_cast<int>(shape.size());
+  v.rank = static_cast<int>(n);
   int64_t stride = 1;
   for (int d = v.rank - 1; d >= 0; --d) {
-    v.shape[d] = shape[d];
+    v.shape[d] = dims[d];
     v.strides[d] = stride;
     // The outermost stride is not needed past the last dimension; every inner one must exist.
-    if (d > 0 && (shape[d] < 0 || __builtin_mul_overflow(stride, shape[d], &stride))) {
-      v.shape[0] = shape[0];
+    if (d > 0 && (dims[d] < 0 || __builtin_mul_overflow(stride, dims[d], &stride))) {
+      v.shape[0] = dims[0];
       invalid("TensorView: shape " + v.shape_str() + " has strides past int64");
     }
   }
   return v;
+}
+}  // namespace
+
+TensorView TensorView::contiguous(const void* data, DType dtype, std::initializer_list<int64_t> shape) {
+  return contiguous_view(data, dtype, shape.begin(), shape.size());
+}
+
+TensorView TensorView::contiguous(const void* data, DType dtype, const std::vector<int64_t>& shape) {
+  return contiguous_view(data, dtype, shape.data(), shape.size());
 }
 
 TensorView TensorView::with_strides(std::initializer_list<int64_t> strides) const {
