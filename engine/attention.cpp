@@ -131,8 +131,12 @@ const void* advance(const void* p, DType dt, int64_t elems) {
 
 }  // namespace
 
-MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const EngineOptions& o)
+MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const EngineOptions& o,
+                               const detail::HeadShard* shard)
     : cfg(c),
+      out_width(shard ? shard->out_width : c.d_model),
+      first_head(shard ? shard->first_head : 0),
+      total_heads(shard ? shard->total_heads : c.num_heads),
       isa(detail::resolve_isa(o.isa)),
       compute(o.compute),
       kset(detail::kernels_for(isa, compute, compute)),
@@ -181,7 +185,7 @@ void MultiHeadAttention::Impl::pack_decode_weights(const WeightsView& w) {
       qkv_bias.insert(qkv_bias.end(), v.begin(), v.end());
     }
   }
-  out_packed = pack_linear(E, E, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
+  out_packed = pack_linear(out_width, E, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
     detail::copy_rows(w.w_o, n0, n, compute, dst);
   });
   if (cfg.out_bias) out_bias = detail::f32_values(w.b_o);
@@ -303,9 +307,9 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, void* out_data
       a.key_padding.data = advance(padding.data, in.key_padding.dtype, b * in.key_padding.strides[0]);
       a.key_padding.stride_j = in.key_padding.strides[1];
     }
-    a.dropout_base = static_cast<uint64_t>((b * H + h) * T * Tk);
+    a.dropout_base = static_cast<uint64_t>((b * total_heads + first_head + h) * T * Tk);
   });
-  out.run(ws.exec, ctx, s.B * T, E, out_data, E, threads, out_dtype);
+  out.run(ws.exec, ctx, s.B * T, E, out_data, out_width, threads, out_dtype);
 }
 
 void MultiHeadAttention::Impl::check_output_dtype(DType out_dtype) const {
@@ -328,9 +332,12 @@ WeightsView checked_view(const Config& c, const Weights& w) {
 MultiHeadAttention::MultiHeadAttention(const Config& config, const Weights& weights, const EngineOptions& options)
     : MultiHeadAttention(config, checked_view(config, weights), options) {}
 
-MultiHeadAttention::MultiHeadAttention(const Config& config, const WeightsView& weights, const EngineOptions& options) {
+std::unique_ptr<MultiHeadAttention::Impl> MultiHeadAttention::Impl::create(const Config& config,
+                                                                         const WeightsView& weights,
+                                                                         const EngineOptions& options,
+                                                                         const detail::HeadShard* shard) {
   config.validate();
-  weights.validate(config);
+  detail::validate_weights(weights, config, shard ? shard->out_width : config.d_model);
   detail::check_threads(options.threads, "MultiHeadAttention", "EngineOptions.threads");
   if (options.compute != DType::f32 && options.compute != DType::bf16) {
     invalid(std::string("MultiHeadAttention: EngineOptions.compute ") + to_string(options.compute) +
@@ -339,9 +346,14 @@ MultiHeadAttention::MultiHeadAttention(const Config& config, const WeightsView& 
   // oneDNN's weight reorders run OpenMP teams: at the layer's thread count, not the process default (a threads = 1
   // layer built in a process with OMP_NUM_THREADS=2 would otherwise start a second thread).
   detail::ScopedOmpThreads scope(options.threads);
+  std::unique_ptr<Impl> impl;
   detail::translate_bad_alloc("MultiHeadAttention: constructing the layer",
-                              [&] { impl_ = std::make_unique<Impl>(config, weights, options); });
+                              [&] { impl = std::make_unique<Impl>(config, weights, options, shard); });
+  return impl;
 }
+
+MultiHeadAttention::MultiHeadAttention(const Config& config, const WeightsView& weights, const EngineOptions& options)
+    : impl_(Impl::create(config, weights, options)) {}
 MultiHeadAttention::~MultiHeadAttention() = default;
 MultiHeadAttention::MultiHeadAttention(MultiHeadAttention&&) noexcept = default;
 MultiHeadAttention& MultiHeadAttention::operator=(MultiHeadAttention&&) noexcept = default;
@@ -381,8 +393,8 @@ void MultiHeadAttention::reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws
       L.proj_k[0].prepare(w.exec, Tk, L.cfg.key_width(), D, 1, slot, L.compute);
       L.proj_v[0].prepare(w.exec, Tk, L.cfg.value_width(), D, 1, slot, L.compute);
     }
-    L.out.prepare(w.exec, B * T, E, E, L.default_threads, 0);
-    if (L.compute == DType::bf16) L.out.prepare(w.exec, B * T, E, E, L.default_threads, 0, DType::bf16);
+    L.out.prepare(w.exec, B * T, E, L.out_width, L.default_threads, 0);
+    if (L.compute == DType::bf16) L.out.prepare(w.exec, B * T, E, L.out_width, L.default_threads, 0, DType::bf16);
   };
   impl_->with_workspace(ws, "reserve", prepare);
 }

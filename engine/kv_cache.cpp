@@ -104,13 +104,10 @@ int32_t KvCache::Impl::shared_write_block(const Sequence& s) const {
   return refcount[s.blocks[b]] > 1 ? s.blocks[b] : -1;
 }
 
-void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t tokens, int64_t max_length,
-                                 std::byte** tables, int64_t table_stride, int64_t* lengths) {
-  std::lock_guard<std::mutex> lock(mu);
-  // Pass 1: checks and the block count, changing nothing.
+int64_t KvCache::Impl::blocks_for_append(const SequenceId* ids, int64_t n, int64_t tokens, int64_t max_length) const {
   int64_t needed = 0;
   for (int64_t i = 0; i < n; ++i) {
-    Sequence& s = find(ids[i]);
+    const Sequence& s = find(ids[i]);
     for (int64_t j = 0; j < i; ++j) {
       if (ids[j] == ids[i]) invalid("sequence id " + str(ids[i]) + " appears twice in one call (at " + str(j) + " and " + str(i) + ")");
     }
@@ -134,6 +131,19 @@ void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t token
                                        str(block_tokens) + " tokens, " + str(static_cast<int64_t>(free_list.size())) +
                                        " of " + str(nblocks) + " are free; nothing was written");
   }
+  return needed;
+}
+
+void KvCache::Impl::check_append(const SequenceId* ids, int64_t n, int64_t tokens, int64_t max_length) const {
+  std::lock_guard<std::mutex> lock(mu);
+  blocks_for_append(ids, n, tokens, max_length);
+}
+
+void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t tokens, int64_t max_length,
+                                 std::byte** tables, int64_t table_stride, int64_t* lengths) {
+  std::lock_guard<std::mutex> lock(mu);
+  // Pass 1: checks and the block count, changing nothing.
+  blocks_for_append(ids, n, tokens, max_length);
   // Pass 2: cannot fail. What it changes is recorded in the sequence so end_append can undo it.
   for (int64_t i = 0; i < n; ++i) {
     Sequence& s = seqs.find(ids[i])->second;

@@ -61,6 +61,11 @@ struct KvCache::Impl {
   // holds the block pointers covering [0, lengths[i] + tokens).
   void begin_append(const SequenceId* seqs, int64_t n, int64_t tokens, int64_t max_length, std::byte** tables,
                     int64_t table_stride, int64_t* lengths);
+  // begin_append's checks alone, with the same errors, changing nothing (a tensor-parallel rank checks before the
+  // ranks agree to go ahead, engine/mpi/). Takes mu.
+  void check_append(const SequenceId* seqs, int64_t n, int64_t tokens, int64_t max_length) const;
+  // Those checks, returning the blocks the append takes; caller holds mu.
+  int64_t blocks_for_append(const SequenceId* seqs, int64_t n, int64_t tokens, int64_t max_length) const;
   // Ends the lease: on success the lengths grow by `tokens`; on failure every block taken is returned and a
   // copy-on-write copy is replaced by the original again. Either way the sequences are free again.
   void end_append(const SequenceId* seqs, int64_t n, int64_t tokens, bool success) noexcept;

@@ -13,6 +13,7 @@
 
 #include "engine/dispatch.hpp"
 #include "engine/linear.hpp"
+#include "engine/shard.hpp"
 #include "engine/util.hpp"
 #include "engine/validate.hpp"
 #include "engine/workspace.hpp"
@@ -51,7 +52,12 @@ struct ForwardPlan {
 };
 
 struct MultiHeadAttention::Impl {
+  // What this layer computes: a whole layer, or one tensor-parallel shard of a wider one (engine/shard.hpp), whose
+  // cfg then holds the shard's heads and width E_r = H_r D and whose output is its partial sum.
   Config cfg;
+  int64_t out_width;               // columns of the output (B, T, out_width): cfg.d_model, or a shard's full E
+  int64_t first_head, total_heads;  // where cfg's heads sit in the full layer (0 and H unless a shard): dropout's
+                                    // draws are indexed by the full layer's head
   Isa isa;
   DType compute;                  // f32 or bf16 (EngineOptions::compute): the projections' and the core's type
   const detail::KernelSet& kset;  // the dispatch table's row for (isa, compute, compute): forward
@@ -73,8 +79,8 @@ struct MultiHeadAttention::Impl {
   // holds one copy of its weights, not two. In the compute type (pack_linear_weights; bf16 halves the bytes a
   // step streams); the biases stay f32.
   std::vector<std::byte> qkv_packed;       // W_qkv (E + 2 H_kv D, d_in)
-  std::vector<std::byte> out_packed;       // W_o (E, E)
-  std::vector<float> qkv_bias, out_bias;   // (E + 2 H_kv D) and (E), or empty
+  std::vector<std::byte> out_packed;       // W_o (out_width, E)
+  std::vector<float> qkv_bias, out_bias;   // (E + 2 H_kv D) and (out_width), or empty
 
   // The registered causal mask. The seeds' triangular (context x context) buffer is Toeplitz, so one row
   // holds every entry: causal_row[center + c] = 0 if c = i + offset - j >= 0 else -inf. The kernel skips
@@ -86,7 +92,11 @@ struct MultiHeadAttention::Impl {
   Workspace own_ws;  // for calls that bring no Workspace; serialised by mu
   std::mutex mu;
 
-  Impl(const Config& c, const WeightsView& w, const EngineOptions& o);
+  // `shard`: null for a whole layer (engine/shard.hpp builds shards).
+  Impl(const Config& c, const WeightsView& w, const EngineOptions& o, const detail::HeadShard* shard = nullptr);
+  // Validates and builds a layer (the public constructors' work): config, weights (w_o (out_width, E)), options.
+  static std::unique_ptr<Impl> create(const Config& c, const WeightsView& w, const EngineOptions& o,
+                                      const detail::HeadShard* shard = nullptr);
   // Fills qkv_packed, out_packed and their biases from w (a causal layer whose K, V and query widths agree).
   void pack_decode_weights(const WeightsView& w);
 

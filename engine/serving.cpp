@@ -235,7 +235,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     a.out = ctx + h * D * tsize;
     a.kv.head = s.kv_head(h);
   });
-  out.run(ws.exec, ctx, T, E, out_data, E, threads);
+  out.run(ws.exec, ctx, T, E, out_data, out_width, threads);
   lease.commit();
 }
 
@@ -263,10 +263,10 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   proj_in.x = x, proj_in.ldx = d_in, proj_in.w_packed = qkv_packed.data();
   proj_in.bias = qkv_bias.empty() ? nullptr : qkv_bias.data();
   proj_in.y = stage, proj_in.ldy = ldstage, proj_in.M = B, proj_in.N = ldstage, proj_in.K = d_in;
-  kernels::LinearArgs proj_out;  // out (B, E) = ctx (B, E) W_o^T + b_o
+  kernels::LinearArgs proj_out;  // out (B, out_width) = ctx (B, E) W_o^T + b_o
   proj_out.x = ctx, proj_out.ldx = E, proj_out.w_packed = out_packed.data();
   proj_out.bias = out_bias.empty() ? nullptr : out_bias.data();
-  proj_out.y = out_data, proj_out.ldy = E, proj_out.M = B, proj_out.N = E, proj_out.K = E;
+  proj_out.y = out_data, proj_out.ldy = out_width, proj_out.M = B, proj_out.N = out_width, proj_out.K = E;
 
   // Split-KV plan: a work item is one sequence's key range, for every head. Sequence b's n_b = lengths[b] + 1
   // keys go in splits_b = ceil(n_b / split_len) items, split_len = max(kDecodeMinSplitKeys, (all keys) /
@@ -287,7 +287,7 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   float *pm = r.m.in(w), *pl = r.l.in(w), *pacc = r.acc.in(w);
   const kernels::DecodeKernel* kern = ks.decode;
   const kernels::LinearKernel* lin = ks.few_row_linear;
-  const PanelItems in_items = panel_items(*lin, ldstage, threads), out_items = panel_items(*lin, E, threads);
+  const PanelItems in_items = panel_items(*lin, ldstage, threads), out_items = panel_items(*lin, out_width, threads);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   float* scratch_base = r.scratch.in(w);
   // One parallel region for the whole step, three stages, each `omp for` ending in the barrier that orders them:
@@ -381,7 +381,7 @@ void CausalSelfAttention::reserve_serving(int64_t max_extend_tokens, int64_t max
       L.proj_k[0].prepare(w.exec, bt, d_in, D, 1, slot, DType::f32);
       if (L.compute != DType::f32) L.proj_k[0].prepare(w.exec, bt, d_in, D, 1, slot, L.compute);
     }
-    L.out.prepare(w.exec, max_extend_tokens, L.cfg.d_model, L.cfg.d_model, t, 0);
+    L.out.prepare(w.exec, max_extend_tokens, L.cfg.d_model, L.out_width, t, 0);
   });
 }
 

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <random>
 
 #include "engine/io/file_io.hpp"
 #include "engine/util.hpp"
@@ -11,6 +10,7 @@
 #include "gpt2attn/error.hpp"
 #include "gpt2attn/weights.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/dropout.hpp"
 
 namespace gpt2attn {
 
@@ -90,7 +90,10 @@ std::vector<float> f32_values(const TensorView& v) {
 
 }  // namespace detail
 
-void WeightsView::validate(const Config& c) const {
+void WeightsView::validate(const Config& c) const { detail::validate_weights(*this, c, c.d_model); }
+
+void detail::validate_weights(const WeightsView& w, const Config& c, int64_t out_width) {
+  const auto& [w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o] = w;
   const int64_t E = c.d_model, KW = c.kv_width();
   auto check = [](const char* name, const TensorView& t, int64_t rows, int64_t cols) {
     std::string want("(");  // appended piecewise: GCC 12 warns (-Wrestrict) on "(" + std::to_string(...)
@@ -109,7 +112,7 @@ void WeightsView::validate(const Config& c) const {
   check("w_q", w_q, E, c.query_width());
   check("w_k", w_k, KW, c.key_width());
   check("w_v", w_v, KW, c.value_width());
-  check("w_o", w_o, E, E);
+  check("w_o", w_o, out_width, E);
   if (c.qkv_bias) {
     check("b_q", b_q, E, 0);
     check("b_k", b_k, KW, 0);
@@ -118,7 +121,7 @@ void WeightsView::validate(const Config& c) const {
     invalid("weights: Q/K/V biases given but config.qkv_bias is false");
   }
   if (c.out_bias) {
-    check("b_o", b_o, E, 0);
+    check("b_o", b_o, out_width, 0);
   } else if (!b_o.empty()) {
     invalid("weights: output bias given but config.out_bias is false");
   }
@@ -174,15 +177,27 @@ void Weights::validate(const Config& c) const {
   }
 }
 
+namespace detail {
+
+// Weights::random's values come from a counter, not a stream: element i of tensor `tensor` is a function of (seed,
+// tensor, i) alone, so a tensor-parallel shard generates its slice of the layer (random_shard_weights) without the
+// rest, and the whole layer is the same values in any order.
+void random_block(uint64_t seed, RandomTensor tensor, int64_t cols, int64_t fan_in, int64_t r0, int64_t rows,
+                  int64_t c0, int64_t width, float* dst) {
+  const float bound = 1.0f / std::sqrt(static_cast<float>(fan_in));
+  const uint64_t key = static_cast<uint64_t>(tensor) << 56;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < width; ++c) {
+      const uint64_t i = static_cast<uint64_t>((r0 + r) * cols + c0 + c);
+      dst[r * width + c] = bound * (2.0f * kernels::dropout_uniform(seed, key | i) - 1.0f);
+    }
+  }
+}
+
+}  // namespace detail
+
 Weights Weights::random(const Config& c, uint64_t seed) {
   c.validate();
-  std::mt19937_64 rng(seed);
-  auto fill = [&](std::vector<float>& w, int64_t n, int64_t fan_in) {
-    const float bound = 1.0f / std::sqrt(static_cast<float>(fan_in));
-    std::uniform_real_distribution<float> u(-bound, bound);
-    w.resize(static_cast<size_t>(n));
-    for (float& x : w) x = u(rng);
-  };
   const int64_t E = c.d_model, KW = c.kv_width();
   // Refused before anything is allocated when the four matrices cannot fit (widths go up to 2^20).
   const int64_t floats = detail::checked_add(
@@ -191,17 +206,23 @@ Weights Weights::random(const Config& c, uint64_t seed) {
                           detail::checked_product({E, E}, "Weights::random"), "Weights::random"),
       "Weights::random");
   detail::check_fits_in_memory(detail::checked_mul(floats, 4, "Weights::random"), "Weights::random");
+  using T = detail::RandomTensor;
+  // The whole (rows, cols) tensor.
+  auto fill = [&](std::vector<float>& w, T tensor, int64_t rows, int64_t cols, int64_t fan_in) {
+    w.resize(static_cast<size_t>(rows * cols));
+    detail::random_block(seed, tensor, cols, fan_in, 0, rows, 0, cols, w.data());
+  };
   Weights w;
-  fill(w.w_q, E * c.query_width(), c.query_width());
-  fill(w.w_k, KW * c.key_width(), c.key_width());
-  fill(w.w_v, KW * c.value_width(), c.value_width());
-  fill(w.w_o, E * E, E);
+  fill(w.w_q, T::w_q, E, c.query_width(), c.query_width());
+  fill(w.w_k, T::w_k, KW, c.key_width(), c.key_width());
+  fill(w.w_v, T::w_v, KW, c.value_width(), c.value_width());
+  fill(w.w_o, T::w_o, E, E, E);
   if (c.qkv_bias) {
-    fill(w.b_q, E, c.query_width());
-    fill(w.b_k, KW, c.key_width());
-    fill(w.b_v, KW, c.value_width());
+    fill(w.b_q, T::b_q, 1, E, c.query_width());
+    fill(w.b_k, T::b_k, 1, KW, c.key_width());
+    fill(w.b_v, T::b_v, 1, KW, c.value_width());
   }
-  if (c.out_bias) fill(w.b_o, E, E);
+  if (c.out_bias) fill(w.b_o, T::b_o, 1, E, E);
   return w;
 }
 

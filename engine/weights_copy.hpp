@@ -1,11 +1,12 @@
 // engine/weights_copy.hpp: reading a WeightsView's tensors (f32, bf16 or f16, any strides) into the contiguous
-// rows the layer packs from. Used once per layer, at construction.
+// rows the layer packs from, used once per layer, at construction; and Weights::random's counter-based values.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "gpt2attn/tensor.hpp"
+#include "gpt2attn/weights.hpp"
 
 namespace gpt2attn::detail {
 
@@ -14,6 +15,16 @@ namespace gpt2attn::detail {
 // does not (bf16 <- f32/f16: f16 widens exactly, so the one rounding is the f16 value's). Reads in 64 x 64 tiles,
 // so a transposed view (a Conv1D weight) is read a cache line at a time. Unaligned data is read correctly.
 void copy_rows(const TensorView& w, int64_t r0, int64_t n, DType to, void* dst);
+
+// WeightsView::validate(c) for a layer whose output projection is (out_width, E): a tensor-parallel shard's
+// (engine/shard.hpp) maps its E_r = c.d_model columns to the full layer's width.
+void validate_weights(const WeightsView& w, const Config& c, int64_t out_width);
+
+// Weights::random's generator: rows [r0, r0 + rows) x columns [c0, c0 + width) of tensor `tensor` ((R, cols) row
+// major; a bias is one row), uniform in +-1/sqrt(fan_in), into dst (rows, width) contiguous.
+enum class RandomTensor : uint8_t { w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o };
+void random_block(uint64_t seed, RandomTensor tensor, int64_t cols, int64_t fan_in, int64_t r0, int64_t rows,
+                  int64_t c0, int64_t width, float* dst);
 
 // A rank-1 or rank-2 view as f32 values in row-major order of its shape, exactly; empty for an empty view.
 std::vector<float> f32_values(const TensorView& v);
