@@ -101,14 +101,6 @@ std::vector<std::byte> pack_linear(int64_t N, int64_t K, DType t, Rows&& rows) {
   return out;
 }
 
-// Rows [r0, r0 + n) of the (R, C) view w as its own (n, C) view.
-TensorView row_slice(const TensorView& w, int64_t r0, int64_t n) {
-  TensorView s = w;
-  s.data = static_cast<const std::byte*>(w.data) + r0 * w.strides[0] * static_cast<int64_t>(size_of(w.dtype));
-  s.shape[0] = n;
-  return s;
-}
-
 // Element i of an activation buffer of type t.
 std::byte* elem(std::byte* base, DType t, int64_t i) { return base + i * static_cast<int64_t>(size_of(t)); }
 
@@ -146,7 +138,7 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
   auto per_head = [&](std::vector<Linear>& dst, int64_t heads, const TensorView& weight, const TensorView& bias) {
     const std::vector<float> b = detail::f32_values(bias);
     for (int64_t h = 0; h < heads; ++h) {
-      dst.emplace_back(row_slice(weight, h * D, D), cfg.qkv_bias ? b.data() + h * D : nullptr, compute);
+      dst.emplace_back(detail::slice(weight, 0, h * D, D), cfg.qkv_bias ? b.data() + h * D : nullptr, compute);
     }
   };
   per_head(proj_q, cfg.num_heads, w.w_q, w.b_q);

@@ -39,38 +39,17 @@ HeadShard shard_of(const Config& full, int rank, int ranks) {
   return s;
 }
 
-namespace {
-
-// Rows [r0, r0 + n) of a rank-2 view, or elements [r0, r0 + n) of a rank-1 one.
-TensorView rows(const TensorView& v, int64_t r0, int64_t n) {
-  if (v.empty()) return v;
-  TensorView s = v;
-  s.data = static_cast<const std::byte*>(v.data) + r0 * v.strides[0] * static_cast<int64_t>(size_of(v.dtype));
-  s.shape[0] = n;
-  return s;
-}
-
-// Columns [c0, c0 + n) of a rank-2 view.
-TensorView columns(const TensorView& v, int64_t c0, int64_t n) {
-  TensorView s = v;
-  s.data = static_cast<const std::byte*>(v.data) + c0 * v.strides[1] * static_cast<int64_t>(size_of(v.dtype));
-  s.shape[1] = n;
-  return s;
-}
-
-}  // namespace
-
 WeightsView shard_weights(const WeightsView& full, const HeadShard& s) {
   const int64_t D = s.local.head_dim(), q0 = s.first_head * D, kv0 = s.first_kv_head * D;
   const int64_t E_r = s.local.d_model, KW_r = s.local.kv_width();
   WeightsView w;
-  w.w_q = rows(full.w_q, q0, E_r);
-  w.w_k = rows(full.w_k, kv0, KW_r);
-  w.w_v = rows(full.w_v, kv0, KW_r);
-  w.w_o = columns(full.w_o, q0, E_r);
-  w.b_q = rows(full.b_q, q0, E_r);
-  w.b_k = rows(full.b_k, kv0, KW_r);
-  w.b_v = rows(full.b_v, kv0, KW_r);
+  w.w_q = slice(full.w_q, 0, q0, E_r);
+  w.w_k = slice(full.w_k, 0, kv0, KW_r);
+  w.w_v = slice(full.w_v, 0, kv0, KW_r);
+  w.w_o = slice(full.w_o, 1, q0, E_r);
+  w.b_q = slice(full.b_q, 0, q0, E_r);
+  w.b_k = slice(full.b_k, 0, kv0, KW_r);
+  w.b_v = slice(full.b_v, 0, kv0, KW_r);
   if (s.local.out_bias) w.b_o = full.b_o;
   return w;
 }
@@ -123,9 +102,7 @@ AttentionInputs shard_inputs(const AttentionInputs& in, const HeadShard& s) {
   AttentionInputs r = in;
   // A (B, H, T, Tk) mask of the full layer's H heads; a mask of another shape is left for validation to refuse.
   if (in.attn_mask.rank == 4 && in.attn_mask.shape[1] == s.total_heads && !in.attn_mask.empty()) {
-    r.attn_mask.data = static_cast<const std::byte*>(in.attn_mask.data) +
-                       s.first_head * in.attn_mask.strides[1] * static_cast<int64_t>(size_of(in.attn_mask.dtype));
-    r.attn_mask.shape[1] = s.local.num_heads;
+    r.attn_mask = slice(in.attn_mask, 1, s.first_head, s.local.num_heads);
   }
   return r;
 }

@@ -69,6 +69,14 @@ TensorView as_matrix(const TensorView& v) {
 
 }  // namespace
 
+TensorView slice(const TensorView& v, int dim, int64_t i0, int64_t n) {
+  if (v.empty()) return v;
+  TensorView s = v;
+  s.data = static_cast<const std::byte*>(v.data) + i0 * v.strides[dim] * static_cast<int64_t>(size_of(v.dtype));
+  s.shape[dim] = n;
+  return s;
+}
+
 void copy_rows(const TensorView& w, int64_t r0, int64_t n, DType to, void* dst) {
   if (to == DType::bf16) {
     copy_rows_to(w, r0, n, static_cast<kernels::bf16*>(dst));

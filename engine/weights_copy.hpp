@@ -16,6 +16,9 @@ namespace gpt2attn::detail {
 // so a transposed view (a Conv1D weight) is read a cache line at a time. Unaligned data is read correctly.
 void copy_rows(const TensorView& w, int64_t r0, int64_t n, DType to, void* dst);
 
+// Indices [i0, i0 + n) of dimension `dim` of view v, as a view of the same memory (an empty view stays empty).
+TensorView slice(const TensorView& v, int dim, int64_t i0, int64_t n);
+
 // WeightsView::validate(c) for a layer whose output projection is (out_width, E): a tensor-parallel shard's
 // (engine/shard.hpp) maps its E_r = c.d_model columns to the full layer's width.
 void validate_weights(const WeightsView& w, const Config& c, int64_t out_width);

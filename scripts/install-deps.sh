@@ -5,6 +5,7 @@ set -euo pipefail
 # libjemalloc2: bench/peer_torch.py preloads it to run PyTorch as a tuned user does (page-keeping allocator).
 # clang-14, libclang-rt-14-dev (its sanitizer and libFuzzer runtimes, which apt only recommends),
 # libfuzzer-14-dev: the `fuzz` preset (scripts/fuzz.sh).
+# libopenmpi-dev, openmpi-bin: the tensor-parallel module (gpt2attn_mpi), `mpirun -np N gpt2attn` and its tests.
 # pkgconf: pkg-config, with which the consumer.pkg_config test builds programs against the installed gpt2attn.pc.
 pkgs=(g++ cmake make libdnnl-dev libxsimd-dev libgtest-dev libbenchmark-dev nlohmann-json3-dev
       ocl-icd-opencl-dev opencl-c-headers
@@ -12,7 +13,8 @@ pkgs=(g++ cmake make libdnnl-dev libxsimd-dev libgtest-dev libbenchmark-dev nloh
       python3-dev python3-pybind11 python3-pytest python3-matplotlib
       libjemalloc2
       clang-14 libclang-rt-14-dev libfuzzer-14-dev
-      pkgconf)
+      pkgconf
+      libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -22,10 +24,22 @@
 #include "tools/npy.hpp"
 #include "gpt2attn/gpt2attn.h"
 #include "gpt2attn/gpt2attn.hpp"
+#ifdef GPT2ATTN_HAVE_MPI
+#include "gpt2attn/parallel.hpp"
+#endif
 
 namespace ga = gpt2attn;
 
 namespace {
+
+// The MPI world. Under mpirun with more than one rank, forward and bench run tensor parallel (gpt2attn/parallel.hpp):
+// every rank computes its heads, rank 0 alone writes files and prints. Without mpirun MPI is never initialised.
+struct World {
+  int rank = 0, ranks = 1;
+  bool parallel() const { return ranks > 1; }
+  bool prints() const { return rank == 0; }
+};
+World g_world;
 
 const char* kUsage = R"(usage:
   gpt2attn --version | --help
@@ -244,19 +258,22 @@ int cmd_forward(int argc, char** argv) {
   }
   const auto kv_heads = a.integer<int64_t>("kv-heads", 0, 1);
   const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
-  // The write checks again; checking now refuses a device or FIFO before any work is done.
-  naming_output([&] { ga::io::resolve_write_target(out_path); });
+  // The write checks again; checking now refuses a device or FIFO before any work is done (on the rank that writes).
+  auto check_output_path = [&] { naming_output([&] { ga::io::resolve_write_target(out_path); }); };
+  if (!g_world.parallel()) check_output_path();
   if (a.has("key") != a.has("value")) throw UsageError("--key and --value must be given together");
   if (a.has("mask-kind") && !a.has("mask")) throw UsageError("--mask-kind given without --mask");
 
-  const ga::StoredLayer layer = ga::open_safetensors_layer(a.required("weights"), a.get("prefix"));
-  const ga::npy::Array q = read_float_input(a.required("query"), "query");
-  ga::npy::Array k, v, mask, padding;
+  ga::npy::Array q, k, v, mask, padding;
   ga::AttentionInputs in;
+  bool unbatched = false;
+  // The inputs, read on every rank (a tensor-parallel rank reads them itself, so each must see the files).
+  auto read_inputs = [&] {
+  q = read_float_input(a.required("query"), "query");
   in.query = view_of(q, "query");
   // Unbatched, as torch takes it: a (T, d_in) query (with (Tk, kdim) key and value, (Tk,) key padding) is a batch
   // of one, and the output is written (T, E).
-  const bool unbatched = in.query.rank == 2;
+  unbatched = in.query.rank == 2;
   auto batch_of_one = [&](ga::TensorView t, int rank) {
     if (!unbatched || t.rank != rank) return t;
     for (int d = t.rank; d > 0; --d) t.shape[d] = t.shape[d - 1], t.strides[d] = t.strides[d - 1];
@@ -283,32 +300,65 @@ int cmd_forward(int argc, char** argv) {
     padding = ga::npy::read(a.get("key-padding"));
     in.key_padding = batch_of_one(view_of(padding, "key-padding"), 1);
   }
+  };
 
   ga::Config cfg;
   cfg.num_heads = heads;
   cfg.num_kv_heads = kv_heads;
-  cfg = ga::apply_loaded_shapes(cfg, layer);
-  if (file_cfg && file_cfg->d_model != cfg.d_model) {
-    ga::invalid(a.get("config") + " says d_model " + std::to_string(file_cfg->d_model) + " but the weights are " +
-                std::to_string(cfg.d_model) + " wide");
-  }
   cfg.causal = a.flag("causal");
-  const int64_t T = in.query.rank == 3 ? in.query.shape[1] : 0;
-  const int64_t Tk = in.key.rank == 3 ? in.key.shape[1] : T;
-  cfg.context_length =
-      a.integer<int64_t>("context-length", file_cfg ? file_cfg->context_length : std::max<int64_t>({1024, T, Tk}), 1);
-  cfg.validate();
+  // The context length: --context-length, the config file's, or enough for the inputs.
+  auto set_context = [&] {
+    const int64_t T = in.query.rank == 3 ? in.query.shape[1] : 0;
+    const int64_t Tk = in.key.rank == 3 ? in.key.shape[1] : T;
+    cfg.context_length = a.integer<int64_t>("context-length",
+                                            file_cfg ? file_cfg->context_length : std::max<int64_t>({1024, T, Tk}), 1);
+  };
+  auto check_width = [&](const ga::Config& c) {
+    if (file_cfg && file_cfg->d_model != c.d_model) {
+      ga::invalid(a.get("config") + " says d_model " + std::to_string(file_cfg->d_model) + " but the weights are " +
+                  std::to_string(c.d_model) + " wide");
+    }
+  };
 
   ga::EngineOptions opts;
   opts.threads = threads;
   opts.isa = ga::isa_from_string(a.get("isa", "best"));
   opts.compute = compute;
-  ga::MultiHeadAttention mha(cfg, layer.weights, opts);
-  if (in.query.rank != 3) ga::invalid("query: expected shape (B, T, d_in), got " + in.query.shape_str());
-  const int64_t B = in.query.shape[0];
-  std::vector<float> out(static_cast<size_t>(checked_mul(checked_mul(B, T, "output size B*T"), cfg.d_model,
-                                                          "output size B*T*E")));
-  mha.forward(in, out.data());
+  std::vector<float> out;
+  auto output_size = [&](const ga::Config& c) {
+    if (in.query.rank != 3) ga::invalid("query: expected shape (B, T, d_in), got " + in.query.shape_str());
+    out.resize(static_cast<size_t>(checked_mul(checked_mul(in.query.shape[0], in.query.shape[1], "output size B*T"),
+                                               c.d_model, "output size B*T*E")));
+  };
+  if (g_world.parallel()) {
+#ifdef GPT2ATTN_HAVE_MPI
+    // Every rank reads the inputs and agrees they are good before the layer's first collective; each maps the
+    // weights file and reads only its heads' slices.
+    ga::run_agreed(MPI_COMM_WORLD, "forward", [&] {
+      if (g_world.prints()) check_output_path();
+      read_inputs();
+      set_context();
+      output_size(ga::Config{.d_model = 1});
+    });
+    ga::ShardedAttention mha(cfg, a.required("weights"), a.get("prefix"), MPI_COMM_WORLD, opts);
+    cfg = mha.config();
+    check_width(cfg);
+    output_size(cfg);
+    mha.forward(in, out.data());
+    if (!g_world.prints()) return 0;
+#endif
+  } else {
+    const ga::StoredLayer layer = ga::open_safetensors_layer(a.required("weights"), a.get("prefix"));
+    read_inputs();
+    cfg = ga::apply_loaded_shapes(cfg, layer);
+    check_width(cfg);
+    set_context();
+    cfg.validate();
+    ga::MultiHeadAttention mha(cfg, layer.weights, opts);
+    output_size(cfg);
+    mha.forward(in, out.data());
+  }
+  const int64_t B = in.query.shape[0], T = in.query.shape[1];
   naming_output([&] {
     if (unbatched) {
       ga::npy::write_f32(out_path, out.data(), {T, cfg.d_model});
@@ -340,6 +390,10 @@ struct BenchResult {
   double max_abs_err = 0, mean_abs_err = 0, allowed = 0;
   // decode only
   double tokens_per_s = 0, bytes_per_step = 0, gb_per_s = 0;
+  // tensor parallel (mpirun): ranks, and the median time of a call's all-reduce on rank 0 (which includes waiting
+  // for the slowest rank)
+  int ranks = 1;
+  double allreduce_ms = 0;
 };
 
 double causal_layer_flops(const ga::Config& c, int64_t B, int64_t T) {
@@ -442,43 +496,59 @@ void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref
   }
 }
 
+// A case's inputs and timings, whatever runs it: one process (CausalSelfAttention) or tensor parallel over MPI
+// (ShardedAttention, whose calls take the same arguments). `sync` runs before each timed call (a barrier across
+// ranks, or nothing); `allreduce_ms` reads the last call's all-reduce time (tensor parallel only).
+struct Timings {
+  std::vector<double> ms, allreduce_ms;
+};
+
+// B sequences of T tokens through forward(): a warm-up, then `repeats` timed calls. x (B, T, d_in), y (B, T, E).
+template <class Forward, class Sync, class Allreduce>
+Timings time_prefill(int repeats, Forward&& forward, Sync&& sync, Allreduce&& allreduce_ms) {
+  forward();  // warm-up: the workspace, the GEMM primitives, the caches
+  Timings t;
+  for (int r = 0; r < repeats; ++r) {
+    sync();
+    const auto t0 = std::chrono::steady_clock::now();
+    forward();
+    t.ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    t.allreduce_ms.push_back(allreduce_ms());
+  }
+  return t;
+}
+
+// Causal rows t < Tc depend only on tokens < Tc, so the reference on batch 0's first Tc tokens checks those rows
+// exactly at a cost the naive loops can afford (~2 GFLOP in double).
+void check_prefill(BenchResult& r, const ga::Config& cfg, const ga::Weights& w, const std::vector<float>& x,
+                   const std::vector<float>& y, int64_t T) {
+  const double E = static_cast<double>(cfg.d_model);
+  const int64_t tc = std::min(T, std::clamp<int64_t>(static_cast<int64_t>(2e9 / (8 * E * E)), 4, 64));
+  ga::AttentionInputs in;
+  in.query = ga::TensorView::f32(x.data(), {1, tc, cfg.query_width()});
+  check_rows(r, y.data(), ga::reference_forward(cfg, w, in), std::max(cfg.query_width(), T));
+}
+
 BenchResult bench_prefill(const std::string& name, ga::Config cfg, int64_t B, int64_t T, ga::DType compute,
                           int threads, ga::Isa isa, int repeats, bool check) {
   const BenchSizes sizes = bench_sizes(name, cfg, B, T, false, repeats);
   cfg.context_length = std::max(cfg.context_length, T);
-  const ga::Weights w = ga::Weights::random(cfg, 1234);
+  ga::Weights w = ga::Weights::random(cfg, 1234);
   ga::EngineOptions opts;
   opts.threads = threads;
   opts.isa = isa;
   opts.compute = compute;
   ga::CausalSelfAttention layer(cfg, w, opts);
-  std::vector<float> x(static_cast<size_t>(sizes.x)), y(static_cast<size_t>(sizes.y));
+  if (!check) w = {};  // the layer holds its own copies; without --check the process holds no more than a server
+  std::vector<float> y(static_cast<size_t>(sizes.y));
   std::mt19937 rng(42);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (float& f : x) f = nd(rng);
-
-  layer.layer().reserve(B, T, T);             // the workspace and every thread's GEMM primitives
-  layer.forward(x.data(), B, T, y.data());  // warm-up: caches
-  std::vector<double> ms;
-  for (int r = 0; r < repeats; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    layer.forward(x.data(), B, T, y.data());
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  BenchResult r{name, compute, B, T, layer.layer().default_threads(), median(ms), 0,
+  const std::vector<float> x = random_normal(static_cast<size_t>(sizes.x), rng);
+  layer.layer().reserve(B, T, T);  // the workspace and every thread's GEMM primitives
+  const Timings t = time_prefill(repeats, [&] { layer.forward(x.data(), B, T, y.data()); }, [] {}, [] { return 0.0; });
+  BenchResult r{name, compute, B, T, layer.layer().default_threads(), median(t.ms), 0,
                 ga::to_string(layer.layer().isa()), layer.layer().implementation()};
   r.gflops = causal_layer_flops(cfg, B, T) / (r.median_ms * 1e6);
-
-  if (check) {
-    // Causal rows t < Tc depend only on tokens < Tc, so the reference on batch 0's first Tc tokens checks
-    // those rows exactly at a cost the naive loops can afford (~2 GFLOP in double).
-    const double E = static_cast<double>(cfg.d_model);
-    const int64_t Tc = std::clamp<int64_t>(static_cast<int64_t>(2e9 / (8 * E * E)), 4, 64);
-    const int64_t tc = std::min(T, Tc);
-    ga::AttentionInputs in;
-    in.query = ga::TensorView::f32(x.data(), {1, tc, cfg.query_width()});
-    check_rows(r, y.data(), ga::reference_forward(cfg, w, in), std::max(cfg.query_width(), T));
-  }
+  if (check) check_prefill(r, cfg, w, x, y, T);
   return r;
 }
 
@@ -498,74 +568,149 @@ void flush_caches() {
   asm volatile("" : : "r"(sum));  // keep the reads
 }
 
-// B sequences of T cached tokens in a paged KvCache (prefilled one by one with extend()), then warm-up and
-// `repeats` timed decode steps, each appending one token to every sequence (after a cache flush with
-// `cold`). The cache and the context length are sized so that the last step still fits.
-BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int64_t T, ga::DType compute,
-                         int threads, ga::Isa isa, int repeats, bool check, bool cold, ga::DType kv_dtype) {
+// B sequences of T cached tokens in a paged cache (prefilled one by one with extend()), then warm-up and `repeats`
+// timed decode steps, each appending one token to every sequence (after a cache flush with `cold`). The cache and the
+// context length are sized so that the last step still fits. With --check, sequence 0's history and first timed
+// output are kept.
+struct DecodeRun {
+  Timings t;
+  std::vector<float> history, first_out;  // sequence 0's inputs (T + kDecodeWarmup + 1, d_in) and its output (E)
+};
+template <class Layer, class Cache, class Sync, class Allreduce>
+DecodeRun time_decode(Layer& layer, Cache& cache, const BenchSizes& sizes, int64_t B, int64_t T, int64_t d_in,
+                      int64_t E, int repeats, bool check, bool cold, Sync&& sync, Allreduce&& allreduce_ms) {
   const int64_t steps = kDecodeWarmup + repeats;
-  const BenchSizes sizes = bench_sizes(name, cfg, B, T, true, repeats);
-  cfg.context_length = std::max(cfg.context_length, T + steps + 1);
-  const ga::Weights w = ga::Weights::random(cfg, 1234);
-  ga::EngineOptions opts;
-  opts.threads = threads;
-  opts.isa = isa;
-  opts.compute = compute;
-  ga::CausalSelfAttention layer(cfg, w, opts);
-  const int64_t d_in = cfg.query_width(), E = cfg.d_model;
-
-  // Blocks are per sequence, so each needs ceil((T + steps) / block_tokens) of them.
-  ga::KvCacheOptions kv_opts;
-  kv_opts.capacity_tokens = sizes.kv_tokens;
-  kv_opts.dtype = kv_dtype;
-  ga::KvCache cache(cfg, kv_opts);
-  layer.reserve_serving(T, B);
-
+  DecodeRun run;
   std::mt19937 rng(42);
   std::vector<ga::SequenceId> seqs(static_cast<size_t>(B));
-  std::vector<float> history;  // sequence 0's inputs, (T + kDecodeWarmup + 1, d_in), for --check
   {
     std::vector<float> prompt_out(static_cast<size_t>(sizes.prompt_y));
     for (int64_t b = 0; b < B; ++b) {
       const std::vector<float> prompt = random_normal(static_cast<size_t>(sizes.prompt_x), rng);
       seqs[b] = cache.create();
       layer.extend(cache, seqs[b], prompt.data(), T, prompt_out.data());
-      if (b == 0 && check) history = prompt;
+      if (b == 0 && check) run.history = prompt;
     }
   }
-
-  std::vector<float> x(static_cast<size_t>(sizes.x)), y(static_cast<size_t>(sizes.y)), first_out;
-  std::vector<double> ms;
+  std::vector<float> x(static_cast<size_t>(sizes.x)), y(static_cast<size_t>(sizes.y));
   for (int64_t s = 0; s < steps; ++s) {
     x = random_normal(x.size(), rng);  // a new token per sequence, drawn outside the timed region
-    if (check && s <= kDecodeWarmup) history.insert(history.end(), x.begin(), x.begin() + d_in);
+    if (check && s <= kDecodeWarmup) run.history.insert(run.history.end(), x.begin(), x.begin() + d_in);
     if (cold) flush_caches();
+    sync();
     const auto t0 = std::chrono::steady_clock::now();
     layer.decode(cache, seqs.data(), B, x.data(), y.data());
     const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (s < kDecodeWarmup) continue;
-    ms.push_back(t);
-    if (s == kDecodeWarmup) first_out.assign(y.begin(), y.begin() + E);
+    run.t.ms.push_back(t);
+    run.t.allreduce_ms.push_back(allreduce_ms());
+    if (s == kDecodeWarmup) run.first_out.assign(y.begin(), y.begin() + E);
   }
-  BenchResult r{name, compute, B, T, layer.layer().default_threads(), median(ms), 0,
-                ga::to_string(layer.layer().isa()), layer.layer().implementation()};
+  return run;
+}
+
+// The decode figures of a timed run, and with --check sequence 0's first timed output against the last row of the
+// reference run causally over its whole token history: exactly what decode computed for it.
+void finish_decode(BenchResult& r, const ga::Config& cfg, const DecodeRun& run, int64_t B, int64_t T, bool check,
+                   ga::DType compute, ga::DType kv_dtype, const std::function<ga::Weights()>& weights) {
   r.gflops = decode_step_flops(cfg, B, T) / (r.median_ms * 1e6);
   r.tokens_per_s = static_cast<double>(B) / (r.median_ms * 1e-3);
   r.bytes_per_step = decode_step_bytes(cfg, B, T, compute, kv_dtype);
   r.gb_per_s = r.bytes_per_step / (r.median_ms * 1e6);
+  if (!check) return;
+  const int64_t d_in = cfg.query_width(), E = cfg.d_model, n = static_cast<int64_t>(run.history.size()) / d_in;
+  ga::AttentionInputs in;
+  in.query = ga::TensorView::f32(run.history.data(), {1, n, d_in});
+  const std::vector<double> ref = ga::reference_forward(cfg, weights(), in);
+  check_rows(r, run.first_out.data(), std::vector<double>(ref.end() - E, ref.end()), std::max(d_in, n), kv_dtype,
+             cfg.head_dim());
+}
 
-  if (check) {
-    // Sequence 0 has seen T prompt tokens, kDecodeWarmup decoded ones and the first timed one: the reference's
-    // causal last row over that history is exactly what decode computed for it.
-    const int64_t n = static_cast<int64_t>(history.size()) / d_in;
-    ga::AttentionInputs in;
-    in.query = ga::TensorView::f32(history.data(), {1, n, d_in});
-    const std::vector<double> ref = ga::reference_forward(cfg, w, in);
-    check_rows(r, first_out.data(), std::vector<double>(ref.end() - E, ref.end()), std::max(d_in, n), kv_dtype,
-               cfg.head_dim());
-  }
+BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int64_t T, ga::DType compute,
+                         int threads, ga::Isa isa, int repeats, bool check, bool cold, ga::DType kv_dtype) {
+  const BenchSizes sizes = bench_sizes(name, cfg, B, T, true, repeats);
+  cfg.context_length = std::max(cfg.context_length, T + kDecodeWarmup + repeats + 1);
+  ga::Weights w = ga::Weights::random(cfg, 1234);
+  ga::EngineOptions opts;
+  opts.threads = threads;
+  opts.isa = isa;
+  opts.compute = compute;
+  ga::CausalSelfAttention layer(cfg, w, opts);
+  if (!check) w = {};  // the layer holds its own copies; without --check the process holds no more than a server
+  // Blocks are per sequence, so each needs ceil((T + steps) / block_tokens) of them.
+  ga::KvCacheOptions kv_opts;
+  kv_opts.capacity_tokens = sizes.kv_tokens;
+  kv_opts.dtype = kv_dtype;
+  ga::KvCache cache(cfg, kv_opts);
+  layer.reserve_serving(T, B);
+  const DecodeRun run = time_decode(layer, cache, sizes, B, T, cfg.query_width(), cfg.d_model, repeats, check, cold,
+                                    [] {}, [] { return 0.0; });
+  BenchResult r{name, compute, B, T, layer.layer().default_threads(), median(run.t.ms), 0,
+                ga::to_string(layer.layer().isa()), layer.layer().implementation()};
+  finish_decode(r, cfg, run, B, T, check, compute, kv_dtype, [&] { return w; });
   return r;
 }
+
+#ifdef GPT2ATTN_HAVE_MPI
+// The bench cases tensor parallel over MPI_COMM_WORLD (under mpirun): every rank generates and holds only its heads'
+// weights (ShardedAttention::random, the same values as Weights::random) and its heads' KV cache, and draws the same
+// inputs. Each call is timed on every rank after a barrier; rank 0's median is reported: a call ends with the
+// all-reduce, which waits for the slowest rank. --check compares on rank 0 against the reference over the whole
+// layer's weights, which it then generates.
+ga::EngineOptions engine_options(ga::DType compute, int threads, ga::Isa isa) {
+  ga::EngineOptions o;
+  o.threads = threads, o.isa = isa, o.compute = compute;
+  return o;
+}
+
+BenchResult sharded_result(const std::string& name, ga::DType compute, int64_t B, int64_t T, int threads,
+                           const ga::ShardedAttention& layer, const Timings& t) {
+  BenchResult r{name, compute, B, T, threads > 0 ? threads : std::min(omp_get_max_threads(), ga::max_threads()),
+                median(t.ms), 0, ga::to_string(layer.isa()), layer.implementation()};
+  r.ranks = layer.ranks();
+  r.allreduce_ms = median(t.allreduce_ms);
+  return r;
+}
+
+BenchResult bench_prefill_sharded(const std::string& name, ga::Config cfg, int64_t B, int64_t T, ga::DType compute,
+                                  int threads, ga::Isa isa, int repeats, bool check) {
+  const BenchSizes sizes = bench_sizes(name, cfg, B, T, false, repeats);
+  cfg.context_length = std::max(cfg.context_length, T);
+  ga::ShardedAttention layer =
+      ga::ShardedAttention::random(cfg, 1234, MPI_COMM_WORLD, engine_options(compute, threads, isa));
+  std::vector<float> y(static_cast<size_t>(sizes.y));
+  std::mt19937 rng(42);
+  const std::vector<float> x = random_normal(static_cast<size_t>(sizes.x), rng);
+  ga::AttentionInputs in;
+  in.query = ga::TensorView::f32(x.data(), {B, T, cfg.query_width()});
+  const Timings t = time_prefill(
+      repeats, [&] { layer.forward(in, y.data()); }, [] { MPI_Barrier(MPI_COMM_WORLD); },
+      [&] { return layer.last_call_times().allreduce_s * 1e3; });
+  BenchResult r = sharded_result(name, compute, B, T, threads, layer, t);
+  r.gflops = causal_layer_flops(cfg, B, T) / (r.median_ms * 1e6);
+  if (check && g_world.prints()) check_prefill(r, cfg, ga::Weights::random(cfg, 1234), x, y, T);
+  return r;
+}
+
+BenchResult bench_decode_sharded(const std::string& name, ga::Config cfg, int64_t B, int64_t T, ga::DType compute,
+                                 int threads, ga::Isa isa, int repeats, bool check, bool cold, ga::DType kv_dtype) {
+  const BenchSizes sizes = bench_sizes(name, cfg, B, T, true, repeats);
+  cfg.context_length = std::max(cfg.context_length, T + kDecodeWarmup + repeats + 1);
+  ga::ShardedAttention layer =
+      ga::ShardedAttention::random(cfg, 1234, MPI_COMM_WORLD, engine_options(compute, threads, isa));
+  ga::KvCacheOptions kv_opts;
+  kv_opts.capacity_tokens = sizes.kv_tokens;
+  kv_opts.dtype = kv_dtype;
+  ga::ShardedKvCache cache(layer, kv_opts);
+  const DecodeRun run = time_decode(
+      layer, cache, sizes, B, T, cfg.query_width(), cfg.d_model, repeats, check, cold,
+      [] { MPI_Barrier(MPI_COMM_WORLD); }, [&] { return layer.last_call_times().allreduce_s * 1e3; });
+  BenchResult r = sharded_result(name, compute, B, T, threads, layer, run.t);
+  finish_decode(r, cfg, run, B, T, check && g_world.prints(), compute, kv_dtype,
+                [&] { return ga::Weights::random(cfg, 1234); });
+  return r;
+}
+#endif
 
 int cmd_bench(int argc, char** argv) {
   const Args a = parse(argc, argv, 2,
@@ -634,7 +779,7 @@ int cmd_bench(int argc, char** argv) {
     }
   }
 
-  if (!json) {
+  if (!json && g_world.prints()) {
     std::printf("%-12s %-8s %-5s %3s %6s %7s %10s %9s ", "preset", "mode", "dtype", "B", "T", "threads", "median_ms",
                 "GFLOP/s");
     if (decode) std::printf("%-4s %10s %9s %7s ", "kv", "tokens/s", "MB/step", "GB/s");
@@ -660,9 +805,19 @@ int cmd_bench(int argc, char** argv) {
   for (const auto& [compute, kv_name, name] : cases) {
     const int64_t t = seq_for(name);
     const ga::Config cfg = config_for(name);
-    const BenchResult r = decode ? bench_decode(name, cfg, B, t, compute, threads, isa, repeats, check,
-                                                cache == "cold", kv_dtype_of(kv_name))
-                                 : bench_prefill(name, cfg, B, t, compute, threads, isa, repeats, check);
+    BenchResult r;
+    if (g_world.parallel()) {
+#ifdef GPT2ATTN_HAVE_MPI
+      r = decode ? bench_decode_sharded(name, cfg, B, t, compute, threads, isa, repeats, check, cache == "cold",
+                                        kv_dtype_of(kv_name))
+                 : bench_prefill_sharded(name, cfg, B, t, compute, threads, isa, repeats, check);
+#endif
+    } else {
+      r = decode ? bench_decode(name, cfg, B, t, compute, threads, isa, repeats, check, cache == "cold",
+                                kv_dtype_of(kv_name))
+                 : bench_prefill(name, cfg, B, t, compute, threads, isa, repeats, check);
+    }
+    if (!g_world.prints()) continue;
     const char* dtype = ga::to_string(compute);
     const bool ok = !r.checked || r.allowed >= 0;
     all_ok = all_ok && ok;
@@ -671,6 +826,10 @@ int cmd_bench(int argc, char** argv) {
                           {"batch", r.B}, {"seq", r.T},
                           {"threads", r.threads}, {"median_ms", r.median_ms}, {"gflops", r.gflops},
                           {"isa", r.isa}, {"implementation", r.impl}};
+      if (g_world.parallel()) {
+        j["ranks"] = r.ranks;
+        j["allreduce_ms"] = r.allreduce_ms;
+      }
       if (decode) {
         j["cache"] = cache;
         j["kv_dtype"] = kv_name;
@@ -703,7 +862,7 @@ int cmd_bench(int argc, char** argv) {
       std::fflush(stderr);
     }
   }
-  if (!json) {
+  if (!json && g_world.prints()) {
     for (const ga::DType compute : computes) {
       const BenchResult r =
           bench_prefill("gpt2-small", ga::preset("gpt2-small"), 1, 1, compute, threads, isa, 1, false);
@@ -717,39 +876,66 @@ int cmd_bench(int argc, char** argv) {
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The command, with its errors turned into the exit status and one line on stderr (printed by rank 0 alone under
+// mpirun: every rank of a tensor-parallel call gets the same error).
+int run(int argc, char** argv) {
   const std::string cmd = argc > 1 ? argv[1] : "";
+  auto say = [](const char* fmt, const char* what) {
+    if (g_world.prints()) std::fprintf(stderr, fmt, what);
+  };
   try {
     if (cmd == "forward") return cmd_forward(argc, argv);
     if (cmd == "bench") return cmd_bench(argc, argv);
     if (cmd == "presets") return cmd_presets();
     if (cmd == "--help" || cmd == "-h" || cmd == "help") {
-      std::fputs(kUsage, stdout);
+      if (g_world.prints()) std::fputs(kUsage, stdout);
       return 0;
     }
     if (cmd == "--version") {
-      std::printf("gpt2attn %s\n", gpt2attn_version());
+      if (g_world.prints()) std::printf("gpt2attn %s\n", gpt2attn_version());
       return 0;
     }
     throw UsageError(cmd.empty() ? "missing command (forward, bench or presets)" : "unknown command '" + cmd + "'");
   } catch (const HelpRequested&) {
-    std::fputs(kUsage, stdout);
+    if (g_world.prints()) std::fputs(kUsage, stdout);
     return 0;
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "gpt2attn: %s (see gpt2attn --help)\n", e.what());
+    say("gpt2attn: %s (see gpt2attn --help)\n", e.what());
     return 2;
   } catch (const ga::Error& e) {
     std::string msg = e.what();
     std::replace(msg.begin(), msg.end(), '\n', ' ');
-    std::fprintf(stderr, "gpt2attn: %s\n", msg.c_str());
+    say("gpt2attn: %s\n", msg.c_str());
     return e.code() == ga::ErrorCode::internal ? 1 : 2;
   } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "gpt2attn: out of memory\n");
+    say("gpt2attn: %s\n", "out of memory");
     return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "gpt2attn: internal error: %s\n", e.what());
+    say("gpt2attn: internal error: %s\n", e.what());
     return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // MPI only when mpirun (or another PMI launcher) started this process: a plain run never initialises it.
+  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
+  if (!launched) return run(argc, argv);
+#ifdef GPT2ATTN_HAVE_MPI
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  MPI_Comm_rank(MPI_COMM_WORLD, &g_world.rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &g_world.ranks);
+  const int status = run(argc, argv);
+  MPI_Finalize();
+  return status;
+#else
+  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  if (size && std::atoi(size) > 1) {
+    std::fprintf(stderr, "gpt2attn: started by mpirun with %s ranks, but this build has no MPI support\n", size);
+    return 2;
+  }
+  return run(argc, argv);
+#endif
 }

@@ -2,7 +2,11 @@
 // any data is trusted), F32/F16/BF16 widening, and the atomic F32 writer. Knows nothing of attention layers.
 #include "engine/io/safetensors.hpp"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -206,8 +210,24 @@ void check_layout(const std::string& path, const std::map<std::string, Tensor>& 
                            " (the data section must end where the last tensor does)");
 }
 
-// read() and parse(): the whole format, from a file or from memory.
-File parse_from(io::ByteSource& src) {
+// The file's bytes [offset, offset + n) mapped read-only; `total` is the size the header was checked against.
+Bytes map_section(const std::string& path, uint64_t offset, uint64_t n, uint64_t total) {
+  if (n == 0) return {};
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) io::file_error(path, std::string("cannot open: ") + std::strerror(errno));
+  struct stat st {};
+  const bool same = ::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) == total;
+  void* base = same ? ::mmap(nullptr, total, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
+  const int map_errno = errno;
+  ::close(fd);
+  if (!same) io::file_error(path, "changed size while being opened");
+  if (base == MAP_FAILED) io::file_error(path, std::string("cannot map: ") + std::strerror(map_errno));
+  std::shared_ptr<const void> owner(base, [total](const void* p) { ::munmap(const_cast<void*>(p), total); });
+  return Bytes(std::move(owner), static_cast<const uint8_t*>(base) + offset, n);
+}
+
+// read(), map() and parse(): the whole format, from a file or from memory.
+File parse_from(io::ByteSource& src, bool map_data = false) {
   const std::string& path = src.path();
   const uint64_t size = src.size();
   if (size == 0) io::file_error(path, "empty file (a safetensors file starts with an 8-byte header length)");
@@ -247,11 +267,16 @@ File parse_from(io::ByteSource& src) {
   }
   check_layout(path, f.tensors, data_size);
 
+  if (map_data) {
+    f.data = map_section(path, 8 + header_len, data_size, size);
+    return f;
+  }
   // Every tensor's bytes were proved to lie inside data_size, so this is the only large allocation.
   detail::check_fits_in_memory(static_cast<int64_t>(std::min<uint64_t>(data_size, INT64_MAX)),
                                (path + ": the data section").c_str());
-  f.data.resize(data_size);
-  src.read(f.data.data(), data_size);
+  uint8_t* dst = nullptr;
+  f.data = Bytes::allocate(data_size, dst);
+  src.read(dst, data_size);
   return f;
 }
 
@@ -260,6 +285,18 @@ File parse_from(io::ByteSource& src) {
 File read(const std::string& path) {
   io::ByteSource src(path, io::file_size(path));  // opened at the first read, after the size checks
   return parse_from(src);
+}
+
+File map(const std::string& path) {
+  io::ByteSource src(path, io::file_size(path));
+  return parse_from(src, true);
+}
+
+Bytes Bytes::allocate(uint64_t n, uint8_t*& writable) {
+  if (n == 0) return {};
+  std::shared_ptr<uint8_t[]> buf(new uint8_t[n]);
+  writable = buf.get();
+  return Bytes(std::shared_ptr<const void>(buf, buf.get()), buf.get(), n);
 }
 
 File parse(const std::string& path, const uint8_t* bytes, size_t size) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,10 +18,29 @@ struct Tensor {
   uint64_t begin = 0, end = 0;  // byte offsets into the data section
 };
 
+// A file's data section: read into memory (read, parse), or mapped read-only from the file (map). Copies share it.
+class Bytes {
+ public:
+  Bytes() = default;
+  // n bytes of new memory, which `writable` points at until they are filled.
+  static Bytes allocate(uint64_t n, uint8_t*& writable);
+  // n bytes at p, kept alive by `owner` (a mapping).
+  Bytes(std::shared_ptr<const void> owner, const uint8_t* p, uint64_t n) : owner_(std::move(owner)), p_(p), n_(n) {}
+  const uint8_t* data() const { return p_; }
+  uint64_t size() const { return n_; }
+  const uint8_t* begin() const { return p_; }
+  const uint8_t* end() const { return p_ + n_; }
+
+ private:
+  std::shared_ptr<const void> owner_;
+  const uint8_t* p_ = nullptr;
+  uint64_t n_ = 0;
+};
+
 struct File {
   std::string path;
   std::map<std::string, Tensor> tensors;  // "__metadata__" excluded
-  std::vector<uint8_t> data;              // the data section (everything after the header)
+  Bytes data;                             // the data section (everything after the header)
 
   bool has(const std::string& name) const { return tensors.count(name) != 0; }
   // A contiguous view of the tensor's bytes in `data`, as stored (F32, F16 or BF16; not necessarily aligned);
@@ -38,6 +58,11 @@ struct File {
 // ends (no overlap, no gap; an empty tensor may sit only at such a boundary), the last ends at the data size (no
 // trailing bytes). Throws Error(bad_file) naming path + tensor(s) (or the duplicated key).
 File read(const std::string& path);
+// The same checks, with the data section mapped read-only instead of read (mmap): only the pages a caller touches are
+// read from disk and held, so a tensor-parallel rank that reads its slices of a layer holds those slices, not the
+// file. The file must not shrink while the File lives (a read of a page past its new end raises SIGBUS, as with any
+// mapped file); the size is checked again after mapping.
+File map(const std::string& path);
 // The same checks and messages over a file's bytes already in memory (the fuzz targets); `path` names them in
 // messages and becomes File::path.
 File parse(const std::string& path, const uint8_t* bytes, size_t size);

@@ -1,0 +1,518 @@
+// engine/mpi/sharded.cpp: tensor parallel over MPI (include/gpt2attn/parallel.hpp). Each rank runs an ordinary layer
+// over its heads (engine/shard.hpp) and its own KV pool; this file adds only what crosses ranks: the agreement before
+// every collective call, the one all-reduce of the outputs, and keeping the sharded pool's sequences in step.
+// Nothing here computes attention.
+#include "gpt2attn/parallel.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/io/safetensors.hpp"
+#include "engine/io/weights_io.hpp"
+#include "engine/kv_cache.hpp"
+#include "engine/layer.hpp"
+#include "engine/shard.hpp"
+#include "engine/util.hpp"
+#include "engine/validate.hpp"
+#include "gpt2attn/error.hpp"
+
+namespace gpt2attn {
+namespace {
+
+using detail::str;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// An MPI call's failure as Error(internal) naming the call (the library's communicators return errors).
+void check_mpi(int rc, const char* call) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  fail(ErrorCode::internal, std::string("tensor parallel: ") + call + " failed: " + std::string(text, len));
+}
+
+// A 64-bit fingerprint of a call's arguments, compared across ranks: equal inputs hash equal; unequal inputs are told
+// apart with overwhelming probability (FNV-1a over 8-byte words with a final avalanche; not a defence against a
+// rank that forges inputs, which MPI programs trust anyway).
+class Fingerprint {
+ public:
+  void bytes(const void* p, size_t n) {
+    const auto* b = static_cast<const unsigned char*>(p);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t w;
+      std::memcpy(&w, b + i, 8);
+      mix(w);
+    }
+    uint64_t tail = 0;
+    std::memcpy(&tail, b + i, n - i);
+    mix(tail ^ (static_cast<uint64_t>(n) << 56));
+  }
+  template <class T>
+  void value(const T& v) {
+    bytes(&v, sizeof v);
+  }
+  // The view's dtype, shape and values in logical order (its strides do not matter, only what it holds).
+  void view(const TensorView& v) {
+    value(v.dtype);
+    value(v.rank);
+    for (int d = 0; d < v.rank; ++d) value(v.shape[d]);
+    if (v.empty() || v.numel() == 0) return;
+    const int64_t es = static_cast<int64_t>(size_of(v.dtype)), last = v.rank - 1;
+    const int64_t n = v.shape[last], outer = v.numel() / n;
+    for (int64_t o = 0; o < outer; ++o) {
+      int64_t off = 0, rest = o;
+      for (int d = last - 1; d >= 0; --d) {
+        off += (rest % v.shape[d]) * v.strides[d];
+        rest /= v.shape[d];
+      }
+      const auto* row = static_cast<const std::byte*>(v.data) + off * es;
+      if (v.strides[last] == 1) {
+        bytes(row, static_cast<size_t>(n * es));
+      } else {
+        for (int64_t j = 0; j < n; ++j) bytes(row + j * v.strides[last] * es, static_cast<size_t>(es));
+      }
+    }
+  }
+  uint64_t digest() const {
+    uint64_t x = h_ ^ (h_ >> 33);
+    x *= 0xff51afd7ed558ccdULL;
+    return x ^ (x >> 33);
+  }
+
+ private:
+  void mix(uint64_t w) { h_ = (h_ ^ w) * 0x100000001b3ULL; }
+  uint64_t h_ = 0xcbf29ce484222325ULL;
+};
+
+// What one rank says in an agreement: whether its checks failed (and how), a fingerprint of its arguments that every
+// rank must share, and a value whose minimum over the ranks every rank learns (0 when unused).
+struct Verdict {
+  bool failed = false;
+  ErrorCode code = ErrorCode::internal;
+  std::string message;
+  uint64_t fingerprint = 0;
+  uint64_t min_value = std::numeric_limits<uint64_t>::max();
+};
+
+// Runs f(verdict), which checks this rank's inputs (throwing as the library does) and fills the fingerprint and the
+// value to minimise, as a verdict.
+template <class F>
+Verdict local_verdict(F&& f) {
+  Verdict v;
+  try {
+    f(v);
+  } catch (const Error& e) {
+    v.failed = true, v.code = e.code(), v.message = e.what();
+  } catch (const std::bad_alloc&) {
+    v.failed = true, v.code = ErrorCode::out_of_memory, v.message = "out of memory";
+  } catch (const std::exception& e) {
+    v.failed = true, v.code = ErrorCode::internal, v.message = e.what();
+  }
+  return v;
+}
+
+// The first failing rank's error, sent to every rank (all of them know one failed, so all join the broadcast), and
+// thrown on each as "call: rank r: message".
+[[noreturn]] void throw_shared_error(MPI_Comm comm, int rank, uint64_t failed_rank, const Verdict& mine,
+                                     const char* call) {
+  constexpr size_t kMax = 2048;
+  struct {
+    int code;
+    char text[kMax];
+  } msg{};
+  if (static_cast<uint64_t>(rank) == failed_rank) {
+    msg.code = static_cast<int>(mine.code);
+    std::strncpy(msg.text, mine.message.c_str(), kMax - 1);
+  }
+  check_mpi(MPI_Bcast(&msg, sizeof msg, MPI_BYTE, static_cast<int>(failed_rank), comm), "MPI_Bcast");
+  msg.text[kMax - 1] = '\0';
+  fail(static_cast<ErrorCode>(msg.code), std::string(call) + ": rank " + str(static_cast<int64_t>(failed_rank)) +
+                                             ": " + msg.text);
+}
+
+// The agreement before a collective call: every rank's verdict and fingerprint combined by one MPI_Allreduce (MIN of
+// {first failing rank, fingerprint, ~fingerprint, value}), so a bad input on any rank, or inputs that differ between
+// ranks, give every rank the same Error before anything is computed. Returns the minimum of the ranks' values.
+uint64_t agree(MPI_Comm comm, const char* call, const Verdict& v) {
+  int rank = 0, ranks = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &ranks);
+  uint64_t buf[4] = {v.failed ? static_cast<uint64_t>(rank) : static_cast<uint64_t>(ranks), v.fingerprint,
+                     ~v.fingerprint, v.min_value};
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, 4, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
+  if (buf[0] < static_cast<uint64_t>(ranks)) throw_shared_error(comm, rank, buf[0], v, call);
+  if (buf[1] != ~buf[2]) {
+    invalid(std::string(call) + ": the ranks were given different arguments (every rank must pass the same " +
+            "config, inputs and sequence ids to a collective call)");
+  }
+  return buf[3];
+}
+
+template <class F>
+uint64_t check_and_agree(MPI_Comm comm, const char* call, F&& f) {
+  return agree(comm, call, local_verdict(std::forward<F>(f)));
+}
+
+// The caller's communicator duplicated for the library's own traffic, returning errors instead of aborting.
+MPI_Comm private_comm(MPI_Comm comm) {
+  MPI_Comm dup = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup");
+  check_mpi(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  return dup;
+}
+
+void free_comm(MPI_Comm& comm) {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm);
+  comm = MPI_COMM_NULL;
+}
+
+}  // namespace
+
+struct ShardedAttention::Impl {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0, ranks = 1;
+  Config full;
+  detail::HeadShard shard;
+  std::unique_ptr<MultiHeadAttention::Impl> layer;
+  // The all-reduce's buffer: a call's (B, T, E) partial output, then one float that is nonzero when a rank failed
+  // while computing, so the output's sum also tells every rank whether all succeeded. Grows to the largest call.
+  std::vector<float> reduce;
+  ShardedCallTimes times;
+  std::mutex mu;  // calls are collective: one at a time, in the same order on every rank
+
+  ~Impl() { free_comm(comm); }
+
+  // Grows `reduce` to n + 1 floats (in the agreement's checks: an allocation failure is a verdict like any other).
+  float* reduce_buffer(int64_t n) {
+    if (static_cast<int64_t>(reduce.size()) < n + 1) reduce.resize(static_cast<size_t>(n + 1));
+    return reduce.data();
+  }
+
+  // Runs `compute` (this rank's heads into reduce[0, n)), then the one MPI_Allreduce that sums the partial outputs
+  // and the failure flags; copies the sum to `out`, or throws the first failing rank's error on every rank (after
+  // which `on_failure` runs first, on every rank).
+  template <class Compute, class OnFailure>
+  void compute_and_reduce(const char* call, int64_t n, float* out, Clock::time_point t0, Compute&& compute,
+                          OnFailure&& on_failure) {
+    float* buf = reduce.data();
+    const Verdict v = local_verdict([&](Verdict&) { compute(buf); });
+    buf[n] = v.failed ? 1.0f : 0.0f;
+    times.compute_s = seconds_since(t0);
+    const Clock::time_point t1 = Clock::now();
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, static_cast<int>(n + 1), MPI_FLOAT, MPI_SUM, comm), "MPI_Allreduce");
+    times.allreduce_s = seconds_since(t1);
+    if (buf[n] != 0.0f) {
+      on_failure();
+      uint64_t first = v.failed ? static_cast<uint64_t>(rank) : static_cast<uint64_t>(ranks);
+      check_mpi(MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
+      throw_shared_error(comm, rank, first, v, call);
+    }
+    std::memcpy(out, buf, static_cast<size_t>(n) * sizeof(float));
+  }
+};
+
+struct ShardedKvCache::Impl {
+  MPI_Comm comm = MPI_COMM_NULL;
+  const ShardedAttention::Impl* layer = nullptr;  // the layer it was built for (its shard and config)
+  std::unique_ptr<KvCache> local;
+  // Set on every rank when a rank failed after the ranks agreed to append (an allocation inside the computation):
+  // then some ranks' pools hold the new tokens and others' do not, so the cache refuses every further call.
+  std::string out_of_step;
+
+  ~Impl() { free_comm(comm); }
+
+  void check_in_step(const char* call) const {
+    if (!out_of_step.empty()) {
+      invalid(std::string(call) + ": the sharded KV cache is out of step across ranks since " + out_of_step +
+              "; release it and build a new one");
+    }
+  }
+  // The pool's state that every rank must share before a call: its sequences and their lengths.
+  void fingerprint_state(Fingerprint& f, const SequenceId* seqs, int64_t n) const {
+    f.value(local->num_sequences());
+    for (int64_t i = 0; i < n; ++i) f.value(local->contains(seqs[i]) ? local->length(seqs[i]) : int64_t{-1});
+  }
+};
+
+// --- construction ---
+
+namespace {
+
+// Builds the rank's shard on every rank and agrees: `weights(shard)` gives this rank's slices as views (and keeps
+// whatever they point into alive until the layer is built).
+template <class Weights>
+std::unique_ptr<ShardedAttention::Impl> build(const char* call, MPI_Comm comm, const EngineOptions& options,
+                                              Weights&& weights) {
+  auto impl = std::make_unique<ShardedAttention::Impl>();
+  if (comm == MPI_COMM_NULL) invalid(std::string(call) + ": the communicator is MPI_COMM_NULL");
+  check_mpi(MPI_Comm_rank(comm, &impl->rank), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(comm, &impl->ranks), "MPI_Comm_size");
+  check_and_agree(comm, call, [&](Verdict& v) {
+    weights(*impl, [&](const WeightsView& w) { impl->layer = detail::make_shard_layer(impl->shard, w, options); });
+    Fingerprint f;
+    const std::string json = to_json(impl->full);
+    f.bytes(json.data(), json.size());
+    v.fingerprint = f.digest();
+  });
+  impl->comm = private_comm(comm);
+  return impl;
+}
+
+}  // namespace
+
+ShardedAttention::ShardedAttention(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ShardedAttention::ShardedAttention(const Config& config, const WeightsView& weights, MPI_Comm comm,
+                                   const EngineOptions& options)
+    : impl_(build("ShardedAttention", comm, options, [&](Impl& s, auto&& make) {
+        config.validate();
+        weights.validate(config);
+        s.full = config;
+        s.shard = detail::shard_of(config, s.rank, s.ranks);
+        make(detail::shard_weights(weights, s.shard));
+      })) {}
+
+ShardedAttention::ShardedAttention(const Config& config, const std::string& path, const std::string& prefix,
+                                   MPI_Comm comm, const EngineOptions& options)
+    : impl_(build("ShardedAttention", comm, options, [&](Impl& s, auto&& make) {
+        // Mapped, not read: the rank's layer copies its slices, so only their pages are read from disk and held.
+        const StoredLayer file =
+            detail::open_safetensors_layer(std::make_shared<const safetensors::File>(safetensors::map(path)), prefix);
+        s.full = apply_loaded_shapes(config, file);
+        file.weights.validate(s.full);
+        s.shard = detail::shard_of(s.full, s.rank, s.ranks);
+        make(detail::shard_weights(file.weights, s.shard));
+      })) {}
+
+ShardedAttention ShardedAttention::random(const Config& config, uint64_t seed, MPI_Comm comm,
+                                          const EngineOptions& options) {
+  return ShardedAttention(build("ShardedAttention::random", comm, options, [&](Impl& s, auto&& make) {
+    config.validate();
+    s.full = config;
+    s.shard = detail::shard_of(config, s.rank, s.ranks);
+    const Weights w = detail::random_shard_weights(config, seed, s.shard);
+    make(detail::local_view(w, s.shard));
+  }));
+}
+
+ShardedAttention::~ShardedAttention() = default;
+ShardedAttention::ShardedAttention(ShardedAttention&&) noexcept = default;
+ShardedAttention& ShardedAttention::operator=(ShardedAttention&&) noexcept = default;
+
+// --- the collective calls ---
+
+void ShardedAttention::forward(const AttentionInputs& in, float* out, const RunOptions& run) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  const Clock::time_point t0 = Clock::now();
+  AttentionInputs local_in;
+  int64_t n = 0;
+  check_and_agree(s.comm, "forward", [&](Verdict& v) {
+    // Against the whole layer first, so that messages name its shapes; then the shard's view of the same inputs.
+    const detail::AttnShape full = detail::validate_inputs(s.full, in, run);
+    if (!out) invalid("output: null pointer");
+    local_in = detail::shard_inputs(in, s.shard);
+    RunOptions quiet = run;
+    quiet.check_finite = false;  // scanned once, above
+    const detail::AttnShape local = detail::validate_inputs(s.layer->cfg, local_in, quiet);
+    const int threads = s.layer->threads_for(run);
+    // Every allocation the computation makes of its own happens here, before the ranks agree to go ahead.
+    const int64_t bytes = s.layer->forward_plan(local, true, true, true, threads).bytes;
+    s.layer->with_workspace(nullptr, "forward", [&](Workspace::Impl& w) { w.reserve(static_cast<size_t>(bytes)); });
+    n = full.B * full.T * full.E;
+    s.reduce_buffer(n);
+    Fingerprint f;
+    for (const TensorView* t : {&in.query, &in.key, &in.value, &in.attn_mask, &in.key_padding}) f.view(*t);
+    f.value(in.mask_kind), f.value(run.training), f.value(run.dropout_seed), f.value(run.check_finite);
+    v.fingerprint = f.digest();
+  });
+  RunOptions quiet = run;
+  quiet.check_finite = false;
+  s.compute_and_reduce("forward", n, out, t0, [&](float* partial) {
+    s.layer->with_workspace(nullptr, "forward", [&](Workspace::Impl& w) {
+      s.layer->forward(local_in, partial, DType::f32, quiet, w);
+    });
+  }, [] {});
+}
+
+namespace {
+
+// What extend and decode share: the checks of any serving call (the cache belongs to this layer and is in step,
+// `validate` the call's own, the pool can take `tokens` more for each of seqs[0..n)), the allocations of the
+// computation, and the fingerprint, all agreed; then `compute` (this rank's heads) and the all-reduce of the
+// (rows, E) output. A failure while computing leaves the ranks' pools out of step, which the cache then says.
+template <class Validate, class Compute>
+void serving_call(ShardedAttention::Impl& s, ShardedKvCache::Impl& c, const char* call, const SequenceId* seqs,
+                  int64_t n, int64_t tokens, const float* x, float* out, const RunOptions& run, Validate&& validate,
+                  Compute&& compute) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  const Clock::time_point t0 = Clock::now();
+  const int threads = s.layer->threads_for(run);
+  const int64_t rows = n * tokens;  // extend: T tokens of one sequence; decode: one token of each of B
+  check_and_agree(s.comm, call, [&](Verdict& v) {
+    if (c.layer != &s) invalid(std::string(call) + ": the sharded KV cache was built for another ShardedAttention");
+    c.check_in_step(call);
+    validate();
+    c.local->impl().check_append(seqs, n, tokens, s.layer->cfg.context_length);
+    // Enough for an extend of `tokens` and a decode of n sequences: the call is one of the two.
+    const int64_t bytes = s.layer->serving_bytes(tokens, n, threads);
+    s.layer->with_workspace(nullptr, call, [&](Workspace::Impl& w) { w.reserve(static_cast<size_t>(bytes)); });
+    s.reduce_buffer(rows * s.full.d_model);
+    Fingerprint f;
+    c.fingerprint_state(f, seqs, n);
+    f.value(n), f.value(tokens), f.value(run.check_finite);
+    f.bytes(seqs, static_cast<size_t>(n) * sizeof(SequenceId));
+    f.bytes(x, static_cast<size_t>(rows * s.full.query_width()) * sizeof(float));
+    v.fingerprint = f.digest();
+  });
+  RunOptions quiet = run;
+  quiet.check_finite = false;  // scanned once, in the agreement
+  s.compute_and_reduce(call, rows * s.full.d_model, out, t0, [&](float* partial) {
+    s.layer->with_workspace(nullptr, call, [&](Workspace::Impl& w) { compute(partial, quiet, w); });
+  }, [&] { c.out_of_step = std::string("a rank failed while computing ") + call; });
+}
+
+}  // namespace
+
+void ShardedAttention::extend(ShardedKvCache& cache, SequenceId seq, const float* x, int64_t T, float* out,
+                              const RunOptions& run) {
+  Impl& s = *impl_;
+  KvCache& pool = *cache.impl_->local;
+  serving_call(s, *cache.impl_, "extend", &seq, 1, T, x, out, run,
+               [&] { detail::validate_extend(s.layer->cfg, pool, x, T, out, run); },
+               [&](float* partial, const RunOptions& r, Workspace::Impl& w) {
+                 s.layer->extend(pool, seq, x, T, partial, r, w);
+               });
+}
+
+void ShardedAttention::decode(ShardedKvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out,
+                              const RunOptions& run) {
+  Impl& s = *impl_;
+  KvCache& pool = *cache.impl_->local;
+  serving_call(s, *cache.impl_, "decode", seqs, B, 1, x, out, run,
+               [&] { detail::validate_decode(s.layer->cfg, pool, seqs, B, x, out, run); },
+               [&](float* partial, const RunOptions& r, Workspace::Impl& w) {
+                 s.layer->decode(pool, seqs, B, x, partial, r, w);
+               });
+}
+
+const Config& ShardedAttention::config() const { return impl_->full; }
+int ShardedAttention::rank() const { return impl_->rank; }
+int ShardedAttention::ranks() const { return impl_->ranks; }
+int64_t ShardedAttention::first_head() const { return impl_->shard.first_head; }
+int64_t ShardedAttention::heads() const { return impl_->shard.local.num_heads; }
+int64_t ShardedAttention::first_kv_head() const { return impl_->shard.first_kv_head; }
+int64_t ShardedAttention::kv_heads() const { return impl_->shard.local.kv_heads(); }
+Isa ShardedAttention::isa() const { return impl_->layer->kset.isa; }
+std::string ShardedAttention::implementation() const {
+  return "tensor-parallel over MPI, rank " + str(impl_->rank) + " of " + str(impl_->ranks) + ": heads [" +
+         str(first_head()) + ", " + str(first_head() + heads()) + "), " + impl_->layer->kset.name;
+}
+ShardedCallTimes ShardedAttention::last_call_times() const { return impl_->times; }
+
+void run_agreed(MPI_Comm comm, const char* what, const std::function<void()>& step) {
+  check_and_agree(comm, what, [&](Verdict&) { step(); });
+}
+
+// --- the sharded cache ---
+
+ShardedKvCache::ShardedKvCache(const ShardedAttention& layer, const KvCacheOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& c = *impl_;
+  const ShardedAttention::Impl& s = *layer.impl_;
+  c.layer = &s;
+  // Round 1: the options are valid on every rank, and the tokens each rank's bytes would hold (a one-block probe
+  // pool gives the block size); every rank learns the smallest.
+  const uint64_t tokens = check_and_agree(s.comm, "ShardedKvCache", [&](Verdict& v) {
+    KvCacheOptions probe = options;
+    probe.capacity_bytes = 0;
+    probe.capacity_tokens = 1;
+    const KvCache one(s.layer->cfg, probe);
+    if ((options.capacity_tokens > 0) == (options.capacity_bytes > 0)) KvCache(s.layer->cfg, options);  // its error
+    const int64_t bt = one.block_tokens();
+    v.min_value = options.capacity_tokens > 0
+                      ? static_cast<uint64_t>(options.capacity_tokens)
+                      : static_cast<uint64_t>(options.capacity_bytes / one.block_bytes()) * static_cast<uint64_t>(bt);
+    if (v.min_value == 0) {
+      invalid("ShardedKvCache: capacity_bytes=" + std::to_string(options.capacity_bytes) +
+              " holds no block on this rank (one block is " + std::to_string(one.block_bytes()) + " bytes)");
+    }
+    Fingerprint f;
+    f.value(options.block_tokens), f.value(options.dtype), f.value(options.capacity_tokens > 0);
+    v.fingerprint = f.digest();
+  });
+  // Round 2: every rank's pool, of the agreed token capacity.
+  check_and_agree(s.comm, "ShardedKvCache", [&](Verdict&) {
+    KvCacheOptions o = options;
+    o.capacity_bytes = 0;
+    o.capacity_tokens = static_cast<int64_t>(tokens);
+    c.local = std::make_unique<KvCache>(s.layer->cfg, o);
+  });
+  c.comm = private_comm(s.comm);
+}
+
+ShardedKvCache::~ShardedKvCache() = default;
+ShardedKvCache::ShardedKvCache(ShardedKvCache&&) noexcept = default;
+ShardedKvCache& ShardedKvCache::operator=(ShardedKvCache&&) noexcept = default;
+
+namespace {
+
+// A sequence operation on every rank's pool: agreed first (the cache in step, `seq` known where it is needed, the
+// same arguments everywhere), then done locally. Ids are assigned in order and never reused, so every rank's pool
+// gives the same id. An allocation failure after the agreement (a sequence entry) marks the cache out of step on
+// that rank, which the next call's agreement reports to all.
+template <class Op>
+SequenceId sequence_op(ShardedKvCache::Impl& c, const char* call, int op, SequenceId seq, bool needs_seq, Op&& f) {
+  check_and_agree(c.comm, call, [&](Verdict& v) {
+    c.check_in_step(call);
+    if (needs_seq && !c.local->contains(seq)) {
+      invalid(std::string(call) + ": unknown sequence id " + str(seq) + " (never created, or released)");
+    }
+    Fingerprint fp;
+    c.fingerprint_state(fp, &seq, needs_seq ? 1 : 0);
+    fp.value(op), fp.value(seq);
+    v.fingerprint = fp.digest();
+  });
+  try {
+    return f();
+  } catch (...) {
+    c.out_of_step = std::string("rank failed in ") + call;
+    throw;
+  }
+}
+
+}  // namespace
+
+SequenceId ShardedKvCache::create() {
+  return sequence_op(*impl_, "ShardedKvCache::create", 0, 0, false, [&] { return impl_->local->create(); });
+}
+SequenceId ShardedKvCache::fork(SequenceId parent) {
+  return sequence_op(*impl_, "ShardedKvCache::fork", 1, parent, true, [&] { return impl_->local->fork(parent); });
+}
+void ShardedKvCache::release(SequenceId seq) {
+  sequence_op(*impl_, "ShardedKvCache::release", 2, seq, true, [&] {
+    impl_->local->release(seq);
+    return seq;
+  });
+}
+
+bool ShardedKvCache::contains(SequenceId seq) const { return impl_->local->contains(seq); }
+int64_t ShardedKvCache::length(SequenceId seq) const { return impl_->local->length(seq); }
+int64_t ShardedKvCache::free_blocks() const { return impl_->local->free_blocks(); }
+int64_t ShardedKvCache::total_blocks() const { return impl_->local->total_blocks(); }
+KvCache& ShardedKvCache::local() { return *impl_->local; }
+const KvCache& ShardedKvCache::local() const { return *impl_->local; }
+
+}  // namespace gpt2attn

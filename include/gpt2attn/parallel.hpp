@@ -1,0 +1,132 @@
+// gpt2attn/parallel.hpp: tensor parallel over MPI, Megatron's split of attention. Each rank of a communicator owns a
+// contiguous run of K/V heads and their query heads: the matching rows of W_q, W_k, W_v, the matching columns of W_o,
+// and those heads' K/V cache. A rank computes its heads alone; one MPI_Allreduce sums the partial outputs. The same
+// program serves one process, N processes on one machine, or N machines.
+//
+// An optional module (CMake target gpt2attn_mpi, built when MPI is found) over the single-process library: nothing
+// in the engine knows about MPI. The library never calls MPI_Init or MPI_Finalize; the caller owns MPI and `comm`.
+//
+// Collective calls. Every method marked (collective) must be called by every rank of the communicator, in the same
+// order, with the same arguments (each rank passes its own copy of x, seqs, masks: they must hold the same values).
+// Each such call first checks its inputs on every rank and agrees the verdict across ranks with one small
+// all-reduce, which also compares a hash of the arguments: a bad input on any rank, or ranks whose inputs differ,
+// gives every rank the same Error (the first failing rank's message, prefixed "rank r: "), and no rank waits in a
+// collective the others never reach. Only then is anything computed or written; forward, extend and decode end
+// with one MPI_Allreduce of the (B, T, E) output, which also carries each rank's success, so an error while
+// computing (out of memory) is reported on every rank too. Calls on one ShardedAttention are serialised; MPI is
+// called only from the calling thread (MPI_THREAD_FUNNELED suffices when that is the thread that initialised MPI,
+// MPI_THREAD_SERIALIZED otherwise).
+//
+// Failure. The library's private communicator (a duplicate of `comm`) returns errors instead of aborting
+// (MPI_ERRORS_RETURN): an MPI error becomes Error(internal) naming the MPI call. A rank that dies cannot be detected
+// from inside MPI 3.1 (Open MPI 4.1 has no ULFM): under mpirun the runtime ends every other rank when one exits
+// abnormally, so the survivors end with mpirun's error rather than hang; a rank that stops without exiting (a
+// deadlock in the caller) hangs the others in their next collective, as in any MPI program.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "gpt2attn/attention.hpp"
+#include "gpt2attn/config.hpp"
+#include "gpt2attn/kv_cache.hpp"
+#include "gpt2attn/weights.hpp"
+
+namespace gpt2attn {
+
+class ShardedKvCache;
+
+// Seconds the last forward/extend/decode of a rank spent: before the all-reduce (checks and this rank's heads) and
+// in it (which includes waiting for the slowest rank).
+struct ShardedCallTimes {
+  double compute_s = 0, allreduce_s = 0;
+};
+
+class ShardedAttention {
+ public:
+  // (collective) From the whole layer's weights in each rank's memory: each rank copies its slices. Heads are split
+  // by K/V head, as evenly as possible, the first ranks one more (gpt2-xl's 25 heads on 2 ranks: 13 + 12); a
+  // communicator with more ranks than K/V heads is refused. A causal self-attention config also serves a KV cache.
+  ShardedAttention(const Config& config, const WeightsView& weights, MPI_Comm comm, const EngineOptions& options = {});
+  // (collective) From one layer of a safetensors file (open_safetensors_layer's namings and dtypes) that every rank
+  // can read: each rank maps the file and reads only its slices' bytes (a rank of N holds about 1/N of the layer,
+  // never the whole file). `config` is completed from the file as apply_loaded_shapes does.
+  ShardedAttention(const Config& config, const std::string& safetensors_path, const std::string& prefix,
+                   MPI_Comm comm, const EngineOptions& options = {});
+  // (collective) Weights::random(config, seed)'s values, each rank generating only its slices.
+  static ShardedAttention random(const Config& config, uint64_t seed, MPI_Comm comm,
+                                 const EngineOptions& options = {});
+  ~ShardedAttention();
+  ShardedAttention(ShardedAttention&&) noexcept;
+  ShardedAttention& operator=(ShardedAttention&&) noexcept;
+
+  // (collective) MultiHeadAttention::forward's semantics and shapes: out (B, T, E) f32, the whole layer's output on
+  // every rank. Masks as the single-process layer takes them (a (B, H, T, Tk) mask has all H heads).
+  void forward(const AttentionInputs& in, float* out, const RunOptions& run = {});
+  // (collective) CausalSelfAttention's serving calls on a sharded cache built for this layer.
+  void extend(ShardedKvCache& cache, SequenceId seq, const float* x, int64_t T, float* out, const RunOptions& run = {});
+  void decode(ShardedKvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out,
+              const RunOptions& run = {});
+
+  const Config& config() const;  // the whole layer's (what every rank agreed on)
+  int rank() const;
+  int ranks() const;
+  int64_t first_head() const;  // this rank's query heads: [first_head, first_head + heads)
+  int64_t heads() const;
+  int64_t first_kv_head() const;  // and K/V heads
+  int64_t kv_heads() const;
+  Isa isa() const;
+  std::string implementation() const;
+  ShardedCallTimes last_call_times() const;
+
+  struct Impl;
+
+ private:
+  explicit ShardedAttention(std::unique_ptr<Impl> impl);
+  friend class ShardedKvCache;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A KV cache sharded like its layer: each rank's pool holds its own K/V heads of every sequence. Sequences are kept
+// in step by making create, fork and release collective: every rank performs the same operation on its pool and
+// gets the same id (ids are assigned in order, never reused), and the agreement step refuses a call whose
+// arguments differ between ranks. Appends happen only through the layer's collective extend/decode, so lengths and
+// block tables agree on every rank.
+class ShardedKvCache {
+ public:
+  // (collective) capacity_tokens as given; capacity_bytes is per rank, and every rank's pool then holds the tokens
+  // the smallest rank's bytes hold (ranks with more heads need more bytes per token).
+  ShardedKvCache(const ShardedAttention& layer, const KvCacheOptions& options);
+  ~ShardedKvCache();
+  ShardedKvCache(ShardedKvCache&&) noexcept;
+  ShardedKvCache& operator=(ShardedKvCache&&) noexcept;
+
+  SequenceId create();                 // (collective)
+  SequenceId fork(SequenceId parent);  // (collective)
+  void release(SequenceId seq);        // (collective)
+
+  bool contains(SequenceId seq) const;  // local: the same on every rank
+  int64_t length(SequenceId seq) const;
+  int64_t free_blocks() const;
+  int64_t total_blocks() const;
+  KvCache& local();  // this rank's pool: its K/V heads only
+  const KvCache& local() const;
+
+  struct Impl;
+
+ private:
+  friend class ShardedAttention;
+  std::unique_ptr<Impl> impl_;
+};
+
+// (collective) Runs `step` on every rank and agrees on its outcome as the calls above do: when it throws on any rank,
+// every rank throws the same Error ("what: rank r: message"). For a caller's own work before a collective call
+// (reading its inputs), so that one rank's missing file gives every rank the error instead of leaving the others
+// waiting in the next call.
+void run_agreed(MPI_Comm comm, const char* what, const std::function<void()>& step);
+
+}  // namespace gpt2attn
