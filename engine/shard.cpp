@@ -18,8 +18,9 @@ HeadShard shard_of(const Config& full, int rank, int ranks) {
     invalid("tensor parallel: rank " + str(rank) + " of " + str(ranks) + " ranks is out of range");
   }
   if (ranks > H_kv) {
-    invalid("tensor parallel: " + str(ranks) + " ranks but the layer has " + str(H_kv) +
-            " K/V heads; each rank needs at least one (use at most " + str(H_kv) + " ranks)");
+    invalid("tensor parallel: " + str(ranks) + " ranks but the layer has " + str(H_kv) + " K/V head" +
+            (H_kv == 1 ? "" : "s") + "; each rank needs at least one (use at most " + str(H_kv) + " rank" +
+            (H_kv == 1 ? ")" : "s)"));
   }
   HeadShard s;
   const int64_t base = H_kv / ranks, extra = H_kv % ranks;

@@ -136,8 +136,11 @@ Verdict local_verdict(F&& f) {
   }
   check_mpi(MPI_Bcast(&msg, sizeof msg, MPI_BYTE, static_cast<int>(failed_rank), comm), "MPI_Bcast");
   msg.text[kMax - 1] = '\0';
-  fail(static_cast<ErrorCode>(msg.code), std::string(call) + ": rank " + str(static_cast<int64_t>(failed_rank)) +
-                                             ": " + msg.text);
+  // "call: rank r: what", the call named once (most of the library's messages already start with it).
+  const std::string text = msg.text, prefix = std::string(call) + ": ";
+  const bool named = text.compare(0, prefix.size(), prefix) == 0;
+  fail(static_cast<ErrorCode>(msg.code), prefix + "rank " + str(static_cast<int64_t>(failed_rank)) + ": " +
+                                             (named ? text.substr(prefix.size()) : text));
 }
 
 // The agreement before a collective call: every rank's verdict and fingerprint combined by one MPI_Allreduce (MIN of
@@ -152,8 +155,12 @@ uint64_t agree(MPI_Comm comm, const char* call, const Verdict& v) {
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, 4, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
   if (buf[0] < static_cast<uint64_t>(ranks)) throw_shared_error(comm, rank, buf[0], v, call);
   if (buf[1] != ~buf[2]) {
-    invalid(std::string(call) + ": the ranks were given different arguments (every rank must pass the same " +
-            "config, inputs and sequence ids to a collective call)");
+    // Every rank knows the fingerprints differ, so all join this gather to name the first rank unlike rank 0.
+    std::vector<uint64_t> all(static_cast<size_t>(ranks));
+    check_mpi(MPI_Allgather(&v.fingerprint, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, comm), "MPI_Allgather");
+    const auto odd = std::find_if(all.begin(), all.end(), [&](uint64_t f) { return f != all[0]; }) - all.begin();
+    invalid(std::string(call) + ": rank " + str(static_cast<int64_t>(odd)) + " was given other arguments than rank 0 " +
+            "(every rank must pass the same config, inputs and sequence ids to a collective call)");
   }
   return buf[3];
 }
@@ -436,6 +443,10 @@ ShardedKvCache::ShardedKvCache(const ShardedAttention& layer, const KvCacheOptio
   // Round 1: the options are valid on every rank, and the tokens each rank's bytes would hold (a one-block probe
   // pool gives the block size); every rank learns the smallest.
   const uint64_t tokens = check_and_agree(s.comm, "ShardedKvCache", [&](Verdict& v) {
+    if (!s.full.causal || !s.full.same_input_widths()) {
+      invalid("ShardedKvCache: a KV cache serves causal self-attention (config.causal, kdim = vdim = d_in), as "
+              "CausalSelfAttention does; this layer's config is " + to_json(s.full));
+    }
     KvCacheOptions probe = options;
     probe.capacity_bytes = 0;
     probe.capacity_tokens = 1;

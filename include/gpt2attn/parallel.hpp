@@ -10,8 +10,8 @@
 // order, with the same arguments (each rank passes its own copy of x, seqs, masks: they must hold the same values).
 // Each such call first checks its inputs on every rank and agrees the verdict across ranks with one small
 // all-reduce, which also compares a hash of the arguments: a bad input on any rank, or ranks whose inputs differ,
-// gives every rank the same Error (the first failing rank's message, prefixed "rank r: "), and no rank waits in a
-// collective the others never reach. Only then is anything computed or written; forward, extend and decode end
+// gives every rank the same Error ("call: rank r: " and the first failing rank's message, or the first rank whose
+// arguments differ from rank 0's), and no rank waits in a collective the others never reach. Only then is anything computed or written; forward, extend and decode end
 // with one MPI_Allreduce of the (B, T, E) output, which also carries each rank's success, so an error while
 // computing (out of memory) is reported on every rank too. Calls on one ShardedAttention are serialised; MPI is
 // called only from the calling thread (MPI_THREAD_FUNNELED suffices when that is the thread that initialised MPI,
@@ -80,7 +80,7 @@ class ShardedAttention {
   int64_t first_kv_head() const;  // and K/V heads
   int64_t kv_heads() const;
   Isa isa() const;
-  std::string implementation() const;
+  std::string implementation() const;  // names this rank and its heads, so it differs between ranks
   ShardedCallTimes last_call_times() const;
 
   struct Impl;
@@ -98,7 +98,8 @@ class ShardedAttention {
 // block tables agree on every rank.
 class ShardedKvCache {
  public:
-  // (collective) capacity_tokens as given; capacity_bytes is per rank, and every rank's pool then holds the tokens
+  // (collective) For a causal self-attention layer (config.causal, kdim = vdim = d_in), as a KvCache serves only
+  // CausalSelfAttention; another is refused. capacity_tokens as given; capacity_bytes is per rank, and every rank's pool then holds the tokens
   // the smallest rank's bytes hold (ranks with more heads need more bytes per token).
   ShardedKvCache(const ShardedAttention& layer, const KvCacheOptions& options);
   ~ShardedKvCache();
