@@ -57,6 +57,19 @@ const DecodeKernel& decode_attention_f32_kvi8_scalar();
 const DecodeKernel& decode_attention_f32_kvi8_avx2();
 const DecodeKernel& decode_attention_f32_kvi8_avx512();
 
+// The integer dot products of an int8 cache's scores (kernels/int_dot.hpp): out[r] = sum_{d < n} q[d] * k[r * ldk + d]
+// for r < keys <= IntDot<Arch>::kKeys, exact in int32 for n <= kIntDotMaxLen (the kernel sums longer rows in
+// chunks). One instantiation per instruction set (int_dot_<isa>.cpp), for the tests that pin each to the scalar twin.
+inline constexpr int64_t kIntDotMaxLen = 512;
+struct IntDotKernel {
+  const char* isa;
+  int keys;  // IntDot<Arch>::kKeys
+  void (*dots)(const int16_t* q, const int8_t* k, int64_t ldk, int64_t n, int keys, int32_t* out);
+};
+const IntDotKernel& int_dot_scalar();
+const IntDotKernel& int_dot_avx2();
+const IntDotKernel& int_dot_avx512();
+
 // Merges `parts` partial states into out (D), as in the header comment: part s has m[s * stride], l[s * stride]
 // and acc + s * acc_stride.
 inline void merge_softmax_partials(const float* m, const float* l, int64_t stride, const float* acc,

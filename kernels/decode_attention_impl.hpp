@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "kernels/decode_attention.hpp"
+#include "kernels/int_dot.hpp"
 #include "kernels/tiles.hpp"
 #include "kernels/vec.hpp"
 
@@ -17,6 +18,10 @@ struct DecodeAttention {
   using V = Vec<Arch>;
   using B = typename V::B;
   static constexpr int W = V::W;
+  // int8 keys are scored by integer dot products (kernels/int_dot.hpp) against the query quantised once per call to
+  // int16 (QT); f32 and bf16 keys by f32 FMAs against the f32 query.
+  static constexpr bool kIntScores = std::is_same_v<KvT, int8_t>;
+  using QT = std::conditional_t<kIntScores, int16_t, float>;
 
   static constexpr int kKeys = 4;  // keys scored at once: 4 independent FMA chains over D
   // Query heads of one group accumulated together in P.V: kHeadBlock x 4 vectors of acc in registers, plus 4 V
@@ -31,13 +36,14 @@ struct DecodeAttention {
     for (int64_t i = 0; i < rows * D; i += kLine) prefetch(p, kAhead + static_cast<size_t>(i) * sizeof(KvT));
   }
 
-  // Scratch: qs (H, D padded to W) | s (H, score_keys padded to W) | alpha (H), where a run of keys scored at once is
-  // at most one block and at most kDecodeMaxScoreKeys, so the scratch does not grow with the block size. The scores
-  // of one group (at most H heads) are live at once.
+  // Scratch: qs (H, D padded to W; int scores: int16 rows in the same space) | s (H, score_keys padded to W) |
+  // alpha (H) | (int scores only) qsc (H), where a run of keys scored at once is at most one block and at most
+  // kDecodeMaxScoreKeys, so the scratch does not grow with the block size. The scores of one group (at most H heads)
+  // are live at once.
   static int64_t padded(int64_t n) { return (n + W - 1) / W * W; }
   static int64_t score_keys(int64_t block_tokens) { return std::min<int64_t>(block_tokens, tiles::kDecodeMaxScoreKeys); }
   static size_t scratch_floats(int64_t H, int64_t D, int64_t block_tokens) {
-    return static_cast<size_t>(H * padded(D) + H * padded(score_keys(block_tokens)) + H);
+    return static_cast<size_t>(H * padded(D) + H * padded(score_keys(block_tokens)) + H + (kIntScores ? H : 0));
   }
 
   // s[r] = qs . k_r for RR consecutive keys (rows D apart); `fetch`: prefetch the rows kAhead ahead (the first
@@ -86,6 +92,34 @@ struct DecodeAttention {
       folds[r0 / 4 + 1] = V::fold4(a4, a5, a6, a7);
     }
     V::store(s, V::sum_folds(folds));
+  }
+
+  // s_gj = (qi_g . k_j) * qsc_g for the nk keys of a run (rows D apart) and the G int16 query rows (ldqi apart),
+  // kKeys at a time (IntDot's transpose-add, as in dots_w). The dot is exact in int32 over chunks of at most
+  // kIntDotMaxLen = 512 elements, where it cannot overflow (kernels/int_dot.hpp); D <= 512 (every GPT-2 head size)
+  // is one chunk, a longer row adds its chunks' dots in f32. The key's scale comes in the pass after, as for f32.
+  static void int_scores(const int16_t* qi, int64_t ldqi, const float* qsc, int64_t G, const int8_t* k, int64_t nk,
+                         int64_t D, float* s, int64_t lds) {
+    using ID = IntDot<Arch>;
+    constexpr int R = ID::kKeys;
+    int32_t dot[R];
+    float t[R];
+    const int64_t n0 = std::min(D, kIntDotMaxLen);
+    for (int64_t j = 0; j < nk; j += R) {
+      const int keys = static_cast<int>(std::min<int64_t>(R, nk - j));
+      const int8_t* kj = k + j * D;
+      prefetch_rows(kj, keys, D);  // the first head's read; the group's others find the rows in L1
+      for (int64_t g = 0; g < G; ++g) {
+        const int16_t* q = qi + g * ldqi;
+        ID::dots(q, kj, D, n0, keys, dot);
+        for (int r = 0; r < keys; ++r) t[r] = static_cast<float>(dot[r]);
+        for (int64_t c = n0; c < D; c += kIntDotMaxLen) {
+          ID::dots(q + c, kj + c, D, std::min(D - c, kIntDotMaxLen), keys, dot);
+          for (int r = 0; r < keys; ++r) t[r] += static_cast<float>(dot[r]);
+        }
+        for (int r = 0; r < keys; ++r) s[g * lds + j + r] = t[r] * qsc[g];
+      }
+    }
   }
 
   // For HB heads g (p, alpha and acc rows lds, 1 and D apart): acc_g[0..N*W) = alpha_g * acc_g + sum_j p_gj v_j[...]
@@ -153,26 +187,31 @@ struct DecodeAttention {
 
   // One K/V head's run of nk keys for the G query heads that read it (qs, s, m, l, acc rows of those heads):
   // scores, the online softmax update of (m, l), acc += p V. Row-scaled K/V (int8) bring their scales (kscale,
-  // vscale: nk each; null otherwise): a score is the integer row's dot product times the key's scale, and each
-  // p_j meets its value's scale after l has summed it. Keys are the outer loop and the group's heads the
-  // inner one, so every K and V row comes from memory once and serves the whole group while it sits in L1; with
-  // heads outer, only the first head of a group would stream memory and the others would leave it idle.
-  static void group_block(const float* qs, int64_t ldqs, int64_t G, const KvT* k, const KvT* v, const float* kscale,
-                          const float* vscale, int64_t nk, int64_t D, float* s, int64_t lds, float* alpha, float* m,
-                          float* l, float* acc) {
+  // vscale: nk each; null otherwise) and int16 query rows theirs (qsc, G; null otherwise): a score is the integer
+  // dot product times the query's and the key's scales, and each p_j meets its value's scale after l has summed it.
+  // Keys are the outer loop and the group's heads the inner one, so every K and V row comes from memory once and
+  // serves the whole group while it sits in L1; with heads outer, only the first head of a group would stream
+  // memory and the others would leave it idle.
+  static void group_block(const QT* qs, int64_t ldqs, const float* qsc, int64_t G, const KvT* k, const KvT* v,
+                          const float* kscale, const float* vscale, int64_t nk, int64_t D, float* s, int64_t lds,
+                          float* alpha, float* m, float* l, float* acc) {
     int64_t j = 0;
-    if constexpr (W > 1) {
-      if (D % W == 0) {
-        for (; j + W <= nk; j += W) {
-          for (int64_t g = 0; g < G; ++g) dots_w(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
+    if constexpr (kIntScores) {
+      int_scores(qs, ldqs, qsc, G, k, nk, D, s, lds);
+    } else {
+      if constexpr (W > 1) {
+        if (D % W == 0) {
+          for (; j + W <= nk; j += W) {
+            for (int64_t g = 0; g < G; ++g) dots_w(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
+          }
         }
       }
-    }
-    for (; j + kKeys <= nk; j += kKeys) {
-      for (int64_t g = 0; g < G; ++g) dots<kKeys>(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
-    }
-    for (; j < nk; ++j) {
-      for (int64_t g = 0; g < G; ++g) dots<1>(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
+      for (; j + kKeys <= nk; j += kKeys) {
+        for (int64_t g = 0; g < G; ++g) dots<kKeys>(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
+      }
+      for (; j < nk; ++j) {
+        for (int64_t g = 0; g < G; ++g) dots<1>(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0);
+      }
     }
 
     // Per head, two passes over the run's scores: (1) row-scaled K/V take the keys' scales, and the running max
@@ -241,13 +280,18 @@ struct DecodeAttention {
     const KvLayout& kv = a.layout;
     const int64_t H = a.H, D = a.D, bt = kv.block_tokens, ldqs = padded(D), group = H / kv.heads;
     const int64_t lds = padded(score_keys(bt));
-    float* qs = scratch;
-    float* s = qs + H * ldqs;
+    QT* qs = reinterpret_cast<QT*>(scratch);  // int16 rows take half of the f32 rows' space, at the same stride
+    float* s = scratch + H * ldqs;
     float* alpha = s + H * lds;
+    float* qsc = kIntScores ? alpha + H : nullptr;
     // Scores in log2 units, so the softmax runs on exp2 (as in the tiled kernel).
     const float qscale = a.scale * kLog2e;
     for (int64_t h = 0; h < H; ++h) {
-      for (int64_t d = 0; d < D; ++d) qs[h * ldqs + d] = a.q[h * a.ldq + d] * qscale;
+      if constexpr (kIntScores) {
+        qsc[h] = quantize_query_i16(a.q + h * a.ldq, qscale, D, qs + h * ldqs);
+      } else {
+        for (int64_t d = 0; d < D; ++d) qs[h * ldqs + d] = a.q[h * a.ldq + d] * qscale;
+      }
       m[h] = -INFINITY;
       l[h] = 0.0f;
     }
@@ -269,9 +313,9 @@ struct DecodeAttention {
           vscale = kv.scales(block, KvPart::value, g, off);
           if (g + 1 < kv.heads) prefetch_scales(kv, block, g + 1, off, nk);
         }
-        group_block(qs + h0 * ldqs, ldqs, group, kv.row<KvT>(block, KvPart::key, g, off),
-                    kv.row<KvT>(block, KvPart::value, g, off), kscale, vscale, nk, D, s, lds, alpha, m + h0, l + h0,
-                    acc + h0 * D);
+        group_block(qs + h0 * ldqs, ldqs, kIntScores ? qsc + h0 : nullptr, group,
+                    kv.row<KvT>(block, KvPart::key, g, off), kv.row<KvT>(block, KvPart::value, g, off), kscale, vscale,
+                    nk, D, s, lds, alpha, m + h0, l + h0, acc + h0 * D);
       }
     }
   }

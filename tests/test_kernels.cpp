@@ -31,6 +31,7 @@ namespace gpt2attn {
 namespace {
 
 using test::all_close;
+using test::all_close_over_cache;
 using test::Dtype;
 using test::random_uniform;
 
@@ -644,7 +645,7 @@ std::vector<DecodeCase> decode_cases(DType kv = DType::f32) {
   std::ostringstream ctx;
   ctx << "[isa=" << kern.isa << "] decode " << c.name();
   ::testing::AssertionResult r =
-      all_close(got, want, Dtype::f32, reduction_for_head(D, n), ctx.str() + " | index h*D+d");
+      all_close_over_cache(got, want, c.kv, D, reduction_for_head(D, n), ctx.str() + " | index h*D+d");
   if (!r) return r;
   if (!guard_intact(scratch, scratch_floats)) {
     return ::testing::AssertionFailure() << ctx.str()
@@ -668,7 +669,8 @@ TEST_P(KernelDecode, Bf16KvMatchesNaive) {
   ASSERT_STREQ(kern.isa, to_string(isa()));
   expect_all_cases(kern.isa, decode_cases(DType::bf16), [&](const DecodeCase& c) { return check_decode(kern, c); });
 }
-// The decode kernel of an int8 KV cache (Vec::load(const int8_t*), scales per key), every shape and grouping.
+// The decode kernel of an int8 KV cache (integer scores over an int16 query, kernels/int_dot.hpp; values widened by
+// Vec::load(const int8_t*); scales per key), every shape and grouping.
 TEST_P(KernelDecode, Int8KvMatchesNaive) {
   const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::i8);
   ASSERT_STREQ(kern.isa, to_string(isa()));
@@ -705,12 +707,99 @@ TEST_P(KernelDecode, NonFiniteQueryHeadGivesNaNOnlyThere) {
       const std::string what = "[isa=" + std::string(kern.isa) + "] " + to_string(kv) + " query " +
                                std::to_string(bad);
       for (int64_t d = 0; d < D; ++d) EXPECT_TRUE(std::isnan(out[d])) << what << " head 0, d=" << d;
-      EXPECT_TRUE(all_close(std::vector<float>(out.begin() + D, out.end()), want1, Dtype::f32,
-                            reduction_for_head(D, n), what + " | head 1"));
+      EXPECT_TRUE(all_close_over_cache(std::vector<float>(out.begin() + D, out.end()), want1, kv, D,
+                                       reduction_for_head(D, n), what + " | head 1"));
     }
   }
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelDecode);
+
+// The integer score dot products of an int8 cache (kernels/int_dot.hpp) equal their scalar twin exactly: full calls
+// (kKeys keys, the transpose-add) and ragged ones, lengths that are not a multiple of the vector step, up to
+// kIntDotMaxLen, with extreme values (|q| = 32767, k = -128 and 127) where an overflow would show; D = 600 through
+// the decode kernel's chunks; a zero query row scores 0.
+const kernels::IntDotKernel& int_dot_kernel(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return kernels::int_dot_avx512();
+    case Isa::avx2:
+      return kernels::int_dot_avx2();
+    default:
+      return kernels::int_dot_scalar();
+  }
+}
+
+class KernelIntDot : public KernelTest {};
+
+TEST_P(KernelIntDot, MatchesScalarTwinExactly) {
+  const kernels::IntDotKernel& kern = int_dot_kernel(isa());
+  const kernels::IntDotKernel& twin = kernels::int_dot_scalar();
+  ASSERT_STREQ(kern.isa, to_string(isa()));
+  std::mt19937_64 rng(21);
+  std::uniform_int_distribution<int> qd(-32767, 32767), kd(-128, 127);
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{31}, int64_t{33},
+                    int64_t{64}, int64_t{80}, int64_t{128}, int64_t{200}, int64_t{511}, kernels::kIntDotMaxLen}) {
+    for (int fill = 0; fill < 3; ++fill) {  // random, extreme (largest products), zero query row
+      const int64_t ldk = n + 5;  // rows not a multiple of anything
+      std::vector<int16_t> q(static_cast<size_t>(n));
+      std::vector<int8_t> k(static_cast<size_t>(kern.keys * ldk));
+      for (auto& x : q) x = static_cast<int16_t>(fill == 0 ? qd(rng) : fill == 1 ? 32767 : 0);
+      for (auto& x : k) x = static_cast<int8_t>(fill == 1 ? (rng() & 1 ? 127 : -128) : kd(rng));
+      if (fill == 1) std::fill(k.begin(), k.begin() + ldk, int8_t{-128});  // key 0: the most negative dot
+      for (int keys : {kern.keys, 1, kern.keys - 1}) {
+        if (keys < 1) continue;
+        std::vector<int32_t> got(static_cast<size_t>(kern.keys), -7), want(got);
+        kern.dots(q.data(), k.data(), ldk, n, keys, got.data());
+        twin.dots(q.data(), k.data(), ldk, n, keys, want.data());
+        for (int r = 0; r < kern.keys; ++r) {
+          EXPECT_EQ(got[r], want[r]) << "[isa=" << kern.isa << "] n=" << n << " keys=" << keys << " fill=" << fill
+                                     << " key " << r;
+          if (fill == 2 && r < keys) {
+            EXPECT_EQ(got[r], 0);
+          }
+        }
+        if (fill == 1 && n == kernels::kIntDotMaxLen) {
+          EXPECT_EQ(want[0], -32767 * 128 * 512);  // the largest |dot| a chunk can hold, below 2^31
+        }
+      }
+    }
+  }
+}
+
+// Through the decode kernel: D = 1, 128 and 600 (two chunks of the dot, kIntDotMaxLen + 88), a zero query head; the
+// same int8 cache at every level, against naive attention over what it holds.
+TEST_P(KernelIntDot, DecodeInt8HeadSizesAndZeroQuery) {
+  const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::i8);
+  for (int64_t D : {int64_t{1}, int64_t{128}, int64_t{600}}) {
+    const int64_t H = 2, bt = 16, n = 37;
+    std::mt19937_64 rng(static_cast<uint64_t>(D));
+    std::vector<float> q = random_uniform(H * D, rng, -2.0f, 2.0f);
+    std::fill(q.begin(), q.begin() + D, 0.0f);  // head 0: a zero row (scale 0): uniform weights, the mean of V
+    std::vector<float> k = random_uniform(n * D, rng, -2.0f, 2.0f), v = random_uniform(n * D, rng, -1.0f, 1.0f);
+    round_to_storage(k, D, DType::i8);
+    round_to_storage(v, D, DType::i8);
+    PagedStore store(1, D, bt, n, rng, DType::i8);
+    for (int64_t j = 0; j < n; ++j) store.put(0, j, k, v);
+    kernels::DecodeArgs a;
+    a.q = q.data(), a.ldq = D, a.blocks = store.table.data(), a.layout = store.layout, a.H = H, a.D = D;
+    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+    std::vector<float> m(H), l(H), acc(H * D), out(H * D);
+    std::vector<float> scratch(kern.scratch_floats(H, D, bt));
+    kern.run(a, 0, n, scratch.data(), m.data(), l.data(), acc.data());
+    std::vector<double> want;
+    for (int64_t h = 0; h < H; ++h) {
+      kernels::merge_softmax_partials(m.data() + h, l.data() + h, H, acc.data() + h * D, H * D, 1, D,
+                                      out.data() + h * D);
+      const std::vector<double> o =
+          naive_attention(std::vector<float>(q.begin() + h * D, q.begin() + (h + 1) * D), k, v, 1, n, D, {}, a.scale);
+      want.insert(want.end(), o.begin(), o.end());
+    }
+    EXPECT_EQ(m[0], 0.0f) << "a zero query row scores exactly 0";
+    EXPECT_TRUE(all_close_over_cache(out, want, DType::i8, D, reduction_for_head(D, n),
+                                     "[isa=" + std::string(kern.isa) + "] int8 D=" + std::to_string(D)));
+  }
+}
+GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelIntDot);
 
 // =============================================================================================================
 // 4. The few-row linear kernel over every panel of the packed weights.

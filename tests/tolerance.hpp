@@ -55,4 +55,14 @@ template <class Got>
   return all_close_within(got, expected, [&](double m) { return tolerance_for(dtype, reduction_length, m); }, context);
 }
 
+// A decode over a cache of `kv` (head size head_dim) against naive attention over the K/V the cache really holds
+// (kv_kernel_tolerance: the f32 policy, plus int8's query rounding).
+template <class Got>
+::testing::AssertionResult all_close_over_cache(const std::vector<Got>& got, const std::vector<double>& expected,
+                                                Dtype kv, int64_t head_dim, int64_t reduction_length,
+                                                const std::string& context) {
+  return all_close_within(
+      got, expected, [&](double m) { return kv_kernel_tolerance(kv, head_dim, reduction_length, m); }, context);
+}
+
 }  // namespace gpt2attn::test

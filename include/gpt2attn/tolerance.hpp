@@ -79,16 +79,38 @@ inline double kv_storage_roundoff(DType kv, int64_t head_dim) {
   return 0.0;
 }
 
+// The relative error the decode kernel adds to the query to read keys a cache stores as `kv` (head size D):
+//   f32, bf16: none (f32 FMAs).
+//   i8: the scores are integer dot products (kernels/int_dot.hpp) against the pre-scaled query rounded once per call
+//     to int16, symmetric, one scale per (call, head): half a step, max|q| / 65534 (about 2^-16 of the row's largest
+//     value), the same shape of error as an int8 key's max|row| / 254 on the other side of the dot product, so it
+//     takes the same max/rms ratio: kv_storage_roundoff(i8, D) * 254 / 65534, 1/258 of the keys' own rounding
+//     (D = 64: 4.8e-5 relative, against the keys' 1.2e-2). Negligible beside the storage term; it matters only to
+//     the tests that compare with the K/V the cache really holds (kv_kernel_tolerance). (Prefill's tiled kernel
+//     reads the query in f32 and adds nothing.)
+inline double kv_query_roundoff(DType kv, int64_t head_dim) {
+  return kv == DType::i8 ? kv_storage_roundoff(kv, head_dim) * 254.0 / 65534.0 : 0.0;
+}
+
+// A decode over a cache of `kv` against naive attention over the K/V the cache really holds (read back exactly):
+// the f32 policy plus the query's rounding under the chain factor 16, once (tests/test_kernels.cpp,
+// tests/test_kv_cache_storage.cpp). f32 and bf16 caches: exactly the f32 policy. Not for prefill (nothing added).
+inline Tolerance kv_kernel_tolerance(DType kv, int64_t head_dim, int64_t reduction_length, double max_abs_reference) {
+  const Tolerance f = accumulated_tolerance(DType::f32, reduction_length, max_abs_reference);
+  const double s = 16.0 * kv_query_roundoff(kv, head_dim);
+  return {f.rtol + s, f.atol + s * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
+}
+
 // Outputs computed in f32 from K/V a cache stores as `kv` (head size head_dim): each stored value was rounded once
 // (relative error kv_storage_roundoff) when it was appended, and that single rounding is carried through the
-// softmax and the output projection. The bound is the f32 policy plus one storage rounding under the same chain
-// factor 16, without sqrt growth (a stored value is rounded once, not accumulated). Tests that must see the
-// kernels' own error instead compare with naive attention over the K/V the cache really holds, at the f32 policy
-// (tests/test_kv_cache_storage.cpp).
+// softmax and the output projection; int8's decode adds the query's rounding (kv_query_roundoff). The bound is the
+// f32 policy plus those single roundings under the same chain factor 16, without sqrt growth (a stored value is
+// rounded once, not accumulated). Tests that must see the kernels' own error instead compare with naive attention
+// over the K/V the cache really holds, at kv_kernel_tolerance.
 inline Tolerance kv_storage_tolerance(DType kv, int64_t head_dim, int64_t reduction_length,
                                       double max_abs_reference) {
   const Tolerance f = accumulated_tolerance(DType::f32, reduction_length, max_abs_reference);
-  const double s = 16.0 * kv_storage_roundoff(kv, head_dim);
+  const double s = 16.0 * (kv_storage_roundoff(kv, head_dim) + kv_query_roundoff(kv, head_dim));
   return {f.rtol + s, f.atol + s * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
 }
 
@@ -99,7 +121,7 @@ inline Tolerance layer_tolerance(DType compute, DType kv, int64_t head_dim, int6
                                  double max_abs_reference) {
   if (compute != DType::bf16) return kv_storage_tolerance(kv, head_dim, reduction_length, max_abs_reference);
   const Tolerance b = bf16_unrounded_tolerance(reduction_length, max_abs_reference);
-  const double s = kv == DType::i8 ? 16.0 * kv_storage_roundoff(kv, head_dim) : 0.0;
+  const double s = kv == DType::i8 ? 16.0 * (kv_storage_roundoff(kv, head_dim) + kv_query_roundoff(kv, head_dim)) : 0.0;
   return {b.rtol + s, b.atol + s * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
 }
 

@@ -1,0 +1,10 @@
+// kernels/int_dot_scalar.cpp: the portable twin of the int8-key dot products (kernels/int_dot.hpp), for the tests.
+#define GPT2ATTN_SCALAR_ONLY 1
+#include "kernels/int_dot.hpp"
+
+namespace gpt2attn::kernels {
+const IntDotKernel& int_dot_scalar() {
+  static const IntDotKernel kernel{"scalar", IntDot<ScalarArch>::kKeys, &IntDot<ScalarArch>::dots};
+  return kernel;
+}
+}  // namespace gpt2attn::kernels
