@@ -496,6 +496,13 @@ void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref
   }
 }
 
+// The bench's layers run at the flags' compute type, thread count and instruction set.
+ga::EngineOptions engine_options(ga::DType compute, int threads, ga::Isa isa) {
+  ga::EngineOptions o;
+  o.threads = threads, o.isa = isa, o.compute = compute;
+  return o;
+}
+
 // A case's inputs and timings, whatever runs it: one process (CausalSelfAttention) or tensor parallel over MPI
 // (ShardedAttention, whose calls take the same arguments). `sync` runs before each timed call (a barrier across
 // ranks, or nothing); `allreduce_ms` reads the last call's all-reduce time (tensor parallel only).
@@ -534,11 +541,7 @@ BenchResult bench_prefill(const std::string& name, ga::Config cfg, int64_t B, in
   const BenchSizes sizes = bench_sizes(name, cfg, B, T, false, repeats);
   cfg.context_length = std::max(cfg.context_length, T);
   ga::Weights w = ga::Weights::random(cfg, 1234);
-  ga::EngineOptions opts;
-  opts.threads = threads;
-  opts.isa = isa;
-  opts.compute = compute;
-  ga::CausalSelfAttention layer(cfg, w, opts);
+  ga::CausalSelfAttention layer(cfg, w, engine_options(compute, threads, isa));
   if (!check) w = {};  // the layer holds its own copies; without --check the process holds no more than a server
   std::vector<float> y(static_cast<size_t>(sizes.y));
   std::mt19937 rng(42);
@@ -631,11 +634,7 @@ BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int
   const BenchSizes sizes = bench_sizes(name, cfg, B, T, true, repeats);
   cfg.context_length = std::max(cfg.context_length, T + kDecodeWarmup + repeats + 1);
   ga::Weights w = ga::Weights::random(cfg, 1234);
-  ga::EngineOptions opts;
-  opts.threads = threads;
-  opts.isa = isa;
-  opts.compute = compute;
-  ga::CausalSelfAttention layer(cfg, w, opts);
+  ga::CausalSelfAttention layer(cfg, w, engine_options(compute, threads, isa));
   if (!check) w = {};  // the layer holds its own copies; without --check the process holds no more than a server
   // Blocks are per sequence, so each needs ceil((T + steps) / block_tokens) of them.
   ga::KvCacheOptions kv_opts;
@@ -657,12 +656,6 @@ BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int
 // inputs. Each call is timed on every rank after a barrier; rank 0's median is reported: a call ends with the
 // all-reduce, which waits for the slowest rank. --check compares on rank 0 against the reference over the whole
 // layer's weights, which it then generates.
-ga::EngineOptions engine_options(ga::DType compute, int threads, ga::Isa isa) {
-  ga::EngineOptions o;
-  o.threads = threads, o.isa = isa, o.compute = compute;
-  return o;
-}
-
 BenchResult sharded_result(const std::string& name, ga::DType compute, int64_t B, int64_t T, int threads,
                            const ga::ShardedAttention& layer, const Timings& t) {
   BenchResult r{name, compute, B, T, threads > 0 ? threads : std::min(omp_get_max_threads(), ga::max_threads()),

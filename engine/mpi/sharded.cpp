@@ -218,7 +218,12 @@ struct ShardedAttention::Impl {
     buf[n] = v.failed ? 1.0f : 0.0f;
     times.compute_s = seconds_since(t0);
     const Clock::time_point t1 = Clock::now();
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, static_cast<int>(n + 1), MPI_FLOAT, MPI_SUM, comm), "MPI_Allreduce");
+    // MPI counts are int: an output past 2^31 - 1 floats (8 GiB) is summed in pieces, the same on every rank.
+    constexpr int64_t kPiece = int64_t{1} << 30;
+    for (int64_t i = 0; i <= n; i += kPiece) {
+      const int count = static_cast<int>(std::min(kPiece, n + 1 - i));
+      check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf + i, count, MPI_FLOAT, MPI_SUM, comm), "MPI_Allreduce");
+    }
     times.allreduce_s = seconds_since(t1);
     if (buf[n] != 0.0f) {
       on_failure();
