@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what is missing, builds, runs every test under ctest (GoogleTest suites for
 # every compiled instruction set, the C API and ABI tests, programs built against the install tree, the server
-# examples, the allocation test and PyTorch parity through the CLI), the 10,000-case sweep and the 100,000-operation
+# examples, the allocation test, PyTorch parity through the CLI and the tensor-parallel tests under mpiexec), the 10,000-case sweep and the 100,000-operation
 # KV soak (GPT2ATTN_SKIP_LONG=1 skips those two), then the concurrency tests under
 # ThreadSanitizer (scripts/tsan.sh; GPT2ATTN_SKIP_TSAN=1 skips them), the suite under ASan + UBSan (scripts/asan.sh;
 # GPT2ATTN_SKIP_ASAN=1 skips it) and the parsers' fuzz targets (scripts/fuzz.sh; GPT2ATTN_SKIP_FUZZ=1). Extra
