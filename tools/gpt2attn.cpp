@@ -269,37 +269,37 @@ int cmd_forward(int argc, char** argv) {
   bool unbatched = false;
   // The inputs, read on every rank (a tensor-parallel rank reads them itself, so each must see the files).
   auto read_inputs = [&] {
-  q = read_float_input(a.required("query"), "query");
-  in.query = view_of(q, "query");
-  // Unbatched, as torch takes it: a (T, d_in) query (with (Tk, kdim) key and value, (Tk,) key padding) is a batch
-  // of one, and the output is written (T, E).
-  unbatched = in.query.rank == 2;
-  auto batch_of_one = [&](ga::TensorView t, int rank) {
-    if (!unbatched || t.rank != rank) return t;
-    for (int d = t.rank; d > 0; --d) t.shape[d] = t.shape[d - 1], t.strides[d] = t.strides[d - 1];
-    t.shape[0] = 1, t.strides[0] = 0, ++t.rank;
-    return t;
-  };
-  in.query = batch_of_one(in.query, 2);
-  if (a.has("key")) {
-    k = read_float_input(a.get("key"), "key");
-    v = read_float_input(a.get("value"), "value");
-    in.key = batch_of_one(view_of(k, "key"), 2);
-    in.value = batch_of_one(view_of(v, "value"), 2);
-  }
-  if (a.has("mask")) {
-    mask = ga::npy::read(a.get("mask"));
-    in.attn_mask = view_of(mask, "mask");
-    // torch's layouts too: size-1 B or H axes broadcast, (B * H, T, Tk) as (B, H, T, Tk)
-    if (in.query.rank == 3) in.attn_mask = ga::torch_mask_view(in.attn_mask, in.query.shape[0], heads);
-    // Without --mask-kind, torch's reading of its dtype.
-    in.mask_kind = a.has("mask-kind") ? ga::mask_kind_from_string(a.get("mask-kind"))
-                                      : ga::torch_mask_kind(in.attn_mask.dtype);
-  }
-  if (a.has("key-padding")) {
-    padding = ga::npy::read(a.get("key-padding"));
-    in.key_padding = batch_of_one(view_of(padding, "key-padding"), 1);
-  }
+    q = read_float_input(a.required("query"), "query");
+    in.query = view_of(q, "query");
+    // Unbatched, as torch takes it: a (T, d_in) query (with (Tk, kdim) key and value, (Tk,) key padding) is a batch
+    // of one, and the output is written (T, E).
+    unbatched = in.query.rank == 2;
+    auto batch_of_one = [&](ga::TensorView t, int rank) {
+      if (!unbatched || t.rank != rank) return t;
+      for (int d = t.rank; d > 0; --d) t.shape[d] = t.shape[d - 1], t.strides[d] = t.strides[d - 1];
+      t.shape[0] = 1, t.strides[0] = 0, ++t.rank;
+      return t;
+    };
+    in.query = batch_of_one(in.query, 2);
+    if (a.has("key")) {
+      k = read_float_input(a.get("key"), "key");
+      v = read_float_input(a.get("value"), "value");
+      in.key = batch_of_one(view_of(k, "key"), 2);
+      in.value = batch_of_one(view_of(v, "value"), 2);
+    }
+    if (a.has("mask")) {
+      mask = ga::npy::read(a.get("mask"));
+      in.attn_mask = view_of(mask, "mask");
+      // torch's layouts too: size-1 B or H axes broadcast, (B * H, T, Tk) as (B, H, T, Tk)
+      if (in.query.rank == 3) in.attn_mask = ga::torch_mask_view(in.attn_mask, in.query.shape[0], heads);
+      // Without --mask-kind, torch's reading of its dtype.
+      in.mask_kind = a.has("mask-kind") ? ga::mask_kind_from_string(a.get("mask-kind"))
+                                        : ga::torch_mask_kind(in.attn_mask.dtype);
+    }
+    if (a.has("key-padding")) {
+      padding = ga::npy::read(a.get("key-padding"));
+      in.key_padding = batch_of_one(view_of(padding, "key-padding"), 1);
+    }
   };
 
   ga::Config cfg;
