@@ -56,30 +56,10 @@ WeightsView shard_weights(const WeightsView& full, const HeadShard& s) {
 }
 
 Weights random_shard_weights(const Config& full, uint64_t seed, const HeadShard& s) {
-  const int64_t D = s.local.head_dim(), q0 = s.first_head * D, kv0 = s.first_kv_head * D;
-  const int64_t E = full.d_model, KW = full.kv_width(), E_r = s.local.d_model, KW_r = s.local.kv_width();
-  const int64_t d_in = full.query_width(), kdim = full.key_width(), vdim = full.value_width();
-  using T = RandomTensor;
-  // (rows, cols) of the full tensor `t` (R, cols), rows [r0, r0 + n) x columns [c0, c0 + m).
-  auto block = [&](std::vector<float>& w, T t, int64_t cols, int64_t fan_in, int64_t r0, int64_t n, int64_t c0,
-                   int64_t m) {
-    check_fits_in_memory(checked_product({n, m, 4}, "tensor parallel: random weights"),
-                         "tensor parallel: random weights");
-    w.resize(static_cast<size_t>(n * m));
-    random_block(seed, t, cols, fan_in, r0, n, c0, m, w.data());
-  };
-  Weights w;
-  block(w.w_q, T::w_q, d_in, d_in, q0, E_r, 0, d_in);
-  block(w.w_k, T::w_k, kdim, kdim, kv0, KW_r, 0, kdim);
-  block(w.w_v, T::w_v, vdim, vdim, kv0, KW_r, 0, vdim);
-  block(w.w_o, T::w_o, E, E, 0, E, q0, E_r);
-  if (full.qkv_bias) {
-    block(w.b_q, T::b_q, E, d_in, 0, 1, q0, E_r);
-    block(w.b_k, T::b_k, KW, kdim, 0, 1, kv0, KW_r);
-    block(w.b_v, T::b_v, KW, vdim, 0, 1, kv0, KW_r);
-  }
-  if (s.local.out_bias) block(w.b_o, T::b_o, E, E, 0, 1, 0, E);
-  return w;
+  const int64_t D = s.local.head_dim();
+  return random_weights(full, seed,
+                        {s.first_head * D, s.local.d_model, s.first_kv_head * D, s.local.kv_width(), s.local.out_bias},
+                        "tensor parallel: random weights");
 }
 
 WeightsView local_view(const Weights& w, const HeadShard& s) {

@@ -187,51 +187,56 @@ void Weights::validate(const Config& c) const {
 
 namespace detail {
 
-// Weights::random's values come from a counter, not a stream: element i of tensor `tensor` is a function of (seed,
-// tensor, i) alone, so a tensor-parallel shard generates its slice of the layer (random_shard_weights) without the
-// rest, and the whole layer is the same values in any order.
-void random_block(uint64_t seed, RandomTensor tensor, int64_t cols, int64_t fan_in, int64_t r0, int64_t rows,
-                  int64_t c0, int64_t width, float* dst) {
+namespace {
+
+enum class RandomTensor : uint64_t { w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o };
+
+// Rows [r0, r0 + rows) x columns [c0, c0 + width) of tensor `tensor` ((R, cols) row major; a bias is one row),
+// uniform in +-1/sqrt(fan_in), into w (rows, width) contiguous. The values come from a counter, not a stream:
+// element i of a tensor is a function of (seed, tensor, i) alone, so a slice is generated without the rest and the
+// whole tensor is the same values in any order.
+void random_block(std::vector<float>& w, uint64_t seed, RandomTensor tensor, int64_t cols, int64_t fan_in, int64_t r0,
+                  int64_t rows, int64_t c0, int64_t width) {
+  w.resize(static_cast<size_t>(rows * width));
   const float bound = 1.0f / std::sqrt(static_cast<float>(fan_in));
   const uint64_t key = static_cast<uint64_t>(tensor) << 56;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < width; ++c) {
       const uint64_t i = static_cast<uint64_t>((r0 + r) * cols + c0 + c);
-      dst[r * width + c] = bound * (2.0f * kernels::dropout_uniform(seed, key | i) - 1.0f);
+      w[static_cast<size_t>(r * width + c)] = bound * (2.0f * kernels::dropout_uniform(seed, key | i) - 1.0f);
     }
   }
+}
+
+}  // namespace
+
+Weights random_weights(const Config& c, uint64_t seed, const RandomSlice& s, const char* what) {
+  c.validate();
+  const int64_t E = c.d_model, KW = c.kv_width(), d_in = c.query_width(), kdim = c.key_width();
+  const int64_t vdim = c.value_width();
+  // Refused before anything is allocated when the matrices cannot fit (widths go up to 2^20).
+  const int64_t floats = checked_add(
+      checked_product({s.q_rows, d_in + E}, what), checked_product({s.kv_rows, kdim + vdim}, what), what);
+  check_fits_in_memory(checked_mul(floats, 4, what), what);
+  using T = RandomTensor;
+  Weights w;
+  random_block(w.w_q, seed, T::w_q, d_in, d_in, s.q0, s.q_rows, 0, d_in);
+  random_block(w.w_k, seed, T::w_k, kdim, kdim, s.kv0, s.kv_rows, 0, kdim);
+  random_block(w.w_v, seed, T::w_v, vdim, vdim, s.kv0, s.kv_rows, 0, vdim);
+  random_block(w.w_o, seed, T::w_o, E, E, 0, E, s.q0, s.q_rows);  // W_o's columns
+  if (c.qkv_bias) {
+    random_block(w.b_q, seed, T::b_q, E, d_in, 0, 1, s.q0, s.q_rows);
+    random_block(w.b_k, seed, T::b_k, KW, kdim, 0, 1, s.kv0, s.kv_rows);
+    random_block(w.b_v, seed, T::b_v, KW, vdim, 0, 1, s.kv0, s.kv_rows);
+  }
+  if (c.out_bias && s.out_bias) random_block(w.b_o, seed, T::b_o, E, E, 0, 1, 0, E);
+  return w;
 }
 
 }  // namespace detail
 
 Weights Weights::random(const Config& c, uint64_t seed) {
-  c.validate();
-  const int64_t E = c.d_model, KW = c.kv_width();
-  // Refused before anything is allocated when the four matrices cannot fit (widths go up to 2^20).
-  const int64_t floats = detail::checked_add(
-      detail::checked_product({E, c.query_width()}, "Weights::random"),
-      detail::checked_add(detail::checked_product({KW, c.key_width() + c.value_width()}, "Weights::random"),
-                          detail::checked_product({E, E}, "Weights::random"), "Weights::random"),
-      "Weights::random");
-  detail::check_fits_in_memory(detail::checked_mul(floats, 4, "Weights::random"), "Weights::random");
-  using T = detail::RandomTensor;
-  // The whole (rows, cols) tensor.
-  auto fill = [&](std::vector<float>& w, T tensor, int64_t rows, int64_t cols, int64_t fan_in) {
-    w.resize(static_cast<size_t>(rows * cols));
-    detail::random_block(seed, tensor, cols, fan_in, 0, rows, 0, cols, w.data());
-  };
-  Weights w;
-  fill(w.w_q, T::w_q, E, c.query_width(), c.query_width());
-  fill(w.w_k, T::w_k, KW, c.key_width(), c.key_width());
-  fill(w.w_v, T::w_v, KW, c.value_width(), c.value_width());
-  fill(w.w_o, T::w_o, E, E, E);
-  if (c.qkv_bias) {
-    fill(w.b_q, T::b_q, 1, E, c.query_width());
-    fill(w.b_k, T::b_k, 1, KW, c.key_width());
-    fill(w.b_v, T::b_v, 1, KW, c.value_width());
-  }
-  if (c.out_bias) fill(w.b_o, T::b_o, 1, E, E);
-  return w;
+  return detail::random_weights(c, seed, {0, c.d_model, 0, c.kv_width(), true}, "Weights::random");
 }
 
 }  // namespace gpt2attn

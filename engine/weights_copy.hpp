@@ -23,11 +23,15 @@ TensorView slice(const TensorView& v, int dim, int64_t i0, int64_t n);
 // (engine/shard.hpp) maps its E_r = c.d_model columns to the full layer's width.
 void validate_weights(const WeightsView& w, const Config& c, int64_t out_width);
 
-// Weights::random's generator: rows [r0, r0 + rows) x columns [c0, c0 + width) of tensor `tensor` ((R, cols) row
-// major; a bias is one row), uniform in +-1/sqrt(fan_in), into dst (rows, width) contiguous.
-enum class RandomTensor : uint8_t { w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o };
-void random_block(uint64_t seed, RandomTensor tensor, int64_t cols, int64_t fan_in, int64_t r0, int64_t rows,
-                  int64_t c0, int64_t width, float* dst);
+// Weights::random's values for some heads' slices of layer c (a tensor-parallel shard's, engine/shard.hpp): W_q and
+// b_q rows [q0, q0 + q_rows), W_k, W_v and their biases rows [kv0, kv0 + kv_rows), W_o's columns [q0, q0 + q_rows),
+// b_o when out_bias (and c has one). The whole layer is {0, E, 0, H_kv D, true}. `what` names the call in the
+// out_of_memory error refusing slices that cannot fit.
+struct RandomSlice {
+  int64_t q0 = 0, q_rows = 0, kv0 = 0, kv_rows = 0;
+  bool out_bias = true;
+};
+Weights random_weights(const Config& c, uint64_t seed, const RandomSlice& s, const char* what);
 
 // A rank-1 or rank-2 view as f32 values in row-major order of its shape, exactly; empty for an empty view.
 std::vector<float> f32_values(const TensorView& v);
