@@ -5,7 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "engine/dispatch.hpp"
 #include "gpt2attn/isa.hpp"
@@ -25,6 +29,17 @@ class IsaTest : public ::testing::TestWithParam<Isa> {
 // The level a layer forced to `forced` runs its `compute` kernels at (MultiHeadAttention::isa()): `forced` itself,
 // or the next level down where `forced` has no rows of that type (avx512_bf16 has bf16 rows only).
 inline Isa kernel_level(Isa forced, DType compute) { return detail::kernels_for(forced, compute, compute).isa; }
+
+// Where `isa` stands among the levels this CPU runs: {its index k, their count n}, for the long suites that split
+// N cases or operations between the levels (their share k: [k N / n, (k + 1) N / n)).
+inline std::pair<int64_t, int64_t> runnable_isa_index(Isa isa) {
+  std::vector<Isa> runnable;
+  for (Isa i : compiled_isas()) {
+    if (isa_supported(i)) runnable.push_back(i);
+  }
+  const int64_t k = std::find(runnable.begin(), runnable.end(), isa) - runnable.begin();
+  return {k, static_cast<int64_t>(runnable.size())};
+}
 
 // The test-name suffix: "Isa/FastPathSweep.RandomCasesMatchReference/avx2".
 inline std::string isa_name(const ::testing::TestParamInfo<Isa>& info) { return to_string(info.param); }

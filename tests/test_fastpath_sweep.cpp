@@ -77,12 +77,7 @@ SweepSettings sweep_settings() {
 
 // The global cases [first, last) instruction set `isa` runs: its share of N among the sets this CPU runs.
 std::pair<int64_t, int64_t> share_of(int64_t N, Isa isa) {
-  std::vector<Isa> runnable;
-  for (Isa i : compiled_isas()) {
-    if (isa_supported(i)) runnable.push_back(i);
-  }
-  const int64_t n = static_cast<int64_t>(runnable.size());
-  const int64_t k = std::find(runnable.begin(), runnable.end(), isa) - runnable.begin();
+  const auto [k, n] = test::runnable_isa_index(isa);
   if (N < n) return {0, N};
   return {k * N / n, (k + 1) * N / n};
 }

@@ -72,12 +72,7 @@ SoakSettings soak_settings() {
 
 // This instruction set's share of N among the sets this CPU runs (at least one op each).
 int64_t share_of(int64_t N, Isa isa) {
-  std::vector<Isa> runnable;
-  for (Isa i : compiled_isas()) {
-    if (isa_supported(i)) runnable.push_back(i);
-  }
-  const int64_t n = static_cast<int64_t>(runnable.size());
-  const int64_t k = std::find(runnable.begin(), runnable.end(), isa) - runnable.begin();
+  const auto [k, n] = test::runnable_isa_index(isa);
   return std::max<int64_t>(1, (k + 1) * N / n - k * N / n);
 }
 
