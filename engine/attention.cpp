@@ -83,14 +83,14 @@ namespace {
 // Decode's panel-packed copy (kernels/linear.hpp) in the compute type t of the (N, K) matrix whose rows [n0, n0 + n)
 // rows(n0, n, dst) writes contiguously in t: one panel of rows at a time, so no (N, K) copy is ever made.
 template <class Rows>
-std::vector<std::byte> pack_linear(int64_t N, int64_t K, DType t, Rows&& rows) {
+detail::Buffer pack_linear(int64_t N, int64_t K, DType t, Rows&& rows, const char* what) {
   const int64_t P = kernels::kLinearPanel, bytes = static_cast<int64_t>(size_of(t));
-  std::vector<std::byte> out(static_cast<size_t>(kernels::linear_packed_elements(N, K) * bytes));
+  detail::Buffer out = detail::allocate_buffer(static_cast<size_t>(kernels::linear_packed_elements(N, K) * bytes), what);
   std::vector<std::byte> panel(static_cast<size_t>(P * K * bytes));
   for (int64_t p = 0; p < kernels::linear_panels(N); ++p) {
     const int64_t n0 = p * P, n = std::min(P, N - n0);
     rows(n0, n, panel.data());
-    std::byte* dst = out.data() + p * K * P * bytes;
+    std::byte* dst = out.get() + p * K * P * bytes;
     if (t == DType::bf16) {
       kernels::pack_linear_weights(reinterpret_cast<const kernels::bf16*>(panel.data()), n, K,
                                    reinterpret_cast<kernels::bf16*>(dst));
@@ -170,7 +170,7 @@ void MultiHeadAttention::Impl::pack_decode_weights(const WeightsView& w) {
       detail::copy_rows(*view, first, take, compute, dst + (r - n0) * row_bytes);
       r += take;
     }
-  });
+  }, "decode's packed W_qkv");
   if (cfg.qkv_bias) {
     for (const TensorView* b : {&w.b_q, &w.b_k, &w.b_v}) {
       const std::vector<float> v = detail::f32_values(*b);
@@ -179,7 +179,7 @@ void MultiHeadAttention::Impl::pack_decode_weights(const WeightsView& w) {
   }
   out_packed = pack_linear(out_width, E, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
     detail::copy_rows(w.w_o, n0, n, compute, dst);
-  });
+  }, "decode's packed W_o");
   if (cfg.out_bias) out_bias = detail::f32_values(w.b_o);
 }
 
@@ -400,7 +400,7 @@ std::string MultiHeadAttention::implementation() const {
   const std::string row = impl_->kset.name;
   std::string s = "kernels " + row + " (prefill: tiled-online-softmax + onednn-matmul/" +
                   impl_->proj_q.front().implementation();
-  if (!impl_->qkv_packed.empty()) {
+  if (impl_->qkv_packed) {
     s += std::string("; decode: split-kv-one-query + few-row-linear/") + to_string(impl_->compute) + " weights";
   }
   s += ")";

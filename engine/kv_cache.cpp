@@ -55,12 +55,9 @@ KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
   if (nblocks > INT32_MAX) invalid("KvCacheOptions: capacity of " + str(nblocks) + " blocks exceeds 2^31 - 1");
   max_blocks_per_seq = ceil_div(cfg.context_length, block_tokens);
 
-  const size_t bytes = static_cast<size_t>(
-      detail::round_up(detail::checked_mul(nblocks, static_cast<int64_t>(block_bytes), "KvCache: pool bytes"), 64,
-                       "KvCache: pool bytes"));
-  detail::check_fits_in_memory(static_cast<int64_t>(bytes), "KvCache: the pool");
-  pool.reset(static_cast<std::byte*>(std::aligned_alloc(64, bytes)));
-  if (!pool) fail(ErrorCode::out_of_memory, "KvCache: cannot allocate the pool of " + std::to_string(bytes) + " bytes");
+  pool = detail::allocate_buffer(
+      static_cast<size_t>(detail::checked_mul(nblocks, static_cast<int64_t>(block_bytes), "KvCache: pool bytes")),
+      "KvCache: the pool");
   refcount.assign(static_cast<size_t>(nblocks), 0);
   pins.assign(static_cast<size_t>(nblocks), 0);
   free_list.reserve(static_cast<size_t>(nblocks));

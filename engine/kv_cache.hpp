@@ -12,15 +12,13 @@
 #include <unordered_map>
 #include <vector>
 
+#include "engine/buffer.hpp"
 #include "gpt2attn/kv_cache.hpp"
 #include "kernels/kv_layout.hpp"
 
 namespace gpt2attn {
 
 struct KvCache::Impl {
-  struct FreeDeleter {
-    void operator()(std::byte* p) const { std::free(p); }
-  };
   struct Sequence {
     std::vector<int32_t> blocks;  // block table; capacity reserved for context_length at create()
     int64_t length = 0;           // cached tokens
@@ -35,7 +33,7 @@ struct KvCache::Impl {
   int64_t block_tokens = 0, max_blocks_per_seq = 0;
   size_t block_bytes = 0;    // layout.block_bytes(), computed checked
   int64_t nblocks = 0;
-  std::unique_ptr<std::byte, FreeDeleter> pool;  // nblocks x block_bytes, 64-byte aligned
+  detail::Buffer pool;                       // nblocks x block_bytes, on huge pages (engine/buffer.hpp)
   std::vector<int32_t> refcount;             // sequences holding each block
   std::vector<int32_t> pins;                 // running appends that may hand the block back (cow_original)
   std::vector<int32_t> free_list;            // a stack of the blocks with refcount == 0 and pins == 0

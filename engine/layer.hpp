@@ -11,6 +11,7 @@
 #include <mutex>
 #include <vector>
 
+#include "engine/buffer.hpp"
 #include "engine/dispatch.hpp"
 #include "engine/linear.hpp"
 #include "engine/shard.hpp"
@@ -77,9 +78,9 @@ struct MultiHeadAttention::Impl {
   // tokens reads the QKV weights once, and the (E, E) output projection. Built by pack_decode_weights for a
   // CausalSelfAttention (the only layer that serves a KV cache), empty in a plain MultiHeadAttention, which so
   // holds one copy of its weights, not two. In the compute type (pack_linear_weights; bf16 halves the bytes a
-  // step streams); the biases stay f32.
-  std::vector<std::byte> qkv_packed;       // W_qkv (E + 2 H_kv D, d_in)
-  std::vector<std::byte> out_packed;       // W_o (out_width, E)
+  // step streams); the biases stay f32. Null in a plain MultiHeadAttention.
+  detail::Buffer qkv_packed;               // W_qkv (E + 2 H_kv D, d_in)
+  detail::Buffer out_packed;               // W_o (out_width, E)
   std::vector<float> qkv_bias, out_bias;   // (E + 2 H_kv D) and (out_width), or empty
 
   // The registered causal mask. The seeds' triangular (context x context) buffer is Toeplitz, so one row

@@ -260,11 +260,11 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   float* ctx = r.ctx.in(w);
   const int64_t KW = H_kv * D, ldstage = E + 2 * KW;
   kernels::LinearArgs proj_in;  // stage (B, E + 2 KW) = [q | k | v] per row = x (B, d_in) W_qkv^T + b_qkv
-  proj_in.x = x, proj_in.ldx = d_in, proj_in.w_packed = qkv_packed.data();
+  proj_in.x = x, proj_in.ldx = d_in, proj_in.w_packed = qkv_packed.get();
   proj_in.bias = qkv_bias.empty() ? nullptr : qkv_bias.data();
   proj_in.y = stage, proj_in.ldy = ldstage, proj_in.M = B, proj_in.N = ldstage, proj_in.K = d_in;
   kernels::LinearArgs proj_out;  // out (B, out_width) = ctx (B, E) W_o^T + b_o
-  proj_out.x = ctx, proj_out.ldx = E, proj_out.w_packed = out_packed.data();
+  proj_out.x = ctx, proj_out.ldx = E, proj_out.w_packed = out_packed.get();
   proj_out.bias = out_bias.empty() ? nullptr : out_bias.data();
   proj_out.y = out_data, proj_out.ldy = out_width, proj_out.M = B, proj_out.N = out_width, proj_out.K = E;
 

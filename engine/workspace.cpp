@@ -11,16 +11,9 @@ namespace gpt2attn {
 
 std::byte* Workspace::Impl::reserve(size_t n) {
   if (n <= bytes && buffer) return buffer.get();
-  n = n > 0 ? n : 64;  // aligned_alloc(64, 0) may return null, which is not an out-of-memory
-  if (n > SIZE_MAX - 64) fail(ErrorCode::out_of_memory, "workspace: " + std::to_string(n) + " bytes overflow size_t");
-  const size_t size = (n + 63) / 64 * 64;  // aligned_alloc wants a multiple of the alignment
-  detail::check_fits_in_memory(size > static_cast<size_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(size),
-                               "workspace");
-  auto* p = static_cast<std::byte*>(std::aligned_alloc(64, size));
-  if (!p) fail(ErrorCode::out_of_memory, "workspace: cannot allocate " + std::to_string(size) + " bytes");
-  buffer.reset(p);
-  bytes = size;
-  return p;
+  buffer = detail::allocate_buffer(n, "workspace");  // on failure the old buffer stays
+  bytes = detail::buffer_capacity(n);
+  return buffer.get();
 }
 
 Workspace::Workspace() : impl_(detail::translate_bad_alloc("Workspace", [] { return std::make_unique<Impl>(); })) {}

@@ -9,6 +9,7 @@
 #include <initializer_list>
 #include <memory>
 
+#include "engine/buffer.hpp"
 #include "engine/linear.hpp"
 #include "engine/util.hpp"
 #include "gpt2attn/attention.hpp"
@@ -16,12 +17,8 @@
 namespace gpt2attn {
 
 struct Workspace::Impl {
-  struct FreeDeleter {
-    void operator()(std::byte* p) const { std::free(p); }
-  };
-
   detail::ExecContext exec;
-  std::unique_ptr<std::byte, FreeDeleter> buffer;  // 64-byte aligned
+  detail::Buffer buffer;  // 64-byte aligned, on huge pages when large (engine/buffer.hpp)
   size_t bytes = 0;
   std::atomic<bool> in_use{false};
 

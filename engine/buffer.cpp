@@ -1,0 +1,33 @@
+// engine/buffer.cpp: allocate_buffer (engine/buffer.hpp).
+#include "engine/buffer.hpp"
+
+#include <sys/mman.h>
+
+#include <cstdint>
+#include <string>
+
+#include "engine/util.hpp"
+#include "gpt2attn/error.hpp"
+
+namespace gpt2attn::detail {
+
+size_t buffer_capacity(size_t bytes) {
+  const size_t align = bytes >= kHugePageBytes ? kHugePageBytes : 64;
+  if (bytes > SIZE_MAX - align) {
+    fail(ErrorCode::out_of_memory, "buffer: " + std::to_string(bytes) + " bytes overflow size_t");
+  }
+  return bytes == 0 ? 64 : (bytes + align - 1) / align * align;  // aligned_alloc(64, 0) may return null
+}
+
+Buffer allocate_buffer(size_t bytes, const char* what) {
+  const size_t size = buffer_capacity(bytes);
+  check_fits_in_memory(size > static_cast<size_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(size), what);
+  const bool huge = size >= kHugePageBytes;
+  Buffer p(static_cast<std::byte*>(std::aligned_alloc(huge ? kHugePageBytes : 64, size)));
+  if (!p) fail(ErrorCode::out_of_memory, std::string(what) + ": cannot allocate " + std::to_string(size) + " bytes");
+  // Before the first touch, so the pages are faulted in huge. Failure (a kernel without THP) leaves plain pages.
+  if (huge) static_cast<void>(madvise(p.get(), size, MADV_HUGEPAGE));
+  return p;
+}
+
+}  // namespace gpt2attn::detail
