@@ -68,9 +68,11 @@ inline constexpr int kLinearItemsPerThread = 4;
 // scratch for any block size, and is above the default block (kKeyTile), so default blocks are scored whole.
 inline constexpr int kDecodeMaxScoreKeys = 256;
 
-// The decode kernel streams K and V with software prefetch this many bytes ahead (16 f32 rows at D = 64): at
-// gpt2-small B=16 T=1024 it took a step from 3.4 to 2.0 ms; 8 and 16 KiB measured 2.1-2.3 ms. In bytes, not
-// rows, so a bf16 or int8 cache keeps as many lines in flight as an f32 one.
+// The decode kernel streams K and V with software prefetch this many bytes ahead (16 f32 rows at D = 64), into L2,
+// following the sequence's block table across blocks (DecodeAttention::Ahead): at gpt2-small B=16 T=1024 the first
+// prefetch took a step from 3.4 to 2.0 ms; 8 and 16 KiB measured 2.1-2.3 ms. In bytes, not rows, so a bf16 or int8
+// cache keeps as many lines in flight as an f32 one; with L2 prefetches and huge pages, 2, 8 and 16 KiB were
+// again slower than 4 for every cache dtype (one thread streaming 600 MB of T=1024 sequences, 2026-11-25).
 inline constexpr size_t kDecodePrefetchBytes = 4096;
 
 }  // namespace gpt2attn::kernels::tiles

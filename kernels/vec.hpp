@@ -29,6 +29,12 @@ inline void prefetch(const void* p, size_t bytes) {
   __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + bytes));
 }
 
+// prefetch() into the L2 cache rather than L1: for streams that run far ahead, whose lines would otherwise hold
+// L1's few miss buffers for a whole memory latency each (prefetcht2 on x86; the compiler's nearest elsewhere).
+inline void prefetch_l2(const void* p, size_t bytes) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + bytes), 0, 1);
+}
+
 // log2(e): scores are kept in log2 units so the softmax runs on exp2 (kernels/attention.hpp, "Units").
 inline constexpr float kLog2e = 1.4426950408889634f;
 
@@ -68,6 +74,8 @@ struct Vec {
       return B(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
     }
   }
+  // W int32 values as f32, rounded to nearest even past 2^24 (as static_cast<float>, the scalar twin).
+  static B load(const int32_t* p) { return xsimd::to_float(xsimd::batch<int32_t, Arch>::load_unaligned(p)); }
   static void store(float* p, B v) { v.store_unaligned(p); }
   static B set1(float x) { return B(x); }
   static B fma(B a, B b, B c) { return xsimd::fma(a, b, c); }
@@ -138,6 +146,7 @@ struct Vec<ScalarArch> {
   static B load(const float* p) { return *p; }
   static B load(const bf16* p) { return widen(*p); }
   static B load(const int8_t* p) { return widen(*p); }
+  static B load(const int32_t* p) { return static_cast<float>(*p); }
   static void store(float* p, B v) { *p = v; }
   static B set1(float x) { return x; }
   static B fma(B a, B b, B c) { return std::fma(a, b, c); }
