@@ -214,10 +214,11 @@ struct Core {
   }
 
   // engine/attention.cpp's attend() for B = 1, causal, no mask, no dropout: (H, query tiles) items, longest
-  // (last) tiles first, taken dynamically.
+  // (last) tiles first, taken dynamically. Q, K and V head-major as the projections leave them, qkv (3, H, T, D):
+  // each head's rows contiguous, D apart; the output (T, E).
   void run(int threads) {
     gk::AttentionArgs base;
-    base.ldq = base.kv.ldk = base.kv.ldv = 3 * E;
+    base.ldq = base.kv.ldk = base.kv.ldv = D;
     base.ldo = E;
     base.T = T, base.Tk = T, base.D = D;
     base.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
@@ -236,9 +237,9 @@ struct Core {
       for (int64_t it = 0; it < items; ++it) {
         const int64_t tile = tiles - 1 - it / H, h = it % H;
         gk::AttentionArgs a = base;
-        a.q = qp + h * D * es;
-        a.kv.k = qp + (E + h * D) * es;
-        a.kv.v = qp + (2 * E + h * D) * es;
+        a.q = qp + h * T * D * es;
+        a.kv.k = qp + (H + h) * T * D * es;
+        a.kv.v = qp + (2 * H + h) * T * D * es;
         a.out = out + h * D * es;
         kernel->run(a, tile * BQ, std::min(T, (tile + 1) * BQ), s);
       }

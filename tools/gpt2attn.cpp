@@ -1,6 +1,7 @@
 // tools/gpt2attn.cpp: the command-line tool: `forward` on .npy/.safetensors files, `bench` over the presets,
 // `presets`. Exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error. Only main() exits.
 #include <omp.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -101,7 +102,8 @@ bench    times the whole layer (QKV projection, causal attention, output project
          256 MiB through the caches before each timed step, as a model's other layers would (GPT-2 small's
          12 layers move about 190 MB per step), so every byte comes from memory. A case whose weights and
          activations (and KV cache) need more bytes than the machine's physical memory is refused before
-         anything is allocated.
+         anything is allocated. --json rows carry peak_rss_mb, the process's peak resident memory so far
+         (getrusage): for a run of one case, that case's.
 presets  lists the compiled-in presets.
 
 --threads N is 1 to 1024 (default: every core OpenMP offers); --repeats N is 1 to 2147483647; --heads,
@@ -395,6 +397,14 @@ struct BenchResult {
   int ranks = 1;
   double allreduce_ms = 0;
 };
+
+// The process's peak resident memory so far, in MB (getrusage): for a bench of one case, that case's, inputs, weights,
+// KV pool and activations included; over several cases, the largest so far.
+double peak_rss_mb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
 
 double causal_layer_flops(const ga::Config& c, int64_t B, int64_t T) {
   const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
@@ -818,7 +828,7 @@ int cmd_bench(int argc, char** argv) {
       nlohmann::json j = {{"preset", r.preset}, {"mode", mode}, {"dtype", dtype}, {"kv_heads", cfg.kv_heads()},
                           {"batch", r.B}, {"seq", r.T},
                           {"threads", r.threads}, {"median_ms", r.median_ms}, {"gflops", r.gflops},
-                          {"isa", r.isa}, {"implementation", r.impl}};
+                          {"isa", r.isa}, {"implementation", r.impl}, {"peak_rss_mb", peak_rss_mb()}};
       if (g_world.parallel()) {
         j["ranks"] = r.ranks;
         j["allreduce_ms"] = r.allreduce_ms;
