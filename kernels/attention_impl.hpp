@@ -52,19 +52,52 @@ struct MicroF32 {
   // The query tile as score_rows reads it: transposed, qt (D, BQ), each row scaled by qscale (so scores() ignores
   // its own qscale); lanes past the last of the nq queries are zero.
   static int64_t packed_query_floats(int64_t D) { return D * BQ; }
+  // f32 queries go W x W blocks at a time through registers (Vec::transpose); the rest, and bf16 queries, one
+  // element at a time. Both multiply the same values, so the result is the same either way.
   static void pack_queries(const QT* q, int64_t ldq, int64_t nq, int64_t D, float qscale, float* qt) {
-    for (int64_t d = 0; d < D; ++d) {
-      for (int64_t i = 0; i < nq; ++i) qt[d * BQ + i] = widen(q[i * ldq + d]) * qscale;
-      for (int64_t i = nq; i < BQ; ++i) qt[d * BQ + i] = 0.0f;
+    int64_t d0 = 0;
+    if constexpr (kBlocked) {
+      const B c = V::set1(qscale);
+      for (; d0 + W <= D; d0 += W) {
+        for (int64_t i0 = 0; i0 + W <= nq; i0 += W) {
+          B r[W];
+          for (int i = 0; i < W; ++i) r[i] = V::load(q + (i0 + i) * ldq + d0) * c;
+          V::transpose(r);
+          for (int d = 0; d < W; ++d) V::store(qt + (d0 + d) * BQ + i0, r[d]);
+        }
+        for (int64_t d = d0; d < d0 + W; ++d) pack_column(q, ldq, nq / W * W, nq, d, qscale, qt);
+      }
     }
+    for (int64_t d = d0; d < D; ++d) pack_column(q, ldq, 0, nq, d, qscale, qt);
   }
+  // Row d of qt from query i0 on: the queries' element d, scaled; zeros past the last query.
+  static void pack_column(const QT* q, int64_t ldq, int64_t i0, int64_t nq, int64_t d, float qscale, float* qt) {
+    for (int64_t i = i0; i < nq; ++i) qt[d * BQ + i] = widen(q[i * ldq + d]) * qscale;
+    for (int64_t i = nq; i < BQ; ++i) qt[d * BQ + i] = 0.0f;
+  }
+  // Whether the transposes go through registers: f32 queries and outputs, on a vector instruction set.
+  static constexpr bool kBlocked = std::is_same_v<QT, float> && W > 1;
   // Scratch of accumulate_pv beyond the tile driver's own: none (P and V are read where they lie).
   static int64_t pv_scratch_floats(int64_t) { return 0; }
 
   // out[i][d] = acc[d][i] * inv[i] for the nq queries, in the compute type: the tile's result, transposed.
+  // f32 outputs in W x W blocks through registers, the rest one element at a time (the same products).
   static void store_output(float* acc, const float* inv, int64_t nq, int64_t D, QT* out, int64_t ldo) {
+    int64_t i0 = 0, d_end = 0;  // blocks cover queries [0, i0) x head dimensions [0, d_end)
+    if constexpr (kBlocked) {
+      d_end = D / W * W;
+      for (; i0 + W <= nq; i0 += W) {
+        const B iv = V::load(inv + i0);
+        for (int64_t d0 = 0; d0 < d_end; d0 += W) {
+          B r[W];
+          for (int d = 0; d < W; ++d) r[d] = V::load(acc + (d0 + d) * BQ + i0) * iv;
+          V::transpose(r);
+          for (int i = 0; i < W; ++i) V::store(out + (i0 + i) * ldo + d0, r[i]);
+        }
+      }
+    }
     for (int64_t i = 0; i < nq; ++i) {
-      for (int64_t d = 0; d < D; ++d) out[i * ldo + d] = narrow<QT>(acc[d * BQ + i] * inv[i]);
+      for (int64_t d = i < i0 ? d_end : 0; d < D; ++d) out[i * ldo + d] = narrow<QT>(acc[d * BQ + i] * inv[i]);
     }
   }
 

@@ -120,6 +120,56 @@ struct Vec {
       return B(_mm256_add_ps(_mm256_permute2f128_ps(f[0], f[1], 0x20), _mm256_permute2f128_ps(f[0], f[1], 0x31)));
     }
   }
+  // r[0..W) as a W x W matrix, transposed in registers: afterwards r[j] holds lane j of every row. Unpacks within
+  // 128-bit chunks, then 128-bit chunk shuffles (AVX-512: 64 shuffles for 256 values, against a load and a store
+  // each one at a time). The scalar twin (W = 1) is the identity.
+  static void transpose(B* r) {
+    if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
+      __m512 a[16], b[16];
+      for (int k = 0; k < 8; ++k) {
+        a[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+        a[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+      }
+      // b[4k + c], chunk L: column 4L + c of rows 4k .. 4k + 3.
+      for (int k = 0; k < 4; ++k) {
+        const __m512d x0 = _mm512_castps_pd(a[4 * k]), x1 = _mm512_castps_pd(a[4 * k + 1]);
+        const __m512d x2 = _mm512_castps_pd(a[4 * k + 2]), x3 = _mm512_castps_pd(a[4 * k + 3]);
+        b[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(x0, x2));
+        b[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x0, x2));
+        b[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(x1, x3));
+        b[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(x1, x3));
+      }
+      // Row 4L + c gathers chunk L of b[c], b[4 + c], b[8 + c], b[12 + c].
+      for (int c = 0; c < 4; ++c) {
+        const __m512 lo01 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0x44), hi01 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0xEE);
+        const __m512 lo23 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0x44);
+        const __m512 hi23 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0xEE);
+        r[c] = B(_mm512_shuffle_f32x4(lo01, lo23, 0x88));
+        r[4 + c] = B(_mm512_shuffle_f32x4(lo01, lo23, 0xDD));
+        r[8 + c] = B(_mm512_shuffle_f32x4(hi01, hi23, 0x88));
+        r[12 + c] = B(_mm512_shuffle_f32x4(hi01, hi23, 0xDD));
+      }
+    } else {
+      static_assert(W == 8, "transpose is written for AVX-512 (16 lanes) and AVX2 (8 lanes)");
+      __m256 a[8], b[8];
+      for (int k = 0; k < 4; ++k) {
+        a[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+        a[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+      }
+      for (int k = 0; k < 2; ++k) {
+        const __m256d x0 = _mm256_castps_pd(a[4 * k]), x1 = _mm256_castps_pd(a[4 * k + 1]);
+        const __m256d x2 = _mm256_castps_pd(a[4 * k + 2]), x3 = _mm256_castps_pd(a[4 * k + 3]);
+        b[4 * k] = _mm256_castpd_ps(_mm256_unpacklo_pd(x0, x2));
+        b[4 * k + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(x0, x2));
+        b[4 * k + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(x1, x3));
+        b[4 * k + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(x1, x3));
+      }
+      for (int c = 0; c < 4; ++c) {
+        r[c] = B(_mm256_permute2f128_ps(b[c], b[4 + c], 0x20));
+        r[4 + c] = B(_mm256_permute2f128_ps(b[c], b[4 + c], 0x31));
+      }
+    }
+  }
   // 2^x, exactly 0 below -126 (so a masked -inf score contributes nothing) and NaN for NaN (bad input
   // must not pass for a masked row). Range reduction x = n + f, |f| <= 1/2, then 2^f by its Taylor series
   // to degree 6 (relative error < 1.3e-7, about one float ulp), and 2^n built in the exponent bits.
@@ -153,6 +203,7 @@ struct Vec<ScalarArch> {
   static B max(B a, B b) { return a > b ? a : b; }
   static float sum(B v) { return v; }
   static float reduce_max(B v) { return v; }
+  static void transpose(B*) {}  // one lane: a 1 x 1 matrix
   static B exp2(B x) { return x < -126.0f ? 0.0f : std::exp2(x); }
   static B finite_or_zero(B m) { return m == -INFINITY ? 0.0f : m; }
 };
