@@ -7,7 +7,8 @@
 //
 // Cases (names are what --benchmark_filter matches):
 //   Layer/<preset>/T:<T>/threads:<n>     GPT-2 presets x T in {128, 512, 1024, 2048} x {1, 2} threads
-//   Core/<preset>/T:<T>/threads:<n>      same grid, attention core alone
+//   Core/<preset>/T:<T>/threads:<n>      same grid, attention core alone; also gpt2-small and gpt2-xl at
+//                                        T = 4096 and 8192 (long context)
 //   Bf16/<layer|core>/<preset>/T:<T>/... bf16 compute (EngineOptions::compute), every GPT-2 preset at T = 1024
 //                                        and gpt2-small at T = 4096, 2 threads, beside the same f32 cases
 //                                        (F32/...): bf16_peak_frac against the vdpbf16ps peak
@@ -449,6 +450,16 @@ void register_all() {
       for (int n : kThreads)
         standard(benchmark::RegisterBenchmark(
             ("Core/" + p + "/T:" + ts(T) + "/threads:" + ts(n)).c_str(),
+            [H, D, T, n](benchmark::State& s) { bm_core(s, H, D, T, n, ga::Isa::best); }));
+  }
+  // Long context (issue 12): the core alone at T = 4096 and 8192 for the smallest and largest head counts.
+  for (const char* p : {"gpt2-small", "gpt2-xl"}) {
+    const ga::Config c = ga::preset(p);
+    const int64_t H = c.num_heads, D = c.head_dim();
+    for (int64_t T : {4096, 8192})
+      for (int n : kThreads)
+        standard(benchmark::RegisterBenchmark(
+            (std::string("Core/") + p + "/T:" + ts(T) + "/threads:" + ts(n)).c_str(),
             [H, D, T, n](benchmark::State& s) { bm_core(s, H, D, T, n, ga::Isa::best); }));
   }
 

@@ -425,6 +425,8 @@ struct TiledAttention {
     // The last query of the tile sees keys up to i1 - 1 + offset; nothing beyond is touched.
     const int64_t kend = a.causal ? std::clamp<int64_t>(i1 + a.causal_offset, 0, a.Tk) : a.Tk;
     const int64_t ldk = src.key_stride(), ldv = src.value_stride();
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KvT));
+    const bool fetch_next = 2 * kend * row_bytes > tiles::kCorePrefetchMinBytes;
     int64_t nk = 0;
     for (int64_t j0 = 0; j0 < kend; j0 += nk) {
       // A key tile is BK keys, or fewer at the end and where the source's run ends (a block boundary).
@@ -432,9 +434,22 @@ struct TiledAttention {
       const KvT* kt = src.keys(j0);
       const KvT* vt = src.values(j0);
 
+      // At long context (tiles::kCorePrefetchMinBytes) the next key tile's K and V rows are asked for now, into L2:
+      // a tile's K and V then come from the last-level cache or memory, and this tile's arithmetic hides that.
+      const int64_t j1 = j0 + nk;
+      const int64_t nk1 = fetch_next && j1 < kend ? std::min<int64_t>(BK, std::min(kend, src.run_end(j1)) - j1) : 0;
+      const KvT* kn = nk1 > 0 ? src.keys(j1) : nullptr;
+      const KvT* vn = nk1 > 0 ? src.values(j1) : nullptr;
+
       B mx[QV];
       for (int v = 0; v < QV; ++v) mx[v] = V::load(m + v * W);
       M::scores(kt, ldk, src.key_scales(j0), nk, qt, D, qscale, s, mx);
+      for (int64_t j = 0; j < nk1; ++j) {
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          prefetch_l2(kn + j * ldk, static_cast<size_t>(b));
+          prefetch_l2(vn + j * ldv, static_cast<size_t>(b));
+        }
+      }
       bool masked = false;  // any mask changes scores after mx was taken: recompute it then
 
       // Only tiles crossing the diagonal (some key past the first query's horizon) are masked.
