@@ -28,7 +28,6 @@ struct DecodeAttention {
   // vectors and a broadcast (AVX-512: 16 + 5 of 32 registers; AVX2: 8 + 5 of 16; scalar: the compiler's choice).
   static constexpr int kHeadBlock = W >= 16 ? 4 : 2;
   static constexpr int64_t kAhead = tiles::kDecodePrefetchBytes;
-  static constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(KvT));  // elements per cache line
 
   // The K (or V) stream's prefetch, kAhead bytes ahead of the row being read. A run of one head's rows is read
   // front to back, then the run after it: the next K/V head's in the same block, or past a block's last head the
