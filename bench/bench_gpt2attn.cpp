@@ -39,6 +39,7 @@
 
 #include "bench/fma_peak.hpp"
 #include "bench/stream_triad.hpp"
+#include "engine/buffer.hpp"
 #include "engine/dispatch.hpp"
 #include "gpt2attn/attention.hpp"
 #include "gpt2attn/config.hpp"
@@ -111,14 +112,10 @@ std::vector<float> random_floats(size_t n, uint32_t seed) {
   return v;
 }
 
-struct FreeDeleter {
-  void operator()(float* p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<float[], FreeDeleter>;
-Buffer aligned_floats(size_t n) {  // 64-byte aligned, like the engine's workspace
-  const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
-  return Buffer(static_cast<float*>(std::aligned_alloc(64, bytes)));
-}
+// n floats from the engine's own allocator (engine/buffer.hpp: 64-byte aligned, on huge pages when large), so the
+// core is timed over memory placed as the engine's workspace is.
+ga::detail::Buffer aligned_floats(size_t n) { return ga::detail::allocate_buffer(n * sizeof(float), "bench"); }
+float* floats(const ga::detail::Buffer& b) { return reinterpret_cast<float*>(b.get()); }
 
 // ---- the whole layer ----------------------------------------------------------------------------------
 
@@ -193,7 +190,7 @@ struct Core {
   int64_t H, D, E, T;
   ga::DType compute;
   const gk::AttentionKernel* kernel;
-  Buffer qkv, ctx, scratch;  // qkv and ctx hold compute-type elements (float-sized buffers, bf16 uses half)
+  ga::detail::Buffer qkv, ctx, scratch;  // qkv and ctx hold compute-type elements (float-sized buffers, bf16 uses half)
   int64_t scratch_stride;
   std::vector<float> causal_row;
 
@@ -205,7 +202,7 @@ struct Core {
       auto* q = reinterpret_cast<gk::bf16*>(qkv.get());
       for (size_t i = 0; i < r.size(); ++i) q[i] = gk::to_bf16(r[i]);
     } else {
-      std::copy(r.begin(), r.end(), qkv.get());
+      std::copy(r.begin(), r.end(), floats(qkv));
     }
     ctx = aligned_floats(static_cast<size_t>(T * E));
     scratch_stride = (static_cast<int64_t>(kernel->scratch_floats(D)) + 15) / 16 * 16;
@@ -233,7 +230,7 @@ struct Core {
     const int64_t es = static_cast<int64_t>(ga::size_of(compute));  // bytes per element
 #pragma omp parallel num_threads(threads)
     {
-      float* s = scratch.get() + omp_get_thread_num() * scratch_stride;
+      float* s = floats(scratch) + omp_get_thread_num() * scratch_stride;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t it = 0; it < items; ++it) {
         const int64_t tile = tiles - 1 - it / H, h = it % H;
