@@ -5,6 +5,9 @@
 
 #include <array>
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "engine/util.hpp"
@@ -95,17 +98,44 @@ void check_additive_mask(const TensorView& v) {
 
 }  // namespace
 
-// Scans a rank-3 f32 or bf16 view through its strides; the message gives the first bad element's (b, t, e).
+namespace {
+// Whether any of n elements (f32 or bf16, `stride` apart) is NaN or +-Inf: its exponent bits all ones. No branch
+// per element, so a contiguous row compiles to vector compares (the per-element isfinite test it replaced, with
+// its dtype switch inside, took 1.2% of a gpt2-small T=1024 forward on one thread, serial ahead of the kernels).
+template <class Bits>
+bool any_nonfinite(const void* data, int64_t first, int64_t n, int64_t stride, Bits exponent) {
+  const auto* p = static_cast<const std::byte*>(data) + first * static_cast<int64_t>(sizeof(Bits));
+  const auto bits = [&](int64_t i) {  // the element's bits (memcpy: no float read through an integer type)
+    Bits x;
+    std::memcpy(&x, p + i * static_cast<int64_t>(sizeof(Bits)), sizeof x);
+    return x;
+  };
+  Bits bad = 0;
+  if (stride == 1) {
+    for (int64_t i = 0; i < n; ++i) bad |= static_cast<Bits>((bits(i) & exponent) == exponent);
+  } else {
+    for (int64_t i = 0; i < n; ++i) bad |= static_cast<Bits>((bits(i * stride) & exponent) == exponent);
+  }
+  return bad != 0;
+}
+}  // namespace
+
+// Scans a rank-3 f32 or bf16 view through its strides, a row at a time; the message gives the first bad element's
+// (b, t, e).
 void check_finite(const TensorView& v, const char* name, const char* len_symbol) {
   const int64_t sB = v.strides[0], sT = v.strides[1], sE = v.strides[2];
+  const bool f32 = v.dtype != DType::bf16;
   auto at = [&](int64_t i) {
-    return v.dtype == DType::bf16 ? kernels::widen(static_cast<const kernels::bf16*>(v.data)[i])
-                                  : static_cast<const float*>(v.data)[i];
+    return f32 ? static_cast<const float*>(v.data)[i] : kernels::widen(static_cast<const kernels::bf16*>(v.data)[i]);
   };
   for (int64_t b = 0; b < v.shape[0]; ++b) {
     for (int64_t t = 0; t < v.shape[1]; ++t) {
-      for (int64_t e = 0; e < v.shape[2]; ++e) {
-        const float x = at(b * sB + t * sT + e * sE);
+      const int64_t row = b * sB + t * sT;
+      const bool bad = f32 ? any_nonfinite<uint32_t>(v.data, row, v.shape[2], sE, 0x7f800000u)
+                           : any_nonfinite<uint16_t>(v.data, row, v.shape[2], sE, 0x7f80u);
+      if (!bad) continue;
+      for (int64_t e = 0; e < v.shape[2]; ++e) {  // the first offender, named
+        const float x = at(row + e * sE);
         if (!std::isfinite(x)) {
           const char* what = std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf");
           invalid(std::string(name) + " contains " + what + " at (b, " + len_symbol + ", e) = (" + str(b) + ", " +
@@ -115,7 +145,6 @@ void check_finite(const TensorView& v, const char* name, const char* len_symbol)
     }
   }
 }
-
 
 void check_threads(int64_t threads, const char* call, const char* field) {
   if (threads < 0 || threads > max_threads()) {

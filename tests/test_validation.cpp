@@ -7,12 +7,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "engine/validate.hpp"
 #include "gpt2attn/attention.hpp"
 #include "gpt2attn/error.hpp"
 #include "gpt2attn/reference.hpp"
+#include "kernels/bf16.hpp"
 
 namespace gpt2attn {
 namespace {
@@ -325,6 +328,53 @@ TEST_F(Validation, FinitenessScanFollowsStrides) {
   EXPECT_NO_THROW(reference_forward(cfg, w, in, run));
   wide[(1 * T + 1) * 2 * E + 2 * 3] = NAN;  // element (1, 1, 3) of the view
   expect_rejected(cfg, in, run, {"query", "NaN", "(1, 1, 3)"});
+}
+
+// The scan tests exponent bits a row at a time: the largest finite values, subnormals and -0 pass, and every kind of
+// non-finite value is found and named wherever it sits in a row (the vectorised body or the tail of an odd width),
+// for f32 and bf16 rows, contiguous or strided.
+TEST(FinitenessScan, EdgeValuesBothDtypesAndStrides) {
+  constexpr int64_t kE = 37;  // odd: a vector body and a scalar tail
+  const float bad[] = {NAN, INFINITY, -INFINITY};
+  const char* bad_name[] = {"NaN", "+Inf", "-Inf"};
+  for (const int64_t stride : {int64_t{1}, int64_t{3}}) {
+    for (const bool bf : {false, true}) {
+      // The largest finite value and the smallest subnormal of the row's dtype (both exact in bf16 for bf16 rows).
+      const float big = bf ? kernels::widen(kernels::bf16{0x7f7f}) : std::numeric_limits<float>::max();
+      const float tiny = bf ? kernels::widen(kernels::bf16{0x0001}) : std::numeric_limits<float>::denorm_min();
+      const float fine[] = {big, -big, tiny, -tiny, -0.0f, 1.0f};
+      std::vector<float> f(2 * 2 * kE * stride);
+      for (size_t i = 0; i < f.size(); ++i) f[i] = fine[i % std::size(fine)];
+      std::vector<kernels::bf16> h(f.size());
+      const auto view = [&] {
+        const void* data = bf ? static_cast<const void*>(h.data()) : static_cast<const void*>(f.data());
+        return TensorView::contiguous(data, bf ? DType::bf16 : DType::f32, {2, 2, kE})
+            .with_strides({2 * kE * stride, kE * stride, stride});
+      };
+      const auto sync = [&] {
+        for (size_t i = 0; i < f.size(); ++i) h[i] = kernels::to_bf16(f[i]);
+      };
+      sync();
+      EXPECT_NO_THROW(detail::check_finite(view(), "x", "t")) << "stride " << stride << (bf ? " bf16" : " f32");
+      for (int k = 0; k < 3; ++k) {
+        for (const int64_t e : {int64_t{0}, int64_t{17}, kE - 1}) {
+          const size_t at = static_cast<size_t>((1 * 2 * kE + 1 * kE + e) * stride);  // element (1, 1, e)
+          const float keep = f[at];
+          f[at] = bad[k];
+          sync();
+          try {
+            detail::check_finite(view(), "x", "t");
+            ADD_FAILURE() << bad_name[k] << " at e=" << e << " not found, stride " << stride << (bf ? " bf16" : " f32");
+          } catch (const Error& err) {
+            const std::string want = std::string("x contains ") + bad_name[k] + " at (b, t, e) = (1, 1, " +
+                                     std::to_string(e) + ")";
+            EXPECT_NE(std::string(err.what()).find(want), std::string::npos) << err.what();
+          }
+          f[at] = keep;
+        }
+      }
+    }
+  }
 }
 
 TEST_F(Validation, NaNInAdditiveMask) {
