@@ -252,7 +252,7 @@ void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnSh
 
 void MultiHeadAttention::Impl::forward(const AttentionInputs& in, void* out_data, DType out_dtype,
                                        const RunOptions& run, Workspace::Impl& ws) {
-  const AttnShape s = detail::validate_inputs(cfg, in, run);
+  const AttnShape s = detail::validate_inputs(cfg, in, run, default_threads);
   if (!out_data) invalid("output: null pointer");
   check_output_dtype(out_dtype);
   const int threads = threads_for(run);

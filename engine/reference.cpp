@@ -194,7 +194,7 @@ std::vector<double> reference_forward(const Config& config, const Weights& weigh
                                       const RunOptions& run) {
   config.validate();
   weights.validate(config);
-  const detail::AttnShape s = detail::validate_inputs(config, in, run);
+  const detail::AttnShape s = detail::validate_inputs(config, in, run, 1);
   const int64_t B = s.B, T = s.T, Tk = s.Tk, E = s.E, H = s.H, H_kv = s.H_kv, D = s.D;
   const int64_t KW = H_kv * D;  // width of K and V after projection; query head h reads K/V head s.kv_head(h)
 

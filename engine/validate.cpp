@@ -3,6 +3,7 @@
 // Weights (done at construction).
 #include "engine/validate.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -118,30 +119,44 @@ bool any_nonfinite(const void* data, int64_t first, int64_t n, int64_t stride, B
   }
   return bad != 0;
 }
+// Elements below which a finiteness scan stays on the calling thread: starting a team costs a few microseconds,
+// about what one thread takes to scan this many floats from cache.
+constexpr int64_t kParallelScanElements = int64_t{1} << 16;
+
 }  // namespace
 
 // Scans a rank-3 f32 or bf16 view through its strides, a row at a time; the message gives the first bad element's
 // (b, t, e).
-void check_finite(const TensorView& v, const char* name, const char* len_symbol) {
+void check_finite(const TensorView& v, const char* name, const char* len_symbol, int threads) {
+  const int64_t T = v.shape[1], n = v.shape[2], rows = v.shape[0] * T;
   const int64_t sB = v.strides[0], sT = v.strides[1], sE = v.strides[2];
   const bool f32 = v.dtype != DType::bf16;
-  auto at = [&](int64_t i) {
-    return f32 ? static_cast<const float*>(v.data)[i] : kernels::widen(static_cast<const kernels::bf16*>(v.data)[i]);
+  const auto offset = [&](int64_t r) { return r / T * sB + r % T * sT; };  // row r = (b, t) = (r / T, r % T)
+  const auto row_bad = [&](int64_t r) {
+    return f32 ? any_nonfinite<uint32_t>(v.data, offset(r), n, sE, 0x7f800000u)
+               : any_nonfinite<uint16_t>(v.data, offset(r), n, sE, 0x7f80u);
   };
-  for (int64_t b = 0; b < v.shape[0]; ++b) {
-    for (int64_t t = 0; t < v.shape[1]; ++t) {
-      const int64_t row = b * sB + t * sT;
-      const bool bad = f32 ? any_nonfinite<uint32_t>(v.data, row, v.shape[2], sE, 0x7f800000u)
-                           : any_nonfinite<uint16_t>(v.data, row, v.shape[2], sE, 0x7f80u);
-      if (!bad) continue;
-      for (int64_t e = 0; e < v.shape[2]; ++e) {  // the first offender, named
-        const float x = at(row + e * sE);
-        if (!std::isfinite(x)) {
-          const char* what = std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf");
-          invalid(std::string(name) + " contains " + what + " at (b, " + len_symbol + ", e) = (" + str(b) + ", " +
-                  str(t) + ", " + str(e) + ")");
-        }
-      }
+  // The first bad row: with a team, the least of every thread's finds (the same row a serial scan stops at).
+  int64_t first = rows;
+  if (threads > 1 && rows * n >= kParallelScanElements) {
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(min : first)
+    for (int64_t r = 0; r < rows; ++r) {
+      if (row_bad(r)) first = std::min(first, r);
+    }
+  } else {
+    for (int64_t r = 0; r < rows && first == rows; ++r) {
+      if (row_bad(r)) first = r;
+    }
+  }
+  if (first == rows) return;
+  for (int64_t e = 0; e < n; ++e) {  // the row's first offender, named
+    const int64_t at = offset(first) + e * sE;
+    const float x = f32 ? static_cast<const float*>(v.data)[at]
+                        : kernels::widen(static_cast<const kernels::bf16*>(v.data)[at]);
+    if (!std::isfinite(x)) {
+      const char* what = std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf");
+      invalid(std::string(name) + " contains " + what + " at (b, " + len_symbol + ", e) = (" + str(first / T) +
+              ", " + str(first % T) + ", " + str(e) + ")");
     }
   }
 }
@@ -165,8 +180,9 @@ AttnShape shape_of(const Config& config) {
   return s;
 }
 
-AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run) {
+AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run, int default_threads) {
   check_threads(run.threads, "forward", "run.threads");
+  const int threads = run.threads > 0 ? static_cast<int>(run.threads) : default_threads;
 
   AttnShape s = shape_of(config);
 
@@ -269,10 +285,10 @@ AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const
 
   // Last, because it reads every element: the shapes above guarantee the scans stay in bounds.
   if (run.check_finite) {
-    check_finite(q, "query", "t");
+    check_finite(q, "query", "t", threads);
     if (!s.self_attention) {
-      check_finite(k, "key", "j");
-      check_finite(v, "value", "j");
+      check_finite(k, "key", "j", threads);
+      check_finite(v, "value", "j", threads);
     }
     if (!m.empty() && in.mask_kind == MaskKind::additive) check_additive_mask(m);
   }
@@ -283,7 +299,7 @@ namespace {
 
 // What extend and decode share: the cache fits the layer, inference mode, threads, pointers and x's values.
 AttnShape serving_shape(const Config& config, const KvCache& cache, const float* x, int64_t B, int64_t T,
-                        const float* out, const RunOptions& run, const char* call) {
+                        const float* out, const RunOptions& run, int default_threads, const char* call) {
   const Config& c = cache.config();
   if (c.d_model != config.d_model || c.num_heads != config.num_heads || c.kv_heads() != config.kv_heads()) {
     invalid(std::string(call) + ": the KV cache was built for E=" + str(c.d_model) + ", H=" + str(c.num_heads) +
@@ -297,26 +313,27 @@ AttnShape serving_shape(const Config& config, const KvCache& cache, const float*
   AttnShape s = shape_of(config);
   s.B = B;
   s.T = T;
-  if (run.check_finite) check_finite(TensorView::f32(x, {B, T, s.d_in}), "x", "t");
+  const int threads = run.threads > 0 ? static_cast<int>(run.threads) : default_threads;
+  if (run.check_finite) check_finite(TensorView::f32(x, {B, T, s.d_in}), "x", "t", threads);
   return s;
 }
 
 }  // namespace
 
 AttnShape validate_extend(const Config& config, const KvCache& cache, const float* x, int64_t T, const float* out,
-                          const RunOptions& run) {
+                          const RunOptions& run, int default_threads) {
   if (T < 1) invalid("extend: T must be >= 1, got " + str(T));
   if (T > config.context_length) {
     invalid("extend: T=" + str(T) + " new tokens exceed context_length=" + str(config.context_length));
   }
-  return serving_shape(config, cache, x, 1, T, out, run, "extend");
+  return serving_shape(config, cache, x, 1, T, out, run, default_threads, "extend");
 }
 
 AttnShape validate_decode(const Config& config, const KvCache& cache, const SequenceId* seqs, int64_t B,
-                          const float* x, const float* out, const RunOptions& run) {
+                          const float* x, const float* out, const RunOptions& run, int default_threads) {
   if (B < 1) invalid("decode: B must be >= 1, got " + str(B));
   if (!seqs) invalid("decode: seqs is a null pointer");
-  return serving_shape(config, cache, x, B, 1, out, run, "decode");
+  return serving_shape(config, cache, x, B, 1, out, run, default_threads, "decode");
 }
 
 }  // namespace gpt2attn::detail

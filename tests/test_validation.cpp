@@ -377,6 +377,28 @@ TEST(FinitenessScan, EdgeValuesBothDtypesAndStrides) {
   }
 }
 
+// With a team the scan still names the first offender in (b, t) order, wherever the others fall among the threads'
+// rows; and a clean view passes. 2 x 600 rows of 128: past the size that starts a team.
+TEST(FinitenessScan, TeamNamesTheFirstOffender) {
+  constexpr int64_t kB = 2, kT = 600, kE = 128;
+  std::vector<float> x(kB * kT * kE, 0.5f);
+  const TensorView view = TensorView::f32(x.data(), {kB, kT, kE});
+  for (const int threads : {1, 2, 3}) {
+    EXPECT_NO_THROW(detail::check_finite(view, "x", "t", threads));
+    x[(1 * kT + 550) * kE + 9] = NAN;     // the last thread's rows
+    x[(1 * kT + 20) * kE + 127] = -INFINITY;
+    x[(0 * kT + 599) * kE + 64] = INFINITY;  // the first offender: (0, 599, 64)
+    try {
+      detail::check_finite(view, "x", "t", threads);
+      ADD_FAILURE() << "not refused with " << threads << " threads";
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find("x contains +Inf at (b, t, e) = (0, 599, 64)"), std::string::npos)
+          << threads << " threads: " << err.what();
+    }
+    std::fill(x.begin(), x.end(), 0.5f);
+  }
+}
+
 TEST_F(Validation, NaNInAdditiveMask) {
   AttentionInputs in = cross();
   in.mask_kind = MaskKind::additive;
