@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "kernels/attention.hpp"
 #include "kernels/bf16_dot.hpp"
@@ -35,6 +36,25 @@ void with_rows(int64_t rem, F&& f) {
     }
   }
 }
+
+// Which query vectors of a tile crossing the causal diagonal see each of its keys. Query i of the tile sees key j of
+// the tile when i >= j + c (c = j0 - i0 - causal_offset), so key j is masked for every query of vectors
+// v < first(j) = max(0, j + c) / W, which never decreases with j. A micro-kernel may leave those products out (their
+// probabilities are exactly 0): the scores it does not compute it sets to -inf, and P.V runs over the tile's keys in
+// spans of equal first(j) (span(f) is the first key with first(j) >= f). A tile below the diagonal has every key
+// visible to every vector: all(), whose spans hold every key in first(j) = 0.
+struct Visible {
+  int64_t c = 0;
+  bool diagonal = false;
+  static Visible all() { return {}; }
+  int first(int64_t j, int W, int QV) const {
+    return diagonal ? static_cast<int>(std::min<int64_t>(std::max<int64_t>(0, j + c) / W, QV - 1)) : 0;
+  }
+  int64_t span(int f, int64_t nk, int W) const {
+    if (f == 0) return 0;
+    return diagonal ? std::clamp<int64_t>(int64_t{f} * W - c, 0, nk) : nk;
+  }
+};
 
 // The micro-kernels of f32 arithmetic: QV query vectors (BQ = QV x lanes queries) x R rows of K (scores) or of D
 // (P.V) in registers (tiles::Blocking has the register budget). Queries of type QT and K/V elements of type KvT are
@@ -107,64 +127,83 @@ struct MicroF32 {
   // spilled to s: with one accumulator over D = 256 this dot product was the largest error of the whole layer
   // where scores are large (score error 1.1-1.3e-4 -> 4-6e-5; "Accuracy" in attention.hpp has the figures).
   // Row-scaled K (int8): each key's score is multiplied by its scale kscale[r] before it is stored and maxed.
-  template <int RR>
+  // Vectors v < F are masked for all RR keys (Visible): not computed, their scores set to -inf.
+  template <int RR, int F = 0>
   static void score_rows(const KvT* k, int64_t ldk, const float* kscale, const float* qt, int64_t D, float* s,
                          B* mx) {
-    B acc[RR][QV];
+    B acc[RR][QV] = {};  // vectors v < F are never read; initialised so no compiler has to prove it
     for (int64_t d0 = 0;;) {
       const int64_t d1 = std::min<int64_t>(D, d0 + tiles::kScoreChunk);
       for (int r = 0; r < RR; ++r)
-        for (int v = 0; v < QV; ++v) acc[r][v] = V::set1(0.0f);
+        for (int v = F; v < QV; ++v) acc[r][v] = V::set1(0.0f);
       for (int64_t d = d0; d < d1; ++d) {
         B q[QV];
-        for (int v = 0; v < QV; ++v) q[v] = V::load(qt + d * BQ + v * W);
+        for (int v = F; v < QV; ++v) q[v] = V::load(qt + d * BQ + v * W);
         for (int r = 0; r < RR; ++r) {
           const B kb = V::set1(widen(k[r * ldk + d]));
-          for (int v = 0; v < QV; ++v) acc[r][v] = V::fma(kb, q[v], acc[r][v]);
+          for (int v = F; v < QV; ++v) acc[r][v] = V::fma(kb, q[v], acc[r][v]);
         }
       }
       if (d0 > 0) {  // add the earlier chunks' sum
         for (int r = 0; r < RR; ++r)
-          for (int v = 0; v < QV; ++v) acc[r][v] = acc[r][v] + V::load(s + r * BQ + v * W);
+          for (int v = F; v < QV; ++v) acc[r][v] = acc[r][v] + V::load(s + r * BQ + v * W);
       }
       if (d1 == D) break;
       for (int r = 0; r < RR; ++r)
-        for (int v = 0; v < QV; ++v) V::store(s + r * BQ + v * W, acc[r][v]);
+        for (int v = F; v < QV; ++v) V::store(s + r * BQ + v * W, acc[r][v]);
       d0 = d1;
     }
     if constexpr (kRowScaled<KvT>) {
       for (int r = 0; r < RR; ++r)
-        for (int v = 0; v < QV; ++v) acc[r][v] = acc[r][v] * V::set1(kscale[r]);
+        for (int v = F; v < QV; ++v) acc[r][v] = acc[r][v] * V::set1(kscale[r]);
     }
     for (int r = 0; r < RR; ++r) {
-      for (int v = 0; v < QV; ++v) {
+      for (int v = 0; v < F; ++v) V::store(s + r * BQ + v * W, V::set1(-INFINITY));
+      for (int v = F; v < QV; ++v) {
         V::store(s + r * BQ + v * W, acc[r][v]);
         mx[v] = V::max(mx[v], acc[r][v]);
       }
     }
   }
+  // score_rows<RR, f> for a run-time 0 <= f < QV.
+  template <int RR, int F = 0>
+  static void score_rows_from(int f, const KvT* k, int64_t ldk, const float* kscale, const float* qt, int64_t D,
+                              float* s, B* mx) {
+    if constexpr (F + 1 < QV) {
+      if (f > F) return score_rows_from<RR, F + 1>(f, k, ldk, kscale, qt, D, s, mx);
+    }
+    score_rows<RR, F>(k, ldk, kscale, qt, D, s, mx);
+  }
 
   // acc[d][lane] = alpha[lane] * acc[d][lane] + sum_j V[j][d] * p[j][lane] for RR consecutive d; row-scaled V
-  // (int8) multiplies p[j] by the value's scale vscale[j].
+  // (int8) multiplies p[j] by the value's scale vscale[j]. Keys go in the spans of `span` (QV + 1 bounds, see
+  // Visible): keys [span[f], span[f + 1]) add to vectors f.. only, the others' p being 0.
   template <int RR>
-  static void pv_rows(const KvT* vcol, int64_t ldv, const float* vscale, const float* p, int64_t nk,
+  static void pv_rows(const KvT* vcol, int64_t ldv, const float* vscale, const float* p, const int64_t* span,
                       const float* alpha, float* acc) {
     B c[RR][QV];
     for (int v = 0; v < QV; ++v) {
       const B al = V::load(alpha + v * W);
       for (int r = 0; r < RR; ++r) c[r][v] = V::load(acc + r * BQ + v * W) * al;
     }
-    for (int64_t j = 0; j < nk; ++j) {
-      B pj[QV];
-      for (int v = 0; v < QV; ++v) pj[v] = V::load(p + j * BQ + v * W);
-      if constexpr (kRowScaled<KvT>) {
-        for (int v = 0; v < QV; ++v) pj[v] = pj[v] * V::set1(vscale[j]);
+    // Keys [span[F], span[F + 1]) into vectors F..QV-1; a lambda, so c stays in registers (a helper taking c by
+    // reference kept it in memory).
+    const auto keys = [&]<int F>(std::integral_constant<int, F>) {
+      for (int64_t j = span[F]; j < span[F + 1]; ++j) {
+        B pj[QV];
+        for (int v = F; v < QV; ++v) pj[v] = V::load(p + j * BQ + v * W);
+        if constexpr (kRowScaled<KvT>) {
+          for (int v = F; v < QV; ++v) pj[v] = pj[v] * V::set1(vscale[j]);
+        }
+        for (int r = 0; r < RR; ++r) {
+          const B vb = V::set1(widen(vcol[j * ldv + r]));
+          for (int v = F; v < QV; ++v) c[r][v] = V::fma(vb, pj[v], c[r][v]);
+        }
       }
-      for (int r = 0; r < RR; ++r) {
-        const B vb = V::set1(widen(vcol[j * ldv + r]));
-        for (int v = 0; v < QV; ++v) c[r][v] = V::fma(vb, pj[v], c[r][v]);
-      }
-    }
+    };
+    [&]<int... F>(std::integer_sequence<int, F...>) {
+      (keys(std::integral_constant<int, F>{}), ...);
+    }(std::make_integer_sequence<int, QV>{});
     for (int r = 0; r < RR; ++r)
       for (int v = 0; v < QV; ++v) V::store(acc + r * BQ + v * W, c[r][v]);
   }
@@ -176,27 +215,38 @@ struct MicroF32 {
   }
 
   // The whole score tile s (nk, BQ) = K (nk rows, stride ldk) . qt, register block by register block; kscale: the
-  // keys' scales (row-scaled K only; null otherwise). qscale was applied by pack_queries.
+  // keys' scales (row-scaled K only; null otherwise). qscale was applied by pack_queries. On a diagonal tile a
+  // block of keys leaves out the vectors masked for its first key (vis), whose scores read -inf.
   static void scores(const KvT* k, int64_t ldk, const float* kscale, int64_t nk, const float* qt, int64_t D,
-                     float /*qscale*/, float* s, B* mx) {
+                     float /*qscale*/, float* s, B* mx, const Visible& vis) {
     int64_t j = 0;
-    for (; j + R <= nk; j += R) score_rows<R>(k + j * ldk, ldk, scales_from(kscale, j), qt, D, s + j * BQ, mx);
+    if (!vis.diagonal) {
+      for (; j + R <= nk; j += R) score_rows<R>(k + j * ldk, ldk, scales_from(kscale, j), qt, D, s + j * BQ, mx);
+    } else {
+      for (; j + R <= nk; j += R) {
+        score_rows_from<R>(vis.first(j, W, QV), k + j * ldk, ldk, scales_from(kscale, j), qt, D, s + j * BQ, mx);
+      }
+    }
     if (j < nk) {
       with_rows<R - 1>(nk - j, [&](auto rr) {
-        score_rows<decltype(rr)::value>(k + j * ldk, ldk, scales_from(kscale, j), qt, D, s + j * BQ, mx);
+        score_rows_from<decltype(rr)::value>(vis.first(j, W, QV), k + j * ldk, ldk, scales_from(kscale, j), qt, D,
+                                             s + j * BQ, mx);
       });
     }
   }
 
   // acc (D, BQ) = alpha * acc + V^T (D x nk, V rows of stride ldv) . p (nk, BQ), R head dimensions at a time.
-  // vscale: the values' scales (row-scaled V only; null otherwise).
+  // vscale: the values' scales (row-scaled V only; null otherwise). vis: which vectors each key reaches.
   static void accumulate_pv(const KvT* v, int64_t ldv, const float* vscale, int64_t nk, const float* p,
-                            const float* alpha, int64_t D, float* acc, float* /*work*/) {
+                            const float* alpha, int64_t D, float* acc, float* /*work*/, const Visible& vis) {
+    int64_t span[QV + 1];
+    for (int f = 0; f < QV; ++f) span[f] = vis.span(f, nk, W);
+    span[QV] = nk;
     int64_t d = 0;
-    for (; d + R <= D; d += R) pv_rows<R>(v + d, ldv, vscale, p, nk, alpha, acc + d * BQ);
+    for (; d + R <= D; d += R) pv_rows<R>(v + d, ldv, vscale, p, span, alpha, acc + d * BQ);
     if (d < D) {
       with_rows<R - 1>(D - d, [&](auto rr) {
-        pv_rows<decltype(rr)::value>(v + d, ldv, vscale, p, nk, alpha, acc + d * BQ);
+        pv_rows<decltype(rr)::value>(v + d, ldv, vscale, p, span, alpha, acc + d * BQ);
       });
     }
   }
@@ -295,8 +345,9 @@ struct MicroBf16Dot {
     }
   }
 
+  // Every product is computed, masked or not (Visible is MicroF32's; the driver's mask makes them -inf).
   static void scores(const bf16* k, int64_t ldk, const float* /*kscale*/, int64_t nk, const float* qt_raw, int64_t D,
-                     float qscale, float* s, B* mx) {
+                     float qscale, float* s, B* mx, const Visible& /*vis*/) {
     const uint32_t* qt = reinterpret_cast<const uint32_t*>(qt_raw);
     int64_t j = 0;
     for (; j + R <= nk; j += R) score_rows<R>(k + j * ldk, ldk, qt, D, qscale, s + j * BQ, mx);
@@ -328,7 +379,7 @@ struct MicroBf16Dot {
   }
 
   static void accumulate_pv(const bf16* v, int64_t ldv, const float* /*vscale*/, int64_t nk, const float* p,
-                            const float* alpha, int64_t D, float* acc, float* work) {
+                            const float* alpha, int64_t D, float* acc, float* work, const Visible& /*vis*/) {
     const int64_t np = pairs(nk);
     uint32_t* p2 = reinterpret_cast<uint32_t*>(work);
     uint32_t* vp = p2 + pairs(tiles::kKeyTile) * BQ;
@@ -441,9 +492,13 @@ struct TiledAttention {
       const KvT* kn = nk1 > 0 ? src.keys(j1) : nullptr;
       const KvT* vn = nk1 > 0 ? src.values(j1) : nullptr;
 
+      // A tile crossing the diagonal (some key past the first query's horizon) is causally masked; its keys'
+      // visible query vectors let the micro-kernel leave out the products that are masked anyway.
+      const bool diagonal = a.causal && j0 + nk - 1 > i0 + a.causal_offset;
+      const Visible vis = diagonal ? Visible{j0 - i0 - a.causal_offset, true} : Visible::all();
       B mx[QV];
       for (int v = 0; v < QV; ++v) mx[v] = V::load(m + v * W);
-      M::scores(kt, ldk, src.key_scales(j0), nk, qt, D, qscale, s, mx);
+      M::scores(kt, ldk, src.key_scales(j0), nk, qt, D, qscale, s, mx, vis);
       for (int64_t j = 0; j < nk1; ++j) {
         for (int64_t b = 0; b < row_bytes; b += 64) {
           prefetch_l2(kn + j * ldk, static_cast<size_t>(b));
@@ -452,8 +507,7 @@ struct TiledAttention {
       }
       bool masked = false;  // any mask changes scores after mx was taken: recompute it then
 
-      // Only tiles crossing the diagonal (some key past the first query's horizon) are masked.
-      if (a.causal && j0 + nk - 1 > i0 + a.causal_offset) {
+      if (diagonal) {
         masked = true;
         for (int64_t j = 0; j < nk; ++j) {
           const float* bias = a.causal_bias + (i0 + a.causal_offset - (j0 + j));
@@ -516,7 +570,7 @@ struct TiledAttention {
         }
       }
 
-      M::accumulate_pv(vt, ldv, src.value_scales(j0), nk, s, alpha, D, acc, pv_work);
+      M::accumulate_pv(vt, ldv, src.value_scales(j0), nk, s, alpha, D, acc, pv_work, vis);
     }
 
     // out_i = acc_i / l_i; a query that saw no key (l == 0) gets zeros, never NaN. 1 / l goes in alpha (free now).
