@@ -303,17 +303,18 @@ struct MicroBf16Dot {
     }
   }
 
-  template <int RR>
+  // Vectors v < F are masked for all RR keys (Visible): not computed, their scores set to -inf.
+  template <int RR, int F = 0>
   static void score_rows(const bf16* k, int64_t ldk, const uint32_t* qt, int64_t D, float qscale, float* s, B* mx) {
     const int64_t full = D / 2, chunk = tiles::kScoreChunk / 2;
-    B acc[RR][QV];
+    B acc[RR][QV] = {};  // vectors v < F are never read; initialised so no compiler has to prove it
     for (int64_t e0 = 0;;) {
       const int64_t e1 = std::min<int64_t>(pairs(D), e0 + chunk);
       for (int r = 0; r < RR; ++r)
-        for (int v = 0; v < QV; ++v) acc[r][v] = V::set1(0.0f);
+        for (int v = F; v < QV; ++v) acc[r][v] = V::set1(0.0f);
       for (int64_t e = e0; e < e1; ++e) {
         P q[QV];
-        for (int v = 0; v < QV; ++v) q[v] = Dot::load(qt + e * BQ + v * W);
+        for (int v = F; v < QV; ++v) q[v] = Dot::load(qt + e * BQ + v * W);
         const bool hi = e < full;  // false only for the odd tail
         for (int r = 0; r < RR; ++r) {
           uint32_t pair;
@@ -323,64 +324,92 @@ struct MicroBf16Dot {
             pair = bf16_pair(k + r * ldk + 2 * e, false);
           }
           const P kb = Dot::broadcast(pair);
-          for (int v = 0; v < QV; ++v) acc[r][v] = Dot::dot2(acc[r][v], kb, q[v]);
+          for (int v = F; v < QV; ++v) acc[r][v] = Dot::dot2(acc[r][v], kb, q[v]);
         }
       }
       if (e0 > 0) {
         for (int r = 0; r < RR; ++r)
-          for (int v = 0; v < QV; ++v) acc[r][v] = acc[r][v] + V::load(s + r * BQ + v * W);
+          for (int v = F; v < QV; ++v) acc[r][v] = acc[r][v] + V::load(s + r * BQ + v * W);
       }
       if (e1 == pairs(D)) break;
       for (int r = 0; r < RR; ++r)
-        for (int v = 0; v < QV; ++v) V::store(s + r * BQ + v * W, acc[r][v]);
+        for (int v = F; v < QV; ++v) V::store(s + r * BQ + v * W, acc[r][v]);
       e0 = e1;
     }
     const B qs = V::set1(qscale);
     for (int r = 0; r < RR; ++r) {
-      for (int v = 0; v < QV; ++v) {
+      for (int v = 0; v < F; ++v) V::store(s + r * BQ + v * W, V::set1(-INFINITY));
+      for (int v = F; v < QV; ++v) {
         const B x = acc[r][v] * qs;
         V::store(s + r * BQ + v * W, x);
         mx[v] = V::max(mx[v], x);
       }
     }
   }
+  // score_rows<RR, f> for a run-time 0 <= f < QV.
+  template <int RR, int F = 0>
+  static void score_rows_from(int f, const bf16* k, int64_t ldk, const uint32_t* qt, int64_t D, float qscale,
+                              float* s, B* mx) {
+    if constexpr (F + 1 < QV) {
+      if (f > F) return score_rows_from<RR, F + 1>(f, k, ldk, qt, D, qscale, s, mx);
+    }
+    score_rows<RR, F>(k, ldk, qt, D, qscale, s, mx);
+  }
 
-  // Every product is computed, masked or not (Visible is MicroF32's; the driver's mask makes them -inf).
+  // As MicroF32's: on a diagonal tile a block of keys leaves out the vectors masked for its first key.
   static void scores(const bf16* k, int64_t ldk, const float* /*kscale*/, int64_t nk, const float* qt_raw, int64_t D,
-                     float qscale, float* s, B* mx, const Visible& /*vis*/) {
+                     float qscale, float* s, B* mx, const Visible& vis) {
     const uint32_t* qt = reinterpret_cast<const uint32_t*>(qt_raw);
     int64_t j = 0;
-    for (; j + R <= nk; j += R) score_rows<R>(k + j * ldk, ldk, qt, D, qscale, s + j * BQ, mx);
+    if (!vis.diagonal) {
+      for (; j + R <= nk; j += R) score_rows<R>(k + j * ldk, ldk, qt, D, qscale, s + j * BQ, mx);
+    } else {
+      for (; j + R <= nk; j += R) {
+        score_rows_from<R>(vis.first(j, W, QV), k + j * ldk, ldk, qt, D, qscale, s + j * BQ, mx);
+      }
+    }
     if (j < nk) {
       with_rows<R - 1>(nk - j, [&](auto rr) {
-        score_rows<decltype(rr)::value>(k + j * ldk, ldk, qt, D, qscale, s + j * BQ, mx);
+        score_rows_from<decltype(rr)::value>(vis.first(j, W, QV), k + j * ldk, ldk, qt, D, qscale, s + j * BQ, mx);
       });
     }
   }
 
-  // acc[d][lane] = alpha[lane] * acc[d][lane] + sum_e vp[e][d] . p2[e][lane] for RR consecutive d.
+  // acc[d][lane] = alpha[lane] * acc[d][lane] + sum_e vp[e][d] . p2[e][lane] for RR consecutive d, the key pairs
+  // in spans as MicroF32::pv_rows's keys: pairs [span[f], span[f + 1]) add to vectors f.. only.
   template <int RR>
-  static void pv_rows(const uint32_t* vp, int64_t D, const uint32_t* p2, int64_t np, const float* alpha, float* acc) {
+  static void pv_rows(const uint32_t* vp, int64_t D, const uint32_t* p2, const int64_t* span, const float* alpha,
+                      float* acc) {
     B c[RR][QV];
     for (int v = 0; v < QV; ++v) {
       const B al = V::load(alpha + v * W);
       for (int r = 0; r < RR; ++r) c[r][v] = V::load(acc + r * BQ + v * W) * al;
     }
-    for (int64_t e = 0; e < np; ++e) {
-      P pe[QV];
-      for (int v = 0; v < QV; ++v) pe[v] = Dot::load(p2 + e * BQ + v * W);
-      for (int r = 0; r < RR; ++r) {
-        const P vb = Dot::broadcast(vp[e * D + r]);
-        for (int v = 0; v < QV; ++v) c[r][v] = Dot::dot2(c[r][v], vb, pe[v]);
+    const auto pairs_into = [&]<int F>(std::integral_constant<int, F>) {
+      for (int64_t e = span[F]; e < span[F + 1]; ++e) {
+        P pe[QV];
+        for (int v = F; v < QV; ++v) pe[v] = Dot::load(p2 + e * BQ + v * W);
+        for (int r = 0; r < RR; ++r) {
+          const P vb = Dot::broadcast(vp[e * D + r]);
+          for (int v = F; v < QV; ++v) c[r][v] = Dot::dot2(c[r][v], vb, pe[v]);
+        }
       }
-    }
+    };
+    [&]<int... F>(std::integer_sequence<int, F...>) {
+      (pairs_into(std::integral_constant<int, F>{}), ...);
+    }(std::make_integer_sequence<int, QV>{});
     for (int r = 0; r < RR; ++r)
       for (int v = 0; v < QV; ++v) V::store(acc + r * BQ + v * W, c[r][v]);
   }
 
   static void accumulate_pv(const bf16* v, int64_t ldv, const float* /*vscale*/, int64_t nk, const float* p,
-                            const float* alpha, int64_t D, float* acc, float* work, const Visible& /*vis*/) {
+                            const float* alpha, int64_t D, float* acc, float* work, const Visible& vis) {
     const int64_t np = pairs(nk);
+    // Pair e holds keys 2e and 2e + 1 and feeds every vector its first key does: the pair spans start at the
+    // first pair whose first key starts a key span (rounded up).
+    int64_t span[QV + 1];
+    for (int f = 0; f < QV; ++f) span[f] = (vis.span(f, nk, W) + 1) / 2;
+    span[QV] = np;
     uint32_t* p2 = reinterpret_cast<uint32_t*>(work);
     uint32_t* vp = p2 + pairs(tiles::kKeyTile) * BQ;
     // P in pairs over keys; an odd last key pairs with zeros (the row past it in s is not this tile's).
@@ -393,9 +422,9 @@ struct MicroBf16Dot {
       Dot::interleave(v + 2 * e * ldv, 2 * e + 1 < nk ? v + (2 * e + 1) * ldv : nullptr, D, vp + e * D);
     }
     int64_t d = 0;
-    for (; d + R <= D; d += R) pv_rows<R>(vp + d, D, p2, np, alpha, acc + d * BQ);
+    for (; d + R <= D; d += R) pv_rows<R>(vp + d, D, p2, span, alpha, acc + d * BQ);
     if (d < D) {
-      with_rows<R - 1>(D - d, [&](auto rr) { pv_rows<decltype(rr)::value>(vp + d, D, p2, np, alpha, acc + d * BQ); });
+      with_rows<R - 1>(D - d, [&](auto rr) { pv_rows<decltype(rr)::value>(vp + d, D, p2, span, alpha, acc + d * BQ); });
     }
   }
 };
