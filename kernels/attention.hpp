@@ -51,7 +51,8 @@
 //
 // Causal work is skipped by index arithmetic: query i sees keys j <= i + causal_offset, so key tiles past
 // the last query's horizon are never touched, and only tiles crossing the diagonal read the layer's
-// registered causal bias row (0 where visible, -inf where not).
+// registered causal bias row (0 where visible, -inf where not). Inside such a tile the micro-kernels also leave
+// out the products of key blocks and query vectors the diagonal masks whole (Visible, attention_impl.hpp).
 #pragma once
 
 #include <cmath>
