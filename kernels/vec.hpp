@@ -19,9 +19,11 @@ namespace gpt2attn::kernels {
 
 struct ScalarArch {};
 
-// ln(2)^k / k!: the Taylor coefficients of 2^f = e^(f ln 2).
-inline constexpr float kExp2Taylor[7] = {1.0f, 0.693147180559945f, 0.240226506959101f, 0.0555041086648216f,
-                                         0.00961812910762848f, 0.00133335581464284f, 0.000154035303933816f};
+// 2^f on |f| <= 1/2 by a degree-5 polynomial fitted for the least largest relative error with p(0) = 1 exactly
+// (iteratively reweighted least squares on 4000 Chebyshev points): 1.6e-7 at worst over 200001 points evaluated by
+// f32 FMAs as exp2() does, against 2.2e-7 for the degree-6 Taylor series (ln(2)^k / k!) it replaced, which cost one
+// FMA more per exponential.
+inline constexpr float kExp2Poly[6] = {1.0f, 0.693147004f, 0.240222424f, 0.0555073358f, 0.00967151299f, 0.00132647273f};
 
 // Asks for the 64-byte line at p + bytes ahead of its use. The address is computed as an integer: it may lie
 // past the end of the buffer (prefetching there is harmless), where pointer arithmetic would be undefined.
@@ -171,16 +173,16 @@ struct Vec {
     }
   }
   // 2^x, exactly 0 below -126 (so a masked -inf score contributes nothing) and NaN for NaN (bad input
-  // must not pass for a masked row). Range reduction x = n + f, |f| <= 1/2, then 2^f by its Taylor series
-  // to degree 6 (relative error < 1.3e-7, about one float ulp), and 2^n built in the exponent bits.
+  // must not pass for a masked row). Range reduction x = n + f, |f| <= 1/2, then 2^f by kExp2Poly (relative
+  // error below 1.6e-7, about one float ulp), and 2^n built in the exponent bits.
   static B exp2(B x) {
     using I = xsimd::batch<int32_t, Arch>;
     const auto underflow = x < B(-126.0f);  // false for NaN, which then flows through f and p
     const B xc = xsimd::select(underflow, B(-126.0f), x);
     const I n = xsimd::nearbyint_as_int(xc);
     const B f = xc - xsimd::to_float(n);
-    B p = B(kExp2Taylor[6]);
-    for (int k = 5; k >= 0; --k) p = xsimd::fma(p, f, B(kExp2Taylor[k]));
+    B p = B(kExp2Poly[5]);
+    for (int k = 4; k >= 0; --k) p = xsimd::fma(p, f, B(kExp2Poly[k]));
     const B two_n = xsimd::bitwise_cast<B>((n + I(127)) << 23);
     return xsimd::select(underflow, B(0.0f), p * two_n);
   }

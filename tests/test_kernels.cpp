@@ -24,6 +24,7 @@
 #include "kernels/dropout.hpp"
 #include "kernels/linear.hpp"
 #include "kernels/tiles.hpp"
+#include "kernels/vec_probe.hpp"
 #include "tests/isa_param.hpp"
 #include "tests/test_util.hpp"
 
@@ -728,6 +729,54 @@ const kernels::IntDotKernel& int_dot_kernel(Isa isa) {
       return kernels::int_dot_scalar();
   }
 }
+
+// Vec::exp2, the softmax's exponential (kernels/vec.hpp), on every instruction set: within 2e-7 relative of 2^x
+// wherever that is a normal float (x in [-126, 126], every 1/1024, so every integer and half-integer where the
+// range reduction turns), exactly 2^n at integers (the polynomial is 1 at 0), 0 below -126 and for -inf (a masked
+// score), NaN for NaN (bad input must not pass for a masked row).
+const kernels::VecProbe& vec_probe(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return kernels::vec_probe_avx512();
+    case Isa::avx2:
+      return kernels::vec_probe_avx2();
+    default:
+      return kernels::vec_probe_scalar();
+  }
+}
+
+class KernelVecExp2 : public KernelTest {};
+
+TEST_P(KernelVecExp2, WithinItsBoundAndExactWhereItMustBe) {
+  const kernels::VecProbe& probe = vec_probe(isa());
+  ASSERT_STREQ(probe.isa, to_string(isa()));
+  std::vector<float> x;
+  for (int64_t i = -130 * 1024; i <= 126 * 1024; ++i) x.push_back(static_cast<float>(i) / 1024.0f);
+  const size_t specials = x.size();
+  for (float v : {-INFINITY, NAN, -0.0f, std::nextafter(-126.0f, -127.0f), std::nextafter(-126.0f, 0.0f)}) x.push_back(v);
+  while (x.size() % static_cast<size_t>(probe.lanes) != 0) x.push_back(0.0f);
+  std::vector<float> y(x.size(), -1.0f);
+  probe.exp2(x.data(), static_cast<int64_t>(x.size()), y.data());
+  double worst = 0.0;
+  for (size_t i = 0; i < specials; ++i) {
+    if (x[i] < -126.0f) {
+      ASSERT_EQ(y[i], 0.0f) << "[isa=" << probe.isa << "] exp2(" << x[i] << ")";
+      continue;
+    }
+    const double want = std::exp2(static_cast<double>(x[i]));
+    worst = std::max(worst, std::fabs(y[i] / want - 1.0));
+    if (x[i] == std::round(x[i])) {
+      ASSERT_EQ(y[i], static_cast<float>(want)) << "[isa=" << probe.isa << "] exp2 of the integer " << x[i];
+    }
+  }
+  EXPECT_LE(worst, 2e-7) << "[isa=" << probe.isa << "]";
+  EXPECT_EQ(y[specials], 0.0f) << "exp2(-inf)";
+  EXPECT_TRUE(std::isnan(y[specials + 1])) << "exp2(NaN) = " << y[specials + 1];
+  EXPECT_EQ(y[specials + 2], 1.0f) << "exp2(-0)";
+  EXPECT_EQ(y[specials + 3], 0.0f) << "exp2 just below -126";
+  EXPECT_GT(y[specials + 4], 0.0f) << "exp2 just above -126";
+}
+GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelVecExp2);
 
 class KernelIntDot : public KernelTest {};
 
