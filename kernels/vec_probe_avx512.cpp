@@ -1,17 +1,6 @@
-// kernels/vec_probe_avx512.cpp: Vec<xsimd::avx512f>'s element-wise functions for the tests (kernels/vec_probe.hpp).
-#include "kernels/vec.hpp"
-#include "kernels/vec_probe.hpp"
+// kernels/vec_probe_avx512.cpp: Vec<avx512f>'s element-wise functions, for the tests (kernels/vec_probe.hpp).
+#include "kernels/vec_probe_impl.hpp"
 
 namespace gpt2attn::kernels {
-namespace {
-using V = Vec<xsimd::avx512f>;
-void exp2_all(const float* x, int64_t n, float* y) {
-  for (int64_t i = 0; i < n; i += V::W) V::store(y + i, V::exp2(V::load(x + i)));
-}
-}  // namespace
-
-const VecProbe& vec_probe_avx512() {
-  static const VecProbe probe{"avx512", V::W, &exp2_all};
-  return probe;
-}
+const VecProbe& vec_probe_avx512() { return make_vec_probe<xsimd::avx512f>("avx512"); }
 }  // namespace gpt2attn::kernels

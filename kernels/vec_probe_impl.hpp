@@ -1,0 +1,24 @@
+// kernels/vec_probe_impl.hpp: the VecProbe of one instruction set (kernels/vec_probe.hpp), written once over
+// Vec<Arch>. Included only by the per-ISA vec_probe_<isa>.cpp (internal linkage, like the kernels' _impl headers).
+#pragma once
+
+#include "kernels/vec.hpp"
+#include "kernels/vec_probe.hpp"
+
+namespace gpt2attn::kernels {
+namespace {
+
+template <class Arch>
+void exp2_all(const float* x, int64_t n, float* y) {
+  using V = Vec<Arch>;
+  for (int64_t i = 0; i < n; i += V::W) V::store(y + i, V::exp2(V::load(x + i)));
+}
+
+template <class Arch>
+const VecProbe& make_vec_probe(const char* isa) {
+  static const VecProbe probe{isa, Vec<Arch>::W, &exp2_all<Arch>};
+  return probe;
+}
+
+}  // namespace
+}  // namespace gpt2attn::kernels
