@@ -37,6 +37,25 @@ void with_rows(int64_t rem, F&& f) {
   }
 }
 
+// Calls f(std::integral_constant<int, F>) for the run-time 0 <= first < QV: the first query vector a block of keys
+// reaches (Visible::first) becomes a compile-time loop bound, as with_rows does for a ragged row count.
+template <int QV, int F = 0, class Fn>
+void with_first(int first, Fn&& f) {
+  if constexpr (F + 1 < QV) {
+    if (first > F) return with_first<QV, F + 1>(first, f);
+  }
+  f(std::integral_constant<int, F>{});
+}
+
+// Calls f(std::integral_constant<int, F>) for F = 0, 1, ..., QV - 1 in order: P.V's key spans (Visible::span), each
+// with its own compile-time first vector. A generic lambda, so the caller's accumulators stay in registers (a helper
+// function taking them by reference kept them in memory).
+template <int QV, class Fn>
+void for_each_first(Fn&& f) {
+  [&]<int... F>(std::integer_sequence<int, F...>) { (f(std::integral_constant<int, F>{}), ...); }(
+      std::make_integer_sequence<int, QV>{});
+}
+
 // Which query vectors of a tile crossing the causal diagonal see each of its keys. Query i of the tile sees key j of
 // the tile when i >= j + c (c = j0 - i0 - causal_offset), so key j is masked for every query of vectors
 // v < first(j) = max(0, j + c) / W, which never decreases with j. A micro-kernel may leave those products out (their
@@ -165,15 +184,6 @@ struct MicroF32 {
       }
     }
   }
-  // score_rows<RR, f> for a run-time 0 <= f < QV.
-  template <int RR, int F = 0>
-  static void score_rows_from(int f, const KvT* k, int64_t ldk, const float* kscale, const float* qt, int64_t D,
-                              float* s, B* mx) {
-    if constexpr (F + 1 < QV) {
-      if (f > F) return score_rows_from<RR, F + 1>(f, k, ldk, kscale, qt, D, s, mx);
-    }
-    score_rows<RR, F>(k, ldk, kscale, qt, D, s, mx);
-  }
 
   // acc[d][lane] = alpha[lane] * acc[d][lane] + sum_j V[j][d] * p[j][lane] for RR consecutive d; row-scaled V
   // (int8) multiplies p[j] by the value's scale vscale[j]. Keys go in the spans of `span` (QV + 1 bounds, see
@@ -186,9 +196,8 @@ struct MicroF32 {
       const B al = V::load(alpha + v * W);
       for (int r = 0; r < RR; ++r) c[r][v] = V::load(acc + r * BQ + v * W) * al;
     }
-    // Keys [span[F], span[F + 1]) into vectors F..QV-1; a lambda, so c stays in registers (a helper taking c by
-    // reference kept it in memory).
-    const auto keys = [&]<int F>(std::integral_constant<int, F>) {
+    // Keys [span[F], span[F + 1]) into vectors F..QV-1.
+    for_each_first<QV>([&]<int F>(std::integral_constant<int, F>) {
       for (int64_t j = span[F]; j < span[F + 1]; ++j) {
         B pj[QV];
         for (int v = F; v < QV; ++v) pj[v] = V::load(p + j * BQ + v * W);
@@ -200,10 +209,7 @@ struct MicroF32 {
           for (int v = F; v < QV; ++v) c[r][v] = V::fma(vb, pj[v], c[r][v]);
         }
       }
-    };
-    [&]<int... F>(std::integer_sequence<int, F...>) {
-      (keys(std::integral_constant<int, F>{}), ...);
-    }(std::make_integer_sequence<int, QV>{});
+    });
     for (int r = 0; r < RR; ++r)
       for (int v = 0; v < QV; ++v) V::store(acc + r * BQ + v * W, c[r][v]);
   }
@@ -219,20 +225,14 @@ struct MicroF32 {
   // block of keys leaves out the vectors masked for its first key (vis), whose scores read -inf.
   static void scores(const KvT* k, int64_t ldk, const float* kscale, int64_t nk, const float* qt, int64_t D,
                      float /*qscale*/, float* s, B* mx, const Visible& vis) {
-    int64_t j = 0;
-    if (!vis.diagonal) {
-      for (; j + R <= nk; j += R) score_rows<R>(k + j * ldk, ldk, scales_from(kscale, j), qt, D, s + j * BQ, mx);
-    } else {
-      for (; j + R <= nk; j += R) {
-        score_rows_from<R>(vis.first(j, W, QV), k + j * ldk, ldk, scales_from(kscale, j), qt, D, s + j * BQ, mx);
-      }
-    }
-    if (j < nk) {
-      with_rows<R - 1>(nk - j, [&](auto rr) {
-        score_rows_from<decltype(rr)::value>(vis.first(j, W, QV), k + j * ldk, ldk, scales_from(kscale, j), qt, D,
-                                             s + j * BQ, mx);
+    const auto block = [&]<int RR>(int64_t j, std::integral_constant<int, RR>) {
+      with_first<QV>(vis.first(j, W, QV), [&]<int F>(std::integral_constant<int, F>) {
+        score_rows<RR, F>(k + j * ldk, ldk, scales_from(kscale, j), qt, D, s + j * BQ, mx);
       });
-    }
+    };
+    int64_t j = 0;
+    for (; j + R <= nk; j += R) block(j, std::integral_constant<int, R>{});
+    if (j < nk) with_rows<R - 1>(nk - j, [&](auto rr) { block(j, rr); });
   }
 
   // acc (D, BQ) = alpha * acc + V^T (D x nk, V rows of stride ldv) . p (nk, BQ), R head dimensions at a time.
@@ -346,33 +346,19 @@ struct MicroBf16Dot {
       }
     }
   }
-  // score_rows<RR, f> for a run-time 0 <= f < QV.
-  template <int RR, int F = 0>
-  static void score_rows_from(int f, const bf16* k, int64_t ldk, const uint32_t* qt, int64_t D, float qscale,
-                              float* s, B* mx) {
-    if constexpr (F + 1 < QV) {
-      if (f > F) return score_rows_from<RR, F + 1>(f, k, ldk, qt, D, qscale, s, mx);
-    }
-    score_rows<RR, F>(k, ldk, qt, D, qscale, s, mx);
-  }
 
   // As MicroF32's: on a diagonal tile a block of keys leaves out the vectors masked for its first key.
   static void scores(const bf16* k, int64_t ldk, const float* /*kscale*/, int64_t nk, const float* qt_raw, int64_t D,
                      float qscale, float* s, B* mx, const Visible& vis) {
     const uint32_t* qt = reinterpret_cast<const uint32_t*>(qt_raw);
-    int64_t j = 0;
-    if (!vis.diagonal) {
-      for (; j + R <= nk; j += R) score_rows<R>(k + j * ldk, ldk, qt, D, qscale, s + j * BQ, mx);
-    } else {
-      for (; j + R <= nk; j += R) {
-        score_rows_from<R>(vis.first(j, W, QV), k + j * ldk, ldk, qt, D, qscale, s + j * BQ, mx);
-      }
-    }
-    if (j < nk) {
-      with_rows<R - 1>(nk - j, [&](auto rr) {
-        score_rows_from<decltype(rr)::value>(vis.first(j, W, QV), k + j * ldk, ldk, qt, D, qscale, s + j * BQ, mx);
+    const auto block = [&]<int RR>(int64_t j, std::integral_constant<int, RR>) {
+      with_first<QV>(vis.first(j, W, QV), [&]<int F>(std::integral_constant<int, F>) {
+        score_rows<RR, F>(k + j * ldk, ldk, qt, D, qscale, s + j * BQ, mx);
       });
-    }
+    };
+    int64_t j = 0;
+    for (; j + R <= nk; j += R) block(j, std::integral_constant<int, R>{});
+    if (j < nk) with_rows<R - 1>(nk - j, [&](auto rr) { block(j, rr); });
   }
 
   // acc[d][lane] = alpha[lane] * acc[d][lane] + sum_e vp[e][d] . p2[e][lane] for RR consecutive d, the key pairs
@@ -385,7 +371,7 @@ struct MicroBf16Dot {
       const B al = V::load(alpha + v * W);
       for (int r = 0; r < RR; ++r) c[r][v] = V::load(acc + r * BQ + v * W) * al;
     }
-    const auto pairs_into = [&]<int F>(std::integral_constant<int, F>) {
+    for_each_first<QV>([&]<int F>(std::integral_constant<int, F>) {
       for (int64_t e = span[F]; e < span[F + 1]; ++e) {
         P pe[QV];
         for (int v = F; v < QV; ++v) pe[v] = Dot::load(p2 + e * BQ + v * W);
@@ -394,10 +380,7 @@ struct MicroBf16Dot {
           for (int v = F; v < QV; ++v) c[r][v] = Dot::dot2(c[r][v], vb, pe[v]);
         }
       }
-    };
-    [&]<int... F>(std::integer_sequence<int, F...>) {
-      (pairs_into(std::integral_constant<int, F>{}), ...);
-    }(std::make_integer_sequence<int, QV>{});
+    });
     for (int r = 0; r < RR; ++r)
       for (int v = 0; v < QV; ++v) V::store(acc + r * BQ + v * W, c[r][v]);
   }
