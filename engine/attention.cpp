@@ -252,10 +252,10 @@ void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnSh
 
 void MultiHeadAttention::Impl::forward(const AttentionInputs& in, void* out_data, DType out_dtype,
                                        const RunOptions& run, Workspace::Impl& ws) {
-  const AttnShape s = detail::validate_inputs(cfg, in, run, default_threads);
+  const int threads = threads_for(run);
+  const AttnShape s = detail::validate_inputs(cfg, in, run, threads);
   if (!out_data) invalid("output: null pointer");
   check_output_dtype(out_dtype);
-  const int threads = threads_for(run);
   const bool pack_q = needs_packing(in.query, compute);
   const bool pack_k = !s.self_attention && needs_packing(in.key, compute);
   const bool pack_v = !s.self_attention && needs_packing(in.value, compute);

@@ -178,9 +178,9 @@ int64_t MultiHeadAttention::Impl::serving_bytes(int64_t max_extend_tokens, int64
 
 void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const float* x, int64_t T, float* out_data,
                                       const RunOptions& run, Workspace::Impl& ws) {
-  AttnShape s = detail::validate_extend(cfg, cache, x, T, out_data, run, default_threads);
-  const int64_t d_in = s.d_in, E = s.E, H = s.H, D = s.D;
   const int threads = threads_for(run);
+  AttnShape s = detail::validate_extend(cfg, cache, x, T, out_data, run, threads);
+  const int64_t d_in = s.d_in, E = s.E, H = s.H, D = s.D;
   KvCache::Impl& kv = cache.impl();
   const kernels::KvLayout& layout = kv.layout;
   const detail::KernelSet& ks = serving_kernels(layout.dtype, "extend");
@@ -241,9 +241,9 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
 
 void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x,
                                       float* out_data, const RunOptions& run, Workspace::Impl& ws) {
-  const AttnShape s = detail::validate_decode(cfg, cache, seqs, B, x, out_data, run, default_threads);
-  const int64_t d_in = s.d_in, E = s.E, H = s.H, H_kv = s.H_kv, D = s.D;
   const int threads = threads_for(run);
+  const AttnShape s = detail::validate_decode(cfg, cache, seqs, B, x, out_data, run, threads);
+  const int64_t d_in = s.d_in, E = s.E, H = s.H, H_kv = s.H_kv, D = s.D;
   KvCache::Impl& kv = cache.impl();
 
   const detail::KernelSet& ks = serving_kernels(kv.layout.dtype, "decode");

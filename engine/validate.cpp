@@ -180,9 +180,8 @@ AttnShape shape_of(const Config& config) {
   return s;
 }
 
-AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run, int default_threads) {
+AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run, int threads) {
   check_threads(run.threads, "forward", "run.threads");
-  const int threads = run.threads > 0 ? static_cast<int>(run.threads) : default_threads;
 
   AttnShape s = shape_of(config);
 
@@ -299,7 +298,7 @@ namespace {
 
 // What extend and decode share: the cache fits the layer, inference mode, threads, pointers and x's values.
 AttnShape serving_shape(const Config& config, const KvCache& cache, const float* x, int64_t B, int64_t T,
-                        const float* out, const RunOptions& run, int default_threads, const char* call) {
+                        const float* out, const RunOptions& run, int threads, const char* call) {
   const Config& c = cache.config();
   if (c.d_model != config.d_model || c.num_heads != config.num_heads || c.kv_heads() != config.kv_heads()) {
     invalid(std::string(call) + ": the KV cache was built for E=" + str(c.d_model) + ", H=" + str(c.num_heads) +
@@ -313,7 +312,6 @@ AttnShape serving_shape(const Config& config, const KvCache& cache, const float*
   AttnShape s = shape_of(config);
   s.B = B;
   s.T = T;
-  const int threads = run.threads > 0 ? static_cast<int>(run.threads) : default_threads;
   if (run.check_finite) check_finite(TensorView::f32(x, {B, T, s.d_in}), "x", "t", threads);
   return s;
 }
@@ -321,19 +319,19 @@ AttnShape serving_shape(const Config& config, const KvCache& cache, const float*
 }  // namespace
 
 AttnShape validate_extend(const Config& config, const KvCache& cache, const float* x, int64_t T, const float* out,
-                          const RunOptions& run, int default_threads) {
+                          const RunOptions& run, int threads) {
   if (T < 1) invalid("extend: T must be >= 1, got " + str(T));
   if (T > config.context_length) {
     invalid("extend: T=" + str(T) + " new tokens exceed context_length=" + str(config.context_length));
   }
-  return serving_shape(config, cache, x, 1, T, out, run, default_threads, "extend");
+  return serving_shape(config, cache, x, 1, T, out, run, threads, "extend");
 }
 
 AttnShape validate_decode(const Config& config, const KvCache& cache, const SequenceId* seqs, int64_t B,
-                          const float* x, const float* out, const RunOptions& run, int default_threads) {
+                          const float* x, const float* out, const RunOptions& run, int threads) {
   if (B < 1) invalid("decode: B must be >= 1, got " + str(B));
   if (!seqs) invalid("decode: seqs is a null pointer");
-  return serving_shape(config, cache, x, B, 1, out, run, default_threads, "decode");
+  return serving_shape(config, cache, x, B, 1, out, run, threads, "decode");
 }
 
 }  // namespace gpt2attn::detail

@@ -39,18 +39,19 @@ AttnShape shape_of(const Config& config);
 //  - run.threads < 0 or > max_threads()
 //  - when run.check_finite: NaN/Inf in query/key/value, or NaN in an additive mask
 //    ("query contains NaN at (b, t, e) = (0, 3, 17)"); -inf in an additive mask is allowed
-// default_threads: the team the call runs on when run.threads is 0, which scans query/key/value for NaN/Inf (a
-// serial pass over the inputs would stand alone ahead of every parallel stage); the naive reference passes 1.
-AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run, int default_threads);
+// threads: the team the call runs on (the layer's threads_for(run); read only after run.threads is checked), which
+// scans query/key/value for NaN/Inf: a serial pass over the inputs would stand alone ahead of every parallel stage.
+// The naive reference passes 1.
+AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const RunOptions& run, int threads);
 
 // extend(): T new tokens x (1, T, d_in) of one sequence. Throws invalid_argument for a cache built for other heads
 // or widths, training mode, bad threads, T outside [1, context_length], null x or out, and (check_finite) a
 // non-finite x. The sequence id and its length are checked by the pool's lease (KvCache::Impl::begin_append).
 AttnShape validate_extend(const Config& config, const KvCache& cache, const float* x, int64_t T, const float* out,
-                          const RunOptions& run, int default_threads);
+                          const RunOptions& run, int threads);
 // decode(): one new token for each of B sequences, x (B, 1, d_in). The same checks with B >= 1 and seqs non-null.
 AttnShape validate_decode(const Config& config, const KvCache& cache, const SequenceId* seqs, int64_t B,
-                          const float* x, const float* out, const RunOptions& run, int default_threads);
+                          const float* x, const float* out, const RunOptions& run, int threads);
 
 // Throws invalid_argument naming "call: field" unless 0 <= threads <= max_threads() (0 = the default). Builds no
 // string unless it throws: it runs on every call.

@@ -333,13 +333,13 @@ void ShardedAttention::forward(const AttentionInputs& in, float* out, const RunO
   int64_t n = 0;
   check_and_agree(s.comm, "forward", [&](Verdict& v) {
     // Against the whole layer first, so that messages name its shapes; then the shard's view of the same inputs.
-    const detail::AttnShape full = detail::validate_inputs(s.full, in, run, s.layer->default_threads);
+    const int threads = s.layer->threads_for(run);
+    const detail::AttnShape full = detail::validate_inputs(s.full, in, run, threads);
     if (!out) invalid("output: null pointer");
     local_in = detail::shard_inputs(in, s.shard);
     RunOptions quiet = run;
     quiet.check_finite = false;  // scanned once, above
-    const detail::AttnShape local = detail::validate_inputs(s.layer->cfg, local_in, quiet, s.layer->default_threads);
-    const int threads = s.layer->threads_for(run);
+    const detail::AttnShape local = detail::validate_inputs(s.layer->cfg, local_in, quiet, threads);
     // Every allocation the computation makes of its own happens here, before the ranks agree to go ahead.
     const int64_t bytes = s.layer->forward_plan(local, true, true, true, threads).bytes;
     s.layer->with_workspace(nullptr, "forward", [&](Workspace::Impl& w) { w.reserve(static_cast<size_t>(bytes)); });
@@ -403,7 +403,7 @@ void ShardedAttention::extend(ShardedKvCache& cache, SequenceId seq, const float
   Impl& s = *impl_;
   KvCache& pool = *cache.impl_->local;
   serving_call(s, *cache.impl_, "extend", &seq, 1, T, x, out, run,
-               [&] { detail::validate_extend(s.layer->cfg, pool, x, T, out, run, s.layer->default_threads); },
+               [&] { detail::validate_extend(s.layer->cfg, pool, x, T, out, run, s.layer->threads_for(run)); },
                [&](float* partial, const RunOptions& r, Workspace::Impl& w) {
                  s.layer->extend(pool, seq, x, T, partial, r, w);
                });
@@ -414,7 +414,7 @@ void ShardedAttention::decode(ShardedKvCache& cache, const SequenceId* seqs, int
   Impl& s = *impl_;
   KvCache& pool = *cache.impl_->local;
   serving_call(s, *cache.impl_, "decode", seqs, B, 1, x, out, run,
-               [&] { detail::validate_decode(s.layer->cfg, pool, seqs, B, x, out, run, s.layer->default_threads); },
+               [&] { detail::validate_decode(s.layer->cfg, pool, seqs, B, x, out, run, s.layer->threads_for(run)); },
                [&](float* partial, const RunOptions& r, Workspace::Impl& w) {
                  s.layer->decode(pool, seqs, B, x, partial, r, w);
                });
