@@ -53,6 +53,14 @@ struct Vec {
   using B = xsimd::batch<float, Arch>;
   static constexpr int W = static_cast<int>(B::size);
   static B load(const float* p) { return B::load_unaligned(p); }
+  // x pinned in a register: an empty asm the compiler must assume reads and rewrites it, so a vector loaded once
+  // and used by several FMAs stays one load instead of becoming a memory operand of each (GCC folds the load into
+  // every use, which costs a load-port slot per use). No instruction is emitted.
+  static B in_register(B x) {
+    auto r = x.data;
+    asm("" : "+v"(r));
+    return B(r);
+  }
   // W bf16 values widened to f32: zero-extend each 16-bit value to 32 and shift it into the high half (exact).
   // One raw intrinsic sequence per instruction set; the scalar twin is widen().
   static B load(const bf16* p) {
@@ -196,6 +204,7 @@ struct Vec<ScalarArch> {
   using B = float;
   static constexpr int W = 1;
   static B load(const float* p) { return *p; }
+  static B in_register(B x) { return x; }
   static B load(const bf16* p) { return widen(*p); }
   static B load(const int8_t* p) { return widen(*p); }
   static B load(const int32_t* p) { return static_cast<float>(*p); }
