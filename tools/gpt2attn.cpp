@@ -570,14 +570,22 @@ BenchResult bench_prefill(const std::string& name, ga::Config cfg, int64_t B, in
 // writes leaves them full of dirty lines instead, whose write-back then shares the memory bus with the timed step
 // (measured: it cost a gpt2-small B=16 int8-cache decode step a quarter of its time). The buffer is written once,
 // at its first use, so that its pages are real pages rather than the shared zero page.
-void flush_caches() {
+// The read runs on the step's `threads`, each a share of the buffer: so every core's private L2 is evicted, not only
+// the calling thread's, and the step finds the OpenMP team as a server's back-to-back layer calls leave it, awake.
+// Read by one thread, the flush left the other cores' L2 warm and their threads asleep long enough to fall back to
+// the kernel: every cold step then began with a futex wake-up, which cost 150-270 us on this 2-vCPU VM (measured by
+// timing each thread's entry into the step's parallel region; a server that idles between steps pays it too, and
+// OMP_WAIT_POLICY / GOMP_SPINCOUNT are its levers, README "Sharing cores").
+void flush_caches(int threads) {
   static const std::vector<uint64_t> buffer = [] {
     std::vector<uint64_t> b(size_t{256} << 20 >> 3);
     for (size_t i = 0; i < b.size(); ++i) b[i] = i;
     return b;
   }();
+  const int64_t lines = static_cast<int64_t>(buffer.size() / 8);
   uint64_t sum = 0;
-  for (size_t i = 0; i < buffer.size(); i += 8) sum += buffer[i];
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : sum)
+  for (int64_t i = 0; i < lines; ++i) sum += buffer[static_cast<size_t>(i) * 8];
   asm volatile("" : : "r"(sum));  // keep the reads
 }
 
@@ -591,7 +599,8 @@ struct DecodeRun {
 };
 template <class Layer, class Cache, class Sync, class Allreduce>
 DecodeRun time_decode(Layer& layer, Cache& cache, const BenchSizes& sizes, int64_t B, int64_t T, int64_t d_in,
-                      int64_t E, int repeats, bool check, bool cold, Sync&& sync, Allreduce&& allreduce_ms) {
+                      int64_t E, int threads, int repeats, bool check, bool cold, Sync&& sync,
+                      Allreduce&& allreduce_ms) {
   const int64_t steps = kDecodeWarmup + repeats;
   DecodeRun run;
   std::mt19937 rng(42);
@@ -609,7 +618,7 @@ DecodeRun time_decode(Layer& layer, Cache& cache, const BenchSizes& sizes, int64
   for (int64_t s = 0; s < steps; ++s) {
     x = random_normal(x.size(), rng);  // a new token per sequence, drawn outside the timed region
     if (check && s <= kDecodeWarmup) run.history.insert(run.history.end(), x.begin(), x.begin() + d_in);
-    if (cold) flush_caches();
+    if (cold) flush_caches(threads);
     sync();
     const auto t0 = std::chrono::steady_clock::now();
     layer.decode(cache, seqs.data(), B, x.data(), y.data());
@@ -652,8 +661,8 @@ BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int
   kv_opts.dtype = kv_dtype;
   ga::KvCache cache(cfg, kv_opts);
   layer.reserve_serving(T, B);
-  const DecodeRun run = time_decode(layer, cache, sizes, B, T, cfg.query_width(), cfg.d_model, repeats, check, cold,
-                                    [] {}, [] { return 0.0; });
+  const DecodeRun run = time_decode(layer, cache, sizes, B, T, cfg.query_width(), cfg.d_model,
+                                    layer.layer().default_threads(), repeats, check, cold, [] {}, [] { return 0.0; });
   BenchResult r{name, compute, B, T, layer.layer().default_threads(), median(run.t.ms), 0,
                 ga::to_string(layer.layer().isa()), layer.layer().implementation()};
   finish_decode(r, cfg, run, B, T, check, compute, kv_dtype, [&] { return w; });
@@ -666,10 +675,13 @@ BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int
 // inputs. Each call is timed on every rank after a barrier; rank 0's median is reported: a call ends with the
 // all-reduce, which waits for the slowest rank. --check compares on rank 0 against the reference over the whole
 // layer's weights, which it then generates.
+// The threads a sharded layer's calls run on, given --threads (0: the OpenMP default, within the library's limit).
+int sharded_team(int threads) { return threads > 0 ? threads : std::min(omp_get_max_threads(), ga::max_threads()); }
+
 BenchResult sharded_result(const std::string& name, ga::DType compute, int64_t B, int64_t T, int threads,
                            const ga::ShardedAttention& layer, const Timings& t) {
-  BenchResult r{name, compute, B, T, threads > 0 ? threads : std::min(omp_get_max_threads(), ga::max_threads()),
-                median(t.ms), 0, ga::to_string(layer.isa()), layer.implementation()};
+  BenchResult r{name, compute, B, T, sharded_team(threads), median(t.ms), 0, ga::to_string(layer.isa()),
+                layer.implementation()};
   r.ranks = layer.ranks();
   r.allreduce_ms = median(t.allreduce_ms);
   return r;
@@ -706,7 +718,7 @@ BenchResult bench_decode_sharded(const std::string& name, ga::Config cfg, int64_
   kv_opts.dtype = kv_dtype;
   ga::ShardedKvCache cache(layer, kv_opts);
   const DecodeRun run = time_decode(
-      layer, cache, sizes, B, T, cfg.query_width(), cfg.d_model, repeats, check, cold,
+      layer, cache, sizes, B, T, cfg.query_width(), cfg.d_model, sharded_team(threads), repeats, check, cold,
       [] { MPI_Barrier(MPI_COMM_WORLD); }, [&] { return layer.last_call_times().allreduce_s * 1e3; });
   BenchResult r = sharded_result(name, compute, B, T, threads, layer, run.t);
   finish_decode(r, cfg, run, B, T, check && g_world.prints(), compute, kv_dtype,
