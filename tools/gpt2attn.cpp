@@ -191,6 +191,15 @@ struct Args {
   }
 };
 
+// --isa (default best) by the library's names; an unknown name is a usage error that says which option it was.
+ga::Isa isa_option(const Args& a) {
+  try {
+    return ga::isa_from_string(a.get("isa", "best"));
+  } catch (const ga::Error& e) {
+    throw UsageError(std::string("--isa: ") + e.what());
+  }
+}
+
 Args parse(int argc, char** argv, int first, const std::vector<std::string>& value_opts,
            const std::vector<std::string>& flag_opts) {
   Args a;
@@ -324,7 +333,7 @@ int cmd_forward(int argc, char** argv) {
 
   ga::EngineOptions opts;
   opts.threads = threads;
-  opts.isa = ga::isa_from_string(a.get("isa", "best"));
+  opts.isa = isa_option(a);
   opts.compute = compute;
   std::vector<float> out;
   auto output_size = [&](const ga::Config& c) {
@@ -757,7 +766,7 @@ int cmd_bench(int argc, char** argv) {
   const int repeats = a.integer<int>("repeats", 5, 1);
   const bool json = a.flag("json");
   const bool check = a.flag("check") || (!json && !a.flag("no-check"));
-  const ga::Isa isa = ga::isa_from_string(a.get("isa", "best"));
+  const ga::Isa isa = isa_option(a);
   const auto kv_heads = a.integer<int64_t>("kv-heads", 0, 1);
   // A preset with --kv-heads applied; a count that does not divide its heads is refused naming the flag.
   auto config_for = [&](const std::string& name) {

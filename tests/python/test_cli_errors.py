@@ -196,6 +196,8 @@ def main():
         [r"--threads: must be in \[1, 1024\], got 4294967296"], with_output=False)
     err("bench_batch_beyond_int64", bench + ["--batch", "99999999999999999999"],
         [r"--batch: must be in \[1, 9223372036854775807\]"], with_output=False)
+    err("bench_isa_unknown", bench + ["--isa", "sse9"], [r"--isa: unknown instruction set 'sse9'"], with_output=False)
+    err("isa_unknown", fx.fwd(extra=["--isa", "avx"]), [r"--isa: unknown instruction set 'avx'"])
     err("bench_kv_heads_not_dividing_heads", bench + ["--kv-heads", "5"],
         [r"--kv-heads 5 does not divide gpt2-small's 12 heads"], with_output=False)
     err("bench_kv_dtype_unknown", bench + ["--mode", "decode", "--kv-dtype", "f16"],
