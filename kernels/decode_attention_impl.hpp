@@ -85,70 +85,55 @@ struct DecodeAttention {
     }
   }
 
-  // s[0..W) = qs . k_r for W consecutive keys (rows D apart), D a multiple of W: one accumulator per key, reduced
-  // all at once by a transpose-add (Vec::fold4, Vec::sum_folds) instead of one horizontal sum per key, which cost
-  // more than the key's FMAs at D = 64. Eight keys at a time: 8 FMA chains keep both FMA units busy, and their
-  // accumulators stay in registers. (A compile-time D, which gives every row a constant offset, measured no
-  // faster.)
-  static void dots_w(const float* qs, const KvT* k, int64_t D, float* s, const Ahead* fetch) {
-    static_assert(W % 8 == 0);
-    B folds[W / 4];
-    if (fetch) fetch->fetch(k, W * D);
-    for (int r0 = 0; r0 < W; r0 += 8) {
-      const KvT* k0 = k + r0 * D;
-      B a0 = V::set1(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-      for (int64_t d = 0; d < D; d += W) {
-        const B q = V::load(qs + d);
-        a0 = V::fma(q, V::load(k0 + d), a0);
-        a1 = V::fma(q, V::load(k0 + D + d), a1);
-        a2 = V::fma(q, V::load(k0 + 2 * D + d), a2);
-        a3 = V::fma(q, V::load(k0 + 3 * D + d), a3);
-        a4 = V::fma(q, V::load(k0 + 4 * D + d), a4);
-        a5 = V::fma(q, V::load(k0 + 5 * D + d), a5);
-        a6 = V::fma(q, V::load(k0 + 6 * D + d), a6);
-        a7 = V::fma(q, V::load(k0 + 7 * D + d), a7);
-      }
-      folds[r0 / 4] = V::fold4(a0, a1, a2, a3);
-      folds[r0 / 4 + 1] = V::fold4(a4, a5, a6, a7);
-    }
-    V::store(s, V::sum_folds(folds));
-  }
-
-  // dots_w for GB query heads of a group at once (qs and s rows ldqs and lds apart): each K vector is loaded once
-  // (and pinned in a register, V::in_register) for all GB heads instead of once per head. Four keys at a time: GB x 4
-  // accumulators, 4 K vectors and a query vector in registers, and one fold per head per four keys (AVX-512,
-  // GB = 3: 12 + 4 + 1 + 12 folds of 32 registers; AVX2 has too few registers and scores head by head).
+  // s_g[0..W) = qs_g . k_r for W consecutive keys (rows D apart), D a multiple of W, and GB query heads of a group
+  // (qs and s rows ldqs and lds apart): one accumulator per (head, key), reduced all at once by a transpose-add
+  // (Vec::fold4, Vec::sum_folds) instead of one horizontal sum per key, which cost more than the key's FMAs at
+  // D = 64. (A compile-time D, which gives every row a constant offset, measured no faster.)
+  // One head takes eight keys at a time: 8 FMA chains keep both FMA units busy, and their accumulators stay in
+  // registers. Several heads take four keys at a time, each K vector loaded once and pinned in a register
+  // (V::in_register) for all GB heads' FMAs: unpinned, GCC folds the load into every head's FMA as a memory operand,
+  // and grouping the heads measured the same as scoring them one by one. AVX-512, GB = 3: 12 accumulators + 4 K
+  // vectors + 1 query vector + 12 folds of 32 registers (kScoreHeads; AVX2 has too few and scores head by head).
   // Measured at gpt2-small B=16 T=1024 with 4 K/V heads (groups of 3), cold, 2 threads, 4 alternated rounds: the
   // attention stage 1980-2240 -> 1780-2140 us, the step 2.53-2.85 -> 2.40-2.64 ms; 12 K/V heads unchanged.
   static constexpr int kScoreHeads = W >= 16 ? 3 : 1;
   template <int GB>
-  static void dots_w_heads(const float* qs, int64_t ldqs, const KvT* k, int64_t D, float* s, int64_t lds,
-                           const Ahead* fetch) {
-    static_assert(W % 4 == 0);
+  static void dots_w(const float* qs, int64_t ldqs, const KvT* k, int64_t D, float* s, int64_t lds,
+                     const Ahead* fetch) {
+    constexpr int KR = GB == 1 ? 8 : 4;  // keys at a time
+    static_assert(W % KR == 0);
     B folds[GB][W / 4];
     if (fetch) fetch->fetch(k, W * D);
     #pragma GCC unroll 4
-    for (int r0 = 0; r0 < W; r0 += 4) {
+    for (int r0 = 0; r0 < W; r0 += KR) {
       const KvT* k0 = k + r0 * D;
-      B a[GB][4];
+      B a[GB][KR];
       #pragma GCC unroll 16
       for (int g = 0; g < GB; ++g) {
-        #pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) a[g][r] = V::set1(0.0f);
+        #pragma GCC unroll 8
+        for (int r = 0; r < KR; ++r) a[g][r] = V::set1(0.0f);
       }
       for (int64_t d = 0; d < D; d += W) {
-        B kv[4];
-        #pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) kv[r] = V::in_register(V::load(k0 + r * D + d));
+        B kv[KR];
+        #pragma GCC unroll 8
+        for (int r = 0; r < KR; ++r) {
+          kv[r] = V::load(k0 + r * D + d);
+          if constexpr (GB > 1) kv[r] = V::in_register(kv[r]);
+        }
         #pragma GCC unroll 16
         for (int g = 0; g < GB; ++g) {
           const B q = V::load(qs + g * ldqs + d);
-          #pragma GCC unroll 4
-          for (int r = 0; r < 4; ++r) a[g][r] = V::fma(q, kv[r], a[g][r]);
+          #pragma GCC unroll 8
+          for (int r = 0; r < KR; ++r) a[g][r] = V::fma(q, kv[r], a[g][r]);
         }
       }
       #pragma GCC unroll 16
-      for (int g = 0; g < GB; ++g) folds[g][r0 / 4] = V::fold4(a[g][0], a[g][1], a[g][2], a[g][3]);
+      for (int g = 0; g < GB; ++g) {
+        #pragma GCC unroll 2
+        for (int r = 0; r < KR; r += 4) {
+          folds[g][(r0 + r) / 4] = V::fold4(a[g][r], a[g][r + 1], a[g][r + 2], a[g][r + 3]);
+        }
+      }
     }
     #pragma GCC unroll 16
     for (int g = 0; g < GB; ++g) V::store(s + g * lds, V::sum_folds(folds[g]));
@@ -284,15 +269,16 @@ struct DecodeAttention {
             int64_t g = 0;
             if constexpr (kScoreHeads > 1) {
               for (; g + kScoreHeads <= G; g += kScoreHeads) {
-                dots_w_heads<kScoreHeads>(qs + g * ldqs, ldqs, k + j * D, D, s + g * lds + j, lds,
-                                          g == 0 ? &ka : nullptr);
+                dots_w<kScoreHeads>(qs + g * ldqs, ldqs, k + j * D, D, s + g * lds + j, lds, g == 0 ? &ka : nullptr);
               }
               if (G - g == 2) {
-                dots_w_heads<2>(qs + g * ldqs, ldqs, k + j * D, D, s + g * lds + j, lds, g == 0 ? &ka : nullptr);
+                dots_w<2>(qs + g * ldqs, ldqs, k + j * D, D, s + g * lds + j, lds, g == 0 ? &ka : nullptr);
                 g += 2;
               }
             }
-            for (; g < G; ++g) dots_w(qs + g * ldqs, k + j * D, D, s + g * lds + j, g == 0 ? &ka : nullptr);
+            for (; g < G; ++g) {
+              dots_w<1>(qs + g * ldqs, ldqs, k + j * D, D, s + g * lds + j, lds, g == 0 ? &ka : nullptr);
+            }
           }
         }
       }
