@@ -12,6 +12,7 @@
 
 #include "engine/kv_cache.hpp"
 #include "engine/layer.hpp"
+#include "engine/split_kv.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/tiles.hpp"
 
@@ -268,17 +269,17 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   proj_out.bias = out_bias.empty() ? nullptr : out_bias.data();
   proj_out.y = out_data, proj_out.ldy = out_width, proj_out.M = B, proj_out.N = out_width, proj_out.K = E;
 
-  // Split-KV plan: a work item is one sequence's key range, for every head. Sequence b's n_b = lengths[b] + 1
-  // keys go in splits_b = ceil(n_b / split_len) items, split_len = max(kDecodeMinSplitKeys, (all keys) /
-  // (kDecodeItemsPerThread * threads)): every thread gets several items, none much longer than its share, and
-  // there are at most B + kDecodeItemsPerThread * threads items (the bound decode_plan sizes).
+  // Split-KV plan (engine/split_kv.hpp): a work item is one sequence's key range, for every head. Sequence b's
+  // n_b = lengths[b] + 1 keys go in decode_splits(n_b) items, its share of a target that is a multiple of the thread
+  // count; there are at most B + kDecodeItemsPerThread * threads items (the bound decode_plan sizes).
   int64_t total_keys = 0;
   for (int64_t b = 0; b < B; ++b) total_keys += lengths[b] + 1;
-  const int64_t split_len = std::max<int64_t>(kernels::tiles::kDecodeMinSplitKeys,
-                                              ceil_div(total_keys, kernels::tiles::kDecodeItemsPerThread * threads));
+  const int64_t target = detail::decode_item_target(total_keys, threads);
   int64_t* item_base = r.item_base.in(w);  // first item of sequence b
   item_base[0] = 0;
-  for (int64_t b = 0; b < B; ++b) item_base[b + 1] = item_base[b] + ceil_div(lengths[b] + 1, split_len);
+  for (int64_t b = 0; b < B; ++b) {
+    item_base[b + 1] = item_base[b] + detail::decode_splits(lengths[b] + 1, total_keys, target);
+  }
   const int64_t items = item_base[B];
   int64_t* pending = r.pending.in(w);  // splits of sequence b not yet computed
   for (int64_t b = 0; b < B; ++b) pending[b] = item_base[b + 1] - item_base[b];
@@ -304,9 +305,8 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t b = std::upper_bound(item_base, item_base + B + 1, it) - item_base - 1;
-      const int64_t n = lengths[b] + 1, splits = item_base[b + 1] - item_base[b], s = it - item_base[b];
-      const int64_t chunk = ceil_div(n, splits);  // even chunks: no split much shorter than the others
-      const int64_t j0 = s * chunk, j1 = std::min(n, j0 + chunk);
+      const int64_t n = lengths[b] + 1, splits = item_base[b + 1] - item_base[b];
+      const auto [j0, j1] = detail::decode_split_range(n, splits, it - item_base[b]);
       if (j1 == n) {
         // Key n - 1 is the new token: its K and V rows go to position lengths[b] of each K/V head's tile in its
         // block, read by this split alone.

@@ -48,10 +48,10 @@ inline constexpr int kCausalBandCenter = 256;
 // 0.63 -> 0.66 of peak, gpt2-xl 0.54 -> 0.58; at T = 1024 (512 KiB of K and V per head) prefetching cost 0.01-0.03.
 inline constexpr int64_t kCorePrefetchMinBytes = int64_t{1} << 20;
 
-// Decode (one query per sequence): a work item is a range of one sequence's keys for every head. A sequence
-// is split into several items (split-KV) when it holds more keys than a thread's share of the step, so that
-// every thread gets about kDecodeItemsPerThread items of similar size. A split holds at least
-// kDecodeMinSplitKeys keys: its fixed cost (scaling H queries, merging H x D floats) stays under a few
+// Decode (one query per sequence): a work item is a range of one sequence's keys for every head. A step aims at
+// up to kDecodeItemsPerThread items per thread, a multiple of the thread count (engine/split_kv.hpp), and a sequence
+// holding more keys than its share is split into several (split-KV). More than one item per thread only while each
+// holds at least kDecodeMinSplitKeys keys: its fixed cost (scaling H queries, merging H x D floats) stays under a few
 // percent of streaming its keys and values.
 // Justified by `bench_gpt2attn --benchmark_filter=Decode`.
 inline constexpr int kDecodeItemsPerThread = 4;
