@@ -3,6 +3,7 @@
 // naive reference by the KV-cache suites, which run every split this plan makes.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <vector>
