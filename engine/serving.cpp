@@ -114,7 +114,7 @@ ExtendPlan extend_plan(const AttnShape& s, DType t, bool stage, int threads, int
 //   stage (B, E + 2 KW): the fused projection's output [q | k | v] per row, KW = H_kv D | ctx (B, E)
 //   tables (B, table_entries)
 //   lengths (B) | item_base (B + 1) | partials: m, l (items, H), acc (items, H, D) | scratch (threads, stride)
-// Split-KV items are bounded: items <= B + kDecodeItemsPerThread * threads (see decode()).
+// Split-KV items are bounded: items <= decode_max_items(B, threads) (engine/split_kv.hpp).
 struct DecodePlan {
   Region<float> stage, ctx;
   Region<std::byte*> tables;
@@ -125,7 +125,7 @@ struct DecodePlan {
 DecodePlan decode_plan(const AttnShape& s, int threads, int64_t table_entries, int64_t scratch_stride) {
   const int64_t B = s.B, E = s.E, H = s.H, D = s.D, KW = s.H_kv * s.D;
   DecodePlan r;
-  r.max_items = detail::checked_add(B, int64_t{kernels::tiles::kDecodeItemsPerThread} * threads, "decode: work items");
+  r.max_items = detail::decode_max_items(B, threads);
   detail::WorkspacePlan p;
   r.stage = p.region<float>({B, E + 2 * KW}, "decode: qkv");
   r.ctx = p.region<float>({B, E}, "decode: attention output");
@@ -271,7 +271,7 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
 
   // Split-KV plan (engine/split_kv.hpp): a work item is one sequence's key range, for every head. Sequence b's
   // n_b = lengths[b] + 1 keys go in decode_splits(n_b) items, its share of a target that is a multiple of the thread
-  // count; there are at most B + kDecodeItemsPerThread * threads items (the bound decode_plan sizes).
+  // count; there are at most decode_max_items(B, threads) (the bound decode_plan sizes).
   int64_t total_keys = 0;
   for (int64_t b = 0; b < B; ++b) total_keys += lengths[b] + 1;
   const int64_t target = detail::decode_item_target(total_keys, threads);

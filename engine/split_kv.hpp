@@ -30,10 +30,15 @@ inline int64_t decode_item_target(int64_t total_keys, int threads) {
 
 // Items of a sequence of n keys (n >= 1) in a step of total_keys keys aiming at `target` items: its share of the
 // target, rounded up, at least one and at most one per key. A single sequence gets exactly min(target, n). Summed
-// over B sequences the items stay at most target + B <= B + kDecodeItemsPerThread * threads, the bound decode's
-// workspace plan sizes.
+// over B sequences the items stay at most target + B <= decode_max_items(B, threads).
 inline int64_t decode_splits(int64_t n, int64_t total_keys, int64_t target) {
   return std::clamp<int64_t>(ceil_div(n * target, total_keys), 1, n);
+}
+
+// The most items a step of B sequences on `threads` threads makes (decode_item_target's largest target plus one
+// rounding per sequence): what decode's workspace plan sizes its partial softmax states for.
+inline int64_t decode_max_items(int64_t B, int threads) {
+  return checked_add(B, int64_t{kernels::tiles::kDecodeItemsPerThread} * std::max(threads, 1), "decode: work items");
 }
 
 // Keys [first, end) of item s (0 <= s < splits <= n) of a sequence of n keys: the splits partition [0, n), none

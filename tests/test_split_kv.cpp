@@ -74,7 +74,7 @@ TEST(SplitKv, RangesPartitionTheKeysEvenly) {
 }
 
 // Mixed batches: every sequence gets at least one item and at most one a key, and the step's items stay within the
-// bound decode's workspace is sized for (B + kDecodeItemsPerThread * threads).
+// bound decode's workspace is sized for (decode_max_items, B + kDecodeItemsPerThread * threads).
 TEST(SplitKv, BatchItemsStayWithinTheWorkspaceBound) {
   std::mt19937_64 rng(7);
   for (int trial = 0; trial < 2000; ++trial) {
@@ -94,7 +94,8 @@ TEST(SplitKv, BatchItemsStayWithinTheWorkspaceBound) {
       ASSERT_LE(s, len);
       items += s;
     }
-    EXPECT_LE(items, B + int64_t{kDecodeItemsPerThread} * threads) << B << " sequences, " << threads << " threads";
+    ASSERT_EQ(decode_max_items(B, threads), B + int64_t{kDecodeItemsPerThread} * threads);
+    EXPECT_LE(items, decode_max_items(B, threads)) << B << " sequences, " << threads << " threads";
     EXPECT_GE(items, std::min<int64_t>(target, total)) << B << " sequences, " << threads << " threads";
   }
 }
