@@ -183,7 +183,27 @@ struct Vec {
   // 2^x, exactly 0 below -126 (so a masked -inf score contributes nothing) and NaN for NaN (bad input
   // must not pass for a masked row). Range reduction x = n + f, |f| <= 1/2, then 2^f by kExp2Poly (relative
   // error below 1.6e-7, about one float ulp), and 2^n built in the exponent bits.
+  // AVX-512 (kExp2Scalef) builds 2^n with vscalefps (p * 2^n in one instruction, the zeroing of x < -126 in its
+  // mask) from n rounded as a float (the 1.5 * 2^23 shifter: nearest even, as the conversion to int rounds), in
+  // place of exp2_bits' conversions to and from int, exponent arithmetic, multiply and selects: 10 instructions
+  // instead of 14, the same results bit for bit (the same n, f and p, and p * 2^n rounded once either way; tested).
+  // The softmax runs one per score: the gpt2-small T=1024 core, one thread, 12.55 -> 12.2 ms (medians of 6
+  // alternated runs of Core/gpt2-small/T:1024/threads:1).
+  static constexpr bool kExp2Scalef = std::is_same_v<Arch, xsimd::avx512f>;
   static B exp2(B x) {
+    if constexpr (kExp2Scalef) {
+      const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);  // NaN kept
+      const __m512 shifter = _mm512_set1_ps(12582912.0f);                               // 1.5 * 2^23
+      const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, shifter), shifter);
+      const B f = B(_mm512_sub_ps(x, n));
+      B p = B(kExp2Poly[5]);
+      for (int k = 4; k >= 0; --k) p = xsimd::fma(p, f, B(kExp2Poly[k]));
+      return B(_mm512_maskz_scalef_ps(keep, p, n));
+    } else {
+      return exp2_bits(x);
+    }
+  }
+  static B exp2_bits(B x) {
     using I = xsimd::batch<int32_t, Arch>;
     const auto underflow = x < B(-126.0f);  // false for NaN, which then flows through f and p
     const B xc = xsimd::select(underflow, B(-126.0f), x);
@@ -215,6 +235,7 @@ struct Vec<ScalarArch> {
   static float sum(B v) { return v; }
   static float reduce_max(B v) { return v; }
   static void transpose(B*) {}  // one lane: a 1 x 1 matrix
+  static constexpr bool kExp2Scalef = false;
   static B exp2(B x) { return x < -126.0f ? 0.0f : std::exp2(x); }
   static B finite_or_zero(B m) { return m == -INFINITY ? 0.0f : m; }
 };

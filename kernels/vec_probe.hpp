@@ -12,6 +12,9 @@ struct VecProbe {
   int lanes;  // Vec<Arch>::W
   // y[i] = Vec<Arch>::exp2(x[i]) for i < n (n a multiple of lanes).
   void (*exp2)(const float* x, int64_t n, float* y);
+  // The same with 2^n built in the exponent bits (Vec<Arch>::exp2_bits), where exp2 builds it another way (AVX-512:
+  // vscalefps); null where exp2 is that construction.
+  void (*exp2_bits)(const float* x, int64_t n, float* y);
 };
 
 const VecProbe& vec_probe_scalar();

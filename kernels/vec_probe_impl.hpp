@@ -15,8 +15,16 @@ void exp2_all(const float* x, int64_t n, float* y) {
 }
 
 template <class Arch>
+void exp2_bits_all(const float* x, int64_t n, float* y) {
+  using V = Vec<Arch>;
+  for (int64_t i = 0; i < n; i += V::W) V::store(y + i, V::exp2_bits(V::load(x + i)));
+}
+
+template <class Arch>
 const VecProbe& make_vec_probe(const char* isa) {
-  static const VecProbe probe{isa, Vec<Arch>::W, &exp2_all<Arch>};
+  void (*bits)(const float*, int64_t, float*) = nullptr;
+  if constexpr (Vec<Arch>::kExp2Scalef) bits = &exp2_bits_all<Arch>;
+  static const VecProbe probe{isa, Vec<Arch>::W, &exp2_all<Arch>, bits};
   return probe;
 }
 

@@ -776,6 +776,37 @@ TEST_P(KernelVecExp2, WithinItsBoundAndExactWhereItMustBe) {
   EXPECT_EQ(y[specials + 3], 0.0f) << "exp2 just below -126";
   EXPECT_GT(y[specials + 4], 0.0f) << "exp2 just above -126";
 }
+
+// Where Vec::exp2 builds 2^n another way than in the exponent bits (AVX-512: vscalefps), the two agree bit for bit:
+// every 1/4096 over [-130, 8] (each rounding tie of n among them), a million random floats over [-140, 0] (the
+// softmax's domain: a score minus the running max), the subnormal edge and the specials.
+TEST_P(KernelVecExp2, ScalefMatchesExponentBitsBitForBit) {
+  const kernels::VecProbe& probe = vec_probe(isa());
+  if (probe.exp2_bits == nullptr) GTEST_SKIP() << "[isa=" << probe.isa << "] exp2 is the exponent-bits construction";
+  std::vector<float> x;
+  for (int64_t i = -130 * 4096; i <= 8 * 4096; ++i) x.push_back(static_cast<float>(i) / 4096.0f);
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> u(-140.0f, 0.0f);
+  for (int i = 0; i < 1000000; ++i) x.push_back(u(rng));
+  for (float v : {-INFINITY, NAN, -0.0f, 0.0f, std::nextafter(-126.0f, -127.0f), -126.0f, std::nextafter(-126.0f, 0.0f),
+                  -125.5f, std::nextafter(-125.5f, 0.0f), -0.5f, 0.5f}) {
+    x.push_back(v);
+  }
+  while (x.size() % static_cast<size_t>(probe.lanes) != 0) x.push_back(0.0f);
+  std::vector<float> a(x.size()), b(x.size());
+  probe.exp2(x.data(), static_cast<int64_t>(x.size()), a.data());
+  probe.exp2_bits(x.data(), static_cast<int64_t>(x.size()), b.data());
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(x[i])) {
+      ASSERT_TRUE(std::isnan(a[i]) && std::isnan(b[i])) << "[isa=" << probe.isa << "] exp2(NaN)";
+      continue;
+    }
+    uint32_t ua, ub;
+    std::memcpy(&ua, &a[i], 4);
+    std::memcpy(&ub, &b[i], 4);
+    ASSERT_EQ(ua, ub) << "[isa=" << probe.isa << "] exp2(" << x[i] << "): " << a[i] << " against " << b[i];
+  }
+}
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelVecExp2);
 
 class KernelIntDot : public KernelTest {};
