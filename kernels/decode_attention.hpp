@@ -6,8 +6,11 @@
 //
 // For each query head h, reading K/V head g = h / (H / H_kv), and keys j in [j_begin, j_end), with
 // s_j = q_h . k_gj * scale * log2(e):
-//   m = max_j s_j,   l = sum_j 2^(s_j - m),   acc = sum_j 2^(s_j - m) v_hj      (acc (D), unnormalised)
-// computed key block by key block with the online rescale of attention.hpp (alpha = 2^(m_old - m_new)).
+//   m ~ max_j s_j,   l = sum_j 2^(s_j - m),   acc = sum_j 2^(s_j - m) v_hj      (acc (D), unnormalised)
+// computed key block by key block with the online rescale of attention.hpp (alpha = 2^(m_old - m_new)), except
+// that m moves only when a block's scores pass it by more than 8 (log2 units): m is the range's max, or below it by
+// at most 8, so p stays at most 2^8, and most blocks need neither a horizontal max nor a rescale. Any m serves the
+// states' meaning (the ratios acc / l and the merge below are the same for every m).
 // Partial states of disjoint key ranges merge exactly:
 //   M = max_s m_s,   l = sum_s 2^(m_s - M) l_s,   out = sum_s 2^(m_s - M) acc_s / l   (0 when l == 0).
 // Why a kernel of its own: with one query the tiled kernel's query lanes would be 1/16 used; here the head

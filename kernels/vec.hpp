@@ -90,6 +90,8 @@ struct Vec {
   static B set1(float x) { return B(x); }
   static B fma(B a, B b, B c) { return xsimd::fma(a, b, c); }
   static B max(B a, B b) { return xsimd::max(a, b); }
+  // Whether some lane of a is above t (NaN lanes are not): a compare and a mask test, no horizontal reduction.
+  static bool any_above(B a, float t) { return xsimd::any(a > B(t)); }
   static float sum(B v) { return xsimd::hadd(v); }  // horizontal: the lanes added
   static float reduce_max(B v) {  // horizontal: the largest lane (xsimd 8.1 has no max reducer), by halving
     if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
@@ -233,6 +235,7 @@ struct Vec<ScalarArch> {
   static B set1(float x) { return x; }
   static B fma(B a, B b, B c) { return std::fma(a, b, c); }
   static B max(B a, B b) { return a > b ? a : b; }
+  static bool any_above(B a, float t) { return a > t; }
   static float sum(B v) { return v; }
   static float reduce_max(B v) { return v; }
   static void transpose(B*) {}  // one lane: a 1 x 1 matrix

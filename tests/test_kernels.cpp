@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <random>
@@ -603,17 +604,34 @@ std::vector<DecodeCase> decode_cases(DType kv = DType::f32) {
   return cases;
 }
 
+// A decode case's data: q (H, D), and per K/V head dense K and V (n, D) as round_to_storage leaves them.
+struct DecodeData {
+  std::vector<float> q;
+  std::vector<std::vector<float>> k, v;
+};
+DecodeData random_decode_data(const DecodeCase& c, std::mt19937_64& rng) {
+  DecodeData x{random_uniform(c.H * c.D, rng, -2.0f, 2.0f), {}, {}};
+  for (int64_t h = 0; h < c.H_kv; ++h) {
+    x.k.push_back(random_uniform(c.n * c.D, rng, -2.0f, 2.0f));
+    x.v.push_back(random_uniform(c.n * c.D, rng, -1.0f, 1.0f));
+  }
+  return x;
+}
+
 // Runs every split through `kern` (in reverse order, through one scratch slice), merges per head as the engine
-// does (partials (splits, H) and (splits, H, D)), and checks against naive_attention of one query per head.
-::testing::AssertionResult check_decode(const kernels::DecodeKernel& kern, const DecodeCase& c) {
+// does (partials (splits, H) and (splits, H, D)), and checks against naive_attention of one query per head. The data
+// is random_decode_data's unless `make` gives it.
+::testing::AssertionResult check_decode(
+    const kernels::DecodeKernel& kern, const DecodeCase& c,
+    const std::function<DecodeData(const DecodeCase&, std::mt19937_64&)>& make = random_decode_data) {
   const int64_t H = c.H, H_kv = c.H_kv, D = c.D, n = c.n, S = static_cast<int64_t>(c.cuts.size()) - 1;
   std::mt19937_64 rng(c.seed);
-  const std::vector<float> q = random_uniform(H * D, rng, -2.0f, 2.0f);
-  std::vector<std::vector<float>> k(H_kv), v(H_kv);  // per K/V head, dense (n, D)
+  DecodeData data = make(c, rng);
+  const std::vector<float>& q = data.q;
+  std::vector<std::vector<float>>& k = data.k;  // per K/V head, dense (n, D)
+  std::vector<std::vector<float>>& v = data.v;
   PagedStore store(H_kv, D, c.block_tokens, n, rng, c.kv);
   for (int64_t h = 0; h < H_kv; ++h) {
-    k[h] = random_uniform(n * D, rng, -2.0f, 2.0f);
-    v[h] = random_uniform(n * D, rng, -1.0f, 1.0f);
     round_to_storage(k[h], D, c.kv);
     round_to_storage(v[h], D, c.kv);
     for (int64_t j = 0; j < n; ++j) store.put(h, j, k[h], v[h]);
@@ -676,6 +694,48 @@ TEST_P(KernelDecode, Int8KvMatchesNaive) {
   const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::i8);
   ASSERT_STREQ(kern.isa, to_string(isa()));
   expect_all_cases(kern.isa, decode_cases(DType::i8), [&](const DecodeCase& c) { return check_decode(kern, c); });
+}
+
+// Scores that rise or fall along the sequence, so that the decode kernel's running max (which moves only when a
+// score passes it by more than kLazyMax = 8, log2 units) moves by less than that from run to run (p above 1
+// between moves: slopes 0.02 and 0.1 per key, 1.3 and 6.4 per 64-key run), by more (0.2: every run), or never
+// after the first run (-0.2). Each key is a random row plus slope * j times the query's direction, which puts
+// score j at about slope * j. And one key (j = 400) raised by 12 or by 150 over flat scores: the max moves once,
+// mid-sequence, by more than the threshold, and by more than a float's exponent range (2^150 would overflow if
+// the kernel did not move it). Every format, 1 and 3 splits, blocks of 64 and of 16 keys, one head and a group of
+// 3. (Steeper slopes reach scores of several hundred, where the f32 score's own rounding exceeds the tolerance
+// policy's bound with or without the lazy max.)
+TEST_P(KernelDecode, RisingAndFallingScoresMatchNaive) {
+  for (DType kv : {DType::f32, DType::bf16, DType::i8}) {
+    const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), kv);
+    for (const auto& [slope, jump] : {std::pair{0.02, 0.0}, std::pair{0.1, 0.0}, std::pair{0.2, 0.0}, std::pair{-0.2, 0.0},
+                                      std::pair{0.0, 12.0}, std::pair{0.0, 150.0}}) {
+      for (int64_t bt : {16, 64}) {
+        for (int64_t H : {1, 3}) {
+          const int64_t n = 613;
+          for (const std::vector<int64_t>& cuts : {std::vector<int64_t>{0, n}, std::vector<int64_t>{0, 100, 400, n}}) {
+            const DecodeCase c{H, 1, 64, bt, n, cuts, 900 + static_cast<uint64_t>(bt + H), kv};
+            const auto rising = [slope, jump](const DecodeCase& dc, std::mt19937_64& rng) {
+              DecodeData x = random_decode_data(dc, rng);
+              // The query's direction u = q_0 / |q_0|; q_0 . (u * t) = |q_0| t, in log2 units |q_0| t log2(e) / sqrt(D).
+              double norm = 0.0;
+              for (int64_t d = 0; d < dc.D; ++d) norm += double{x.q[d]} * x.q[d];
+              norm = std::sqrt(norm);
+              const double per_unit = norm * 1.4426950408889634 / std::sqrt(static_cast<double>(dc.D));
+              for (int64_t j = 0; j < dc.n; ++j) {
+                const double t = (slope * static_cast<double>(j) + (j == 400 ? jump : 0.0)) / per_unit;
+                for (int64_t d = 0; d < dc.D; ++d) {
+                  x.k[0][j * dc.D + d] += static_cast<float>(t * x.q[d] / norm);
+                }
+              }
+              return x;
+            };
+            EXPECT_TRUE(check_decode(kern, c, rising)) << "slope " << slope << " per key, key 400 raised by " << jump;
+          }
+        }
+      }
+    }
+  }
 }
 
 // A query head holding a NaN or an infinity gives that head NaN outputs in every K/V format, never plausible
