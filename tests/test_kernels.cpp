@@ -721,7 +721,8 @@ TEST_P(KernelDecode, RisingAndFallingScoresMatchNaive) {
               double norm = 0.0;
               for (int64_t d = 0; d < dc.D; ++d) norm += double{x.q[d]} * x.q[d];
               norm = std::sqrt(norm);
-              const double per_unit = norm * 1.4426950408889634 / std::sqrt(static_cast<double>(dc.D));
+              const double log2e = 1.0 / std::log(2.0);
+              const double per_unit = norm * log2e / std::sqrt(static_cast<double>(dc.D));
               for (int64_t j = 0; j < dc.n; ++j) {
                 const double t = (slope * static_cast<double>(j) + (j == 400 ? jump : 0.0)) / per_unit;
                 for (int64_t d = 0; d < dc.D; ++d) {
