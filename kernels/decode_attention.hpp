@@ -59,6 +59,8 @@ const DecodeKernel& decode_attention_f32_kvbf16_avx512();
 const DecodeKernel& decode_attention_f32_kvi8_scalar();
 const DecodeKernel& decode_attention_f32_kvi8_avx2();
 const DecodeKernel& decode_attention_f32_kvi8_avx512();
+// ... and at avx512_bf16, whose CPUs all have AVX512-VNNI: the integer scores on vpdpwssd.
+const DecodeKernel& decode_attention_f32_kvi8_avx512_bf16();
 
 // The integer dot products of an int8 cache's scores (kernels/int_dot.hpp): out[r] = sum_{d < n} q[d] * k[r * ldk + d]
 // for r < keys <= IntDot<Arch>::kKeys, exact in int32 for n <= kIntDotMaxLen (the kernel sums longer rows in
@@ -72,6 +74,7 @@ struct IntDotKernel {
 const IntDotKernel& int_dot_scalar();
 const IntDotKernel& int_dot_avx2();
 const IntDotKernel& int_dot_avx512();
+const IntDotKernel& int_dot_avx512_bf16();
 
 // Merges `parts` partial states into out (D), as in the header comment: part s has m[s * stride], l[s * stride]
 // and acc + s * acc_stride.

@@ -1,6 +1,7 @@
 // kernels/int_dot.hpp: the integer dot products of decode's score side over an int8 K cache: a query row quantised
 // once to int16 against int8 key rows, summed exactly in int32, in one small policy per instruction set (AVX-512BW
-// vpmovsxbw + vpmaddwd + vpaddd, AVX2 the same on 256 bits) and its portable twin, the same integer arithmetic on
+// vpmovsxbw + vpmaddwd + vpaddd, or vpmovsxbw + vpdpwssd with AVX512-VNNI; AVX2 the first on 256 bits) and its
+// portable twin, the same integer arithmetic on
 // one lane in plain C++. Integer sums are exact, so every instruction set gives the twin's result bit for bit.
 // It does not scale or convert: the caller multiplies a dot by the query's and the key's scales.
 //
@@ -95,11 +96,25 @@ struct IntDot {
   static I add(I a, I b) {
     if constexpr (k512) return _mm512_add_epi32(a, b); else return _mm256_add_epi32(a, b);
   }
+  // acc + q . kw pairwise into the int32 lanes: one vpdpwssd where the translation unit is compiled for AVX512-VNNI
+  // (the avx512_bf16 level), else vpmaddwd and vpaddd. The same integers either way: |q| <= 32767 keeps vpmaddwd's
+  // pair sum in range, and both wrap the same on the add (which the bound above keeps from happening).
+  static I madd_add(I acc, I q, I kw) {
+    if constexpr (k512) {
+#if defined(__AVX512VNNI__)
+      return _mm512_dpwssd_epi32(acc, q, kw);
+#else
+      return _mm512_add_epi32(acc, _mm512_madd_epi16(q, kw));
+#endif
+    } else {
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(q, kw));
+    }
+  }
   // acc + pairwise q[i] * k[i] over L elements.
   static I step(I acc, const int16_t* q, const int8_t* k) {
     if constexpr (k512) {
       const I kw = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k)));
-      return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_loadu_si512(q), kw));
+      return madd_add(acc, _mm512_loadu_si512(q), kw);
     } else {
       const I kw = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
       return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), kw));
@@ -110,7 +125,7 @@ struct IntDot {
     if constexpr (k512) {
       const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << m) - 1);
       const I kw = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, k));
-      return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maskz_loadu_epi16(mask, q), kw));
+      return madd_add(acc, _mm512_maskz_loadu_epi16(mask, q), kw);
     } else {
       (void)q, (void)k, (void)m;
       return acc;

@@ -27,7 +27,7 @@ class IsaTest : public ::testing::TestWithParam<Isa> {
 };
 
 // The level a layer forced to `forced` runs its `compute` kernels at (MultiHeadAttention::isa()): `forced` itself,
-// or the next level down where `forced` has no rows of that type (avx512_bf16 has bf16 rows only).
+// or the next level down where `forced` has no rows of that type (avx512_bf16 has no f32/f32 row).
 inline Isa kernel_level(Isa forced, DType compute) { return detail::kernels_for(forced, compute, compute).isa; }
 
 // Where `isa` stands among the levels this CPU runs: {its index k, their count n}, for the long suites that split

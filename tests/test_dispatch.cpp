@@ -22,6 +22,7 @@ bool compiler_says(const std::string& f) {
   if (f == "avx512dq") return __builtin_cpu_supports("avx512dq");
   if (f == "avx512bw") return __builtin_cpu_supports("avx512bw");
   if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
+  if (f == "avx512vnni") return __builtin_cpu_supports("avx512vnni");
   if (f == "avx512bf16") return __builtin_cpu_supports("avx512bf16");
   ADD_FAILURE() << "no compiler check for feature " << f;
   return false;
@@ -35,6 +36,7 @@ TEST(Isa, LevelsAreBestFirstAndAgreeWithTheCompilersCpuCheck) {
   EXPECT_NE(std::find(avx2.begin(), avx2.end(), "bmi2"), avx2.end()) << "CMake compiles AVX2 kernels with -mbmi2";
   const std::vector<std::string> bf16 = isa_features(Isa::avx512_bf16);
   EXPECT_NE(std::find(bf16.begin(), bf16.end(), "avx512bf16"), bf16.end()) << "the bf16 level needs vdpbf16ps";
+  EXPECT_NE(std::find(bf16.begin(), bf16.end(), "avx512vnni"), bf16.end()) << "its int8 K/V row needs vpdpwssd";
   for (Isa isa : levels) {
     bool all = true;
     for (const std::string& f : isa_features(isa)) all = all && compiler_says(f);
@@ -83,7 +85,7 @@ TEST(KernelTable, OrderedBestFirstWithAScalarRowForEveryDtypePair) {
     const bool has_row = std::any_of(table.begin(), table.end(), [&](const auto& row) { return row.isa == isa; });
     EXPECT_TRUE(has_row) << "no kernel row at compiled level " << to_string(isa);
     if (!isa_supported(isa)) continue;
-    // A level falls through to the strongest row at or below it: avx512_bf16 adds only bf16 rows, so f32 at
+    // A level falls through to the strongest row at or below it: avx512_bf16 has no f32/f32 row, so f32 at
     // avx512_bf16 is the avx512 row, and bf16 at avx512 is the widening one.
     for (DType compute : {DType::f32, DType::bf16}) {
       const Isa got = detail::kernels_for(isa, compute, compute).isa;

@@ -673,9 +673,15 @@ DecodeData random_decode_data(const DecodeCase& c, std::mt19937_64& rng) {
   return ::testing::AssertionSuccess();
 }
 
-class KernelDecode : public KernelTest {};
+// The decode kernels run at every level that has a row of its own for their K/V dtype: avx512_bf16 has the int8 K/V
+// one (its scores on vpdpwssd) and falls through to avx512 for f32 and bf16 K/V.
+class KernelDecode : public test::IsaTest {
+ protected:
+  bool own_row(DType kv) const { return detail::kernels_for(isa(), DType::f32, kv).isa == isa(); }
+};
 
 TEST_P(KernelDecode, MergedSplitsMatchNaive) {
+  if (!own_row(DType::f32)) GTEST_SKIP() << to_string(isa()) << " uses a lower level's f32 decode kernel";
   const kernels::DecodeKernel& kern = detail::decode_kernel(isa());
   ASSERT_STREQ(kern.isa, to_string(isa()));
   expect_all_cases(kern.isa, decode_cases(), [&](const DecodeCase& c) { return check_decode(kern, c); });
@@ -684,6 +690,7 @@ TEST_P(KernelDecode, MergedSplitsMatchNaive) {
 // The decode kernel of a bf16 KV cache (Vec::load(const bf16*) in the vector loops, widen in the tails), on
 // bf16-rounded K/V, every shape and grouping of the f32 cases.
 TEST_P(KernelDecode, Bf16KvMatchesNaive) {
+  if (!own_row(DType::bf16)) GTEST_SKIP() << to_string(isa()) << " uses a lower level's bf16 K/V decode kernel";
   const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::bf16);
   ASSERT_STREQ(kern.isa, to_string(isa()));
   expect_all_cases(kern.isa, decode_cases(DType::bf16), [&](const DecodeCase& c) { return check_decode(kern, c); });
@@ -691,6 +698,7 @@ TEST_P(KernelDecode, Bf16KvMatchesNaive) {
 // The decode kernel of an int8 KV cache (integer scores over an int16 query, kernels/int_dot.hpp; values widened by
 // Vec::load(const int8_t*); scales per key), every shape and grouping.
 TEST_P(KernelDecode, Int8KvMatchesNaive) {
+  if (!own_row(DType::i8)) GTEST_SKIP() << to_string(isa()) << " uses a lower level's int8 K/V decode kernel";
   const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::i8);
   ASSERT_STREQ(kern.isa, to_string(isa()));
   expect_all_cases(kern.isa, decode_cases(DType::i8), [&](const DecodeCase& c) { return check_decode(kern, c); });
@@ -707,6 +715,7 @@ TEST_P(KernelDecode, Int8KvMatchesNaive) {
 // policy's bound with or without the lazy max.)
 TEST_P(KernelDecode, RisingAndFallingScoresMatchNaive) {
   for (DType kv : {DType::f32, DType::bf16, DType::i8}) {
+    if (!own_row(kv)) continue;
     const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), kv);
     for (const auto& [slope, jump] : {std::pair{0.02, 0.0}, std::pair{0.1, 0.0}, std::pair{0.2, 0.0}, std::pair{-0.2, 0.0},
                                       std::pair{0.0, 12.0}, std::pair{0.0, 150.0}}) {
@@ -744,6 +753,7 @@ TEST_P(KernelDecode, RisingAndFallingScoresMatchNaive) {
 TEST_P(KernelDecode, NonFiniteQueryHeadGivesNaNOnlyThere) {
   const int64_t H = 2, D = 64, bt = 16, n = 40;
   for (DType kv : {DType::f32, DType::bf16, DType::i8}) {
+    if (!own_row(kv)) continue;
     for (float bad : {kNaN, INFINITY}) {
       const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), kv);
       std::mt19937_64 rng(11);
@@ -782,6 +792,8 @@ GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelDecode);
 // the decode kernel's chunks; a zero query row scores 0.
 const kernels::IntDotKernel& int_dot_kernel(Isa isa) {
   switch (isa) {
+    case Isa::avx512_bf16:
+      return kernels::int_dot_avx512_bf16();
     case Isa::avx512:
       return kernels::int_dot_avx512();
     case Isa::avx2:
@@ -870,7 +882,17 @@ TEST_P(KernelVecExp2, ScalefMatchesExponentBitsBitForBit) {
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelVecExp2);
 
-class KernelIntDot : public KernelTest {};
+// Every level with an int8 K/V row of its own (avx512_bf16's sums on vpdpwssd).
+class KernelIntDot : public test::IsaTest {
+ protected:
+  void SetUp() override {
+    test::IsaTest::SetUp();
+    if (IsSkipped()) return;
+    if (detail::kernels_for(isa(), DType::f32, DType::i8).isa != isa()) {
+      GTEST_SKIP() << to_string(isa()) << " uses a lower level's int8 K/V kernels";
+    }
+  }
+};
 
 TEST_P(KernelIntDot, MatchesScalarTwinExactly) {
   const kernels::IntDotKernel& kern = int_dot_kernel(isa());

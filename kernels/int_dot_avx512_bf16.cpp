@@ -1,0 +1,11 @@
+// kernels/int_dot_avx512_bf16.cpp: the int8-key dot products on vpdpwssd (kernels/int_dot.hpp), as the avx512_bf16
+// level compiles them (AVX512-VNNI), for the tests.
+#include "kernels/int_dot.hpp"
+
+namespace gpt2attn::kernels {
+const IntDotKernel& int_dot_avx512_bf16() {
+  using D = IntDot<xsimd::avx512f>;
+  static const IntDotKernel kernel{"avx512_bf16", D::kKeys, &D::dots};
+  return kernel;
+}
+}  // namespace gpt2attn::kernels
