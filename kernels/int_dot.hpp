@@ -1,8 +1,8 @@
 // kernels/int_dot.hpp: the integer dot products of decode's score side over an int8 K cache: a query row quantised
 // once to int16 against int8 key rows, summed exactly in int32, in one small policy per instruction set (AVX-512BW
 // vpmovsxbw + vpmaddwd + vpaddd, or vpmovsxbw + vpdpwssd with AVX512-VNNI; AVX2 the first on 256 bits) and its
-// portable twin, the same integer arithmetic on
-// one lane in plain C++. Integer sums are exact, so every instruction set gives the twin's result bit for bit.
+// portable twin, the same integer arithmetic on one lane in plain C++. Integer sums are exact, so every instruction
+// set gives the twin's result bit for bit.
 // It does not scale or convert: the caller multiplies a dot by the query's and the key's scales.
 //
 // Overflow: |q| <= 32767 (symmetric, quantize_query_i16) and |k| <= 128, so a dot over n elements is bounded by
@@ -98,7 +98,7 @@ struct IntDot {
   }
   // acc + q . kw pairwise into the int32 lanes: one vpdpwssd where the translation unit is compiled for AVX512-VNNI
   // (the avx512_bf16 level), else vpmaddwd and vpaddd. The same integers either way: |q| <= 32767 keeps vpmaddwd's
-  // pair sum in range, and both wrap the same on the add (which the bound above keeps from happening).
+  // pair sum in range, and both would wrap alike on the add (the overflow bound above keeps it from happening).
   static I madd_add(I acc, I q, I kw) {
     if constexpr (k512) {
 #if defined(__AVX512VNNI__)
