@@ -373,7 +373,7 @@ struct DecodeAttention {
     const float qscale = a.scale * kLog2e;
     for (int64_t h = 0; h < H; ++h) {
       if constexpr (kIntScores) {
-        qsc[h] = quantize_query_i16(a.q + h * a.ldq, qscale, D, qs + h * ldqs);
+        qsc[h] = quantize_query_i16<Arch>(a.q + h * a.ldq, qscale, D, qs + h * ldqs);
       } else {
         for (int64_t d = 0; d < D; ++d) qs[h * ldqs + d] = a.q[h * a.ldq + d] * qscale;
       }
