@@ -12,7 +12,7 @@ const std::vector<KernelSet>& kernel_table() {
   namespace k = kernels;
   static const std::vector<KernelSet> table = {
       {"bf16/avx512_bf16", Isa::avx512_bf16, DType::bf16, DType::bf16,
-       "vdpbf16ps: two bf16 products per f32 lane, twice the FMA rate; f32 sums, softmax and accumulators",
+       "vdpbf16ps: two bf16 products per f32 lane, twice an FMA's where the CPU issues it as fast (README); f32 sums",
        &k::attention_bf16_avx512_bf16(), &k::decode_attention_f32_kvbf16_avx512(), &k::linear_bf16_avx512()},
       {"bf16-kvi8/avx512_bf16", Isa::avx512_bf16, DType::bf16, DType::i8,
        "bf16 compute serving an int8 KV cache: prefill widens as bf16-kvi8/avx512, decode scores on vpdpwssd (VNNI)",
