@@ -130,7 +130,7 @@ struct IntDot {
       return madd_add(acc, _mm512_loadu_si512(q), kw);
     } else {
       const I kw = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
-      return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), kw));
+      return madd_add(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), kw);
     }
   }
   // The last m < L elements: AVX-512 masked loads (masked-out bytes are never read); AVX2 leaves them to tail().
@@ -241,6 +241,13 @@ struct IntDot {
   }
 };
 #endif
+
+// The dot products of instruction set Arch as the tests see them (int_dot_<isa>.cpp), named isa.
+template <class Arch>
+const IntDotKernel& make_int_dot_kernel(const char* isa) {
+  static const IntDotKernel kernel{isa, IntDot<Arch>::kKeys, &IntDot<Arch>::dots};
+  return kernel;
+}
 
 }  // namespace
 

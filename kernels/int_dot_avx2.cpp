@@ -2,9 +2,5 @@
 #include "kernels/int_dot.hpp"
 
 namespace gpt2attn::kernels {
-const IntDotKernel& int_dot_avx2() {
-  using D = IntDot<xsimd::fma3<xsimd::avx2>>;
-  static const IntDotKernel kernel{"avx2", D::kKeys, &D::dots};
-  return kernel;
-}
+const IntDotKernel& int_dot_avx2() { return make_int_dot_kernel<xsimd::fma3<xsimd::avx2>>("avx2"); }
 }  // namespace gpt2attn::kernels

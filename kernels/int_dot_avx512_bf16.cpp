@@ -3,9 +3,5 @@
 #include "kernels/int_dot.hpp"
 
 namespace gpt2attn::kernels {
-const IntDotKernel& int_dot_avx512_bf16() {
-  using D = IntDot<xsimd::avx512f>;
-  static const IntDotKernel kernel{"avx512_bf16", D::kKeys, &D::dots};
-  return kernel;
-}
+const IntDotKernel& int_dot_avx512_bf16() { return make_int_dot_kernel<xsimd::avx512f>("avx512_bf16"); }
 }  // namespace gpt2attn::kernels

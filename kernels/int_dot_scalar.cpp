@@ -3,8 +3,5 @@
 #include "kernels/int_dot.hpp"
 
 namespace gpt2attn::kernels {
-const IntDotKernel& int_dot_scalar() {
-  static const IntDotKernel kernel{"scalar", IntDot<ScalarArch>::kKeys, &IntDot<ScalarArch>::dots};
-  return kernel;
-}
+const IntDotKernel& int_dot_scalar() { return make_int_dot_kernel<ScalarArch>("scalar"); }
 }  // namespace gpt2attn::kernels

@@ -12,6 +12,7 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -228,19 +229,24 @@ void expect_all_cases(const std::string& isa, const std::vector<Case>& cases, Ch
 }
 
 // Every test is parameterised over the instruction set (tests/isa_param.hpp); the prefix "Kernel" makes
-// --gtest_filter='Kernel*' select every test of this file. These drive the f32-compute kernels; a level with no
-// f32 row of its own (avx512_bf16 adds bf16 rows only, and its f32 row is avx512's) is skipped, not re-run: the
-// bf16-compute rows are checked through the engine in test_fastpath_sweep.cpp.
+// --gtest_filter='Kernel*' select every test of this file. These drive the f32-compute kernels of one K/V dtype (f32
+// unless a suite says otherwise); a level with no row of its own for them (avx512_bf16 has int8 K/V rows only, its
+// f32 and bf16 K/V rows are avx512's) is skipped, not re-run: the bf16-compute rows are checked through the engine in
+// test_fastpath_sweep.cpp. A suite over several K/V dtypes passes none and asks own_row per dtype.
 class KernelTest : public test::IsaTest {
  protected:
+  explicit KernelTest(std::optional<DType> kv = DType::f32) : kv_(kv) {}
+  // Whether this level has an f32-compute row of its own for K/V dtype kv.
+  bool own_row(DType kv) const { return detail::kernels_for(isa(), DType::f32, kv).isa == isa(); }
   void SetUp() override {
     test::IsaTest::SetUp();
-    if (IsSkipped()) return;
-    const Isa row = detail::kernels_for(isa(), DType::f32, DType::f32).isa;
-    if (row != isa()) {
-      GTEST_SKIP() << to_string(isa()) << " has no f32 kernels of its own (it uses " << to_string(row) << "'s)";
-    }
+    if (IsSkipped() || !kv_ || own_row(*kv_)) return;
+    GTEST_SKIP() << to_string(isa()) << " has no f32-compute kernels of its own for " << to_string(*kv_)
+                 << " K/V (it uses " << to_string(detail::kernels_for(isa(), DType::f32, *kv_).isa) << "'s)";
   }
+
+ private:
+  std::optional<DType> kv_;
 };
 
 // =============================================================================================================
@@ -674,10 +680,10 @@ DecodeData random_decode_data(const DecodeCase& c, std::mt19937_64& rng) {
 }
 
 // The decode kernels run at every level that has a row of its own for their K/V dtype: avx512_bf16 has the int8 K/V
-// one (its scores on vpdpwssd) and falls through to avx512 for f32 and bf16 K/V.
-class KernelDecode : public test::IsaTest {
+// one (its scores on vpdpwssd) and falls through to avx512 for f32 and bf16 K/V. Each test asks own_row.
+class KernelDecode : public KernelTest {
  protected:
-  bool own_row(DType kv) const { return detail::kernels_for(isa(), DType::f32, kv).isa == isa(); }
+  KernelDecode() : KernelTest(std::nullopt) {}
 };
 
 TEST_P(KernelDecode, MergedSplitsMatchNaive) {
@@ -883,15 +889,9 @@ TEST_P(KernelVecExp2, ScalefMatchesExponentBitsBitForBit) {
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelVecExp2);
 
 // Every level with an int8 K/V row of its own (avx512_bf16's sums on vpdpwssd).
-class KernelIntDot : public test::IsaTest {
+class KernelIntDot : public KernelTest {
  protected:
-  void SetUp() override {
-    test::IsaTest::SetUp();
-    if (IsSkipped()) return;
-    if (detail::kernels_for(isa(), DType::f32, DType::i8).isa != isa()) {
-      GTEST_SKIP() << to_string(isa()) << " uses a lower level's int8 K/V kernels";
-    }
-  }
+  KernelIntDot() : KernelTest(DType::i8) {}
 };
 
 TEST_P(KernelIntDot, MatchesScalarTwinExactly) {
