@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "engine/weights_copy.hpp"
@@ -25,6 +26,25 @@ dt dnnl_type(DType t) {
     case DType::f32: return dt::f32;
     case DType::bf16: return dt::bf16;
     default: fail(ErrorCode::internal, std::string("linear: no oneDNN GEMM computes in ") + to_string(t));
+  }
+}
+
+// oneDNN 2.6's AMX bf16 matmul (`brg:avx512_core_amx_bf16`) executes an illegal instruction for some GEMMs whose K is
+// not a multiple of 32, the bf16 elements of a 64-byte tile row, killing the process with SIGILL: 200x63 times 63x2 on
+// one thread, 33x63 times 63x17 on two (an Intel Xeon with AMX, 2026-11-26; uxlfoundation/oneDNN#1661 reports the
+// same in 2.7.3, and #5717 rows mixed by the K remainder in a 3.x AMX kernel). Such a GEMM takes oneDNN's next
+// implementation without AMX (its AVX512-BF16 kernel there). Where K is a multiple of 32 AMX stays: no such shape
+// crashed in a scan of K up to 1100 (bench/README, "oneDNN on AMX").
+bool avoid_amx(DType compute, int64_t K) { return compute == DType::bf16 && K % 32 != 0; }
+
+// Steps pd past the implementations that use AMX when `avoid`; pd is left on the first one that does not.
+void skip_amx(dnnl::matmul::primitive_desc& pd, bool avoid, int64_t K) {
+  if (!avoid) return;
+  while (std::string_view(pd.impl_info_str()).find("amx") != std::string_view::npos) {
+    if (!pd.next_impl()) {
+      fail(ErrorCode::internal, "oneDNN: no bf16 matmul without AMX for K=" + std::to_string(K) +
+                                    " (oneDNN 2.6's AMX kernel is not safe where K is not a multiple of 32)");
+    }
   }
 }
 }  // namespace
@@ -62,6 +82,7 @@ Linear::Linear(const TensorView& w, const float* bias, DType compute)
     const memory::desc b_desc({1, N}, dt::f32, tag::ab);
     auto pd = has_bias_ ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_any, w_any, b_desc, dst_any), eng)
                         : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_any, w_any, dst_any), eng);
+    skip_amx(pd, avoid_amx(compute, K), K);
     weights_desc_ = pd.weights_desc();
     impl_ = pd.impl_info_str();
     weights_ = memory(weights_desc_, eng);
@@ -136,6 +157,7 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     auto pd = has_bias_
                   ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights_desc_, bias_.get_desc(), dst), attr, eng)
                   : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights_desc_, dst), attr, eng);
+    skip_amx(pd, avoid_amx(compute_, K_), K_);
     auto e = std::make_unique<ExecContext::Entry>();
     e->prim = dnnl::matmul(pd);
     e->stream = dnnl::stream(eng);

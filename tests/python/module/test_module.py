@@ -176,7 +176,8 @@ def test_bf16_compute_is_as_accurate_as_torch_bf16():
         theirs, _ = module.bfloat16()(b, b, b, attn_mask=mask, need_weights=False)
     torch_err = float((theirs.double() - want).abs().max())
     layer = gpt2attn.from_hf_gpt2_block(hf, "h.0.attn.", num_heads=6, compute="bf16")
-    assert "bf16/" in layer.implementation and "avx512_core_bf16" in layer.implementation or \
+    assert "bf16/" in layer.implementation and ("avx512_core_bf16" in layer.implementation or
+                                                "avx512_core_amx_bf16" in layer.implementation) or \
         gpt2attn.best_isa() != "avx512_bf16", layer.implementation
     ours_err = float(np.abs(layer.forward(x) - want.numpy()).max())
     assert ours_err <= 1.5 * torch_err, (ours_err, torch_err)
