@@ -99,11 +99,11 @@ bench    times the whole layer (QKV projection, causal attention, output project
          reference run causally over that sequence's whole token history (with a bf16 or int8 cache,
          within the bound of gpt2attn/tolerance.hpp's kv_storage_tolerance). --cache warm (default) runs the
          steps back to back, so a small case's weights and K/V stay in the CPU caches; --cache cold streams
-         256 MiB through the caches before each timed step, as a model's other layers would (GPT-2 small's
-         12 layers move about 190 MB per step), so every byte comes from memory. A case whose weights and
-         activations (and KV cache) need more bytes than the machine's physical memory is refused before
-         anything is allocated. --json rows carry peak_rss_mb, the process's peak resident memory so far
-         (getrusage): for a run of one case, that case's.
+         256 MiB (or twice the reported last-level cache, if more) through the caches before each timed step,
+         as a model's other layers would (GPT-2 small's 12 layers move about 190 MB per step), so every byte
+         comes from memory. A case whose weights and activations (and KV cache) need more bytes than the
+         machine's physical memory is refused before anything is allocated. --json rows carry peak_rss_mb,
+         the process's peak resident memory so far (getrusage): for a run of one case, that case's.
 presets  lists the compiled-in presets.
 
 --threads N is 1 to 1024 (default: every core OpenMP offers); --repeats N is 1 to 2147483647; --heads,
@@ -585,9 +585,16 @@ BenchResult bench_prefill(const std::string& name, ga::Config cfg, int64_t B, in
 // the kernel: every cold step then began with a futex wake-up, which cost 150-270 us on this 2-vCPU VM (measured by
 // timing each thread's entry into the step's parallel region; a server that idles between steps pays it too, and
 // OMP_WAIT_POLICY / GOMP_SPINCOUNT are its levers, README "Sharing cores").
+// Its size: 256 MiB, or twice the last-level cache the CPU reports where that is more (a 2-vCPU VM on a 5th-generation
+// Xeon reports its host's 300 MiB L3).
+size_t flush_bytes() {
+  const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return std::max(size_t{256} << 20, llc > 0 ? 2 * static_cast<size_t>(llc) : 0);
+}
+
 void flush_caches(int threads) {
   static const std::vector<uint64_t> buffer = [] {
-    std::vector<uint64_t> b(size_t{256} << 20 >> 3);
+    std::vector<uint64_t> b(flush_bytes() / sizeof(uint64_t));
     for (size_t i = 0; i < b.size(); ++i) b[i] = i;
     return b;
   }();
