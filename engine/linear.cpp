@@ -33,8 +33,8 @@ dt dnnl_type(DType t) {
 // not a multiple of 32, the bf16 elements of a 64-byte tile row, killing the process with SIGILL: 200x63 times 63x2 on
 // one thread, 33x63 times 63x17 on two (an Intel Xeon with AMX, 2026-11-26; uxlfoundation/oneDNN#1661 reports the
 // same in 2.7.3, and #5717 rows mixed by the K remainder in a 3.x AMX kernel). Such a GEMM takes oneDNN's next
-// implementation without AMX (its AVX512-BF16 kernel there). Where K is a multiple of 32 AMX stays: no such shape
-// crashed in a scan of K up to 1100 (bench/README, "oneDNN on AMX").
+// implementation without AMX (its AVX512-BF16 kernel there). Where K is a multiple of 32 AMX stays: no multiple of 32
+// up to 4096 crashed in a scan over M, N and 1-2 threads (bench/README, "oneDNN 2.6 on AMX").
 bool avoid_amx(DType compute, int64_t K) { return compute == DType::bf16 && K % 32 != 0; }
 
 // Steps pd past the implementations that use AMX when `avoid`; pd is left on the first one that does not.
