@@ -32,15 +32,19 @@ _CASE_FIELDS = ("preset", "mode", "dtype", "kv_dtype", "kv_heads", "batch", "seq
 
 
 def split_side(cmd, common):
-    """(argv, env) of one side: its words, NAME=value words first, then the common arguments."""
+    """(argv, env, label) of one side: its words, NAME=value words first, then the common arguments; the label is
+    the whole line as run, the assignments included."""
     words = shlex.split(cmd)
     env = dict(os.environ)
+    assigns = []
     while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
-        name, value = words.pop(0).split("=", 1)
+        assigns.append(words.pop(0))
+        name, value = assigns[-1].split("=", 1)
         env[name] = value
     if not words:
         raise SystemExit(f"ab.py: side '{cmd}' has no command")
-    return words + list(common), env
+    argv = words + list(common)
+    return argv, env, shlex.join(assigns + argv)
 
 
 def parse_times(text):
@@ -106,14 +110,14 @@ def main():
     runs = {"A": [], "B": []}
     for r in range(args.rounds):
         for name in ("AB" if r % 2 == 0 else "BA"):
-            runs[name].append(run_side(*sides[name]))
+            runs[name].append(run_side(*sides[name][:2]))
             print(f"ab.py: round {r + 1}/{args.rounds} side {name} done", file=sys.stderr)
     rows = summarise(runs["A"], runs["B"])
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return
-    print(f"A: {shlex.join(sides['A'][0])}\nB: {shlex.join(sides['B'][0])}\n"
+    print(f"A: {sides['A'][2]}\nB: {sides['B'][2]}\n"
           f"{args.rounds} rounds, order alternated; ratio = B / A per round (below 1: B faster)")
     print("| case | A ms | B ms | B / A (median) | range | B faster |")
     print("|---|---|---|---|---|---|")

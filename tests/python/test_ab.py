@@ -70,6 +70,7 @@ def reads_google_benchmark_medians(r):
     p = ab(["--a", fake_side(wd, "A", "gbench", 4.0), "--b", fake_side(wd, "B", "gbench", 5.0), "--rounds", "2"])
     check(p.returncode == 0, "exit %d: %s" % (p.returncode, p.stderr[-400:]))
     check("| Core/x | 4 | 5 | 1.250 | 1.250-1.250 | 0/2 |" in p.stdout, "the median aggregate in ms: %s" % p.stdout)
+    check("A: SIDE=A " in p.stdout and "B: SIDE=B " in p.stdout, "each side shown with its variables: %s" % p.stdout)
 
 
 def refuses_what_it_cannot_compare(r):
