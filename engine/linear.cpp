@@ -35,11 +35,9 @@ dt dnnl_type(DType t) {
 // same in 2.7.3, and #5717 rows mixed by the K remainder in a 3.x AMX kernel). Such a GEMM takes oneDNN's next
 // implementation without AMX (its AVX512-BF16 kernel there). Where K is a multiple of 32 AMX stays: no multiple of 32
 // up to 4096 crashed in a scan over M, N and 1-2 threads (bench/README, "oneDNN 2.6 on AMX").
-bool avoid_amx(DType compute, int64_t K) { return compute == DType::bf16 && K % 32 != 0; }
-
-// Steps pd past the implementations that use AMX when `avoid`; pd is left on the first one that does not.
-void skip_amx(dnnl::matmul::primitive_desc& pd, bool avoid, int64_t K) {
-  if (!avoid) return;
+// For such a GEMM, steps pd past the implementations that use AMX, leaving it on the first one that does not.
+void skip_amx(dnnl::matmul::primitive_desc& pd, DType compute, int64_t K) {
+  if (compute != DType::bf16 || K % 32 == 0) return;
   while (std::string_view(pd.impl_info_str()).find("amx") != std::string_view::npos) {
     if (!pd.next_impl()) {
       fail(ErrorCode::internal, "oneDNN: no bf16 matmul without AMX for K=" + std::to_string(K) +
@@ -82,7 +80,7 @@ Linear::Linear(const TensorView& w, const float* bias, DType compute)
     const memory::desc b_desc({1, N}, dt::f32, tag::ab);
     auto pd = has_bias_ ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_any, w_any, b_desc, dst_any), eng)
                         : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_any, w_any, dst_any), eng);
-    skip_amx(pd, avoid_amx(compute, K), K);
+    skip_amx(pd, compute, K);
     weights_desc_ = pd.weights_desc();
     impl_ = pd.impl_info_str();
     weights_ = memory(weights_desc_, eng);
@@ -157,7 +155,7 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     auto pd = has_bias_
                   ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights_desc_, bias_.get_desc(), dst), attr, eng)
                   : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights_desc_, dst), attr, eng);
-    skip_amx(pd, avoid_amx(compute_, K_), K_);
+    skip_amx(pd, compute_, K_);
     auto e = std::make_unique<ExecContext::Entry>();
     e->prim = dnnl::matmul(pd);
     e->stream = dnnl::stream(eng);

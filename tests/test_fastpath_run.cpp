@@ -371,7 +371,7 @@ TEST_P(FastPathBf16Io, ImplementationNamesTheBf16Kernels) {
 }
 
 // oneDNN 2.6's AMX bf16 GEMM kills the process (SIGILL) for some inner dimensions that are not a multiple of 32
-// (engine/linear.cpp, avoid_amx): on an AMX CPU this case did, at one thread, in its 200x63 times 63x2 query
+// (engine/linear.cpp, skip_amx): on an AMX CPU this case did, at one thread, in its 200x63 times 63x2 query
 // projection. Such projections run on a kernel without AMX, and agree with the reference. Elsewhere it runs as any
 // bf16 case.
 TEST_P(FastPathBf16Io, RaggedInnerDimensionStaysOffAmx) {
