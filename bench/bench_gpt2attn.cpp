@@ -182,8 +182,8 @@ const gk::AttentionKernel& kernel_for(ga::Isa isa, ga::DType compute = ga::DType
   return *ga::detail::kernels_for(ga::detail::resolve_isa(isa), compute, compute).prefill;
 }
 
-// Q, K, V as the engine's fused projection leaves them: one (T, 3E) buffer, [Q | K | V] per token, head h at
-// column offset h*D of each third; the output (T, E) with heads concatenated. The causal bias row is built
+// Q, K, V as the engine's projections leave them: one buffer of 3 T E elements, head-major (3, H, T, D), each head's
+// rows D apart; the output (T, E) with heads concatenated. The causal bias row is built
 // the same way as MultiHeadAttention::Impl builds `causal_row` (kernels::fill_causal_band).
 // Q, K, V and the output are of the compute type (bf16: the random values rounded, as the projections leave them).
 struct Core {
@@ -211,9 +211,9 @@ struct Core {
     gk::fill_causal_band(causal_row.data());
   }
 
-  // engine/attention.cpp's attend() for B = 1, causal, no mask, no dropout: (H, query tiles) items, longest
-  // (last) tiles first, taken dynamically. Q, K and V head-major as the projections leave them, qkv (3, H, T, D):
-  // each head's rows contiguous, D apart; the output (T, E).
+  // engine/attention.cpp's forward() core (Impl::run_query_tiles) for B = 1, causal, no mask, no dropout: (H, query
+  // tiles) items taken dynamically head by head, each head's longest (last) tiles first. Q, K and V head-major as
+  // the projections leave them, qkv (3, H, T, D): each head's rows contiguous, D apart; the output (T, E).
   void run(int threads) {
     gk::AttentionArgs base;
     base.ldq = base.kv.ldk = base.kv.ldv = D;
@@ -233,7 +233,7 @@ struct Core {
       float* s = floats(scratch) + omp_get_thread_num() * scratch_stride;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t it = 0; it < items; ++it) {
-        const int64_t tile = tiles - 1 - it / H, h = it % H;
+        const int64_t h = it / tiles, tile = tiles - 1 - it % tiles;
         gk::AttentionArgs a = base;
         a.q = qp + h * T * D * es;
         a.kv.k = qp + (H + h) * T * D * es;
