@@ -212,8 +212,9 @@ struct Core {
   }
 
   // engine/attention.cpp's forward() core (Impl::run_query_tiles) for B = 1, causal, no mask, no dropout: (H, query
-  // tiles) items taken dynamically head by head, each head's longest (last) tiles first. Q, K and V head-major as
-  // the projections leave them, qkv (3, H, T, D): each head's rows contiguous, D apart; the output (T, E).
+  // tiles, as many an item as the kernel asks for) items taken dynamically head by head, each head's longest (last)
+  // tiles first. Q, K and V head-major as the projections leave them, qkv (3, H, T, D): each head's rows
+  // contiguous, D apart; the output (T, E).
   void run(int threads) {
     gk::AttentionArgs base;
     base.ldq = base.kv.ldk = base.kv.ldv = D;
@@ -224,7 +225,8 @@ struct Core {
     base.causal_offset = 0;
     base.causal_bias = causal_row.data() + gk::causal_band_center();
     const int64_t BQ = kernel->tiles.query_tile;
-    const int64_t tiles = (T + BQ - 1) / BQ, items = H * tiles;
+    const int64_t tiles = (T + BQ - 1) / BQ, G = std::max<int64_t>(1, kernel->tiles_per_call(T, D));
+    const int64_t per_head = (tiles + G - 1) / G, items = H * per_head;
     const auto* qp = reinterpret_cast<const std::byte*>(qkv.get());
     auto* out = reinterpret_cast<std::byte*>(ctx.get());
     const int64_t es = static_cast<int64_t>(ga::size_of(compute));  // bytes per element
@@ -233,13 +235,13 @@ struct Core {
       float* s = floats(scratch) + omp_get_thread_num() * scratch_stride;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t it = 0; it < items; ++it) {
-        const int64_t h = it / tiles, tile = tiles - 1 - it % tiles;
+        const int64_t h = it / per_head, end = tiles - it % per_head * G, begin = std::max<int64_t>(0, end - G);
         gk::AttentionArgs a = base;
         a.q = qp + h * T * D * es;
         a.kv.k = qp + (H + h) * T * D * es;
         a.kv.v = qp + (2 * H + h) * T * D * es;
         a.out = out + h * D * es;
-        kernel->run(a, tile * BQ, std::min(T, (tile + 1) * BQ), s);
+        kernel->run(a, begin * BQ, std::min(T, end * BQ), s);
       }
     }
   }

@@ -5,6 +5,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -139,8 +140,9 @@ struct MultiHeadAttention::Impl {
   // Workspace bytes reserve_serving() takes: enough for extend() and decode() with any cache.
   int64_t serving_bytes(int64_t max_extend_tokens, int64_t max_decode_batch, int threads) const;
 
-  // Runs the tiled kernel `kern` over (BH slices) x (query tiles of T rows), taken dynamically slice by slice, each
-  // slice's longest (latest) tiles first; setup(args, bh) points args at slice bh's Q, K/V and output.
+  // Runs the tiled kernel `kern` over (BH slices) x (query tiles of T rows, as many a call as the kernel asks for),
+  // taken dynamically slice by slice, each slice's longest (latest) tiles first; setup(args, bh) points args at
+  // slice bh's Q, K/V and output.
   // Slice-major, so a slice's K and V stay in the threads' L2 from one query tile to the next: ordered tile-major
   // (every slice's last tile, then every slice's tile before it) each item read its K/V from L3 or memory.
   // Measured (Core, bench/ab.py, 3 rounds, medians): 2 threads, gpt2-small T=1024 7.37 -> 6.67 ms, T=4096 110 ->
@@ -156,17 +158,19 @@ void MultiHeadAttention::Impl::run_query_tiles(const kernels::AttentionKernel& k
                                                const kernels::AttentionArgs& base, float* scratch_base, int threads,
                                                Setup&& setup) const {
   const int64_t BQ = kern.tiles.query_tile;
-  const int64_t tiles = (T + BQ - 1) / BQ, items = BH * tiles;
+  // Each item is G query tiles (kernels::AttentionKernel::tiles_per_call), counted from the slice's last.
+  const int64_t tiles = (T + BQ - 1) / BQ, G = std::max<int64_t>(1, kern.tiles_per_call(base.Tk, base.D));
+  const int64_t per_slice = (tiles + G - 1) / G, items = BH * per_slice;
   const int64_t stride = scratch_stride(kern);
 #pragma omp parallel num_threads(threads)
   {
     float* scratch = scratch_base + omp_get_thread_num() * stride;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
-      const int64_t bh = it / tiles, tile = tiles - 1 - it % tiles;
+      const int64_t bh = it / per_slice, end = tiles - it % per_slice * G, begin = std::max<int64_t>(0, end - G);
       kernels::AttentionArgs a = base;
       setup(a, bh);
-      kern.run(a, tile * BQ, std::min(T, (tile + 1) * BQ), scratch);
+      kern.run(a, begin * BQ, std::min(T, end * BQ), scratch);
     }
   }
 }

@@ -119,6 +119,9 @@ struct AttentionKernel {
   TileShape tiles;
   // Floats of scratch one call needs for head size D; the engine allocates threads x this, once.
   size_t (*scratch_floats)(int64_t D);
+  // Query tiles to give one call at once for K/V of Tk rows and head size D (1 where K/V stay in L2 between
+  // calls; more where each key tile read from memory should serve several query tiles).
+  int64_t (*tiles_per_call)(int64_t Tk, int64_t D);
   // Computes out rows [q_begin, q_end) (q_begin a multiple of tiles.query_tile) for one (b, h).
   void (*run)(const AttentionArgs& args, int64_t q_begin, int64_t q_end, float* scratch);
 };

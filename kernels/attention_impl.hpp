@@ -426,10 +426,24 @@ struct TiledAttention {
   static constexpr int BK = tiles::kKeyTile;
   static_assert(BQ + BK <= tiles::kCausalBandCenter, "the registered causal band must cover this kernel's tiles");
 
-  // Scratch: qt (the micro-kernel's packed queries) | s (BK, BQ) | acc (D, BQ) | m (BQ) | l (BQ) | alpha (BQ) |
-  // the micro-kernel's P.V work area.
+  // A call takes its query tiles in groups of up to kGroup (tiles::kQueryTileGroup): for each key tile, every tile
+  // of the group in turn, so a key tile read from L3 or memory serves the whole group from L1/L2. Each tile keeps
+  // its own state (packed queries, accumulators, running max and sum) and sees its keys in the same order as alone,
+  // so the results do not depend on the grouping.
+  static constexpr int kGroup = tiles::kQueryTileGroup;
+
+  // One query tile's state: qt (the micro-kernel's packed queries) | acc (D, BQ) | m (BQ) | l (BQ) | alpha (BQ).
+  static int64_t state_floats(int64_t D) { return M::packed_query_floats(D) + (D + 3) * BQ; }
+  // Scratch: s (BK, BQ) | kGroup tile states | the micro-kernel's P.V work area.
   static size_t scratch_floats(int64_t D) {
-    return static_cast<size_t>(M::packed_query_floats(D) + (D + BK + 3) * BQ + M::pv_scratch_floats(D));
+    return static_cast<size_t>(BK * BQ + kGroup * state_floats(D) + M::pv_scratch_floats(D));
+  }
+
+  // Query tiles a call should be given at once for K/V of Tk rows of D elements: a group where one head's K and V
+  // pass tiles::kCorePrefetchMinBytes (no longer kept in L2 from one query tile to the next), one tile otherwise,
+  // where smaller work items balance threads better.
+  static int64_t tiles_per_call(int64_t Tk, int64_t D) {
+    return 2 * Tk * D * static_cast<int64_t>(sizeof(KvT)) > tiles::kCorePrefetchMinBytes ? kGroup : 1;
   }
 
   // The K/V source and the units are compile-time choices, made here once per call: paged K/V keeps its own
@@ -449,12 +463,12 @@ struct TiledAttention {
   template <class Src>
   static void with_units(bool natural, const AttentionArgs& a, int64_t q_begin, int64_t q_end, float* scratch) {
     const Src src(a.kv);
-    for (int64_t i0 = q_begin; i0 < q_end; i0 += BQ) {
-      const int64_t i1 = std::min<int64_t>(i0 + BQ, q_end);
+    for (int64_t g0 = q_begin; g0 < q_end; g0 += kGroup * BQ) {
+      const int64_t g1 = std::min<int64_t>(g0 + kGroup * BQ, q_end);
       if (natural) {
-        tile<Units::natural>(a, src, i0, i1, scratch);
+        group<Units::natural>(a, src, g0, g1, scratch);
       } else {
-        tile<Units::log2>(a, src, i0, i1, scratch);
+        group<Units::log2>(a, src, g0, g1, scratch);
       }
     }
   }
@@ -465,129 +479,170 @@ struct TiledAttention {
                                      : static_cast<const float*>(mk.data)[at];
   }
 
+  // One query tile of a group: queries [i0, i1), which see keys [0, kend), and its state in the scratch.
+  struct Tile {
+    int64_t i0 = 0, i1 = 0, kend = 0;
+    float *qt = nullptr, *acc = nullptr, *m = nullptr, *l = nullptr, *alpha = nullptr;
+  };
+
+  // Queries [g0, g1), at most kGroup tiles, over the key tiles in order.
   template <Units units, class Src>
-  static void tile(const AttentionArgs& a, const Src& src, int64_t i0, int64_t i1, float* scratch) {
+  static void group(const AttentionArgs& a, const Src& src, int64_t g0, int64_t g1, float* scratch) {
     constexpr bool natural = units == Units::natural;
-    const int64_t D = a.D, nq = i1 - i0;
-    float* qt = scratch;
-    float* s = qt + M::packed_query_floats(D);
-    float* acc = s + BK * BQ;
-    float* m = acc + D * BQ;
-    float* l = m + BQ;
-    float* alpha = l + BQ;
-    float* pv_work = alpha + BQ;
+    const int64_t D = a.D;
+    float* s = scratch;
+    float* states = s + BK * BQ;
+    float* pv_work = states + kGroup * state_floats(D);
 
     // Scores come out as log2(e) * scale * q.k, so the softmax runs on exp2 (natural units: scale * q.k, as torch
     // computes it); the micro-kernel applies qscale when it packs the queries or after each dot product.
     const float qscale = natural ? a.scale : a.scale * kLog2e;
-    M::pack_queries(static_cast<const QT*>(a.q) + i0 * a.ldq, a.ldq, nq, D, qscale, qt);
-    std::fill(acc, acc + D * BQ, 0.0f);
-    std::fill(m, m + BQ, -INFINITY);
-    std::fill(l, l + BQ, 0.0f);
-
-    // The last query of the tile sees keys up to i1 - 1 + offset; nothing beyond is touched.
-    const int64_t kend = a.causal ? std::clamp<int64_t>(i1 + a.causal_offset, 0, a.Tk) : a.Tk;
-    const int64_t ldk = src.key_stride(), ldv = src.value_stride();
-    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KvT));
-    const bool fetch_next = 2 * kend * row_bytes > tiles::kCorePrefetchMinBytes;
-    int64_t nk = 0;
-    for (int64_t j0 = 0; j0 < kend; j0 += nk) {
-      // A key tile is BK keys, or fewer at the end and where the source's run ends (a block boundary).
-      nk = std::min<int64_t>(BK, std::min(kend, src.run_end(j0)) - j0);
-      const KvT* kt = src.keys(j0);
-      const KvT* vt = src.values(j0);
-
-      // At long context (tiles::kCorePrefetchMinBytes) the next key tile's K and V rows are asked for now, into L2:
-      // a tile's K and V then come from the last-level cache or memory, and this tile's arithmetic hides that.
-      const int64_t j1 = j0 + nk;
-      const int64_t nk1 = fetch_next && j1 < kend ? std::min<int64_t>(BK, std::min(kend, src.run_end(j1)) - j1) : 0;
-      const KvT* kn = nk1 > 0 ? src.keys(j1) : nullptr;
-      const KvT* vn = nk1 > 0 ? src.values(j1) : nullptr;
-
-      // A tile crossing the diagonal (some key past the first query's horizon) is causally masked; its keys'
-      // visible query vectors let the micro-kernel leave out the products that are masked anyway.
-      const bool diagonal = a.causal && j0 + nk - 1 > i0 + a.causal_offset;
-      const Visible vis = diagonal ? Visible{j0 - i0 - a.causal_offset, true} : Visible::all();
-      B mx[QV];
-      for (int v = 0; v < QV; ++v) mx[v] = V::load(m + v * W);
-      M::scores(kt, ldk, src.key_scales(j0), nk, qt, D, qscale, s, mx, vis);
-      for (int64_t j = 0; j < nk1; ++j) {
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          prefetch_l2(kn + j * ldk, static_cast<size_t>(b));
-          prefetch_l2(vn + j * ldv, static_cast<size_t>(b));
-        }
-      }
-      bool masked = false;  // any mask changes scores after mx was taken: recompute it then
-
-      if (diagonal) {
-        masked = true;
-        for (int64_t j = 0; j < nk; ++j) {
-          const float* bias = a.causal_bias + (i0 + a.causal_offset - (j0 + j));
-          for (int v = 0; v < QV; ++v) V::store(s + j * BQ + v * W, V::load(s + j * BQ + v * W) + V::load(bias + v * W));
-        }
-      }
-      if (a.key_padding.data) {
-        masked = true;
-        for (int64_t j = 0; j < nk; ++j) {
-          if (mask_value(a.key_padding, 0, j0 + j) != 0.0f) std::fill(s + j * BQ, s + (j + 1) * BQ, -INFINITY);
-        }
-      }
-      if (a.mask.data) {
-        masked = true;
-        for (int64_t i = 0; i < nq; ++i) {
-          for (int64_t j = 0; j < nk; ++j) {
-            const float x = mask_value(a.mask, i0 + i, j0 + j);
-            float& sc = s[j * BQ + i];
-            switch (a.mask.mode) {
-              case MaskMode::additive: sc += x; break;  // only in natural units: exactly torch's s + x
-              case MaskMode::keep: if (x == 0.0f) sc = -INFINITY; break;
-              case MaskMode::block: if (x != 0.0f) sc = -INFINITY; break;
-            }
-          }
-        }
-      }
-
-      // Online softmax: new running max, rescale factor, exponentials in place, running sum.
-      for (int v = 0; v < QV; ++v) {
-        const B m_old = V::load(m + v * W);
-        B m_new = mx[v];
-        if (masked) {
-          m_new = m_old;
-          for (int64_t j = 0; j < nk; ++j) m_new = V::max(m_new, V::load(s + j * BQ + v * W));
-        }
-        const B m_safe = V::finite_or_zero(m_new);
-        B sum = V::set1(0.0f);
-        for (int64_t j = 0; j < nk; ++j) {
-          B x = V::load(s + j * BQ + v * W) - m_safe;
-          if constexpr (natural) x = x * V::set1(kLog2e);  // after the subtraction: cannot overflow upward
-          const B p = V::exp2(x);
-          V::store(s + j * BQ + v * W, p);
-          sum = sum + p;
-        }
-        B dm = m_old - m_safe;
-        if constexpr (natural) dm = dm * V::set1(kLog2e);
-        const B al = V::exp2(dm);
-        V::store(alpha + v * W, al);
-        V::store(m + v * W, m_new);
-        V::store(l + v * W, V::fma(V::load(l + v * W), al, sum));
-      }
-
-      if (a.dropout_p > 0.0f) {
-        const float keep_scale = 1.0f / (1.0f - a.dropout_p);
-        for (int64_t j = 0; j < nk; ++j) {
-          for (int64_t i = 0; i < nq; ++i) {
-            const uint64_t n = a.dropout_base + static_cast<uint64_t>((i0 + i) * a.Tk + (j0 + j));
-            s[j * BQ + i] *= dropout_uniform(a.dropout_seed, n) >= a.dropout_p ? keep_scale : 0.0f;
-          }
-        }
-      }
-
-      M::accumulate_pv(vt, ldv, src.value_scales(j0), nk, s, alpha, D, acc, pv_work, vis);
+    Tile t[kGroup];
+    int n = 0;
+    int64_t kmax = 0;
+    for (int64_t i0 = g0; i0 < g1; i0 += BQ, ++n) {
+      Tile& x = t[n];
+      x.i0 = i0;
+      x.i1 = std::min<int64_t>(i0 + BQ, g1);
+      // The last query of the tile sees keys up to i1 - 1 + offset; nothing beyond is touched.
+      x.kend = a.causal ? std::clamp<int64_t>(x.i1 + a.causal_offset, 0, a.Tk) : a.Tk;
+      x.qt = states + n * state_floats(D);
+      x.acc = x.qt + M::packed_query_floats(D);
+      x.m = x.acc + D * BQ;
+      x.l = x.m + BQ;
+      x.alpha = x.l + BQ;
+      M::pack_queries(static_cast<const QT*>(a.q) + i0 * a.ldq, a.ldq, x.i1 - i0, D, qscale, x.qt);
+      std::fill(x.acc, x.acc + D * BQ, 0.0f);
+      std::fill(x.m, x.m + BQ, -INFINITY);
+      std::fill(x.l, x.l + BQ, 0.0f);
+      kmax = std::max(kmax, x.kend);
     }
 
-    // out_i = acc_i / l_i; a query that saw no key (l == 0) gets zeros, never NaN. 1 / l goes in alpha (free now).
-    for (int64_t i = 0; i < BQ; ++i) alpha[i] = i < nq && l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-    M::store_output(acc, alpha, nq, D, static_cast<QT*>(a.out) + i0 * a.ldo, a.ldo);
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KvT));
+    const bool fetch_next = 2 * kmax * row_bytes > tiles::kCorePrefetchMinBytes;
+    int64_t nk = 0;
+    for (int64_t j0 = 0; j0 < kmax; j0 += nk) {
+      // A key tile is BK keys, or fewer at the end and where the source's run ends (a block boundary); a tile of
+      // the group whose queries see fewer keys (kend) takes its first keys only.
+      nk = std::min<int64_t>(BK, std::min(kmax, src.run_end(j0)) - j0);
+
+      // At long context (tiles::kCorePrefetchMinBytes) the next key tile's K and V rows are asked for now, into L2,
+      // by the first tile that reads this one: a tile's K and V then come from the last-level cache or memory, and
+      // this tile's arithmetic hides that.
+      const int64_t j1 = j0 + nk;
+      const int64_t nk1 = fetch_next && j1 < kmax ? std::min<int64_t>(BK, std::min(kmax, src.run_end(j1)) - j1) : 0;
+      bool first = true;
+      for (int g = 0; g < n; ++g) {
+        if (j0 >= t[g].kend) continue;
+        step<units>(a, src, t[g], j0, std::min(nk, t[g].kend - j0), first ? j1 : 0, first ? nk1 : 0, s, pv_work);
+        first = false;
+      }
+    }
+
+    for (int g = 0; g < n; ++g) {
+      // out_i = acc_i / l_i; a query that saw no key (l == 0) gets zeros, never NaN. 1 / l goes in alpha (free now).
+      const Tile& x = t[g];
+      const int64_t nq = x.i1 - x.i0;
+      for (int64_t i = 0; i < BQ; ++i) x.alpha[i] = i < nq && x.l[i] > 0.0f ? 1.0f / x.l[i] : 0.0f;
+      M::store_output(x.acc, x.alpha, nq, D, static_cast<QT*>(a.out) + x.i0 * a.ldo, a.ldo);
+    }
+  }
+
+  // Tile x over keys [j0, j0 + nk): scores, masks, the online softmax's update and P.V. nk1 > 0: prefetch the nk1
+  // keys from j1 on (the next key tile) into L2 once the scores are done.
+  template <Units units, class Src>
+  static void step(const AttentionArgs& a, const Src& src, const Tile& x, int64_t j0, int64_t nk, int64_t j1,
+                   int64_t nk1, float* s, float* pv_work) {
+    constexpr bool natural = units == Units::natural;
+    const int64_t D = a.D, i0 = x.i0, nq = x.i1 - x.i0;
+    float *qt = x.qt, *acc = x.acc, *m = x.m, *l = x.l, *alpha = x.alpha;
+    const float qscale = natural ? a.scale : a.scale * kLog2e;
+    const int64_t ldk = src.key_stride(), ldv = src.value_stride();
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KvT));
+    const KvT* kt = src.keys(j0);
+    const KvT* vt = src.values(j0);
+    const KvT* kn = nk1 > 0 ? src.keys(j1) : nullptr;
+    const KvT* vn = nk1 > 0 ? src.values(j1) : nullptr;
+
+    // A tile crossing the diagonal (some key past the first query's horizon) is causally masked; its keys'
+    // visible query vectors let the micro-kernel leave out the products that are masked anyway.
+    const bool diagonal = a.causal && j0 + nk - 1 > i0 + a.causal_offset;
+    const Visible vis = diagonal ? Visible{j0 - i0 - a.causal_offset, true} : Visible::all();
+    B mx[QV];
+    for (int v = 0; v < QV; ++v) mx[v] = V::load(m + v * W);
+    M::scores(kt, ldk, src.key_scales(j0), nk, qt, D, qscale, s, mx, vis);
+    for (int64_t j = 0; j < nk1; ++j) {
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        prefetch_l2(kn + j * ldk, static_cast<size_t>(b));
+        prefetch_l2(vn + j * ldv, static_cast<size_t>(b));
+      }
+    }
+    bool masked = false;  // any mask changes scores after mx was taken: recompute it then
+
+    if (diagonal) {
+      masked = true;
+      for (int64_t j = 0; j < nk; ++j) {
+        const float* bias = a.causal_bias + (i0 + a.causal_offset - (j0 + j));
+        for (int v = 0; v < QV; ++v) V::store(s + j * BQ + v * W, V::load(s + j * BQ + v * W) + V::load(bias + v * W));
+      }
+    }
+    if (a.key_padding.data) {
+      masked = true;
+      for (int64_t j = 0; j < nk; ++j) {
+        if (mask_value(a.key_padding, 0, j0 + j) != 0.0f) std::fill(s + j * BQ, s + (j + 1) * BQ, -INFINITY);
+      }
+    }
+    if (a.mask.data) {
+      masked = true;
+      for (int64_t i = 0; i < nq; ++i) {
+        for (int64_t j = 0; j < nk; ++j) {
+          const float x = mask_value(a.mask, i0 + i, j0 + j);
+          float& sc = s[j * BQ + i];
+          switch (a.mask.mode) {
+            case MaskMode::additive: sc += x; break;  // only in natural units: exactly torch's s + x
+            case MaskMode::keep: if (x == 0.0f) sc = -INFINITY; break;
+            case MaskMode::block: if (x != 0.0f) sc = -INFINITY; break;
+          }
+        }
+      }
+    }
+
+    // Online softmax: new running max, rescale factor, exponentials in place, running sum.
+    for (int v = 0; v < QV; ++v) {
+      const B m_old = V::load(m + v * W);
+      B m_new = mx[v];
+      if (masked) {
+        m_new = m_old;
+        for (int64_t j = 0; j < nk; ++j) m_new = V::max(m_new, V::load(s + j * BQ + v * W));
+      }
+      const B m_safe = V::finite_or_zero(m_new);
+      B sum = V::set1(0.0f);
+      for (int64_t j = 0; j < nk; ++j) {
+        B x = V::load(s + j * BQ + v * W) - m_safe;
+        if constexpr (natural) x = x * V::set1(kLog2e);  // after the subtraction: cannot overflow upward
+        const B p = V::exp2(x);
+        V::store(s + j * BQ + v * W, p);
+        sum = sum + p;
+      }
+      B dm = m_old - m_safe;
+      if constexpr (natural) dm = dm * V::set1(kLog2e);
+      const B al = V::exp2(dm);
+      V::store(alpha + v * W, al);
+      V::store(m + v * W, m_new);
+      V::store(l + v * W, V::fma(V::load(l + v * W), al, sum));
+    }
+
+    if (a.dropout_p > 0.0f) {
+      const float keep_scale = 1.0f / (1.0f - a.dropout_p);
+      for (int64_t j = 0; j < nk; ++j) {
+        for (int64_t i = 0; i < nq; ++i) {
+          const uint64_t n = a.dropout_base + static_cast<uint64_t>((i0 + i) * a.Tk + (j0 + j));
+          s[j * BQ + i] *= dropout_uniform(a.dropout_seed, n) >= a.dropout_p ? keep_scale : 0.0f;
+        }
+      }
+    }
+
+    M::accumulate_pv(vt, ldv, src.value_scales(j0), nk, s, alpha, D, acc, pv_work, vis);
   }
 };
 
@@ -595,7 +650,7 @@ struct TiledAttention {
 template <class Arch, class M>
 const AttentionKernel& make_attention_kernel_with(const char* isa) {
   using K = TiledAttention<Arch, M>;
-  static const AttentionKernel kernel{isa, {K::BQ, K::BK}, &K::scratch_floats, &K::run};
+  static const AttentionKernel kernel{isa, {K::BQ, K::BK}, &K::scratch_floats, &K::tiles_per_call, &K::run};
   return kernel;
 }
 

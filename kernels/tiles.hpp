@@ -47,6 +47,11 @@ inline constexpr int kCausalBandCenter = 256;
 // prefetches only cost issue slots. Measured (Core, one thread, 3 alternated rounds): at T = 8192 gpt2-small
 // 0.63 -> 0.66 of peak, gpt2-xl 0.54 -> 0.58; at T = 1024 (512 KiB of K and V per head) prefetching cost 0.01-0.03.
 inline constexpr int64_t kCorePrefetchMinBytes = int64_t{1} << 20;
+// Past the same size, a call takes its query tiles in groups of this many, each key tile in turn for every tile of
+// the group (TiledAttention::group), and the engine gives a call that many tiles at once: a key tile then comes from
+// L3 or memory once per group instead of once per query tile. The group's state (packed queries and accumulators,
+// 2 x 16 KiB a tile at D = 64) stays in L2.
+inline constexpr int kQueryTileGroup = 4;
 
 // Decode (one query per sequence): a work item is a range of one sequence's keys for every head. A step aims at
 // up to kDecodeItemsPerThread items per thread, a multiple of the thread count (engine/split_kv.hpp), and a sequence

@@ -184,11 +184,13 @@ GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathTiles);
 
 // =============================================================================================================
 // 2. A long causal sequence on a small width. Causal row t depends only on tokens <= t, so the reference on a
-// prefix view must equal the prefix of the fast output; the full sequence is checked once, for B = 1.
+// prefix view must equal the prefix of the fast output; the full sequence is checked once, for B = 1. A head's K and
+// V (2 x 4096 x 48 floats, 1.5 MiB) pass tiles::kCorePrefetchMinBytes, so the core takes its query tiles in groups
+// (kernels::AttentionKernel::tiles_per_call) and prefetches the next key tile.
 
 class FastPathLong : public FastPathTest {};
 
-constexpr int64_t kLongT = 4096, kLongE = 32, kLongH = 2, kPrefix = 300;
+constexpr int64_t kLongT = 4096, kLongE = 96, kLongH = 2, kPrefix = 300;
 
 Config long_config() {
   Config c = make_config(kLongE, kLongH, 0, 0, 0, true);
@@ -219,16 +221,16 @@ TEST_P(FastPathLong, FullSequenceMatchesReference) {
   const Config c = long_config();
   const Weights w = Weights::random(c, 700);
   static const OwnedInputs in = simple_inputs(c, 1, kLongT, kLongT, true, 701, 2.0f);
-  static const std::vector<double> want = reference_forward(c, w, in.inputs());  // ~1 s, shared by the ISAs
+  static const std::vector<double> want = reference_forward(c, w, in.inputs());  // ~3 s, shared by the ISAs
   MultiHeadAttention l = layer(c, w, 2);
   const std::vector<float> got = test::run_fast(l, in.inputs());
   EXPECT_TRUE(all_close(got, want, Dtype::f32, reduction_length(c, kLongT),
-                        test::fast_context(l, {}, "T=4096 causal, B=1, full sequence; index into (1, 4096, 32)")));
+                        test::fast_context(l, {}, "T=4096 causal, B=1, full sequence; index into (1, 4096, 96)")));
   // The last rows see the most keys: check them on their own so a failure there is not lost in the count.
   const size_t tail = static_cast<size_t>(kPrefix * kLongE);
   EXPECT_TRUE(all_close(std::vector<float>(got.end() - tail, got.end()),
                         std::vector<double>(want.end() - tail, want.end()), Dtype::f32, reduction_length(c, kLongT),
-                        test::fast_context(l, {}, "T=4096 causal, last 300 rows; index into (300, 32)")));
+                        test::fast_context(l, {}, "T=4096 causal, last 300 rows; index into (300, 96)")));
 }
 GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathLong);
 
