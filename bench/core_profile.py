@@ -1,10 +1,12 @@
 #!/usr/bin/python3
 """bench/core_profile.py: where the attention core's cycles go, from a perf profile of bench_gpt2attn.
 
-The core is one function after inlining (TiledAttention::tile with its micro-kernel), so perf's symbols cannot
-split it; this attributes each sampled instruction to a stage by its inline chain (addr2line -i) in a build with
-debug info: the innermost frame that is a micro-kernel step (score_rows, pv_rows, pack_queries, store_output) or
-exp2, else the source line of tile() it sits on (the softmax's max, exponentials and sums, the causal band).
+The core is two functions after inlining (TiledAttention::step, one query tile over one key tile, with its
+micro-kernel, and TiledAttention::with_units, which packs the queries and writes the output of a group of tiles), so
+perf's symbols cannot split it; this attributes each sampled instruction to a stage by its inline chain (addr2line -i)
+in a build with debug info: the innermost frame that is a micro-kernel step (score_rows, pv_rows, pack_queries,
+store_output) or exp2, else the source line of step() it sits on (the softmax's max, exponentials and sums, the
+causal band).
 It reads a profile; it does not run one. Usage (bench/README.md, "Where the core's cycles go"):
 
   cmake -S . -B /tmp/build-prof -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS=-g -DGPT2ATTN_BUILD_TESTS=OFF
@@ -68,8 +70,8 @@ def stage_of(frames):
                 if key in name:
                     return stage
     for func, loc in frames:
-        if "tile<" in func:
-            return "softmax and masking in tile(): " + loc.split("/")[-1].split(" ")[0]
+        if "step<" in func:
+            return "softmax and masking in step(): " + loc.split("/")[-1].split(" ")[0]
     return "other: " + frames[0][0][:60]
 
 
@@ -86,11 +88,11 @@ def main():
         if len(parts) < 2:
             continue
         all_samples += 1
-        if "TiledAttention<" in parts[1] and "::tile<" in parts[1]:
+        if "TiledAttention<" in parts[1] and ("::step<" in parts[1] or "::with_units<" in parts[1]):
             ips[int(parts[0], 16) - start + pgoff] += 1
     core = sum(ips.values())
     if core == 0:
-        sys.exit("core_profile: no samples in TiledAttention::tile")
+        sys.exit("core_profile: no samples in TiledAttention::step or ::with_units")
     stages = collections.Counter()
     for addr, n in ips.items():
         text = subprocess.run(["addr2line", "-i", "-f", "-C", "-e", binary, hex(addr)], capture_output=True,
