@@ -434,7 +434,9 @@ MaskData make_mask(const AttnCase& c, std::mt19937_64& rng) {
 
 // Runs one case through `kern` (one call over all query tiles, or one call per tile, last first, as the engine
 // schedules them; one scratch slice throughout) and checks: the output against naive_attention, rows with every key
-// masked exactly zero, the output's row gaps and the scratch guard untouched.
+// masked exactly zero, the output's row gaps and the scratch guard untouched. It runs the case the other way too
+// (one call per tile after one call, or one call after per-tile calls, on the same scratch) and requires the same
+// bits: a call takes its tiles in groups (tiles::kQueryTileGroup), and the grouping must not change any result.
 ::testing::AssertionResult check_attention(const kernels::AttentionKernel& kern, const AttnCase& c) {
   const int64_t T = c.T, Tk = c.Tk, D = c.D, BQ = kern.tiles.query_tile, BK = kern.tiles.key_tile;
   std::mt19937_64 rng(c.seed);
@@ -492,11 +494,14 @@ MaskData make_mask(const AttnCase& c, std::mt19937_64& rng) {
 
   const size_t scratch_floats = kern.scratch_floats(D);
   std::vector<float> scratch = scratch_slice(scratch_floats);
-  if (c.one_call) {
-    kern.run(a, 0, T, scratch.data());
-  } else {
-    for (int64_t q0 = (T - 1) / BQ * BQ; q0 >= 0; q0 -= BQ) kern.run(a, q0, std::min(q0 + BQ, T), scratch.data());
-  }
+  const auto run_all = [&](bool one_call) {
+    if (one_call) {
+      kern.run(a, 0, T, scratch.data());
+    } else {
+      for (int64_t q0 = (T - 1) / BQ * BQ; q0 >= 0; q0 -= BQ) kern.run(a, q0, std::min(q0 + BQ, T), scratch.data());
+    }
+  };
+  run_all(c.one_call);
 
   std::ostringstream ctx;
   ctx << "[isa=" << kern.isa << " BQ=" << BQ << " BK=" << BK << "] " << c.name();
@@ -520,6 +525,16 @@ MaskData make_mask(const AttnCase& c, std::mt19937_64& rng) {
   }
   if (!guard_intact(scratch, scratch_floats)) {
     return ::testing::AssertionFailure() << ctx.str() << ": wrote past scratch_floats(D)=" << scratch_floats;
+  }
+  std::vector<float> other = output_buffer(T, D, c.ldo());
+  a.out = other.data();
+  run_all(!c.one_call);
+  for (size_t i = 0; i < other.size(); ++i) {
+    if (std::memcmp(&other[i], &out_mem[i], sizeof(float)) != 0) {
+      return ::testing::AssertionFailure() << ctx.str() << ": run the other way ("
+                                           << (c.one_call ? "one call per tile" : "one call") << "), element " << i
+                                           << " of the output buffer is " << other[i] << ", not " << out_mem[i];
+    }
   }
   return ::testing::AssertionSuccess();
 }
@@ -557,6 +572,68 @@ TEST_P(KernelAttention, PagedInt8KvMatchesNaive) {
                    [&](const AttnCase& c) { return check_attention(kern, c); });
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelAttention);
+
+// Suites over every K/V dtype, or over the bf16-compute row: they pick their kernels themselves.
+class KernelAttentionAnyKv : public KernelTest {
+ protected:
+  KernelAttentionAnyKv() : KernelTest(std::nullopt) {}
+};
+
+// The engine gives a call one query tile where one head's K and V fit tiles::kCorePrefetchMinBytes, and a group of
+// tiles::kQueryTileGroup past it (run_query_tiles); every kernel says so for its own K/V element size.
+TEST_P(KernelAttentionAnyKv, TilesPerCallGroupPastTheL2Threshold) {
+  for (DType kv : {DType::f32, DType::bf16, DType::i8}) {
+    const kernels::AttentionKernel& kern = detail::attention_kernel(isa(), kv);
+    const int64_t D = 64, row = D * static_cast<int64_t>(size_of(kv));
+    const int64_t fits = kernels::tiles::kCorePrefetchMinBytes / (2 * row);  // K and V of `fits` rows: the threshold
+    EXPECT_EQ(kern.tiles_per_call(1, D), 1) << to_string(kv);
+    EXPECT_EQ(kern.tiles_per_call(fits, D), 1) << to_string(kv);
+    EXPECT_EQ(kern.tiles_per_call(fits + 1, D), kernels::tiles::kQueryTileGroup) << to_string(kv);
+  }
+}
+
+// The bf16-compute core (bf16 Q, K, V and output) run over all its query tiles in one call, so in groups of
+// tiles::kQueryTileGroup, gives the same bits as one call per tile, which is what the engine's tests check against
+// the reference at their lengths (the engine groups only past 1 MiB of K and V per head). Self-attention, causal and
+// not, and cross-attention with more keys than queries (causal offset), at head sizes with odd pairs.
+TEST_P(KernelAttentionAnyKv, Bf16CoreGroupedCallsMatchCallsPerTile) {
+  const detail::KernelSet& row = detail::kernels_for(isa(), DType::bf16, DType::bf16);
+  if (row.isa != isa()) GTEST_SKIP() << to_string(isa()) << " uses " << to_string(row.isa) << "'s bf16 core";
+  const kernels::AttentionKernel& kern = *row.prefill;
+  const int64_t BQ = kern.tiles.query_tile;
+  std::mt19937_64 rng(4242);
+  const int64_t center = kernels::causal_band_center();
+  std::vector<float> band(static_cast<size_t>(2 * center));
+  kernels::fill_causal_band(band.data());
+  struct Shape { int64_t T, Tk, D; bool causal; };
+  for (const Shape sh : {Shape{9 * BQ + 7, 9 * BQ + 7, 64, true}, Shape{5 * BQ + 1, 5 * BQ + 1, 7, true},
+                         Shape{6 * BQ, 6 * BQ + 33, 33, true}, Shape{4 * BQ + 3, 130, 48, false}}) {
+    const auto bf16s = [&](int64_t n, float lo, float hi) {
+      const std::vector<float> f = random_uniform(n, rng, lo, hi);
+      std::vector<kernels::bf16> b(f.size());
+      std::transform(f.begin(), f.end(), b.begin(), [](float x) { return kernels::to_bf16(x); });
+      return b;
+    };
+    const std::vector<kernels::bf16> q = bf16s(sh.T * sh.D, -2, 2), k = bf16s(sh.Tk * sh.D, -2, 2),
+                                     v = bf16s(sh.Tk * sh.D, -1, 1);
+    kernels::AttentionArgs a;
+    a.q = q.data(), a.ldq = sh.D;
+    a.kv.k = k.data(), a.kv.v = v.data(), a.kv.ldk = a.kv.ldv = sh.D;
+    a.T = sh.T, a.Tk = sh.Tk, a.D = sh.D, a.ldo = sh.D;
+    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sh.D)));
+    a.causal = sh.causal, a.causal_offset = sh.Tk - sh.T, a.causal_bias = band.data() + center;
+    std::vector<float> scratch = scratch_slice(kern.scratch_floats(sh.D));
+    std::vector<kernels::bf16> one(static_cast<size_t>(sh.T * sh.D)), per_tile(one.size());
+    a.out = one.data();
+    kern.run(a, 0, sh.T, scratch.data());
+    a.out = per_tile.data();
+    for (int64_t q0 = (sh.T - 1) / BQ * BQ; q0 >= 0; q0 -= BQ) kern.run(a, q0, std::min(q0 + BQ, sh.T), scratch.data());
+    EXPECT_EQ(std::memcmp(one.data(), per_tile.data(), one.size() * sizeof(kernels::bf16)), 0)
+        << kern.isa << " T=" << sh.T << " Tk=" << sh.Tk << " D=" << sh.D << " causal=" << sh.causal;
+    EXPECT_TRUE(guard_intact(scratch, kern.scratch_floats(sh.D))) << kern.isa << " wrote past its scratch";
+  }
+}
+GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelAttentionAnyKv);
 
 // =============================================================================================================
 // 3. The decode kernel: a sequence's keys in [j_begin, j_end) splits, merged with merge_softmax_partials.
