@@ -46,6 +46,9 @@ inline constexpr int kCausalBandCenter = 256;
 // query tile reads exceed this many bytes: below, they stay in L2 from one query tile to the next and the
 // prefetches only cost issue slots. Measured (Core, one thread, 3 alternated rounds): at T = 8192 gpt2-small
 // 0.63 -> 0.66 of peak, gpt2-xl 0.54 -> 0.58; at T = 1024 (512 KiB of K and V per head) prefetching cost 0.01-0.03.
+// (Both measured when the engine still took its items tile-major, so that no head's K and V stayed in L2 between its
+// query tiles; with items head by head, prefetching at every length measured no different at T = 1024 either, in a
+// one-thread harness over 12 heads, 2026-11-26.)
 inline constexpr int64_t kCorePrefetchMinBytes = int64_t{1} << 20;
 // Past the same size, a call takes its query tiles in groups of this many, each key tile in turn for every tile of
 // the group (TiledAttention::group), and the engine gives a call that many tiles at once: a key tile then comes from
