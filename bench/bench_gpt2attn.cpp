@@ -224,9 +224,8 @@ struct Core {
     base.causal = true;
     base.causal_offset = 0;
     base.causal_bias = causal_row.data() + gk::causal_band_center();
-    const int64_t BQ = kernel->tiles.query_tile;
-    const int64_t tiles = (T + BQ - 1) / BQ, G = std::max<int64_t>(1, kernel->tiles_per_call(T, D));
-    const int64_t per_head = (tiles + G - 1) / G, items = H * per_head;
+    const gk::QueryItems q(*kernel, T, T, D);
+    const int64_t items = H * q.per_slice;
     const auto* qp = reinterpret_cast<const std::byte*>(qkv.get());
     auto* out = reinterpret_cast<std::byte*>(ctx.get());
     const int64_t es = static_cast<int64_t>(ga::size_of(compute));  // bytes per element
@@ -235,13 +234,13 @@ struct Core {
       float* s = floats(scratch) + omp_get_thread_num() * scratch_stride;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t it = 0; it < items; ++it) {
-        const int64_t h = it / per_head, end = tiles - it % per_head * G, begin = std::max<int64_t>(0, end - G);
+        const int64_t h = it / q.per_slice, i = it % q.per_slice;
         gk::AttentionArgs a = base;
         a.q = qp + h * T * D * es;
         a.kv.k = qp + (H + h) * T * D * es;
         a.kv.v = qp + (2 * H + h) * T * D * es;
         a.out = out + h * D * es;
-        kernel->run(a, begin * BQ, std::min(T, end * BQ), s);
+        kernel->run(a, q.row_begin(i), q.row_end(i), s);
       }
     }
   }

@@ -5,7 +5,6 @@
 
 #include <omp.h>
 
-#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -157,20 +156,18 @@ template <class Setup>
 void MultiHeadAttention::Impl::run_query_tiles(const kernels::AttentionKernel& kern, int64_t BH, int64_t T,
                                                const kernels::AttentionArgs& base, float* scratch_base, int threads,
                                                Setup&& setup) const {
-  const int64_t BQ = kern.tiles.query_tile;
-  // Each item is G query tiles (kernels::AttentionKernel::tiles_per_call), counted from the slice's last.
-  const int64_t tiles = (T + BQ - 1) / BQ, G = std::max<int64_t>(1, kern.tiles_per_call(base.Tk, base.D));
-  const int64_t per_slice = (tiles + G - 1) / G, items = BH * per_slice;
+  const kernels::QueryItems q(kern, T, base.Tk, base.D);
+  const int64_t items = BH * q.per_slice;
   const int64_t stride = scratch_stride(kern);
 #pragma omp parallel num_threads(threads)
   {
     float* scratch = scratch_base + omp_get_thread_num() * stride;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
-      const int64_t bh = it / per_slice, end = tiles - it % per_slice * G, begin = std::max<int64_t>(0, end - G);
+      const int64_t bh = it / q.per_slice, i = it % q.per_slice;
       kernels::AttentionArgs a = base;
       setup(a, bh);
-      kern.run(a, begin * BQ, std::min(T, end * BQ), scratch);
+      kern.run(a, q.row_begin(i), q.row_end(i), scratch);
     }
   }
 }

@@ -55,6 +55,7 @@
 // out the products of key blocks and query vectors the diagonal masks whole (Visible, attention_impl.hpp).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -124,6 +125,19 @@ struct AttentionKernel {
   int64_t (*tiles_per_call)(int64_t Tk, int64_t D);
   // Computes out rows [q_begin, q_end) (q_begin a multiple of tiles.query_tile) for one (b, h).
   void (*run)(const AttentionArgs& args, int64_t q_begin, int64_t q_end, float* scratch);
+};
+
+// How a caller splits one (b, h) slice's T query rows into work items for kernel k: `per_slice` items of G query tiles
+// (k.tiles_per_call), counted from the slice's last tile, so item 0 is the longest under causal masking and the last
+// is the shortest (the first tiles, fewer than G where G does not divide the tiles).
+struct QueryItems {
+  int64_t T, BQ, tiles, G, per_slice;
+  QueryItems(const AttentionKernel& k, int64_t T_, int64_t Tk, int64_t D)
+      : T(T_), BQ(k.tiles.query_tile), tiles((T_ + BQ - 1) / BQ), G(std::max<int64_t>(1, k.tiles_per_call(Tk, D))),
+        per_slice((tiles + G - 1) / G) {}
+  // Item i's rows [row_begin(i), row_end(i)), 0 <= i < per_slice: q_begin and q_end of one run() call.
+  int64_t row_begin(int64_t i) const { return std::max<int64_t>(0, tiles - (i + 1) * G) * BQ; }
+  int64_t row_end(int64_t i) const { return std::min(T, (tiles - i * G) * BQ); }
 };
 
 // Defined in the per-ISA translation units (attention_f32_<isa>.cpp: f32 compute, f32 K/V). The avx2/avx512 ones

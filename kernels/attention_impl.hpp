@@ -534,7 +534,8 @@ struct TiledAttention {
       bool first = true;
       for (int g = 0; g < n; ++g) {
         if (j0 >= t[g].kend) continue;
-        step<units>(a, src, t[g], j0, std::min(nk, t[g].kend - j0), first ? j1 : 0, first ? nk1 : 0, s, pv_work);
+        step<units>(a, src, t[g], qscale, j0, std::min(nk, t[g].kend - j0), first ? j1 : 0, first ? nk1 : 0, s,
+                    pv_work);
         first = false;
       }
     }
@@ -548,15 +549,15 @@ struct TiledAttention {
     }
   }
 
-  // Query tile `tile` over keys [j0, j0 + nk): scores, masks, the online softmax's update and P.V. nk1 > 0: prefetch
-  // the nk1 keys from j1 on (the next key tile) into L2 once the scores are done.
+  // Query tile `tile` over keys [j0, j0 + nk), its queries packed with qscale (group()): scores, masks, the online
+  // softmax's update and P.V. nk1 > 0: prefetch the nk1 keys from j1 on (the next key tile) into L2 once the scores
+  // are done.
   template <Units units, class Src>
-  static void step(const AttentionArgs& a, const Src& src, const Tile& tile, int64_t j0, int64_t nk, int64_t j1,
-                   int64_t nk1, float* s, float* pv_work) {
+  static void step(const AttentionArgs& a, const Src& src, const Tile& tile, float qscale, int64_t j0, int64_t nk,
+                   int64_t j1, int64_t nk1, float* s, float* pv_work) {
     constexpr bool natural = units == Units::natural;
     const int64_t D = a.D, i0 = tile.i0, nq = tile.i1 - tile.i0;
     float *qt = tile.qt, *acc = tile.acc, *m = tile.m, *l = tile.l, *alpha = tile.alpha;
-    const float qscale = natural ? a.scale : a.scale * kLog2e;
     const int64_t ldk = src.key_stride(), ldv = src.value_stride();
     const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KvT));
     const KvT* kt = src.keys(j0);
