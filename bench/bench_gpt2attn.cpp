@@ -9,6 +9,8 @@
 //   Layer/<preset>/T:<T>/threads:<n>     GPT-2 presets x T in {128, 512, 1024, 2048} x {1, 2} threads
 //   Core/<preset>/T:<T>/threads:<n>      same grid, attention core alone; also gpt2-small and gpt2-xl at
 //                                        T = 4096 and 8192 (long context)
+//   Projections/<preset>/T:<T>/threads:<n>  the layer's GEMMs alone (oneDNN, as the engine runs them), gpt2-small and
+//                                        gpt2-xl at T = 1024 and 8192: what the layer's peak_frac can reach
 //   Bf16/<layer|core>/<preset>/T:<T>/... bf16 compute (EngineOptions::compute), every GPT-2 preset at T = 1024
 //                                        and gpt2-small at T = 4096, 2 threads, beside the same f32 cases
 //                                        (F32/...): bf16_peak_frac against the vdpbf16ps peak
@@ -19,7 +21,8 @@
 //   Decode/<preset>/B:<B>/T:<T>/threads:2  one decode step, gpt2-small, B in {1, 4, 16, 64} x T cached tokens
 //                                          in {128, 1024, 4096}
 //
-// FLOPs, causal work counted once:  layer  2*T*E*3E + 2*T*E*E + 4*E*T(T+1)/2,  core  4*E*T(T+1)/2.
+// FLOPs, causal work counted once:  layer  2*T*E*3E + 2*T*E*E + 4*E*T(T+1)/2,  core  4*E*T(T+1)/2,
+// projections  2*T*E*3E + 2*T*E*E.
 // Bytes of a decode step: weights 4*E*E*4 + K/V read 2*B*T*E*4 (what the step must read; see decode below).
 #include <benchmark/benchmark.h>
 #include <omp.h>
@@ -41,6 +44,7 @@
 #include "bench/stream_triad.hpp"
 #include "engine/buffer.hpp"
 #include "engine/dispatch.hpp"
+#include "engine/linear.hpp"
 #include "gpt2attn/attention.hpp"
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/kv_cache.hpp"
@@ -68,6 +72,7 @@ std::map<int, double> g_triad_gbps;
 
 double layer_flops(double E, double T) { return 2 * T * E * 3 * E + 2 * T * E * E + 4 * E * T * (T + 1) / 2; }
 double core_flops(double E, double T) { return 4 * E * T * (T + 1) / 2; }
+double projection_flops(double E, double T) { return 2 * T * E * 3 * E + 2 * T * E * E; }
 
 // CPU seconds used by the whole process so far (all threads).
 double process_cpu_seconds() {
@@ -269,6 +274,62 @@ void bm_core(benchmark::State& state, int64_t H, int64_t D, int64_t T, int threa
   state.SetLabel(std::string(c.kernel->isa) + " " + ga::to_string(compute));
 }
 
+// ---- the layer's projections alone -----------------------------------------------------------------------
+
+// The GEMMs of a layer's forward() as engine/attention.cpp runs them (f32): the Q, K and V projections as 3H per-head
+// GEMMs (T, E) x (E, D), taken dynamically one thread each, writing Q, K and V head-major (3, H, T, D); then the
+// output projection (T, E) x (E, E) on oneDNN's own threads. A layer's time is this plus Core's (plus the
+// packing of nothing: x is f32 and contiguous), so Projections' peak_frac and Core's bound the layer's.
+struct Projections {
+  std::string preset;
+  int64_t T, E, D, H;
+  std::vector<ga::detail::Linear> heads;  // q_0..q_{H-1}, k_0.., v_0..
+  std::unique_ptr<ga::detail::Linear> out;
+  ga::detail::ExecContext exec;
+  ga::detail::Buffer x, qkv, ctx, y;
+
+  Projections(const std::string& p, int64_t T_) : preset(p), T(T_) {
+    const ga::Config c = ga::preset(p);
+    E = c.d_model, H = c.num_heads, D = c.head_dim();
+    const std::vector<float> w = random_floats(static_cast<size_t>(4 * E * E), 11), b(static_cast<size_t>(E), 0.5f);
+    for (int64_t i = 0; i < 3 * H; ++i) heads.emplace_back(ga::TensorView::f32(w.data() + i * D * E, {D, E}), b.data());
+    out = std::make_unique<ga::detail::Linear>(ga::TensorView::f32(w.data() + 3 * E * E, {E, E}), b.data());
+    const std::vector<float> r = random_floats(static_cast<size_t>(T * E), 12);
+    x = aligned_floats(r.size());
+    std::copy(r.begin(), r.end(), floats(x));
+    qkv = aligned_floats(static_cast<size_t>(3 * T * E));
+    ctx = aligned_floats(static_cast<size_t>(T * E));
+    y = aligned_floats(static_cast<size_t>(T * E));
+    std::copy(r.begin(), r.end(), floats(ctx));
+  }
+
+  void run(int threads) {
+    const float* xp = floats(x);
+    float* q = floats(qkv);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t i = 0; i < 3 * H; ++i) heads[static_cast<size_t>(i)].run(exec, xp, T, E, q + i * T * D, D, 1);
+    out->run(exec, floats(ctx), T, E, floats(y), E, threads);
+  }
+};
+
+std::unique_ptr<Projections> g_projections;
+
+void bm_projections(benchmark::State& state, const std::string& preset, int64_t T, int threads) {
+  if (!g_projections || g_projections->preset != preset || g_projections->T != T) {
+    g_projections.reset();
+    g_projections = std::make_unique<Projections>(preset, T);
+  }
+  Projections& pr = *g_projections;
+  pr.run(threads);  // creates this thread count's primitives, warms caches
+  const Span span;
+  for (auto _ : state) {
+    pr.run(threads);
+    benchmark::ClobberMemory();
+  }
+  report(state, projection_flops(static_cast<double>(pr.E), static_cast<double>(T)), span, threads);
+  state.SetLabel("onednn-matmul/" + pr.out->implementation());
+}
+
 // ---- thread scaling: 1 and 2 threads alternate inside each iteration, so both see the same clock --------
 
 template <class RunWith>
@@ -353,6 +414,7 @@ DecodeFixture& decode_for(const std::string& preset, int64_t B, int64_t T, int t
   if (!g_decode || g_decode->preset != preset) {
     g_decode.reset();
     g_layer.reset();  // the prefill fixtures' memory is not needed while decode runs
+    g_projections.reset();
     auto f = std::make_unique<DecodeFixture>();
     f->preset = preset;
     f->cfg = ga::preset(preset);
@@ -460,6 +522,14 @@ void register_all() {
             (std::string("Core/") + p + "/T:" + ts(T) + "/threads:" + ts(n)).c_str(),
             [H, D, T, n](benchmark::State& s) { bm_core(s, H, D, T, n, ga::Isa::best); }));
   }
+
+  // The layer's GEMMs alone, beside Layer and Core at the lengths issue 12's floors name.
+  for (const char* p : {"gpt2-small", "gpt2-xl"})
+    for (int64_t T : {1024, 8192})
+      for (int n : kThreads)
+        standard(benchmark::RegisterBenchmark(
+            (std::string("Projections/") + p + "/T:" + ts(T) + "/threads:" + ts(n)).c_str(),
+            [p, T, n](benchmark::State& s) { bm_projections(s, p, T, n); }));
 
   // bf16 compute beside f32, interleaved per case so each pair sees the same machine: the layer at every GPT-2
   // preset (T = 1024) and gpt2-small at T = 4096, and the core at T = 1024 and 4096.
