@@ -442,8 +442,11 @@ struct TiledAttention {
   // Query tiles a call should be given at once for K/V of Tk rows of D elements: a group where one head's K and V
   // pass tiles::kCorePrefetchMinBytes (no longer kept in L2 from one query tile to the next), one tile otherwise,
   // where smaller work items balance threads better.
-  static int64_t tiles_per_call(int64_t Tk, int64_t D) {
-    return 2 * Tk * D * static_cast<int64_t>(sizeof(KvT)) > tiles::kCorePrefetchMinBytes ? kGroup : 1;
+  static int64_t tiles_per_call(int64_t Tk, int64_t D) { return past_l2(Tk, D) ? kGroup : 1; }
+  // Whether the K and V rows of `keys` keys (D elements each) pass tiles::kCorePrefetchMinBytes: the length past
+  // which the core groups query tiles (tiles_per_call) and prefetches each next key tile (group).
+  static bool past_l2(int64_t keys, int64_t D) {
+    return 2 * keys * D * static_cast<int64_t>(sizeof(KvT)) > tiles::kCorePrefetchMinBytes;
   }
 
   // The K/V source and the units are compile-time choices, made here once per call: paged K/V keeps its own
@@ -518,8 +521,7 @@ struct TiledAttention {
       kmax = std::max(kmax, x.kend);
     }
 
-    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KvT));
-    const bool fetch_next = 2 * kmax * row_bytes > tiles::kCorePrefetchMinBytes;
+    const bool fetch_next = past_l2(kmax, D);
     int64_t nk = 0;
     for (int64_t j0 = 0; j0 < kmax; j0 += nk) {
       // A key tile is BK keys, or fewer at the end and where the source's run ends (a block boundary); a tile of
