@@ -16,7 +16,8 @@
 //                                        (F32/...): bf16_peak_frac against the vdpbf16ps peak
 //   Layer/gpt3-175b/T:128/threads:2      the largest preset (~5 GB of weights in memory)
 //   Isa/core/gpt2-small/<isa>/T:<T>/...  avx512 vs avx2 at T = 1024 and 256, scalar at T = 256 only
-//   ThreadScaling/<layer|core>/...       1 and 2 threads timed alternately inside one benchmark
+//   ThreadScaling/<layer|core>/...       1 and 2 threads timed alternately inside one benchmark (gpt2-small
+//                                        T = 1024; the core also at T = 4096 for gpt2-small and gpt2-xl)
 //   Tiles/<isa>/BQ:../BK:../D:<D>/...    the compiled tile shape at D = 64 and 128 (tiles.hpp cites this)
 //   Decode/<preset>/B:<B>/T:<T>/threads:2  one decode step, gpt2-small, B in {1, 4, 16, 64} x T cached tokens
 //                                          in {128, 1024, 4096}
@@ -584,6 +585,13 @@ void register_all() {
                                         [](benchmark::State& s) { bm_scaling_layer(s, "gpt2-small", 1024); }));
   standard(benchmark::RegisterBenchmark("ThreadScaling/core/gpt2-small/T:1024",
                                         [=](benchmark::State& s) { bm_scaling_core(s, sH, sD, 1024); }));
+  // Issue 12's scaling floor (2 threads >= 1.9x one at T = 4096), each pair of runs side by side in time.
+  for (const char* p : {"gpt2-small", "gpt2-xl"}) {
+    const ga::Config c = ga::preset(p);
+    const int64_t H = c.num_heads, D = c.head_dim();
+    standard(benchmark::RegisterBenchmark((std::string("ThreadScaling/core/") + p + "/T:4096").c_str(),
+                                          [=](benchmark::State& s) { bm_scaling_core(s, H, D, 4096); }));
+  }
 
   // Tile shapes are compile-time (kernels/tiles.hpp): each ISA's compiled shape at head sizes 64 and 128
   // (H = 12), the figure that justifies it; variants the lead adds get their own Tiles/ names.
