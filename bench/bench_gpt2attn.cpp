@@ -16,6 +16,8 @@
 //                                        (F32/...): bf16_peak_frac against the vdpbf16ps peak
 //   Layer/gpt3-175b/T:128/threads:2      the largest preset (~5 GB of weights in memory)
 //   Isa/core/gpt2-small/<isa>/T:<T>/...  avx512 vs avx2 at T = 1024 and 256, scalar at T = 256 only
+//   IsaRatio/core/gpt2-small/T:<T>/...   the avx512 and avx2 cores timed alternately inside one benchmark, T in
+//                                        {1024, 4096}, 1 and 2 threads: ratio = avx2 ms / avx512 ms
 //   ThreadScaling/<layer|core>/...       1 and 2 threads timed alternately inside one benchmark (gpt2-small
 //                                        T = 1024; the core also at T = 4096 for gpt2-small and gpt2-xl)
 //   Tiles/<isa>/BQ:../BK:../D:<D>/...    the compiled tile shape at D = 64 and 128 (tiles.hpp cites this)
@@ -374,6 +376,34 @@ void bm_scaling_core(benchmark::State& state, int64_t H, int64_t D, int64_t T) {
   });
 }
 
+// ---- AVX2 against AVX-512: the two cores alternate inside each iteration, so both see the same clock ---------
+
+// Counters ms_avx512, ms_avx2 and ratio = ms_avx2 / ms_avx512 (issue 12's floor: within 2.1x, half the lanes), and
+// each side's fraction of its own ISA's FMA peak. Two Core fixtures of the same shape, one per kernel.
+void bm_isa_ratio(benchmark::State& state, int64_t H, int64_t D, int64_t T, int threads) {
+  const int max_threads = std::max(omp_get_num_procs(), 2);
+  Core wide(H, D, T, ga::Isa::avx512, max_threads, ga::DType::f32);
+  Core narrow(H, D, T, ga::Isa::avx2, max_threads, ga::DType::f32);
+  wide.run(threads);
+  narrow.run(threads);
+  double t512 = 0, t2 = 0;
+  for (auto _ : state) {
+    const Span a;
+    wide.run(threads);
+    t512 += a.wall();
+    const Span b;
+    narrow.run(threads);
+    t2 += b.wall();
+    benchmark::ClobberMemory();
+  }
+  const double n = static_cast<double>(state.iterations()), flops = core_flops(static_cast<double>(wide.E), T);
+  state.counters["ms_avx512"] = t512 / n * 1e3;
+  state.counters["ms_avx2"] = t2 / n * 1e3;
+  state.counters["ratio"] = t2 / t512;
+  state.counters["isa_peak_frac_avx512"] = flops * n / t512 * 1e-9 / g_isa_peak.at({ga::Isa::avx512, threads});
+  state.counters["isa_peak_frac_avx2"] = flops * n / t2 * 1e-9 / g_isa_peak.at({ga::Isa::avx2, threads});
+}
+
 // ---- decode: one step of B sequences over a paged KV cache ------------------------------------------------
 
 // B sequences of T cached tokens each are prefilled once (extend(), one sequence at a time; the cache and the
@@ -579,6 +609,14 @@ void register_all() {
     standard(benchmark::RegisterBenchmark(
         (std::string("Isa/core/gpt2-small/") + ga::to_string(isa) + "/T:" + ts(T) + "/threads:2").c_str(),
         [=](benchmark::State& s) { bm_core(s, sH, sD, T, 2, isa); }));
+  }
+
+  if (ga::isa_supported(ga::Isa::avx512)) {  // AVX2 comes with it
+    for (int64_t T : {1024, 4096})
+      for (int n : kThreads)
+        standard(benchmark::RegisterBenchmark(
+            ("IsaRatio/core/gpt2-small/T:" + ts(T) + "/threads:" + ts(n)).c_str(),
+            [=](benchmark::State& s) { bm_isa_ratio(s, sH, sD, T, n); }));
   }
 
   standard(benchmark::RegisterBenchmark("ThreadScaling/layer/gpt2-small/T:1024",
