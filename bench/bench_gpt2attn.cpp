@@ -281,8 +281,9 @@ void bm_core(benchmark::State& state, int64_t H, int64_t D, int64_t T, int threa
 
 // The GEMMs of a layer's forward() as engine/attention.cpp runs them (f32): the Q, K and V projections as 3H per-head
 // GEMMs (T, E) x (E, D), taken dynamically one thread each, writing Q, K and V head-major (3, H, T, D); then the
-// output projection (T, E) x (E, E) on oneDNN's own threads. A layer's time is this plus Core's (plus the
-// packing of nothing: x is f32 and contiguous), so Projections' peak_frac and Core's bound the layer's.
+// output projection (T, E) x (E, E) on oneDNN's own threads, over ctx (random here; in the layer, the core's
+// output). x is f32 and contiguous, so forward() packs nothing: a layer's time is about this plus Core's, and
+// Projections' peak_frac and Core's bound the layer's.
 struct Projections {
   std::string preset;
   int64_t T, E, D, H;
@@ -303,7 +304,7 @@ struct Projections {
     qkv = aligned_floats(static_cast<size_t>(3 * T * E));
     ctx = aligned_floats(static_cast<size_t>(T * E));
     y = aligned_floats(static_cast<size_t>(T * E));
-    std::copy(r.begin(), r.end(), floats(ctx));
+    std::copy(r.begin(), r.end(), floats(ctx));  // any finite values: the output projection's input
   }
 
   void run(int threads) {
@@ -396,7 +397,7 @@ void bm_isa_ratio(benchmark::State& state, int64_t H, int64_t D, int64_t T, int 
     t2 += b.wall();
     benchmark::ClobberMemory();
   }
-  const double n = static_cast<double>(state.iterations()), flops = core_flops(static_cast<double>(wide.E), T);
+  const double n = static_cast<double>(state.iterations()), flops = core_flops(static_cast<double>(wide.E), static_cast<double>(T));
   state.counters["ms_avx512"] = t512 / n * 1e3;
   state.counters["ms_avx2"] = t2 / n * 1e3;
   state.counters["ratio"] = t2 / t512;
