@@ -153,6 +153,14 @@ bool guard_intact(const std::vector<float>& s, size_t floats) {
   return std::all_of(s.begin() + static_cast<int64_t>(floats), s.end(), [](float x) { return x == kSentinel; });
 }
 
+// The T query rows of `a` through `kern` one call per query tile, the last tile first, as the engine schedules tiles
+// that each make their own work item (one scratch slice throughout).
+void run_tile_by_tile(const kernels::AttentionKernel& kern, const kernels::AttentionArgs& a, int64_t T,
+                      float* scratch) {
+  const int64_t BQ = kern.tiles.query_tile;
+  for (int64_t q0 = (T - 1) / BQ * BQ; q0 >= 0; q0 -= BQ) kern.run(a, q0, std::min(q0 + BQ, T), scratch);
+}
+
 // A float whose two halves are both bf16 NaNs (0x7fc0): pool gaps read as f32 or as bf16 are NaN either way, and
 // an int8 row read from a gap meets a NaN scale.
 float pool_nan() {
@@ -498,7 +506,7 @@ MaskData make_mask(const AttnCase& c, std::mt19937_64& rng) {
     if (one_call) {
       kern.run(a, 0, T, scratch.data());
     } else {
-      for (int64_t q0 = (T - 1) / BQ * BQ; q0 >= 0; q0 -= BQ) kern.run(a, q0, std::min(q0 + BQ, T), scratch.data());
+      run_tile_by_tile(kern, a, T, scratch.data());
     }
   };
   run_all(c.one_call);
@@ -627,7 +635,7 @@ TEST_P(KernelAttentionAnyKv, Bf16CoreGroupedCallsMatchCallsPerTile) {
     a.out = one.data();
     kern.run(a, 0, sh.T, scratch.data());
     a.out = per_tile.data();
-    for (int64_t q0 = (sh.T - 1) / BQ * BQ; q0 >= 0; q0 -= BQ) kern.run(a, q0, std::min(q0 + BQ, sh.T), scratch.data());
+    run_tile_by_tile(kern, a, sh.T, scratch.data());
     EXPECT_EQ(std::memcmp(one.data(), per_tile.data(), one.size() * sizeof(kernels::bf16)), 0)
         << kern.isa << " T=" << sh.T << " Tk=" << sh.Tk << " D=" << sh.D << " causal=" << sh.causal;
     EXPECT_TRUE(guard_intact(scratch, kern.scratch_floats(sh.D))) << kern.isa << " wrote past its scratch";
