@@ -334,20 +334,34 @@ void bm_projections(benchmark::State& state, const std::string& preset, int64_t 
   state.SetLabel("onednn-matmul/" + pr.out->implementation());
 }
 
-// ---- thread scaling: 1 and 2 threads alternate inside each iteration, so both see the same clock --------
+// ---- two runs alternated inside each iteration (thread scaling, and the ISA ratio below): one clock ------
+
+// Runs run_a() then run_b() in every iteration of the benchmark loop and sums each side's wall time (and run_b's
+// process CPU time): the pair shares one clock, whatever the machine does from one minute to the next.
+struct Alternated {
+  double wall_a = 0, wall_b = 0, cpu_b = 0;
+};
+template <class RunA, class RunB>
+Alternated alternate(benchmark::State& state, RunA&& run_a, RunB&& run_b) {
+  Alternated t;
+  for (auto _ : state) {
+    const Span a;
+    run_a();
+    benchmark::ClobberMemory();
+    t.wall_a += a.wall();
+    const Span b;
+    run_b();
+    benchmark::ClobberMemory();
+    t.wall_b += b.wall();
+    t.cpu_b += b.cpu();
+  }
+  return t;
+}
 
 template <class RunWith>
 void scaling(benchmark::State& state, double flops, RunWith&& run_with) {
-  double t1 = 0, t2 = 0, cpu2 = 0;
-  for (auto _ : state) {
-    const Span one;
-    run_with(1);
-    t1 += one.wall();
-    const Span two;
-    run_with(2);
-    t2 += two.wall();
-    cpu2 += two.cpu();
-  }
+  const Alternated t = alternate(state, [&] { run_with(1); }, [&] { run_with(2); });
+  const double t1 = t.wall_a, t2 = t.wall_b, cpu2 = t.cpu_b;
   const double n = static_cast<double>(state.iterations());
   state.counters["cpu_util_2t"] = cpu2 / (t2 * 2);
   state.counters["ms_1t"] = t1 / n * 1e3;
@@ -365,16 +379,12 @@ void bm_scaling_layer(benchmark::State& state, const std::string& preset, int64_
     ga::RunOptions run;
     run.threads = threads;
     f.layer->forward(f.x.data(), 1, T, f.y.data(), run);
-    benchmark::ClobberMemory();
   });
 }
 
 void bm_scaling_core(benchmark::State& state, int64_t H, int64_t D, int64_t T) {
   Core& c = core_for(H, D, T, ga::Isa::best);
-  scaling(state, core_flops(static_cast<double>(c.E), static_cast<double>(T)), [&](int threads) {
-    c.run(threads);
-    benchmark::ClobberMemory();
-  });
+  scaling(state, core_flops(static_cast<double>(c.E), static_cast<double>(T)), [&](int threads) { c.run(threads); });
 }
 
 // ---- AVX2 against AVX-512: the two cores alternate inside each iteration, so both see the same clock ---------
@@ -387,16 +397,8 @@ void bm_isa_ratio(benchmark::State& state, int64_t H, int64_t D, int64_t T, int 
   Core narrow(H, D, T, ga::Isa::avx2, max_threads, ga::DType::f32);
   wide.run(threads);
   narrow.run(threads);
-  double t512 = 0, t2 = 0;
-  for (auto _ : state) {
-    const Span a;
-    wide.run(threads);
-    t512 += a.wall();
-    const Span b;
-    narrow.run(threads);
-    t2 += b.wall();
-    benchmark::ClobberMemory();
-  }
+  const Alternated t = alternate(state, [&] { wide.run(threads); }, [&] { narrow.run(threads); });
+  const double t512 = t.wall_a, t2 = t.wall_b;
   const double n = static_cast<double>(state.iterations()), flops = core_flops(static_cast<double>(wide.E), static_cast<double>(T));
   state.counters["ms_avx512"] = t512 / n * 1e3;
   state.counters["ms_avx2"] = t2 / n * 1e3;
