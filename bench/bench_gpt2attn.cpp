@@ -73,9 +73,14 @@ std::map<std::pair<ga::Isa, int>, double> g_isa_peak;
 // Measured once at start-up: threads -> STREAM-style triad GB/s (bench/stream_triad.hpp), bw_frac's denominator.
 std::map<int, double> g_triad_gbps;
 
-double layer_flops(double E, double T) { return 2 * T * E * 3 * E + 2 * T * E * E + 4 * E * T * (T + 1) / 2; }
 double core_flops(double E, double T) { return 4 * E * T * (T + 1) / 2; }
 double projection_flops(double E, double T) { return 2 * T * E * 3 * E + 2 * T * E * E; }
+double layer_flops(double E, double T) { return projection_flops(E, T) + core_flops(E, T); }
+
+// GFLOP/s of the benchmark's iterations, `flops` each, in `seconds` of wall time in all.
+double gflops_of(const benchmark::State& state, double flops, double seconds) {
+  return flops * static_cast<double>(state.iterations()) / seconds * 1e-9;
+}
 
 // CPU seconds used by the whole process so far (all threads).
 double process_cpu_seconds() {
@@ -100,15 +105,15 @@ void report(benchmark::State& state, double flops, const Span& span, int threads
             ga::DType compute = ga::DType::f32) {
   const double seconds = span.wall();
   state.counters["cpu_util"] = span.cpu() / (seconds * threads);
-  const double gflops = flops * static_cast<double>(state.iterations()) / seconds * 1e-9;
-  state.counters["GFLOP/s"] = gflops;
-  if (g_machine_peak.at(threads) > 0) state.counters["peak_frac"] = gflops / g_machine_peak.at(threads);
+  const double rate = gflops_of(state, flops, seconds);
+  state.counters["GFLOP/s"] = rate;
+  if (g_machine_peak.at(threads) > 0) state.counters["peak_frac"] = rate / g_machine_peak.at(threads);
   if (compute == ga::DType::bf16 && g_bf16_peak.count(threads)) {
-    state.counters["bf16_peak_frac"] = gflops / g_bf16_peak.at(threads);
+    state.counters["bf16_peak_frac"] = rate / g_bf16_peak.at(threads);
   }
   if (isa != ga::Isa::best && isa != ga::best_supported_isa()) {
     const auto it = g_isa_peak.find({isa, threads});
-    if (it != g_isa_peak.end()) state.counters["isa_peak_frac"] = gflops / it->second;
+    if (it != g_isa_peak.end()) state.counters["isa_peak_frac"] = rate / it->second;
   }
 }
 
@@ -368,8 +373,8 @@ void scaling(benchmark::State& state, double flops, RunWith&& run_with) {
   state.counters["ms_2t"] = t2 / n * 1e3;
   state.counters["speedup"] = t1 / t2;
   state.counters["efficiency"] = t1 / t2 / 2;
-  state.counters["peak_frac_1t"] = flops * n / t1 * 1e-9 / g_machine_peak.at(1);
-  state.counters["peak_frac_2t"] = flops * n / t2 * 1e-9 / g_machine_peak.at(2);
+  state.counters["peak_frac_1t"] = gflops_of(state, flops, t1) / g_machine_peak.at(1);
+  state.counters["peak_frac_2t"] = gflops_of(state, flops, t2) / g_machine_peak.at(2);
 }
 
 void bm_scaling_layer(benchmark::State& state, const std::string& preset, int64_t T) {
@@ -399,12 +404,13 @@ void bm_isa_ratio(benchmark::State& state, int64_t H, int64_t D, int64_t T, int 
   narrow.run(threads);
   const Alternated t = alternate(state, [&] { wide.run(threads); }, [&] { narrow.run(threads); });
   const double t512 = t.wall_a, t2 = t.wall_b;
-  const double n = static_cast<double>(state.iterations()), flops = core_flops(static_cast<double>(wide.E), static_cast<double>(T));
+  const double n = static_cast<double>(state.iterations());
+  const double flops = core_flops(static_cast<double>(wide.E), static_cast<double>(T));
   state.counters["ms_avx512"] = t512 / n * 1e3;
   state.counters["ms_avx2"] = t2 / n * 1e3;
   state.counters["ratio"] = t2 / t512;
-  state.counters["isa_peak_frac_avx512"] = flops * n / t512 * 1e-9 / g_isa_peak.at({ga::Isa::avx512, threads});
-  state.counters["isa_peak_frac_avx2"] = flops * n / t2 * 1e-9 / g_isa_peak.at({ga::Isa::avx2, threads});
+  state.counters["isa_peak_frac_avx512"] = gflops_of(state, flops, t512) / g_isa_peak.at({ga::Isa::avx512, threads});
+  state.counters["isa_peak_frac_avx2"] = gflops_of(state, flops, t2) / g_isa_peak.at({ga::Isa::avx2, threads});
 }
 
 // ---- decode: one step of B sequences over a paged KV cache ------------------------------------------------
@@ -512,8 +518,8 @@ void bm_decode(benchmark::State& state, const std::string& preset, int64_t B, in
   const double n = static_cast<double>(state.iterations());
   const double kv = decode_kv_bytes(f.cfg, B, T), bytes = decode_weight_bytes(f.cfg) + kv;
   state.counters["cpu_util"] = cpu / (wall * threads);
-  state.counters["GFLOP/s"] =
-      decode_flops(static_cast<double>(f.cfg.d_model), static_cast<double>(B), static_cast<double>(T)) * n / wall * 1e-9;
+  const double flops = decode_flops(static_cast<double>(f.cfg.d_model), static_cast<double>(B), static_cast<double>(T));
+  state.counters["GFLOP/s"] = gflops_of(state, flops, wall);
   state.counters["tokens_per_s"] = static_cast<double>(B) * n / wall;
   state.counters["kv_bytes_per_s"] = kv * n / wall;
   state.counters["bytes_per_s"] = bytes * n / wall;
