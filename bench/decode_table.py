@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """The KV-cache decode table: K/V storage dtype x K/V heads x batch, in one run.
 
-Runs `gpt2attn bench --mode decode --cache cold --json` for every (kv_dtype, kv_heads, B) case, interleaved over
---rounds rounds (so a noisy neighbour hits every case alike), with the STREAM triad measured before and after, and
-prints per case the median ms per step, tokens/s, bytes per step, GB/s, the fraction of the triad (median of the
-start and end triads), the max error against the naive reference (the first round checks), and the speedup of
-tokens/s over the f32 cache with as many K/V heads as query heads at the same B.
+For each batch size and each of --rounds rounds, one `gpt2attn bench --mode decode --cache cold --interleave --json`
+process holds every (kv_dtype, kv_heads) case and takes one step of each in turn, so that every case meets the same
+minutes of a shared machine (whose speed drifts by more than the differences measured here); the STREAM triad is
+measured before and after. Per case it prints the median ms per step (the median of the rounds' medians), tokens/s,
+bytes per step, GB/s, the fraction of the triad (median of the start and end triads), the max error against the
+naive reference (the first round checks), and the speedup over the f32 cache with as many K/V heads as query heads
+at the same B: the median over the rounds of each round's x_first, itself the median of the step-by-step ratios.
 
 Usage: bench/decode_table.py [--preset gpt2-small] [--seq 1024] [--batches 1,16,64] [--kv-dtypes f32,bf16,int8]
                              [--kv-heads 12,4,1] [--threads 2] [--repeats 11] [--rounds 3] [--json]
@@ -42,30 +44,44 @@ def main():
     p.add_argument("--json", action="store_true", help="one JSON line per case instead of the table")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
-    dtypes = a.kv_dtypes.split(",")
-    heads = [int(h) for h in a.kv_heads.split(",")]
+    # The f32 cache with the most K/V heads first: each call's x_first is then the speedup over it.
+    dtypes = sorted(a.kv_dtypes.split(","), key=lambda d: d != "f32")
+    heads = sorted((int(h) for h in a.kv_heads.split(",")), reverse=True)
+    order = [(d, h) for d in dtypes for h in heads]  # the CLI's row order: each --kv-dtype, each --kv-heads within
     cases = [(d, h, b) for b in batches for h in heads for d in dtypes]
 
     tri = [triad(a.triad_cli, a.threads)]
     times = {c: [] for c in cases}
+    x_first = {c: [] for c in cases}
     first = {}
     done = 0
     for r in range(a.rounds):
-        for c in cases:
-            d, h, b = c
-            cmd = [a.cli, "bench", "--preset", a.preset, "--mode", "decode", "--cache", "cold", "--json",
-                   "--seq", str(a.seq), "--batch", str(b), "--kv-dtype", d, "--kv-heads", str(h),
-                   "--threads", str(a.threads), "--repeats", str(a.repeats), "--check" if r == 0 else "--no-check"]
-            row = run_json(cmd)[0]
-            times[c].append(row["median_ms"])
-            if r == 0:
-                first[c] = row
+        for b in batches:
+            cmd = [a.cli, "bench", "--preset", a.preset, "--mode", "decode", "--cache", "cold", "--interleave",
+                   "--json", "--seq", str(a.seq), "--batch", str(b), "--threads", str(a.threads),
+                   "--repeats", str(a.repeats), "--check" if r == 0 else "--no-check"]
+            for d in dtypes:
+                cmd += ["--kv-dtype", d]
+            for h in heads:
+                cmd += ["--kv-heads", str(h)]
+            rows = run_json(cmd)
+            if len(rows) != len(order):
+                raise SystemExit("decode_table: %d rows from %s, expected %d" % (len(rows), " ".join(cmd), len(order)))
+            for (d, h), row in zip(order, rows):
+                c = (d, h, b)
+                times[c].append(row["median_ms"])
+                x_first[c].append(row["x_first"])
+                if r == 0:
+                    first[c] = row
             done += 1  # progress on stderr; stdout carries the table (or the JSON) alone
-            print("decode_table: [%d/%d] round %d %s K/V, %d K/V heads, B=%d: %.3f ms"
-                  % (done, a.rounds * len(cases), r + 1, d, h, b, row["median_ms"]), file=sys.stderr, flush=True)
+            print("decode_table: [%d/%d] round %d B=%d: %s" % (
+                done, a.rounds * len(batches), r + 1, b,
+                ", ".join("%s/%d %.3f ms" % (d, h, row["median_ms"]) for (d, h), row in zip(order, rows))),
+                file=sys.stderr, flush=True)
     tri.append(triad(a.triad_cli, a.threads))
     tri_gbps = statistics.median(tri)
 
+    mha_f32_first = order[0] == ("f32", max(heads))
     results = []
     for c in cases:
         d, h, b = c
@@ -74,19 +90,17 @@ def main():
         res = {"preset": a.preset, "seq": a.seq, "batch": b, "kv_dtype": d, "kv_heads": h, "threads": a.threads,
                "median_ms": ms, "tokens_per_s": b / (ms * 1e-3), "bytes_per_step": row["bytes_per_step"],
                "gb_per_s": row["bytes_per_step"] / (ms * 1e6), "triad_gb_per_s": tri_gbps,
-               "max_abs_err": row.get("max_abs_err"), "check": row.get("check"), "rounds_ms": times[c]}
+               "max_abs_err": row.get("max_abs_err"), "check": row.get("check"), "rounds_ms": times[c],
+               "rounds_x_f32_mha": x_first[c] if mha_f32_first else None}
         res["triad_fraction"] = res["gb_per_s"] / tri_gbps
+        res["speedup_vs_f32_mha"] = statistics.median(x_first[c]) if mha_f32_first else None
         results.append(res)
-    base = {(r["batch"]): r for r in results if r["kv_dtype"] == "f32" and r["kv_heads"] == max(heads)}
-    for r in results:
-        b = base.get(r["batch"])
-        r["speedup_vs_f32_mha"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None
 
     if a.json:
         for r in results:
             print(json.dumps(r))
         return
-    print(f"{a.preset} T={a.seq} threads={a.threads} --cache cold; median of {a.rounds} interleaved rounds of "
+    print(f"{a.preset} T={a.seq} threads={a.threads} --cache cold --interleave; median of {a.rounds} rounds of "
           f"{a.repeats} steps; triad {tri[0]:.1f} / {tri[1]:.1f} GB/s (start / end)")
     print("| kv | kv heads | B | ms/step | tokens/s | MB/step | GB/s | of triad | x f32 MHA | max err |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -49,8 +49,8 @@ const char* kUsage = R"(usage:
                    [--key-padding kp.npy] [--causal] [--context-length N] [--dtype f32|bf16]
                    [--threads N] [--isa best|avx512_bf16|avx512|avx2|scalar] --output y.npy
   gpt2attn bench   [--preset NAME ...] [--batch B] [--seq T] [--mode prefill|decode] [--dtype f32|bf16 ...]
-                   [--kv-heads N]
-                   [--kv-dtype f32|bf16|int8 ...]
+                   [--kv-heads N ...]
+                   [--kv-dtype f32|bf16|int8 ...] [--interleave]
                    [--threads N] [--isa ...] [--repeats N] [--cache warm|cold] [--check | --no-check] [--json]
   gpt2attn presets
 
@@ -79,7 +79,8 @@ bench    times the whole layer (QKV projection, causal attention, output project
          min(T, 128) unless --preset names it); the median of --repeats runs (default 5). --dtype (f32 or
          bf16, default f32) is the compute type; given more than once, every preset runs in each, in the
          order given, and each row says which. --kv-heads N gives
-         every preset N K/V heads (grouped-query attention; N must divide its heads; default: as many as heads).
+         every preset N K/V heads (grouped-query attention; N must divide its heads; default: as many as heads);
+         given more than once, every case runs with each (the kvh column).
          --mode prefill (default): B sequences of T tokens through forward(). GFLOP/s counts causal
          attention once (the lower triangle): 2*B*T*d_in*(E+2KW) + 2*B*T*E*E + 4*E*B*T*(T+1)/2, where KW = E
          unless --kv-heads groups K/V heads (KW = N*D). --check (default
@@ -92,7 +93,10 @@ bench    times the whole layer (QKV projection, causal attention, output project
          --kv-dtype), plus for int8 B*T*2*N*4 of scales (N K/V heads); GB/s = bytes per step / step.
          --kv-dtype bf16 stores the cache's K/V in bf16 (half the K/V bytes); int8 in symmetric int8 with one
          f32 scale per token and K/V head (about a quarter); default f32. Given more than once (like
-         --dtype), every case runs with each cache, so one run compares them.
+         --dtype), every case runs with each cache, so one run compares them. --interleave (with --cache
+         cold) sets every case up first and then takes one step of each case in turn, so that all of them
+         meet the same minutes of a shared machine; each row then also carries x_first, the median over the
+         timed steps of the first case's step time over this case's (the first case's is 1).
          A sweep of several presets reports each finished case on stderr (one line rewritten in place on a
          terminal) when its rows go to --json or to a pipe; stdout carries the rows alone.
          --check compares sequence 0's output of the first timed step with the last row of the naive
@@ -108,6 +112,7 @@ presets  lists the compiled-in presets.
 
 --threads N is 1 to 1024 (default: every core OpenMP offers); --repeats N is 1 to 2147483647; --heads,
 --kv-heads, --context-length, --batch and --seq are 1 or more. A value out of range is refused, never narrowed.
+An option that takes one value (all but bench's --preset, --dtype, --kv-dtype and --kv-heads) given twice is refused.
 
 exit status: 0 success, 2 bad input or usage, 1 internal error.
 )";
@@ -159,9 +164,13 @@ struct Args {
 
   bool flag(const std::string& f) const { return std::find(flags.begin(), flags.end(), f) != flags.end(); }
   bool has(const std::string& k) const { return values.count(k) != 0; }
+  // The value of single-valued option --k (`def` when absent); given twice, it is refused rather than the last one
+  // silently taken (the options that repeat, --preset, --dtype, --kv-dtype and --kv-heads, are read from `values`).
   std::string get(const std::string& k, const std::string& def = "") const {
     auto it = values.find(k);
-    return it == values.end() ? def : it->second.back();
+    if (it == values.end()) return def;
+    if (it->second.size() > 1) throw UsageError("--" + k + " given more than once");
+    return it->second.front();
   }
   std::string required(const std::string& k) const {
     if (!has(k)) throw UsageError("missing required option --" + k);
@@ -171,9 +180,23 @@ struct Args {
   // [min_value, max_value]: a value is never narrowed after the check (--threads 4294967296 is not 0).
   template <class I>
   I integer(const std::string& k, I def, I min_value, I max_value = std::numeric_limits<I>::max()) const {
+    return has(k) ? integer_of<I>(k, get(k), min_value, max_value) : def;
+  }
+  // Every value of a repeatable integer option, each checked as integer() checks one; a value given twice is refused.
+  template <class I>
+  std::vector<I> integers(const std::string& k, I min_value, I max_value = std::numeric_limits<I>::max()) const {
+    std::vector<I> out;
+    if (!has(k)) return out;
+    for (const std::string& s : values.at(k)) {
+      const I v = integer_of<I>(k, s, min_value, max_value);
+      if (std::find(out.begin(), out.end(), v) != out.end()) throw UsageError("--" + k + " " + s + " given twice");
+      out.push_back(v);
+    }
+    return out;
+  }
+  template <class I>
+  static I integer_of(const std::string& k, const std::string& s, I min_value, I max_value) {
     static_assert(std::is_signed_v<I> && sizeof(I) <= sizeof(long long));
-    if (!has(k)) return def;
-    const std::string s = get(k);
     const size_t digits = !s.empty() && (s[0] == '+' || s[0] == '-') ? 1 : 0;  // one optional sign
     if (s.size() == digits || s.find_first_not_of("0123456789", digits) != std::string::npos) {
       throw UsageError("--" + k + ": expected an integer, got '" + s + "'");
@@ -405,6 +428,8 @@ struct BenchResult {
   // for the slowest rank)
   int ranks = 1;
   double allreduce_ms = 0;
+  // decode --interleave only: the median over the timed steps of the first case's step time over this case's
+  double x_first = 0;
 };
 
 // The process's peak resident memory so far, in MB (getrusage): for a bench of one case, that case's, inputs, weights,
@@ -613,38 +638,60 @@ struct DecodeRun {
   Timings t;
   std::vector<float> history, first_out;  // sequence 0's inputs (T + kDecodeWarmup + 1, d_in) and its output (E)
 };
+// One case's decode steps, taken one at a time by the caller: time_decode takes them back to back, --interleave
+// takes a step of each case in turn. The constructor prefills the B sequences.
+template <class Layer, class Cache>
+class DecodeSteps {
+ public:
+  DecodeSteps(Layer& layer, Cache& cache, const BenchSizes& sizes, int64_t B, int64_t T, int64_t d_in, int64_t E,
+              bool check)
+      : layer_(layer), cache_(cache), B_(B), d_in_(d_in), E_(E), check_(check), seqs_(static_cast<size_t>(B)),
+        x_(static_cast<size_t>(sizes.x)), y_(static_cast<size_t>(sizes.y)) {
+    std::vector<float> prompt_out(static_cast<size_t>(sizes.prompt_y));
+    for (int64_t b = 0; b < B; ++b) {
+      const std::vector<float> prompt = random_normal(static_cast<size_t>(sizes.prompt_x), rng_);
+      seqs_[b] = cache.create();
+      layer.extend(cache, seqs_[b], prompt.data(), T, prompt_out.data());
+      if (b == 0 && check) run_.history = prompt;
+    }
+  }
+  // The next step: the first kDecodeWarmup are not timed.
+  template <class Sync, class Allreduce>
+  void step(int threads, bool cold, Sync&& sync, Allreduce&& allreduce_ms) {
+    const int64_t s = taken_++;
+    x_ = random_normal(x_.size(), rng_);  // a new token per sequence, drawn outside the timed region
+    if (check_ && s <= kDecodeWarmup) run_.history.insert(run_.history.end(), x_.begin(), x_.begin() + d_in_);
+    if (cold) flush_caches(threads);
+    sync();
+    const auto t0 = std::chrono::steady_clock::now();
+    layer_.decode(cache_, seqs_.data(), B_, x_.data(), y_.data());
+    const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (s < kDecodeWarmup) return;
+    run_.t.ms.push_back(t);
+    run_.t.allreduce_ms.push_back(allreduce_ms());
+    if (s == kDecodeWarmup) run_.first_out.assign(y_.begin(), y_.begin() + E_);
+  }
+  const DecodeRun& run() const { return run_; }
+
+ private:
+  Layer& layer_;
+  Cache& cache_;
+  int64_t B_, d_in_, E_;
+  bool check_;
+  std::mt19937 rng_{42};  // the prompts, then each step's tokens
+  std::vector<ga::SequenceId> seqs_;
+  std::vector<float> x_, y_;
+  DecodeRun run_;
+  int64_t taken_ = 0;
+};
+
 template <class Layer, class Cache, class Sync, class Allreduce>
 DecodeRun time_decode(Layer& layer, Cache& cache, const BenchSizes& sizes, int64_t B, int64_t T, int64_t d_in,
                       int64_t E, int threads, int repeats, bool check, bool cold, Sync&& sync,
                       Allreduce&& allreduce_ms) {
-  const int64_t steps = kDecodeWarmup + repeats;
-  DecodeRun run;
-  std::mt19937 rng(42);
-  std::vector<ga::SequenceId> seqs(static_cast<size_t>(B));
-  {
-    std::vector<float> prompt_out(static_cast<size_t>(sizes.prompt_y));
-    for (int64_t b = 0; b < B; ++b) {
-      const std::vector<float> prompt = random_normal(static_cast<size_t>(sizes.prompt_x), rng);
-      seqs[b] = cache.create();
-      layer.extend(cache, seqs[b], prompt.data(), T, prompt_out.data());
-      if (b == 0 && check) run.history = prompt;
-    }
-  }
-  std::vector<float> x(static_cast<size_t>(sizes.x)), y(static_cast<size_t>(sizes.y));
-  for (int64_t s = 0; s < steps; ++s) {
-    x = random_normal(x.size(), rng);  // a new token per sequence, drawn outside the timed region
-    if (check && s <= kDecodeWarmup) run.history.insert(run.history.end(), x.begin(), x.begin() + d_in);
-    if (cold) flush_caches(threads);
-    sync();
-    const auto t0 = std::chrono::steady_clock::now();
-    layer.decode(cache, seqs.data(), B, x.data(), y.data());
-    const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (s < kDecodeWarmup) continue;
-    run.t.ms.push_back(t);
-    run.t.allreduce_ms.push_back(allreduce_ms());
-    if (s == kDecodeWarmup) run.first_out.assign(y.begin(), y.begin() + E);
-  }
-  return run;
+  DecodeSteps<Layer, Cache> steps(layer, cache, sizes, B, T, d_in, E, check);
+  for (int64_t s = 0; s < kDecodeWarmup + repeats; ++s) steps.step(threads, cold, sync, allreduce_ms);
+  return steps.run();
 }
 
 // The decode figures of a timed run, and with --check sequence 0's first timed output against the last row of the
@@ -664,25 +711,86 @@ void finish_decode(BenchResult& r, const ga::Config& cfg, const DecodeRun& run, 
              cfg.head_dim());
 }
 
-BenchResult bench_decode(const std::string& name, ga::Config cfg, int64_t B, int64_t T, ga::DType compute,
+// A single-process decode case, set up to be stepped: its layer (random weights), its cache, its B prefilled
+// sequences of T tokens.
+class DecodeCase {
+ public:
+  DecodeCase(const std::string& name, ga::Config cfg, int64_t B, int64_t T, ga::DType compute, int threads,
+             ga::Isa isa, int repeats, bool check, ga::DType kv_dtype)
+      : name_(name), B_(B), T_(T), compute_(compute), kv_dtype_(kv_dtype), check_(check) {
+    const BenchSizes sizes = bench_sizes(name, cfg, B, T, true, repeats);
+    cfg.context_length = std::max(cfg.context_length, T + kDecodeWarmup + repeats + 1);
+    cfg_ = cfg;
+    w_ = ga::Weights::random(cfg, 1234);
+    layer_ = std::make_unique<ga::CausalSelfAttention>(cfg, w_, engine_options(compute, threads, isa));
+    if (!check) w_ = {};  // the layer holds its own copies; without --check the process holds no more than a server
+    // Blocks are per sequence, so each needs ceil((T + steps) / block_tokens) of them.
+    ga::KvCacheOptions kv_opts;
+    kv_opts.capacity_tokens = sizes.kv_tokens;
+    kv_opts.dtype = kv_dtype;
+    cache_ = std::make_unique<ga::KvCache>(cfg, kv_opts);
+    layer_->reserve_serving(T, B);
+    steps_ = std::make_unique<DecodeSteps<ga::CausalSelfAttention, ga::KvCache>>(
+        *layer_, *cache_, sizes, B, T, cfg.query_width(), cfg.d_model, check);
+  }
+  void step(bool cold) { steps_->step(layer_->layer().default_threads(), cold, [] {}, [] { return 0.0; }); }
+  const std::vector<double>& step_ms() const { return steps_->run().t.ms; }
+  BenchResult result() const {
+    BenchResult r{name_, compute_, B_, T_, layer_->layer().default_threads(), median(step_ms()), 0,
+                  ga::to_string(layer_->layer().isa()), layer_->layer().implementation()};
+    finish_decode(r, cfg_, steps_->run(), B_, T_, check_, compute_, kv_dtype_, [&] { return w_; });
+    return r;
+  }
+
+ private:
+  std::string name_;
+  ga::Config cfg_;
+  int64_t B_, T_;
+  ga::DType compute_, kv_dtype_;
+  bool check_;
+  ga::Weights w_;
+  std::unique_ptr<ga::CausalSelfAttention> layer_;
+  std::unique_ptr<ga::KvCache> cache_;
+  std::unique_ptr<DecodeSteps<ga::CausalSelfAttention, ga::KvCache>> steps_;
+};
+
+BenchResult bench_decode(const std::string& name, const ga::Config& cfg, int64_t B, int64_t T, ga::DType compute,
                          int threads, ga::Isa isa, int repeats, bool check, bool cold, ga::DType kv_dtype) {
-  const BenchSizes sizes = bench_sizes(name, cfg, B, T, true, repeats);
-  cfg.context_length = std::max(cfg.context_length, T + kDecodeWarmup + repeats + 1);
-  ga::Weights w = ga::Weights::random(cfg, 1234);
-  ga::CausalSelfAttention layer(cfg, w, engine_options(compute, threads, isa));
-  if (!check) w = {};  // the layer holds its own copies; without --check the process holds no more than a server
-  // Blocks are per sequence, so each needs ceil((T + steps) / block_tokens) of them.
-  ga::KvCacheOptions kv_opts;
-  kv_opts.capacity_tokens = sizes.kv_tokens;
-  kv_opts.dtype = kv_dtype;
-  ga::KvCache cache(cfg, kv_opts);
-  layer.reserve_serving(T, B);
-  const DecodeRun run = time_decode(layer, cache, sizes, B, T, cfg.query_width(), cfg.d_model,
-                                    layer.layer().default_threads(), repeats, check, cold, [] {}, [] { return 0.0; });
-  BenchResult r{name, compute, B, T, layer.layer().default_threads(), median(run.t.ms), 0,
-                ga::to_string(layer.layer().isa()), layer.layer().implementation()};
-  finish_decode(r, cfg, run, B, T, check, compute, kv_dtype, [&] { return w; });
-  return r;
+  DecodeCase c(name, cfg, B, T, compute, threads, isa, repeats, check, kv_dtype);
+  for (int64_t s = 0; s < kDecodeWarmup + repeats; ++s) c.step(cold);
+  return c.result();
+}
+
+// --interleave: every case is set up first, then the cases take their steps in turn (step s of each, then step
+// s + 1 of each), so that all of them meet the same minutes of a shared machine, whose speed drifts by more than
+// most differences between them. Each result also carries x_first, the median over the timed steps of the first
+// case's step time over this case's, the two steps of each pair taken milliseconds apart.
+struct DecodeSpec {
+  std::string name;
+  ga::Config cfg;
+  int64_t T;
+  ga::DType compute, kv_dtype;
+};
+std::vector<BenchResult> bench_decode_interleaved(const std::vector<DecodeSpec>& specs, int64_t B, int threads,
+                                                  ga::Isa isa, int repeats, bool check, bool cold) {
+  std::vector<std::unique_ptr<DecodeCase>> cases;
+  for (const DecodeSpec& c : specs) {
+    cases.push_back(
+        std::make_unique<DecodeCase>(c.name, c.cfg, B, c.T, c.compute, threads, isa, repeats, check, c.kv_dtype));
+  }
+  for (int64_t s = 0; s < kDecodeWarmup + repeats; ++s) {
+    for (const auto& c : cases) c->step(cold);
+  }
+  std::vector<BenchResult> out;
+  const std::vector<double>& first = cases.front()->step_ms();
+  for (const auto& c : cases) {
+    BenchResult r = c->result();
+    std::vector<double> ratios;
+    for (size_t i = 0; i < first.size(); ++i) ratios.push_back(first[i] / c->step_ms()[i]);
+    r.x_first = median(ratios);
+    out.push_back(r);
+  }
+  return out;
 }
 
 #ifdef GPT2ATTN_HAVE_MPI
@@ -747,7 +855,7 @@ int cmd_bench(int argc, char** argv) {
   const Args a = parse(argc, argv, 2,
                        {"preset", "batch", "seq", "mode", "dtype", "kv-heads", "kv-dtype", "threads", "isa", "repeats",
                         "cache"},
-                       {"check", "no-check", "json"});
+                       {"check", "no-check", "json", "interleave"});
   const std::vector<ga::DType> computes = compute_dtypes(a, true);
   const std::string mode = a.get("mode", "prefill");
   if (mode != "prefill" && mode != "decode") {
@@ -758,6 +866,11 @@ int cmd_bench(int argc, char** argv) {
   if (cache != "warm" && cache != "cold") throw UsageError("--cache must be warm or cold, got " + cache);
   if (a.has("cache") && !decode) throw UsageError("--cache applies to --mode decode only");
   if (a.has("kv-dtype") && !decode) throw UsageError("--kv-dtype applies to --mode decode only");
+  const bool interleave = a.flag("interleave");
+  if (interleave && (!decode || cache != "cold")) {
+    throw UsageError("--interleave applies to --mode decode --cache cold only (warm cases would evict each other)");
+  }
+  if (interleave && g_world.parallel()) throw UsageError("--interleave is not supported under mpirun");
   // --kv-dtype, like --dtype, may repeat: every case runs with each cache, so one run compares them.
   const std::vector<std::string> kv_names =
       a.has("kv-dtype") ? a.values.at("kv-dtype") : std::vector<std::string>{"f32"};
@@ -774,9 +887,11 @@ int cmd_bench(int argc, char** argv) {
   const bool json = a.flag("json");
   const bool check = a.flag("check") || (!json && !a.flag("no-check"));
   const ga::Isa isa = isa_option(a);
-  const auto kv_heads = a.integer<int64_t>("kv-heads", 0, 1);
-  // A preset with --kv-heads applied; a count that does not divide its heads is refused naming the flag.
-  auto config_for = [&](const std::string& name) {
+  // --kv-heads may repeat too (0: as many as the preset's heads).
+  std::vector<int64_t> kv_heads_list = a.integers<int64_t>("kv-heads", 1);
+  if (kv_heads_list.empty()) kv_heads_list = {0};
+  // A preset with a --kv-heads value applied; a count that does not divide its heads is refused naming the flag.
+  auto config_for = [&](const std::string& name, int64_t kv_heads) {
     ga::Config c = ga::preset(name);
     if (kv_heads > 0 && c.num_heads % kv_heads != 0) {
       throw UsageError("--kv-heads " + std::to_string(kv_heads) + " does not divide " + name + "'s " +
@@ -789,7 +904,10 @@ int cmd_bench(int argc, char** argv) {
   const bool explicit_presets = a.has("preset");
   if (explicit_presets) {
     presets = a.values.at("preset");
-    for (const auto& p : presets) (void)config_for(p);  // unknown names and bad --kv-heads fail before any timing
+    // Unknown names and bad --kv-heads fail before any timing.
+    for (const auto& p : presets) {
+      for (const int64_t h : kv_heads_list) (void)config_for(p, h);
+    }
   } else {
     presets = {"gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b"};
   }
@@ -799,21 +917,32 @@ int cmd_bench(int argc, char** argv) {
   };
   // Every case is sized before any runs: one this machine cannot hold is refused up front, naming the bytes,
   // rather than failing (or swapping) partway through the table.
+  // --interleave holds every case at once: their sum is checked too.
   const int64_t physical = ga::detail::physical_memory_bytes();
+  int64_t all_cases = 0;
   for (const auto& name : presets) {
-    const int64_t need = bench_sizes(name, config_for(name), B, seq_for(name), decode, repeats).bytes;
-    if (need > physical) {
-      ga::invalid(name + " at --batch " + std::to_string(B) + " --seq " + std::to_string(seq_for(name)) +
-                  ": needs at least " + std::to_string(need) + " bytes for weights, activations" +
-                  (decode ? " and KV cache" : "") + ", more than the " + std::to_string(physical) +
-                  " bytes of physical memory");
+    for (const int64_t h : kv_heads_list) {
+      const int64_t need = bench_sizes(name, config_for(name, h), B, seq_for(name), decode, repeats).bytes;
+      if (need > physical) {
+        ga::invalid(name + " at --batch " + std::to_string(B) + " --seq " + std::to_string(seq_for(name)) +
+                    ": needs at least " + std::to_string(need) + " bytes for weights, activations" +
+                    (decode ? " and KV cache" : "") + ", more than the " + std::to_string(physical) +
+                    " bytes of physical memory");
+      }
+      all_cases = checked_add(all_cases, checked_mul(need, static_cast<int64_t>(computes.size() * kv_names.size()),
+                                                     "--interleave: bytes"), "--interleave: bytes");
     }
+  }
+  if (interleave && all_cases > physical) {
+    ga::invalid("--interleave: the cases together need at least " + std::to_string(all_cases) +
+                " bytes, more than the " + std::to_string(physical) + " bytes of physical memory");
   }
 
   if (!json && g_world.prints()) {
-    std::printf("%-12s %-8s %-5s %3s %6s %7s %10s %9s ", "preset", "mode", "dtype", "B", "T", "threads", "median_ms",
-                "GFLOP/s");
+    std::printf("%-12s %-8s %-5s %3s %3s %6s %7s %10s %9s ", "preset", "mode", "dtype", "kvh", "B", "T", "threads",
+                "median_ms", "GFLOP/s");
     if (decode) std::printf("%-4s %10s %9s %7s ", "kv", "tokens/s", "MB/step", "GB/s");
+    if (interleave) std::printf("%7s ", "x_first");
     std::printf("%-11s %s\n", "ISA", check ? "max_err (allowed)" : "");
   }
   bool all_ok = true;
@@ -821,35 +950,45 @@ int cmd_bench(int argc, char** argv) {
   // a terminal; only for a sweep of several cases whose rows are not already appearing on that terminal.
   struct Case {
     ga::DType compute;
-    std::string kv_name, preset;
+    std::string kv_name;
+    int64_t kv_heads;
+    std::string preset;
   };
-  std::vector<Case> cases;  // every preset in each --dtype and each --kv-dtype, in the order given
+  // Every preset with each --kv-heads, in each --kv-dtype, in each --dtype, in the order given.
+  std::vector<Case> cases;
   for (const ga::DType compute : computes) {
     for (const std::string& kv : kv_names) {
-      for (const auto& name : presets) cases.push_back({compute, kv, name});
+      for (const int64_t h : kv_heads_list) {
+        for (const auto& name : presets) cases.push_back({compute, kv, h, name});
+      }
     }
   }
   const size_t n_cases = cases.size();
   const bool progress = n_cases > 1 && (json || isatty(STDOUT_FILENO) == 0);
   const bool bar = progress && isatty(STDERR_FILENO) != 0;
   size_t done = 0;
-  for (const auto& [compute, kv_name, name] : cases) {
-    const int64_t t = seq_for(name);
-    const ga::Config cfg = config_for(name);
+  auto run_case = [&](const Case& c) {
+    const int64_t t = seq_for(c.preset);
+    const ga::Config cfg = config_for(c.preset, c.kv_heads);
     BenchResult r;
     if (g_world.parallel()) {
 #ifdef GPT2ATTN_HAVE_MPI
-      r = decode ? bench_decode_sharded(name, cfg, B, t, compute, threads, isa, repeats, check, cache == "cold",
-                                        kv_dtype_of(kv_name))
-                 : bench_prefill_sharded(name, cfg, B, t, compute, threads, isa, repeats, check);
+      r = decode ? bench_decode_sharded(c.preset, cfg, B, t, c.compute, threads, isa, repeats, check,
+                                        cache == "cold", kv_dtype_of(c.kv_name))
+                 : bench_prefill_sharded(c.preset, cfg, B, t, c.compute, threads, isa, repeats, check);
 #endif
     } else {
-      r = decode ? bench_decode(name, cfg, B, t, compute, threads, isa, repeats, check, cache == "cold",
-                                kv_dtype_of(kv_name))
-                 : bench_prefill(name, cfg, B, t, compute, threads, isa, repeats, check);
+      r = decode ? bench_decode(c.preset, cfg, B, t, c.compute, threads, isa, repeats, check, cache == "cold",
+                                kv_dtype_of(c.kv_name))
+                 : bench_prefill(c.preset, cfg, B, t, c.compute, threads, isa, repeats, check);
     }
-    if (!g_world.prints()) continue;
-    const char* dtype = ga::to_string(compute);
+    return r;
+  };
+  auto report = [&](const Case& c, const BenchResult& r) {
+    if (!g_world.prints()) return;
+    const ga::Config cfg = config_for(c.preset, c.kv_heads);
+    const std::string& kv_name = c.kv_name;
+    const char* dtype = ga::to_string(c.compute);
     const bool ok = !r.checked || r.allowed >= 0;
     all_ok = all_ok && ok;
     if (json) {
@@ -867,6 +1006,7 @@ int cmd_bench(int argc, char** argv) {
         j["tokens_per_s"] = r.tokens_per_s;
         j["bytes_per_step"] = r.bytes_per_step;
         j["gb_per_s"] = r.gb_per_s;
+        if (interleave) j["x_first"] = r.x_first;
       }
       if (r.checked) {
         j["max_abs_err"] = r.max_abs_err;
@@ -877,10 +1017,12 @@ int cmd_bench(int argc, char** argv) {
     } else {
       char err[64] = "";
       if (r.checked) std::snprintf(err, sizeof err, "%.2e %s", r.max_abs_err, ok ? "ok" : "FAIL");
-      std::printf("%-12s %-8s %-5s %3ld %6ld %7d %10.3f %9.1f ", r.preset.c_str(), mode.c_str(), dtype,
-                  static_cast<long>(r.B), static_cast<long>(r.T), r.threads, r.median_ms, r.gflops);
+      std::printf("%-12s %-8s %-5s %3ld %3ld %6ld %7d %10.3f %9.1f ", r.preset.c_str(), mode.c_str(), dtype,
+                  static_cast<long>(cfg.kv_heads()), static_cast<long>(r.B), static_cast<long>(r.T), r.threads,
+                  r.median_ms, r.gflops);
       if (decode) {
         std::printf("%-4s %10.0f %9.1f %7.1f ", kv_name.c_str(), r.tokens_per_s, r.bytes_per_step * 1e-6, r.gb_per_s);
+        if (interleave) std::printf("%7.2f ", r.x_first);
       }
       std::printf("%-11s %s\n", r.isa.c_str(), err);
     }
@@ -892,6 +1034,17 @@ int cmd_bench(int argc, char** argv) {
       if (bar && done == n_cases) std::fputc('\n', stderr);
       std::fflush(stderr);
     }
+  };
+  if (interleave) {
+    std::vector<DecodeSpec> specs;
+    for (const Case& c : cases) {
+      specs.push_back({c.preset, config_for(c.preset, c.kv_heads), seq_for(c.preset), c.compute,
+                       kv_dtype_of(c.kv_name)});
+    }
+    const std::vector<BenchResult> results = bench_decode_interleaved(specs, B, threads, isa, repeats, check, true);
+    for (size_t i = 0; i < cases.size(); ++i) report(cases[i], results[i]);
+  } else {
+    for (const Case& c : cases) report(c, run_case(c));
   }
   if (!json && g_world.prints()) {
     for (const ga::DType compute : computes) {

@@ -206,6 +206,20 @@ def main():
         [r"--kv-dtype applies to --mode decode only"], with_output=False)
     err("bench_kv_dtype_twice", bench + ["--mode", "decode", "--kv-dtype", "bf16", "--kv-dtype", "bf16"],
         [r"--kv-dtype bf16 given twice"], with_output=False)
+    err("bench_kv_heads_twice", bench + ["--kv-heads", "4", "--kv-heads", "4"], [r"--kv-heads 4 given twice"],
+        with_output=False)
+    err("bench_kv_heads_second_not_dividing", bench + ["--kv-heads", "4", "--kv-heads", "5"],
+        [r"--kv-heads 5 does not divide gpt2-small's 12 heads"], with_output=False)
+    # A single-valued option given twice was read as its last value; now it is refused.
+    err("bench_batch_twice", bench + ["--batch", "2", "--batch", "3"], [r"--batch given more than once"],
+        with_output=False)
+    err("forward_threads_twice", fx.fwd(extra=["--threads", "1", "--threads", "2"]),
+        [r"--threads given more than once"])
+    err("bench_interleave_without_decode", bench + ["--interleave"],
+        [r"--interleave applies to --mode decode --cache cold only"], with_output=False)
+    err("bench_interleave_warm", bench + ["--mode", "decode", "--interleave"],
+        [r"--interleave applies to --mode decode --cache cold only"], with_output=False)
+    r.case("bench_interleave_rows", bench_interleave_rows, r)
 
     # --- bench sizes: products checked, and a case larger than physical memory refused before allocating ---
     err("bench_batch_times_seq_overflows", ["bench", "--batch", "280379743338241", "--seq", "257",
@@ -368,6 +382,25 @@ def output_dangling_symlink_refused(r, fx):
     check(os.path.islink(link), "the link %s was replaced" % link)
     check(sorted(os.listdir(wd)) == ["link.npy"], "files left behind: %s" % sorted(os.listdir(wd)))
     return msg
+
+
+def bench_interleave_rows(r):
+    """decode --interleave over two K/V dtypes and two K/V head counts: exit 0, one checked row per case in the
+    order given (each --kv-dtype, each --kv-heads within it), each with x_first, the first case's exactly 1."""
+    args = ["bench", "--preset", "gpt2-small", "--mode", "decode", "--cache", "cold", "--interleave", "--json",
+            "--check", "--batch", "2", "--seq", "8", "--repeats", "3", "--threads", "1",
+            "--kv-dtype", "f32", "--kv-dtype", "int8", "--kv-heads", "12", "--kv-heads", "4"]
+    p = pc.run_cli(r.cli, args)
+    cmd = pc.fmt_cmd(r.cli, args)
+    check(p.returncode == 0, "exit %d, expected 0: %s; stderr: %r" % (p.returncode, cmd, p.stderr[-300:]))
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    got = [(row["kv_dtype"], row["kv_heads"]) for row in rows]
+    want = [("f32", 12), ("f32", 4), ("int8", 12), ("int8", 4)]
+    check(got == want, "rows %s, expected %s (%s)" % (got, want, cmd))
+    check(all(row["check"] == "ok" for row in rows), "a row failed its check: %s" % rows)
+    check(rows[0]["x_first"] == 1.0, "the first case's x_first is %r, expected 1" % rows[0]["x_first"])
+    check(all(row["x_first"] > 0 for row in rows), "x_first not positive: %s" % [row["x_first"] for row in rows])
+    return "x_first %s" % ", ".join("%.2f" % row["x_first"] for row in rows)
 
 
 def dtype_bf16(r, fx, weights):
