@@ -80,8 +80,12 @@ constexpr int linear_panel_group(int lanes) { return lanes >= 16 ? 3 : 1; }
 // each other in cold decode steps; 256 had the best medians.
 inline constexpr int kLinearKChunk = 256;
 // The engine splits each projection into about this many runs of whole panel groups per thread, dynamically
-// scheduled (engine/serving.cpp, panel_items); 4 and 8 measured the same.
-inline constexpr int kLinearItemsPerThread = 4;
+// scheduled (engine/serving.cpp, panel_items). One: a run's kernel prefetches each chunk's successor, so only a
+// run's first chunk starts cold. A scratch harness timing both settings call by call (gpt2-small, M = 16, 2 threads,
+// weights cold) measured one run a thread at 0.94-0.95x the time of four for the QKV projection and 0.86-0.88x for
+// the output one (two a thread: 0.96x and 0.91x); interleaved decode tables (bench/decode_table.py, B = 16) then
+// gave 4 K/V heads 2.46-2.49x the f32 MHA step against 2.41-2.48x. 4 and 8 had measured the same.
+inline constexpr int kLinearItemsPerThread = 1;
 
 // The decode kernel scores at most this many keys of a block at once (one head's run): it bounds the kernel's
 // scratch for any block size, and is above the default block (kKeyTile), so default blocks are scored whole.
