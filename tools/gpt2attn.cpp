@@ -950,16 +950,16 @@ int cmd_bench(int argc, char** argv) {
   // a terminal; only for a sweep of several cases whose rows are not already appearing on that terminal.
   struct Case {
     ga::DType compute;
-    std::string kv_name;
-    int64_t kv_heads;
-    std::string preset;
+    std::string kv_name, preset;
+    ga::Config cfg;  // the preset with this case's --kv-heads
+    int64_t T;
   };
   // Every preset with each --kv-heads, in each --kv-dtype, in each --dtype, in the order given.
   std::vector<Case> cases;
   for (const ga::DType compute : computes) {
     for (const std::string& kv : kv_names) {
       for (const int64_t h : kv_heads_list) {
-        for (const auto& name : presets) cases.push_back({compute, kv, h, name});
+        for (const auto& name : presets) cases.push_back({compute, kv, name, config_for(name, h), seq_for(name)});
       }
     }
   }
@@ -968,8 +968,8 @@ int cmd_bench(int argc, char** argv) {
   const bool bar = progress && isatty(STDERR_FILENO) != 0;
   size_t done = 0;
   auto run_case = [&](const Case& c) {
-    const int64_t t = seq_for(c.preset);
-    const ga::Config cfg = config_for(c.preset, c.kv_heads);
+    const ga::Config& cfg = c.cfg;
+    const int64_t t = c.T;
     BenchResult r;
     if (g_world.parallel()) {
 #ifdef GPT2ATTN_HAVE_MPI
@@ -986,7 +986,7 @@ int cmd_bench(int argc, char** argv) {
   };
   auto report = [&](const Case& c, const BenchResult& r) {
     if (!g_world.prints()) return;
-    const ga::Config cfg = config_for(c.preset, c.kv_heads);
+    const ga::Config& cfg = c.cfg;
     const std::string& kv_name = c.kv_name;
     const char* dtype = ga::to_string(c.compute);
     const bool ok = !r.checked || r.allowed >= 0;
@@ -1038,8 +1038,7 @@ int cmd_bench(int argc, char** argv) {
   if (interleave) {
     std::vector<DecodeSpec> specs;
     for (const Case& c : cases) {
-      specs.push_back({c.preset, config_for(c.preset, c.kv_heads), seq_for(c.preset), c.compute,
-                       kv_dtype_of(c.kv_name)});
+      specs.push_back({c.preset, c.cfg, c.T, c.compute, kv_dtype_of(c.kv_name)});
     }
     const std::vector<BenchResult> results = bench_decode_interleaved(specs, B, threads, isa, repeats, check, true);
     for (size_t i = 0; i < cases.size(); ++i) report(cases[i], results[i]);
