@@ -112,7 +112,8 @@ presets  lists the compiled-in presets.
 
 --threads N is 1 to 1024 (default: every core OpenMP offers); --repeats N is 1 to 2147483647; --heads,
 --kv-heads, --context-length, --batch and --seq are 1 or more. A value out of range is refused, never narrowed.
-An option that takes one value (all but bench's --preset, --dtype, --kv-dtype and --kv-heads) given twice is refused.
+An option that takes one value (all but bench's --preset, --dtype, --kv-dtype and --kv-heads) given twice is refused;
+so is a value given twice to one of those four.
 
 exit status: 0 success, 2 bad input or usage, 1 internal error.
 )";
@@ -182,17 +183,23 @@ struct Args {
   I integer(const std::string& k, I def, I min_value, I max_value = std::numeric_limits<I>::max()) const {
     return has(k) ? integer_of<I>(k, get(k), min_value, max_value) : def;
   }
-  // Every value of a repeatable integer option, each checked as integer() checks one; a value given twice is refused.
-  template <class I>
-  std::vector<I> integers(const std::string& k, I min_value, I max_value = std::numeric_limits<I>::max()) const {
-    std::vector<I> out;
+  // Every value of repeatable option --k in the order given (none when absent), each read by `read` (which refuses
+  // a bad one); a value read twice is refused: a repeat would run or report a case twice.
+  template <class T, class Read>
+  std::vector<T> distinct(const std::string& k, Read&& read) const {
+    std::vector<T> out;
     if (!has(k)) return out;
     for (const std::string& s : values.at(k)) {
-      const I v = integer_of<I>(k, s, min_value, max_value);
+      T v = read(s);
       if (std::find(out.begin(), out.end(), v) != out.end()) throw UsageError("--" + k + " " + s + " given twice");
-      out.push_back(v);
+      out.push_back(std::move(v));
     }
     return out;
+  }
+  // Every value of a repeatable integer option, each checked as integer() checks one.
+  template <class I>
+  std::vector<I> integers(const std::string& k, I min_value, I max_value = std::numeric_limits<I>::max()) const {
+    return distinct<I>(k, [&](const std::string& s) { return integer_of<I>(k, s, min_value, max_value); });
   }
   template <class I>
   static I integer_of(const std::string& k, const std::string& s, I min_value, I max_value) {
@@ -246,16 +253,11 @@ Args parse(int argc, char** argv, int first, const std::vector<std::string>& val
 // The compute types --dtype asks for, in the order given (default f32); `repeatable` false allows one.
 std::vector<ga::DType> compute_dtypes(const Args& a, bool repeatable) {
   if (!a.has("dtype")) return {ga::DType::f32};
-  const std::vector<std::string>& names = a.values.at("dtype");
-  if (!repeatable && names.size() > 1) throw UsageError("--dtype given more than once");
-  std::vector<ga::DType> out;
-  for (const std::string& dt : names) {
+  if (!repeatable && a.values.at("dtype").size() > 1) throw UsageError("--dtype given more than once");
+  return a.distinct<ga::DType>("dtype", [](const std::string& dt) {
     if (dt != "f32" && dt != "bf16") throw UsageError("--dtype " + dt + " is not supported (supported: f32, bf16)");
-    const ga::DType t = ga::dtype_from_string(dt);
-    if (std::find(out.begin(), out.end(), t) != out.end()) throw UsageError("--dtype " + dt + " given twice");
-    out.push_back(t);
-  }
-  return out;
+    return ga::dtype_from_string(dt);
+  });
 }
 
 ga::TensorView view_of(const ga::npy::Array& arr, const std::string& what) {
@@ -872,14 +874,13 @@ int cmd_bench(int argc, char** argv) {
   }
   if (interleave && g_world.parallel()) throw UsageError("--interleave is not supported under mpirun");
   // --kv-dtype, like --dtype, may repeat: every case runs with each cache, so one run compares them.
-  const std::vector<std::string> kv_names =
-      a.has("kv-dtype") ? a.values.at("kv-dtype") : std::vector<std::string>{"f32"};
-  for (auto it = kv_names.begin(); it != kv_names.end(); ++it) {
-    if (*it != "f32" && *it != "bf16" && *it != "int8") {
-      throw UsageError("--kv-dtype " + *it + " is not supported (supported: f32, bf16, int8)");
+  std::vector<std::string> kv_names = a.distinct<std::string>("kv-dtype", [](const std::string& n) {
+    if (n != "f32" && n != "bf16" && n != "int8") {
+      throw UsageError("--kv-dtype " + n + " is not supported (supported: f32, bf16, int8)");
     }
-    if (std::find(kv_names.begin(), it, *it) != it) throw UsageError("--kv-dtype " + *it + " given twice");
-  }
+    return n;
+  });
+  if (kv_names.empty()) kv_names = {"f32"};
   auto kv_dtype_of = [](const std::string& n) { return n == "int8" ? ga::DType::i8 : ga::dtype_from_string(n); };
   const auto B = a.integer<int64_t>("batch", 1, 1), T = a.integer<int64_t>("seq", 1024, 1);
   const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
@@ -903,7 +904,7 @@ int cmd_bench(int argc, char** argv) {
   std::vector<std::string> presets;
   const bool explicit_presets = a.has("preset");
   if (explicit_presets) {
-    presets = a.values.at("preset");
+    presets = a.distinct<std::string>("preset", [](const std::string& p) { return p; });
     // Unknown names and bad --kv-heads fail before any timing.
     for (const auto& p : presets) {
       for (const int64_t h : kv_heads_list) (void)config_for(p, h);

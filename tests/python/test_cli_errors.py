@@ -208,6 +208,11 @@ def main():
         [r"--kv-dtype bf16 given twice"], with_output=False)
     err("bench_kv_heads_twice", bench + ["--kv-heads", "4", "--kv-heads", "4"], [r"--kv-heads 4 given twice"],
         with_output=False)
+    # Every repeatable option refuses a repeated value alike (a repeat would time and report a case twice).
+    err("bench_preset_twice", bench + ["--preset", "gpt2-small"], [r"--preset gpt2-small given twice"],
+        with_output=False)
+    err("bench_dtype_twice", bench + ["--dtype", "bf16", "--dtype", "bf16"], [r"--dtype bf16 given twice"],
+        with_output=False)
     err("bench_kv_heads_second_not_dividing", bench + ["--kv-heads", "4", "--kv-heads", "5"],
         [r"--kv-heads 5 does not divide gpt2-small's 12 heads"], with_output=False)
     # A single-valued option given twice was read as its last value; now it is refused.
