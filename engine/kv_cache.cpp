@@ -93,12 +93,10 @@ void KvCache::Impl::unpin(int32_t b) {
   if (--pins[b] == 0 && refcount[b] == 0) free_list.push_back(b);
 }
 
-int32_t KvCache::Impl::shared_write_block(const Sequence& s) const {
-  // Only the block holding the last, partially filled position can be shared and about to be written: full
-  // blocks are never written again, and a sequence holds no block past its length (end_append trims).
+int32_t KvCache::Impl::partial_block(const Sequence& s) const {
   const int64_t b = s.length / block_tokens;
   if (s.length % block_tokens == 0 || b >= static_cast<int64_t>(s.blocks.size())) return -1;
-  return refcount[s.blocks[b]] > 1 ? s.blocks[b] : -1;
+  return s.blocks[b];
 }
 
 int64_t KvCache::Impl::blocks_for_append(const SequenceId* ids, int64_t n, int64_t tokens, int64_t max_length) const {
@@ -114,13 +112,13 @@ int64_t KvCache::Impl::blocks_for_append(const SequenceId* ids, int64_t n, int64
               " new tokens exceeds context_length=" + str(max_length));
     }
     needed += new_blocks(s, tokens);
-    // A shared block about to be written is copied, unless every other holder copies it first in this same
-    // call: pass 2 copies while the block's count is above 1, so of w writers among r holders, min(w, r-1) copy.
-    const int32_t x = shared_write_block(s);
-    if (x >= 0) {
-      int32_t earlier = 0;
-      for (int64_t j = 0; j < i; ++j) earlier += shared_write_block(seqs.find(ids[j])->second) == x;
-      needed += refcount[x] - earlier > 1;
+    // A shared block about to be written is copied (must_copy), unless every other holder copies it first in this
+    // same call. The scan for earlier writers runs only for a block held more than once.
+    const int32_t x = partial_block(s);
+    if (x >= 0 && must_copy(x, 0)) {
+      int64_t earlier = 0;
+      for (int64_t j = 0; j < i; ++j) earlier += partial_block(seqs.find(ids[j])->second) == x;
+      needed += must_copy(x, earlier);
     }
   }
   if (needed > static_cast<int64_t>(free_list.size())) {
@@ -146,7 +144,14 @@ void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t token
     Sequence& s = seqs.find(ids[i])->second;
     s.blocks_before = static_cast<int64_t>(s.blocks.size());
     s.cow_original = -1;
-    if (shared_write_block(s) >= 0) {
+    const int32_t x = partial_block(s);
+    bool copy = false;
+    if (x >= 0 && must_copy(x, 0)) {  // held more than once: count this call's earlier copies of it (pass 1 did)
+      int64_t own = 0;
+      for (int64_t j = 0; j < i; ++j) own += seqs.find(ids[j])->second.cow_original == x;
+      copy = must_copy(x, own);
+    }
+    if (copy) {
       const int64_t b = s.length / block_tokens;
       const int32_t copy = take_block();
       std::memcpy(block(copy), block(s.blocks[b]), block_bytes);
@@ -177,8 +182,8 @@ void KvCache::Impl::end_append(const SequenceId* ids, int64_t n, int64_t tokens,
       if (s.cow_original >= 0) unpin(s.cow_original);  // the copy is ours for good: the original may go
     } else {
       // Undo begin_append: the new blocks go back, a copy-on-write copy gives way to the shared original
-      // (which the failed call never wrote, and which its pin kept out of the pool), so the pool reads exactly
-      // as before the call.
+      // (which the failed call never wrote, which its pin kept out of the pool, and which no other call wrote
+      // meanwhile: a pinned block counts as shared, must_copy), so the pool reads exactly as before the call.
       while (static_cast<int64_t>(s.blocks.size()) > s.blocks_before) {
         drop_block(s.blocks.back());
         s.blocks.pop_back();
@@ -254,7 +259,13 @@ int64_t KvCache::blocks_needed(SequenceId seq, int64_t tokens) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (tokens < 0) invalid("KvCache::blocks_needed: tokens must be >= 0, got " + str(tokens));
   const Impl::Sequence& s = impl_->find(seq);
-  return impl_->new_blocks(s, tokens) + (tokens > 0 && impl_->shared_write_block(s) >= 0);
+  const int64_t context = impl_->cfg.context_length;  // tokens is compared before it is added: no overflow
+  if (tokens > context - s.length) {
+    invalid("KvCache::blocks_needed: sequence " + str(seq) + ": length " + str(s.length) + " + " + str(tokens) +
+            " new tokens exceeds context_length=" + str(context));
+  }
+  const int32_t x = impl_->partial_block(s);
+  return impl_->new_blocks(s, tokens) + (tokens > 0 && x >= 0 && impl_->must_copy(x, 0));
 }
 
 int64_t KvCache::block_tokens() const { return impl_->block_tokens; }

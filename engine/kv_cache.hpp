@@ -72,7 +72,17 @@ struct KvCache::Impl {
   const Sequence& find(SequenceId id) const;
   // The pool index of the block holding token t of `s`; invalid_argument unless 0 <= t < length. Caller holds mu.
   int32_t block_holding(const Sequence& s, int64_t t) const;
-  int32_t shared_write_block(const Sequence& s) const;  // a shared block an append would write into, or -1
+  // The partly filled block an append to `s` writes into first (it holds the last position), or -1 when the length
+  // sits on a block boundary. Only it can be shared and about to be written: full blocks are never written again,
+  // and a sequence holds no block past its length (end_append trims).
+  int32_t partial_block(const Sequence& s) const;
+  // Whether an append must copy block x before writing into it, where `own` earlier sequences of the same call
+  // hold or held x (pass 1: the earlier writers of x; pass 2: those that copied it, now pinning it). x may be
+  // written in place only by its last holder: while another sequence holds it (refcount) or another call's
+  // copy-on-write may still hand it back on failure (pins), an in-place write would change what they read. A
+  // copy moves one count from refcount to pins, so the sum stays r + p over a call and, of w writers in one call,
+  // min(w, r + p - 1) copy: the last holder writes in place only when no other call pins the block.
+  bool must_copy(int32_t x, int64_t own) const { return refcount[x] + pins[x] - own > 1; }
   // The table size `s` needs after appending `tokens`, and the new blocks that takes beyond what it holds.
   int64_t table_size_after(const Sequence& s, int64_t tokens) const { return (s.length + tokens + block_tokens - 1) / block_tokens; }
   int64_t new_blocks(const Sequence& s, int64_t tokens) const {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "engine/kv_cache.hpp"
+#include "gpt2attn/error.hpp"
 #include "gpt2attn/kv_cache.hpp"
 #include "tests/isa_param.hpp"
 #include "tests/test_util.hpp"
@@ -411,6 +412,16 @@ struct Harness {
       }
       for (int64_t n : {int64_t{1}, model.bt - 1, model.bt, model.bt + 1, 3 * model.bt + 2}) {
         if (n < 1) continue;
+        if (model.len.at(id) + n > cache.config().context_length) {  // refused, as the append would be
+          bool refused = false;
+          try {
+            cache.blocks_needed(id, n);
+          } catch (const Error& e) {
+            refused = e.code() == ErrorCode::invalid_argument;
+          }
+          if (!refused) return fail() << "blocks_needed(" << id << ", " << n << ") past the context was not refused";
+          continue;
+        }
         if (cache.blocks_needed(id, n) != model.needed(id, n)) {
           return fail() << "blocks_needed(" << id << ", " << n << ") = " << cache.blocks_needed(id, n)
                         << ", expected " << model.needed(id, n) << " (length " << model.len.at(id)

@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
 #include "engine/kv_cache.hpp"
 #include "gpt2attn/gpt2attn.hpp"
+#include "tests/file_test_util.hpp"
 #include "tests/kv_harness.hpp"
 #include "tests/test_util.hpp"
 
@@ -303,6 +305,80 @@ TEST(KvPool, CommittedCopyOnWriteReturnsAReleasedOriginal) {
   EXPECT_EQ(cache.length(child), 7);
   cache.release(child);
   EXPECT_EQ(cache.free_blocks(), cache.total_blocks());
+}
+
+// Every cached K and V row of `seq`'s tokens [0, n), head by head.
+std::vector<std::vector<float>> rows_of(KvCache& cache, SequenceId seq, int64_t n) {
+  std::vector<std::vector<float>> rows;
+  for (int64_t h = 0; h < cache.config().kv_heads(); ++h) {
+    for (int64_t t = 0; t < n; ++t) {
+      rows.push_back(cached_key(cache, seq, h, t));
+      rows.push_back(cached_value(cache, seq, h, t));
+    }
+  }
+  return rows;
+}
+
+// While one call's copy-on-write copy is pending, the original it may hand back on failure counts as shared: a
+// concurrent append of its other holder copies it rather than write into it. Before, that holder wrote the
+// original in place and committed; the failed call then put it back under its own sequence, so the two shared a
+// block holding the other's tokens past one length, and the next such round (roles swapped) wrote one sequence's
+// K/V over the other's committed tokens.
+TEST(KvPool, PinnedOriginalIsNotWrittenInPlace) {
+  const Config c = small_config();
+  CausalSelfAttention layer(c, Weights::random(c, 11));
+  KvCache cache(c, KvCacheOptions{.block_tokens = 4, .capacity_tokens = 32});
+  KvCache::Impl& p = cache.impl();
+  std::mt19937_64 rng(12);
+  const SequenceId a = cache.create();
+  fill(layer, cache, a, 6, rng);  // block 0 full, block 1 (X) half-filled
+  const SequenceId b = cache.fork(a);
+  const int32_t x = block_of(cache, a, 5);
+  const auto a_rows = rows_of(cache, a, 6);
+  std::byte* tables[16];
+  int64_t length = -1;
+
+  // Round 1: a's call copies X and is pending; b appends a token (its own call) and commits; a's call fails.
+  p.begin_append(&a, 1, 1, c.context_length, tables, 16, &length);
+  EXPECT_EQ(cache.blocks_needed(b, 1), 1) << "X is pinned by a's pending copy: b's append must copy it";
+  fill(layer, cache, b, 1, rng);
+  EXPECT_NE(block_of(cache, b, 6), x) << "b wrote into the block a's failure hands back";
+  p.end_append(&a, 1, 1, /*success=*/false);
+  ASSERT_EQ(p.audit(), "");
+  EXPECT_EQ(block_of(cache, a, 5), x);
+  EXPECT_EQ(rows_of(cache, a, 6), a_rows);
+  const auto b_rows = rows_of(cache, b, 7);
+
+  // Round 2, roles swapped: b's call is pending, a appends and commits, b's call fails. b's committed token 6
+  // must still be b's own.
+  p.begin_append(&b, 1, 1, c.context_length, tables, 16, &length);
+  fill(layer, cache, a, 1, rng);
+  p.end_append(&b, 1, 1, /*success=*/false);
+  ASSERT_EQ(p.audit(), "");
+  EXPECT_EQ(rows_of(cache, b, 7), b_rows) << "a's append changed b's committed K/V";
+  EXPECT_EQ(rows_of(cache, a, 6), a_rows);
+  cache.release(a);
+  cache.release(b);
+  EXPECT_EQ(cache.free_blocks(), cache.total_blocks());
+}
+
+// blocks_needed refuses what an append would refuse: a negative count, or a length past the cache's context
+// (before, INT64_MAX overflowed the block arithmetic and answered 1, and a count past the context a large number).
+TEST(KvPool, BlocksNeededRefusesPastTheContext) {
+  const Config c = small_config(40);
+  CausalSelfAttention layer(c, Weights::random(c, 13));
+  KvCache cache(c, KvCacheOptions{.block_tokens = 4, .capacity_tokens = 12});  // 3 blocks
+  std::mt19937_64 rng(14);
+  const SequenceId s = cache.create();
+  fill(layer, cache, s, 6, rng);
+  EXPECT_EQ(cache.blocks_needed(s, 0), 0);
+  EXPECT_EQ(cache.blocks_needed(s, 2), 0);
+  EXPECT_EQ(cache.blocks_needed(s, 34), 8);  // to the context's end: 10 blocks in all, 2 held
+  const auto needed = [&](int64_t tokens) { return [&cache, s, tokens] { cache.blocks_needed(s, tokens); }; };
+  EXPECT_TRUE(testutil::ThrowsError(needed(35), ErrorCode::invalid_argument, "exceeds context_length=40"));
+  EXPECT_TRUE(testutil::ThrowsError(needed(std::numeric_limits<int64_t>::max()), ErrorCode::invalid_argument,
+                                    "exceeds context_length=40"));
+  EXPECT_TRUE(testutil::ThrowsError(needed(-1), ErrorCode::invalid_argument, "must be >= 0"));
 }
 
 }  // namespace

@@ -192,7 +192,8 @@ GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_release(gpt2attn_kv_cache_t* cache, 
 /* *out = cached tokens of seq. */
 GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_length(const gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq,
                                                    int64_t* out);
-/* *out = blocks appending `tokens` to seq would take from the pool now (for admission control). */
+/* *out = blocks appending `tokens` to seq would take from the pool now (for admission control);
+   GPT2ATTN_ERR_INVALID_ARGUMENT when tokens < 0 or seq's length + tokens passes the cache's context_length. */
 GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_blocks_needed(const gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq,
                                                           int64_t tokens, int64_t* out);
 

@@ -41,7 +41,9 @@ struct KvCacheOptions {
 // decoded concurrently; one sequence must not be used by two calls at once (the layer checks and refuses).
 //
 // Forks share blocks: a fork's blocks are the parent's, reference counted; a full shared block is never
-// written again, and the first append into a shared partially filled block copies it (copy on write).
+// written again, and the first append into a shared partially filled block copies it (copy on write). Until the
+// call that copied it ends, the original also counts as shared, since a failure hands it back to that sequence:
+// a concurrent append of its other holder copies it too rather than write into it.
 class GPT2ATTN_API KvCache {
  public:
   // Allocates the whole pool now (Error out_of_memory if that fails); nothing is allocated later except
@@ -59,6 +61,7 @@ class GPT2ATTN_API KvCache {
   int64_t length(SequenceId seq) const;  // cached tokens
 
   // Blocks an append of `tokens` to `seq` would take from the pool now (new blocks + a copy-on-write copy).
+  // invalid_argument when tokens < 0 or the sequence's length plus tokens passes the cache's context_length.
   int64_t blocks_needed(SequenceId seq, int64_t tokens) const;
 
   int64_t block_tokens() const;
