@@ -1,10 +1,17 @@
 // engine/config.cpp: Config validation, JSON (de)serialisation and the compiled-in presets.
 // The preset text comes from configs/*.json through CMake (generated/presets.cpp); nothing is duplicated here.
 #include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <set>
 #include <string_view>
+#include <system_error>
 
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/error.hpp"
@@ -45,21 +52,64 @@ static const std::vector<std::string> kKeys = {"d_model", "num_heads", "num_kv_h
                                                "context_length", "qkv_bias", "out_bias", "causal", "dropout"};
 
 namespace {
-// A config file's text as a JSON object, or Error(bad_file) naming the file.
+// A config file's text as a JSON object, or Error(bad_file) naming the file. Refused besides text that is not JSON:
+// a NUL byte (nlohmann would stop there as at the end of the input and accept "{...}\0garbage"), and a key given
+// twice in one object (nlohmann keeps the last one, so {"num_heads": 4, "num_heads": 2} would silently mean 2).
 nlohmann::json parse_object(const std::string& json_text, const std::string& origin) {
+  if (const size_t nul = json_text.find('\0'); nul != std::string::npos) {
+    fail(ErrorCode::bad_file, origin + ": not valid JSON: NUL byte at offset " + std::to_string(nul));
+  }
+  // The keys seen so far in each open object, innermost last (arrays hold no keys and take no entry). A key
+  // event always belongs to the innermost open object, since everything opened inside it has closed by then.
+  struct OpenObject {
+    std::set<std::string> keys;
+    std::string last;  // the latest key: it names the value being parsed, for a message about a key inside it
+  };
+  std::vector<OpenObject> open;
+  using Event = nlohmann::json::parse_event_t;
+  const auto on_event = [&](int /*depth*/, Event event, nlohmann::json& parsed) {
+    if (event == Event::object_start) {
+      open.emplace_back();
+    } else if (event == Event::object_end) {
+      if (!open.empty()) open.pop_back();
+    } else if (event == Event::key && !open.empty()) {
+      const std::string& key = parsed.get_ref<const std::string&>();
+      if (!open.back().keys.insert(key).second) {
+        std::string where;
+        for (size_t i = 0; i + 1 < open.size(); ++i) where += (i ? "." : "") + open[i].last;
+        fail(ErrorCode::bad_file, origin + ": key '" + key + "' given twice" +
+                                      (where.empty() ? std::string() : " (in '" + where + "')"));
+      }
+      open.back().last = key;
+    }
+    return true;  // keep everything: the callback only watches
+  };
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(json_text);
+    j = nlohmann::json::parse(json_text, on_event);
   } catch (const nlohmann::json::exception& e) {
     fail(ErrorCode::bad_file, origin + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) fail(ErrorCode::bad_file, origin + ": expected a JSON object");
   return j;
 }
-}  // namespace
 
-Config config_from_json(const std::string& json_text, const std::string& origin) {
-  nlohmann::json j = parse_object(json_text, origin);
+// An integer field. An integer past int64 (nlohmann holds one up to 2^64 - 1 as unsigned, and a larger one as a
+// double) is out of range, reported as written rather than as the value a conversion would wrap it to.
+int64_t integer_field(const nlohmann::json& v, const std::string& origin, const std::string& key) {
+  const bool too_large_unsigned =
+      v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  const bool whole_float_past_int64 = v.is_number_float() && std::trunc(v.get<double>()) == v.get<double>() &&
+                                      std::fabs(v.get<double>()) >= 0x1p63;
+  if (too_large_unsigned || whole_float_past_int64) {
+    fail(ErrorCode::bad_file, origin + ": '" + key + "' is out of range: " + v.dump() +
+                                  " does not fit a 64-bit signed integer");
+  }
+  if (!v.is_number_integer()) fail(ErrorCode::bad_file, origin + ": '" + key + "' must be an integer");
+  return v.get<int64_t>();
+}
+
+Config config_from_object(const nlohmann::json& j, const std::string& origin) {
   for (auto it = j.begin(); it != j.end(); ++it) {
     if (std::find(kKeys.begin(), kKeys.end(), it.key()) == kKeys.end()) {
       fail(ErrorCode::bad_file, origin + ": unknown config key '" + it.key() + "'");
@@ -68,8 +118,7 @@ Config config_from_json(const std::string& json_text, const std::string& origin)
   Config c;
   auto get_int = [&](const char* k, int64_t& dst) {
     if (!j.contains(k)) return;
-    if (!j[k].is_number_integer()) fail(ErrorCode::bad_file, origin + ": '" + k + "' must be an integer");
-    dst = j[k].get<int64_t>();
+    dst = integer_field(j[k], origin, k);
   };
   auto get_bool = [&](const char* k, bool& dst) {
     if (!j.contains(k)) return;
@@ -87,8 +136,17 @@ Config config_from_json(const std::string& json_text, const std::string& origin)
   get_bool("out_bias", c.out_bias);
   get_bool("causal", c.causal);
   if (j.contains("dropout")) {
-    if (!j["dropout"].is_number()) fail(ErrorCode::bad_file, origin + ": 'dropout' must be a number");
-    c.dropout = j["dropout"].get<float>();
+    // The range is checked on the double as written, before it is narrowed: 1e300 would become inf and -1e-50
+    // would become -0.0f, and the message would show the float rather than what the file says.
+    const nlohmann::json& v = j["dropout"];
+    if (!v.is_number()) fail(ErrorCode::bad_file, origin + ": 'dropout' must be a number");
+    const double p = v.get<double>();
+    if (!(p >= 0.0 && p < 1.0)) fail(ErrorCode::bad_file, origin + ": 'dropout' must be in [0, 1), got " + v.dump());
+    c.dropout = static_cast<float>(p);
+    if (!(c.dropout < 1.0f)) {  // from 1 - 2^-25 up the nearest float is 1, which drops every weight
+      fail(ErrorCode::bad_file, origin + ": 'dropout' " + v.dump() +
+                                    " rounds to 1 as a float (the largest float below 1 is 0.99999994)");
+    }
   }
   try {
     c.validate();
@@ -97,29 +155,95 @@ Config config_from_json(const std::string& json_text, const std::string& origin)
   }
   return c;
 }
+}  // namespace
+
+Config config_from_json(const std::string& json_text, const std::string& origin) {
+  return config_from_object(parse_object(json_text, origin), origin);
+}
 
 namespace {
+// Far above any real config (ours are ~150 bytes, a Hugging Face GPT-2 config.json ~1 KB).
+constexpr std::uintmax_t kMaxConfigFileBytes = std::uintmax_t{1} << 20;
+
+// A config file's bytes. Only a regular file (or a link to one) is read, and only up to kMaxConfigFileBytes: the
+// type is checked before opening, so a FIFO does not block, /dev/zero is not read until memory runs out, and a
+// directory is not reported as invalid JSON.
 std::string read_config_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);  // follows links: a link to a regular file is fine
+  if (st.type() == fs::file_type::not_found) {
+    fail(ErrorCode::bad_file, path + ": cannot open config file: no such file");
+  }
+  if (ec) fail(ErrorCode::bad_file, path + ": cannot open config file: " + ec.message());
+  if (st.type() != fs::file_type::regular) {
+    const char* kind = st.type() == fs::file_type::directory ? "a directory"
+                       : st.type() == fs::file_type::fifo    ? "a FIFO"
+                       : st.type() == fs::file_type::character || st.type() == fs::file_type::block ? "a device"
+                       : st.type() == fs::file_type::socket  ? "a socket"
+                                                             : "of an unknown type";
+    fail(ErrorCode::bad_file, path + ": not a regular file (" + kind + "); a config file must be one");
+  }
+  const std::string limit = "the " + std::to_string(kMaxConfigFileBytes) + "-byte (1 MiB) limit on a config file";
+  const std::uintmax_t size = fs::file_size(path, ec);
+  if (ec) fail(ErrorCode::bad_file, path + ": cannot open config file: " + ec.message());
+  if (size > kMaxConfigFileBytes) {
+    fail(ErrorCode::bad_file, path + ": " + std::to_string(size) + " bytes, over " + limit);
+  }
   std::ifstream f(path, std::ios::binary);
-  if (!f) fail(ErrorCode::bad_file, path + ": cannot open config file");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
+  if (!f) fail(ErrorCode::bad_file, path + ": cannot open config file: " + std::strerror(errno));
+  // Bounded again while reading, in case the file grew since it was measured.
+  std::string text;
+  char buf[1 << 16];
+  while (text.size() <= kMaxConfigFileBytes) {
+    f.read(buf, sizeof buf);
+    const std::streamsize n = f.gcount();
+    text.append(buf, static_cast<size_t>(n));
+    if (n < static_cast<std::streamsize>(sizeof buf)) break;
+  }
+  if (f.bad()) fail(ErrorCode::bad_file, path + ": cannot read config file");
+  if (text.size() > kMaxConfigFileBytes) fail(ErrorCode::bad_file, path + ": over " + limit + " (it grew)");
+  return text;
 }
 }  // namespace
 
 Config load_config(const std::string& path) { return config_from_json(read_config_file(path), path); }
 
-Config hf_gpt2_config_from_json(const std::string& json_text, const std::string& origin) {
-  const nlohmann::json j = parse_object(json_text, origin);
+namespace {
+// Hugging Face GPT-2 config keys that change what attention computes. gpt2attn computes causal self-attention with
+// scores scaled by 1/sqrt(D) and nothing else, which is what each key means at its default value (`computes`);
+// any other value describes a different model, refused rather than silently computed wrong. Numerics-only keys
+// (reorder_and_upcast_attn: fp32 scores under fp16 autocast) and training-only ones (attn_pdrop) are not here.
+struct HfComputationKey {
+  const char* key;
+  bool computes;    // the value gpt2attn's attention computes (Hugging Face's default)
+  const char* why;  // what the other value means
+};
+constexpr HfComputationKey kHfComputationKeys[] = {
+    {"scale_attn_weights", true,
+     "the model's attention scores are not scaled by 1/sqrt(head_dim); gpt2attn always scales them"},
+    {"scale_attn_by_inverse_layer_idx", false,
+     "the model scales each layer's attention scores by 1/(layer index + 1); gpt2attn does not"},
+    {"add_cross_attention", false,
+     "the model's blocks add cross-attention over encoder states; gpt2attn computes causal self-attention only"},
+};
+
+Config hf_gpt2_config_from_object(const nlohmann::json& j, const std::string& origin) {
   auto get = [&](std::initializer_list<const char*> keys) -> int64_t {
     for (const char* k : keys) {
       if (!j.contains(k)) continue;
-      if (!j[k].is_number_integer()) fail(ErrorCode::bad_file, origin + ": '" + k + "' must be an integer");
-      return j[k].get<int64_t>();
+      return integer_field(j[k], origin, k);
     }
     fail(ErrorCode::bad_file, origin + ": no '" + *keys.begin() + "' (a Hugging Face GPT-2 config.json has it)");
   };
+  for (const HfComputationKey& h : kHfComputationKeys) {
+    if (!j.contains(h.key)) continue;
+    const nlohmann::json& v = j[h.key];
+    if (!v.is_boolean()) fail(ErrorCode::bad_file, origin + ": '" + h.key + "' must be true or false");
+    if (v.get<bool>() != h.computes) {
+      fail(ErrorCode::bad_file, origin + ": '" + h.key + "' is " + (h.computes ? "false" : "true") + ": " + h.why);
+    }
+  }
   Config c;
   c.d_model = get({"n_embd"});
   c.num_heads = get({"n_head"});
@@ -132,12 +256,16 @@ Config hf_gpt2_config_from_json(const std::string& json_text, const std::string&
   }
   return c;
 }
+}  // namespace
+
+Config hf_gpt2_config_from_json(const std::string& json_text, const std::string& origin) {
+  return hf_gpt2_config_from_object(parse_object(json_text, origin), origin);
+}
 
 Config load_any_config(const std::string& path) {
-  const std::string text = read_config_file(path);
-  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
-  if (j.is_object() && j.contains("n_embd")) return hf_gpt2_config_from_json(text, path);
-  return config_from_json(text, path);
+  const nlohmann::json j = parse_object(read_config_file(path), path);
+  if (j.contains("n_embd")) return hf_gpt2_config_from_object(j, path);
+  return config_from_object(j, path);
 }
 
 std::string to_json(const Config& c) {
