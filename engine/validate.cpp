@@ -68,11 +68,13 @@ std::string expected_str(const char* symbols, std::initializer_list<int64_t> dim
   invalid(std::string(name) + ": expected shape " + expected + ", got " + v.shape_str());
 }
 
-// An additive mask may hold -inf (that is how it blocks) but not NaN, and not +inf: +inf would make the row's
-// softmax inf - inf = NaN, which no caller can mean.
-void check_additive_mask(const TensorView& v) {
+// The values of an f32 mask. An additive mask may hold -inf (that is how it blocks) but not NaN, and not +inf: +inf
+// would make the row's softmax inf - inf = NaN, which no caller can mean. A float keep/block mask or key_padding
+// reads nonzero as keep/block, which a NaN is too, but no caller means a NaN as a decision: refused too, rather than
+// silently taken as one. `what` names the mask, `index_names` its indices for v.rank.
+void check_mask_values(const TensorView& v, const std::string& what, bool additive, const char* index_names) {
+  if (v.dtype != DType::f32) return;  // u8: every value is a decision
   const auto* p = static_cast<const float*>(v.data);
-  static const char* const kIndexNames[5] = {"", "", "(t, j)", "(b, t, j)", "(b, h, t, j)"};
   std::array<int64_t, 4> shape{1, 1, 1, 1}, strides{0, 0, 0, 0};
   const int lead = 4 - v.rank;  // right-align into 4 dimensions so one loop nest covers every rank
   for (int d = 0; d < v.rank; ++d) {
@@ -84,12 +86,12 @@ void check_additive_mask(const TensorView& v) {
       for (int64_t c = 0; c < shape[2]; ++c) {
         for (int64_t d = 0; d < shape[3]; ++d) {
           const float x = p[a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3]];
-          if (std::isnan(x) || x == INFINITY) {
+          if (std::isnan(x) || (additive && x == INFINITY)) {
             const std::array<int64_t, 4> idx{a, b, c, d};
             std::string at;
             for (int k = lead; k < 4; ++k) at += (k > lead ? ", " : "") + str(idx[k]);
-            invalid(std::string("attn_mask (additive) contains ") + (std::isnan(x) ? "NaN" : "+Inf") + " at " +
-                    kIndexNames[v.rank] + " = (" + at + "); only finite values and -inf are allowed");
+            invalid(what + " contains " + (std::isnan(x) ? "NaN" : "+Inf") + " at " + index_names + " = (" + at +
+                    (additive ? "); only finite values and -inf are allowed" : "); a NaN neither keeps nor blocks"));
           }
         }
       }
@@ -289,7 +291,12 @@ AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const
       check_finite(k, "key", "j", threads);
       check_finite(v, "value", "j", threads);
     }
-    if (!m.empty() && in.mask_kind == MaskKind::additive) check_additive_mask(m);
+    static const char* const kMaskIndices[5] = {"", "", "(t, j)", "(b, t, j)", "(b, h, t, j)"};
+    if (!m.empty()) {
+      check_mask_values(m, std::string("attn_mask (") + to_string(in.mask_kind) + ")",
+                        in.mask_kind == MaskKind::additive, kMaskIndices[m.rank]);
+    }
+    if (!kp.empty()) check_mask_values(kp, "key_padding", false, "(b, j)");
   }
   return s;
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "engine/io/file_io.hpp"
 #include "engine/util.hpp"
@@ -67,6 +68,43 @@ TensorView as_matrix(const TensorView& v) {
   return m;
 }
 
+// Whether any of n elements of S (`stride` apart, in elements) from p is NaN or +-Inf: all exponent bits set. One
+// mask test per element and no branch, so a contiguous row compiles to vector compares.
+template <DType S>
+bool any_nonfinite(const std::byte* p, int64_t n, int64_t stride) {
+  using Bits = std::conditional_t<S == DType::f32, uint32_t, uint16_t>;
+  constexpr Bits kExponent = static_cast<Bits>(S == DType::f32 ? 0x7f800000u : S == DType::bf16 ? 0x7f80u : 0x7c00u);
+  Bits bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    Bits x;
+    std::memcpy(&x, p + i * stride * static_cast<int64_t>(sizeof(Bits)), sizeof x);
+    bad |= static_cast<Bits>((x & kExponent) == kExponent);
+  }
+  return bad != 0;
+}
+
+// Refuses a weight matrix (or a rank-1 bias as one row) holding NaN or +-Inf, naming the first such element: a
+// layer built from it would return NaN or Inf for every input, with no error at forward.
+template <DType S>
+void check_finite_as(const TensorView& m, const char* name, bool vector) {
+  const auto* base = static_cast<const std::byte*>(m.data);
+  const int64_t bytes = static_cast<int64_t>(size_of(S));
+  for (int64_t r = 0; r < m.shape[0]; ++r) {
+    const std::byte* row = base + r * m.strides[0] * bytes;
+    if (!any_nonfinite<S>(row, m.shape[1], m.strides[1])) continue;
+    for (int64_t c = 0; c < m.shape[1]; ++c) {
+      const float x = load<S>(row + c * m.strides[1] * bytes);
+      if (std::isfinite(x)) continue;
+      std::string msg = std::string("weights: ") + name + " contains " + (std::isnan(x) ? "NaN" : x > 0 ? "+Inf" : "-Inf");
+      msg += " at (";  // appended piecewise, as check() below does (GCC 12's -Wrestrict)
+      if (!vector) msg += str(r) + ", ";
+      msg += str(c);
+      msg += "); weights must be finite";
+      invalid(msg);
+    }
+  }
+}
+
 }  // namespace
 
 TensorView slice(const TensorView& v, int dim, int64_t i0, int64_t n) {
@@ -115,6 +153,12 @@ void detail::validate_weights(const WeightsView& w, const Config& c, int64_t out
     }
     if (t.dtype != DType::f32 && t.dtype != DType::bf16 && t.dtype != DType::f16) {
       invalid(std::string("weights: ") + name + " has dtype " + to_string(t.dtype) + "; weights are f32, bf16 or f16");
+    }
+    const TensorView m = as_matrix(t);  // a bias as one row, its elements still named by one index
+    switch (t.dtype) {
+      case DType::f32: return check_finite_as<DType::f32>(m, name, rank == 1);
+      case DType::bf16: return check_finite_as<DType::bf16>(m, name, rank == 1);
+      default: return check_finite_as<DType::f16>(m, name, rank == 1);
     }
   };
   check("w_q", w_q, E, c.query_width());
@@ -183,6 +227,7 @@ void Weights::validate(const Config& c) const {
   } else if (!b_o.empty()) {
     invalid("weights: output bias given but config.out_bias is false");
   }
+  view(c).validate(c);  // the sizes fit the views now; this adds the values' finiteness
 }
 
 namespace detail {

@@ -412,6 +412,28 @@ TEST_F(Validation, NaNInAdditiveMask) {
   expect_rejected(cfg, in, run, {"attn_mask", "NaN", "(b, h, t, j) = (0, 0, 1, 3)"});
 }
 
+// A float keep/block mask or key_padding reads nonzero as its decision; a NaN is refused rather than read as one
+// (before, it blocked silently). Infinities are nonzero and stay decisions; u8 masks have no such value.
+TEST_F(Validation, NaNInFloatDecisionMasks) {
+  for (const MaskKind kind : {MaskKind::block, MaskKind::keep}) {
+    SCOPED_TRACE(to_string(kind));
+    AttentionInputs in = cross();
+    std::vector<float> m(static_cast<size_t>(T * Tk), kind == MaskKind::keep ? 1.0f : 0.0f);
+    in.mask_kind = kind;
+    in.attn_mask = TensorView::f32(m.data(), {T, Tk});
+    m[2] = INFINITY;  // nonzero: a decision
+    EXPECT_NO_THROW(reference_forward(cfg, Weights::random(cfg, 1), in, run));
+    m[static_cast<size_t>(2 * Tk + 1)] = NAN;
+    expect_rejected(cfg, in, run, {std::string("attn_mask (") + to_string(kind) + ")", "NaN", "(t, j) = (2, 1)"});
+  }
+  AttentionInputs in = cross();
+  std::vector<float> kp(static_cast<size_t>(B * Tk), 0.0f);
+  in.key_padding = TensorView::f32(kp.data(), {B, Tk});
+  EXPECT_NO_THROW(reference_forward(cfg, Weights::random(cfg, 1), in, run));
+  kp[static_cast<size_t>(Tk + 3)] = NAN;
+  expect_rejected(cfg, in, run, {"key_padding", "NaN", "(b, j) = (1, 3)"});
+}
+
 TEST_F(Validation, NonFiniteAcceptedWhenCheckIsOff) {
   q[3] = NAN;
   run.check_finite = false;
@@ -478,6 +500,73 @@ TEST_F(Validation, BadWeights) {
   Config mq = cfg;
   mq.num_kv_heads = 1;
   expect_construction_rejected(mq, Weights::random(cfg, 1), self(), {"w_k"});
+}
+
+// A NaN or an infinity in any weight or bias refuses the layer, naming the tensor and the element; before, the
+// layer was built and every output was NaN or Inf with no error. Checked in f32 (Weights), in bf16 and f16 views,
+// and through a strided view, where the element's index is the view's, not the memory's.
+TEST_F(Validation, NonFiniteWeights) {
+  const AttentionInputs in = self();
+  struct Case {
+    std::vector<float> Weights::*tensor;
+    const char* name;
+    size_t at;
+    const char* index;  // for rows of width E (every tensor here: the config has d_in = E)
+  };
+  const size_t last = static_cast<size_t>(E) - 1;
+  const Case cases[] = {{&Weights::w_q, "w_q", 5, "(0, 5)"},
+                        {&Weights::w_k, "w_k", static_cast<size_t>(E) + 2, "(1, 2)"},
+                        {&Weights::w_v, "w_v", 0, "(0, 0)"},
+                        {&Weights::w_o, "w_o", static_cast<size_t>(E * E) - 1, nullptr},
+                        {&Weights::b_q, "b_q", 3, "(3)"},
+                        {&Weights::b_o, "b_o", last, nullptr}};
+  for (const Case& k : cases) {
+    for (const float bad : {NAN, INFINITY, -INFINITY}) {
+      SCOPED_TRACE(std::string(k.name) + " " + std::to_string(bad));
+      Weights w = Weights::random(cfg, 1);
+      (w.*k.tensor)[k.at] = bad;
+      const char* word = std::isnan(bad) ? "NaN" : bad > 0 ? "+Inf" : "-Inf";
+      std::vector<std::string> words{k.name, word, "finite"};
+      if (k.index) words.push_back(k.index);
+      expect_construction_rejected(cfg, w, in, words);
+    }
+  }
+  // bf16 and f16 views: w_v's element (2, 7) holds the format's infinity / NaN bits.
+  const Weights w = Weights::random(cfg, 1);
+  for (const auto& [dtype, bits] : {std::pair{DType::bf16, uint16_t{0x7f80}}, std::pair{DType::f16, uint16_t{0x7e00}}}) {
+    SCOPED_TRACE(to_string(dtype));
+    std::vector<uint16_t> halves(static_cast<size_t>(E * E), 0);  // zeros: finite in both formats
+    halves[static_cast<size_t>(2 * E + 7)] = bits;
+    WeightsView view = w.view(cfg);
+    view.w_v = TensorView::contiguous(halves.data(), dtype, {E, E});
+    EXPECT_THROW(
+        {
+          try {
+            MultiHeadAttention layer(cfg, view);
+          } catch (const Error& e) {
+            EXPECT_TRUE(message_has(e, {"w_v", dtype == DType::bf16 ? "+Inf" : "NaN", "(2, 7)"}));
+            throw;
+          }
+        },
+        Error);
+  }
+  // A strided view (every other column of a wider matrix): a NaN in a skipped column is not part of the weights.
+  std::vector<float> wide(static_cast<size_t>(2 * E * E), 0.25f);
+  wide[1] = NAN;  // column 1 of the wide matrix: not in the view
+  WeightsView view = w.view(cfg);
+  view.w_o = TensorView::f32(wide.data(), {E, E}).with_strides({2 * E, 2});
+  EXPECT_NO_THROW(MultiHeadAttention(cfg, view));
+  wide[static_cast<size_t>(2 * E * 3 + 2 * 4)] = INFINITY;  // view element (3, 4)
+  EXPECT_THROW(
+      {
+        try {
+          MultiHeadAttention layer(cfg, view);
+        } catch (const Error& e) {
+          EXPECT_TRUE(message_has(e, {"w_o", "+Inf", "(3, 4)"}));
+          throw;
+        }
+      },
+      Error);
 }
 
 // num_kv_heads survives the JSON round trip, and 0 (the default) reads back as num_heads.

@@ -28,7 +28,8 @@ struct GPT2ATTN_API WeightsView {
   TensorView b_q, b_k, b_v;  // (E), (H_kv * D), (H_kv * D), or all empty when qkv_bias = false
   TensorView b_o;            // (E), or empty when out_bias = false
 
-  // Throws invalid_argument naming the tensor whose rank, shape or dtype disagrees with the config.
+  // Throws invalid_argument naming the tensor whose rank, shape or dtype disagrees with the config, or the first
+  // element (by the view's indices) that is NaN or infinite: a layer built from it would answer NaN or Inf.
   void validate(const Config& c) const;
 };
 
@@ -40,7 +41,8 @@ struct GPT2ATTN_API Weights {
   std::vector<float> w_o;  // (E, E)
   std::vector<float> b_o;  // (E), or empty when out_bias = false
 
-  // Throws invalid_argument naming the tensor whose size disagrees with the config.
+  // Throws invalid_argument naming the tensor whose size disagrees with the config, or the first element that is
+  // NaN or infinite.
   void validate(const Config& c) const;
 
   // Random weights (uniform +-1/sqrt(fan_in), like torch's default init), reproducible from the seed.
