@@ -59,8 +59,9 @@ forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semant
          Inputs are float32/float64 .npy; masks bool, uint8 or float; without --key/--value it is
          self-attention. An unbatched (T, d_in) query, as torch takes it, gives a (T, E) output. --config
          reads a Hugging Face GPT-2 config.json (n_embd, n_head, n_positions) or one of configs/*.json:
-         the heads and the default context length come from it, and a --heads that disagrees, or weights
-         of another width, are refused. A mask without --mask-kind is read as torch reads it: bool or
+         the heads, K/V heads, causality (GPT-2's is) and the default context length come from it, a
+         --heads or --kv-heads that disagrees is refused, and so are weights whose widths or biases differ
+         from what it says. A mask without --mask-kind is read as torch reads it: bool or
          uint8 blocks where nonzero (block), float is added to the scores (additive); --mask-kind keep
          gives seeds 002/003's reading (nonzero may attend). Mask shapes: (T, Tk), (B, T, Tk), (B, H, T,
          Tk), torch's (B*H, T, Tk), and size-1 B or H axes, which broadcast. --kv-heads N (grouped-query
@@ -292,7 +293,13 @@ int cmd_forward(int argc, char** argv) {
     ga::invalid("--heads " + std::to_string(heads) + " disagrees with " + a.get("config") + ", which says " +
                 std::to_string(file_cfg->num_heads) + " heads");
   }
-  const auto kv_heads = a.integer<int64_t>("kv-heads", 0, 1);
+  // The file's K/V heads likewise (0 there: as many as the heads, or the weights' K/V width decides).
+  const int64_t file_kv_heads = file_cfg ? file_cfg->num_kv_heads : 0;
+  const auto kv_heads = a.integer<int64_t>("kv-heads", file_kv_heads, 1);
+  if (file_kv_heads != 0 && kv_heads != file_kv_heads) {
+    ga::invalid("--kv-heads " + std::to_string(kv_heads) + " disagrees with " + a.get("config") + ", which says " +
+                std::to_string(file_kv_heads) + " K/V heads");
+  }
   const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
   // The write checks again; checking now refuses a device or FIFO before any work is done (on the rank that writes).
   auto check_output_path = [&] { naming_output([&] { ga::io::resolve_write_target(out_path); }); };
@@ -341,7 +348,8 @@ int cmd_forward(int argc, char** argv) {
   ga::Config cfg;
   cfg.num_heads = heads;
   cfg.num_kv_heads = kv_heads;
-  cfg.causal = a.flag("causal");
+  // Causal when the flag or the config file says so (a Hugging Face GPT-2 config always does: GPT-2 is causal).
+  cfg.causal = a.flag("causal") || (file_cfg && file_cfg->causal);
   // The context length: --context-length, the config file's, or enough for the inputs.
   auto set_context = [&] {
     const int64_t T = in.query.rank == 3 ? in.query.shape[1] : 0;
@@ -349,10 +357,25 @@ int cmd_forward(int argc, char** argv) {
     cfg.context_length = a.integer<int64_t>("context-length",
                                             file_cfg ? file_cfg->context_length : std::max<int64_t>({1024, T, Tk}), 1);
   };
+  // What the config file says of the layer's shape must be what the weights file holds: a config is never
+  // silently half-applied. (Its dropout is for training; forward is inference.)
   auto check_width = [&](const ga::Config& c) {
-    if (file_cfg && file_cfg->d_model != c.d_model) {
-      ga::invalid(a.get("config") + " says d_model " + std::to_string(file_cfg->d_model) + " but the weights are " +
-                  std::to_string(c.d_model) + " wide");
+    if (!file_cfg) return;
+    const ga::Config& f = *file_cfg;
+    const auto yes_no = [](bool b) { return std::string(b ? "true" : "false"); };
+    const std::pair<std::string, std::pair<std::string, std::string>> fields[] = {
+        {"d_model", {std::to_string(f.d_model), std::to_string(c.d_model)}},
+        {"d_in", {std::to_string(f.query_width()), std::to_string(c.query_width())}},
+        {"kdim", {std::to_string(f.key_width()), std::to_string(c.key_width())}},
+        {"vdim", {std::to_string(f.value_width()), std::to_string(c.value_width())}},
+        {"qkv_bias", {yes_no(f.qkv_bias), yes_no(c.qkv_bias)}},
+        {"out_bias", {yes_no(f.out_bias), yes_no(c.out_bias)}},
+    };
+    for (const auto& [name, says] : fields) {
+      if (says.first != says.second) {
+        ga::invalid(a.get("config") + " says " + name + " " + says.first + " but the weights in " +
+                    a.get("weights") + " have " + name + " " + says.second);
+      }
     }
   };
 
@@ -386,7 +409,11 @@ int cmd_forward(int argc, char** argv) {
   } else {
     const ga::StoredLayer layer = ga::open_safetensors_layer(a.required("weights"), a.get("prefix"));
     read_inputs();
-    cfg = ga::apply_loaded_shapes(cfg, layer);
+    try {
+      cfg = ga::apply_loaded_shapes(cfg, layer);
+    } catch (const ga::Error& e) {
+      throw ga::Error(e.code(), a.required("weights") + ": " + e.what());  // which file the sizes came from
+    }
     check_width(cfg);
     set_context();
     cfg.validate();

@@ -267,11 +267,20 @@ Config apply_loaded_shapes(Config c, const LayerShapes& l) {
   c.vdim = l.vdim;
   c.qkv_bias = l.qkv_bias;
   c.out_bias = l.out_bias;
-  c.validate();  // d_model from the file against the caller's num_heads
+  // The config checked again with the file's sizes in it; a failure says which of the file's sizes it came from.
+  const auto validate_with = [&](const std::string& what) {
+    try {
+      c.validate();
+    } catch (const Error& e) {
+      invalid(what + ": " + e.what());
+    }
+  };
+  validate_with("the file's layer is d_model=" + std::to_string(l.d_model) + " wide");  // against num_heads
   // num_kv_heads = 0 takes the file's K/V width (a grouped-query checkpoint needs no flag); a value must match it.
   if (c.num_kv_heads == 0 && l.kv_width != c.d_model && l.kv_width % c.head_dim() == 0) {
     c.num_kv_heads = l.kv_width / c.head_dim();
-    c.validate();  // the count must divide num_heads
+    validate_with("the file's K/V projections have " + std::to_string(l.kv_width) + " outputs, " +
+                  std::to_string(c.num_kv_heads) + " K/V heads of head size " + std::to_string(c.head_dim()));
   }
   if (l.kv_width != c.kv_width()) {
     invalid("the file's K/V projections have " + std::to_string(l.kv_width) + " outputs but the config asks for " +

@@ -105,6 +105,20 @@ def main():
         ["none.json"])
     err("t_past_config_context", fx.fwd(extra=["--config", hf("c5.json", dict(good, n_positions=2))],
                                         drop=("--heads",)), ["context_length", "context"])
+    # Every field of a config file applies or is refused, never silently dropped (before, only the heads, the
+    # context and d_model were read: num_kv_heads, the biases and causal were ignored).
+    ours = {"d_model": E, "num_heads": H}
+    err("config_kv_heads_disagree_with_weights",
+        fx.fwd(extra=["--config", hf("c6.json", dict(ours, num_kv_heads=1))], drop=("--heads",)),
+        [r"w\.safetensors: the file's K/V projections have 8 outputs but the config asks for 1 K/V heads"])
+    err("kv_heads_flag_disagrees_with_config",
+        fx.fwd(extra=["--config", hf("c7.json", dict(ours, num_kv_heads=1)), "--kv-heads", "2"], drop=("--heads",)),
+        [r"--kv-heads 2 disagrees with .*c7\.json, which says 1 K/V heads"])
+    err("config_bias_disagrees_with_weights",
+        fx.fwd(extra=["--config", hf("c8.json", dict(ours, qkv_bias=False))], drop=("--heads",)),
+        [r"c8\.json says qkv_bias false but the weights in .*w\.safetensors have qkv_bias true"])
+    r.case("config_causal_applies", lambda: config_causal_applies(r, fx, hf("c9.json", dict(ours, causal=True)),
+                                                                  hf("c10.json", good)))
     err("weights_file_missing", fx.fwd(weights=fx.path("nope.safetensors")),
         ["nope\\.safetensors", "no such", "not found", "does not exist", "cannot open"])
     err("weights_truncated", fx.fwd(weights=fx.raw("trunc.safetensors", fx.st_bytes[:-20])),
@@ -406,6 +420,27 @@ def bench_interleave_rows(r):
     check(rows[0]["x_first"] == 1.0, "the first case's x_first is %r, expected 1" % rows[0]["x_first"])
     check(all(row["x_first"] > 0 for row in rows), "x_first not positive: %s" % [row["x_first"] for row in rows])
     return "x_first %s" % ", ".join("%.2f" % row["x_first"] for row in rows)
+
+
+def config_causal_applies(r, fx, ours_causal, hf_gpt2):
+    """A config file that says causal (ours with causal: true, and any Hugging Face GPT-2 config: GPT-2 is causal)
+    gives the --causal output, which differs from the non-causal one."""
+    wd = r.workdir()
+
+    def run(name, extra, drop=()):
+        out = os.path.join(wd, name + ".npy")
+        args = fx.fwd(extra=list(extra) + ["--output", out], drop=drop)
+        p = pc.run_cli(r.cli, args)
+        check(p.returncode == 0, "exit %d: %s; stderr: %r" % (p.returncode, pc.fmt_cmd(r.cli, args), p.stderr[-300:]))
+        return np.load(out, allow_pickle=False)
+
+    flag = run("flag", ["--causal"])
+    plain = run("plain", [])
+    check(not np.array_equal(flag, plain), "the causal and non-causal outputs are equal: the case shows nothing")
+    for name, path in (("ours", ours_causal), ("hf", hf_gpt2)):
+        y = run(name, ["--config", path], drop=("--heads",))
+        check(np.array_equal(y, flag), "--config %s (%s) did not give the --causal output" % (path, name))
+    return "both configs gave the --causal output"
 
 
 def dtype_bf16(r, fx, weights):
