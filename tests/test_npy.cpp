@@ -116,6 +116,20 @@ TEST_F(Npy, ReadsFloat64) {
   EXPECT_EQ(a.f32, (std::vector<float>{0.1f, -2.5f, 1e30f, 0.0f}));
 }
 
+// A finite float64 beyond float32's range is refused naming the element, rather than read as an infinity the file
+// does not hold (which the finiteness check then reported as "+Inf"); float64 infinities and NaN stay what they are.
+TEST_F(Npy, RejectsFloat64BeyondFloat32Range) {
+  write_bytes(path("a.npy"), npy_file(dict("<f8", "(4,)"), le_bytes(std::vector<double>{1.0, 2.0, -3e300, 4.0})));
+  EXPECT_TRUE(ThrowsError([&] { npy::read(path("a.npy")); }, ErrorCode::bad_file, "element 2 (flat index) is -3e+300"));
+  const std::vector<double> specials = {INFINITY, -INFINITY, NAN, 3.4028234663852886e38};
+  write_bytes(path("b.npy"), npy_file(dict("<f8", "(4,)"), le_bytes(specials)));
+  const npy::Array b = npy::read(path("b.npy"));
+  EXPECT_EQ(b.f32[0], INFINITY);
+  EXPECT_EQ(b.f32[1], -INFINITY);
+  EXPECT_TRUE(std::isnan(b.f32[2]));
+  EXPECT_EQ(b.f32[3], std::numeric_limits<float>::max());
+}
+
 TEST_F(Npy, ReadsFloat16IncludingSubnormalsAndSpecials) {
   const std::vector<uint16_t> h = {0x3C00, 0xC000, 0x0001, 0x03FF, 0x7BFF, 0x7C00, 0xFC00, 0x7E00, 0x8000, 0x3555};
   write_bytes(path("a.npy"), npy_file(dict("<f2", "(10,)"), le_bytes(h)));

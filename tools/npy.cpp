@@ -3,6 +3,8 @@
 #include "tools/npy.hpp"
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <string_view>
@@ -297,6 +299,14 @@ Array parse_from(io::ByteSource& src) {
       double d;
       std::memcpy(&d, raw.data() + 8 * i, 8);
       a.f32[i] = static_cast<float>(d);
+      // A finite double past float32's range would arrive as an infinity the file does not hold, and the finiteness
+      // check would then report that infinity; say what happened instead.
+      if (std::isfinite(d) && !std::isfinite(a.f32[i])) {
+        char value[32];  // the shortest text that reads back as d
+        const auto end = std::to_chars(value, value + sizeof value, d).ptr;
+        io::file_error(path, "element " + std::to_string(i) + " (flat index) is " + std::string(value, end) +
+                                 ", beyond float32's range (|x| <= 3.4028235e+38); the CLI computes in float32");
+      }
     }
   }
   return a;
