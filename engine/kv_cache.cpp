@@ -145,13 +145,13 @@ void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t token
     s.blocks_before = static_cast<int64_t>(s.blocks.size());
     s.cow_original = -1;
     const int32_t x = partial_block(s);
-    bool copy = false;
+    bool copies = false;
     if (x >= 0 && must_copy(x, 0)) {  // held more than once: count this call's earlier copies of it (pass 1 did)
       int64_t own = 0;
       for (int64_t j = 0; j < i; ++j) own += seqs.find(ids[j])->second.cow_original == x;
-      copy = must_copy(x, own);
+      copies = must_copy(x, own);
     }
-    if (copy) {
+    if (copies) {
       const int64_t b = s.length / block_tokens;
       const int32_t copy = take_block();
       std::memcpy(block(copy), block(s.blocks[b]), block_bytes);

@@ -95,7 +95,8 @@ void check_finite_as(const TensorView& m, const char* name, bool vector) {
     for (int64_t c = 0; c < m.shape[1]; ++c) {
       const float x = load<S>(row + c * m.strides[1] * bytes);
       if (std::isfinite(x)) continue;
-      std::string msg = std::string("weights: ") + name + " contains " + (std::isnan(x) ? "NaN" : x > 0 ? "+Inf" : "-Inf");
+      std::string msg = std::string("weights: ") + name + " contains ";
+      msg += std::isnan(x) ? "NaN" : x > 0 ? "+Inf" : "-Inf";
       msg += " at (";  // appended piecewise, as check() below does (GCC 12's -Wrestrict)
       if (!vector) msg += str(r) + ", ";
       msg += str(c);

@@ -533,7 +533,8 @@ TEST_F(Validation, NonFiniteWeights) {
   }
   // bf16 and f16 views: w_v's element (2, 7) holds the format's infinity / NaN bits.
   const Weights w = Weights::random(cfg, 1);
-  for (const auto& [dtype, bits] : {std::pair{DType::bf16, uint16_t{0x7f80}}, std::pair{DType::f16, uint16_t{0x7e00}}}) {
+  const std::pair<DType, uint16_t> formats[] = {{DType::bf16, 0x7f80}, {DType::f16, 0x7e00}};  // +Inf, NaN
+  for (const auto& [dtype, bits] : formats) {
     SCOPED_TRACE(to_string(dtype));
     std::vector<uint16_t> halves(static_cast<size_t>(E * E), 0);  // zeros: finite in both formats
     halves[static_cast<size_t>(2 * E + 7)] = bits;

@@ -359,7 +359,7 @@ int cmd_forward(int argc, char** argv) {
   };
   // What the config file says of the layer's shape must be what the weights file holds: a config is never
   // silently half-applied. (Its dropout is for training; forward is inference.)
-  auto check_width = [&](const ga::Config& c) {
+  auto check_against_config = [&](const ga::Config& c) {
     if (!file_cfg) return;
     const ga::Config& f = *file_cfg;
     const auto yes_no = [](bool b) { return std::string(b ? "true" : "false"); };
@@ -401,7 +401,7 @@ int cmd_forward(int argc, char** argv) {
     });
     ga::ShardedAttention mha(cfg, a.required("weights"), a.get("prefix"), MPI_COMM_WORLD, opts);
     cfg = mha.config();
-    check_width(cfg);
+    check_against_config(cfg);
     output_size(cfg);
     mha.forward(in, out.data());
     if (!g_world.prints()) return 0;
@@ -414,7 +414,7 @@ int cmd_forward(int argc, char** argv) {
     } catch (const ga::Error& e) {
       throw ga::Error(e.code(), a.required("weights") + ": " + e.what());  // which file the sizes came from
     }
-    check_width(cfg);
+    check_against_config(cfg);
     set_context();
     cfg.validate();
     ga::MultiHeadAttention mha(cfg, layer.weights, opts);
