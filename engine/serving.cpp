@@ -158,7 +158,8 @@ const detail::KernelSet& MultiHeadAttention::Impl::serving_kernels(DType kv, con
 }
 
 // Sized for any cache: block tables for 1-token blocks, K/V staging, kernel scratch for the largest run of keys of
-// every storage dtype's kernels.
+// every storage dtype's kernels (decode: a run of kDecodeMaxScoreKeys, whatever the layer's context, since a cache's
+// blocks may be longer than it).
 int64_t MultiHeadAttention::Impl::serving_bytes(int64_t max_extend_tokens, int64_t max_decode_batch,
                                                 int threads) const {
   const int64_t C = cfg.context_length;
@@ -172,7 +173,8 @@ int64_t MultiHeadAttention::Impl::serving_bytes(int64_t max_extend_tokens, int64
     }
     if (max_decode_batch) {
       s.B = max_decode_batch, s.T = 1;
-      bytes = std::max(bytes, decode_plan(s, threads, C, decode_scratch_stride(*row->decode, C)).bytes);
+      const int64_t run = kernels::tiles::kDecodeMaxScoreKeys;
+      bytes = std::max(bytes, decode_plan(s, threads, C, decode_scratch_stride(*row->decode, run)).bytes);
     }
   }
   return bytes;

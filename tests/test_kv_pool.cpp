@@ -188,6 +188,29 @@ TEST(KvPool, CacheContextDiffersFromLayer) {
   }
 }
 
+// reserve_serving sizes decode for any cache the layer can serve, including one whose blocks are longer than the
+// layer's context (the kernel scores up to kDecodeMaxScoreKeys keys of a block at once): the steps after it do not
+// grow the workspace. Before, the scratch was sized for runs of the layer's context (50 keys here) and a cache of
+// 128-token blocks made the first decode step allocate.
+TEST(KvPool, ReserveServingCoversBlocksLongerThanTheLayersContext) {
+  const Config lc = small_config(50);
+  Config cc = lc;
+  cc.context_length = 512;
+  CausalSelfAttention layer(lc, Weights::random(lc, 15));
+  KvCache cache(cc, KvCacheOptions{.block_tokens = 128, .capacity_tokens = 512});
+  std::mt19937_64 rng(16);
+  SequenceId seqs[2] = {cache.create(), cache.create()};
+  fill(layer, cache, seqs[0], 40, rng);
+  fill(layer, cache, seqs[1], 9, rng);
+  Workspace ws;
+  layer.reserve_serving(0, 2, 2, &ws);
+  const size_t reserved = ws.bytes();
+  const std::vector<float> x = random_uniform(static_cast<size_t>(2 * lc.d_model), rng);
+  std::vector<float> y(x.size());
+  layer.decode(cache, seqs, 2, x.data(), y.data(), RunOptions{.threads = 2}, &ws);
+  EXPECT_EQ(ws.bytes(), reserved) << "decode grew the workspace reserve_serving sized";
+}
+
 // Decode's few-row projections at a width where every path of kernels/linear_f32 runs: B = 19 (full and ragged
 // row blocks on every ISA), K = d_in = 1000 (two K chunks, the second partial), N = 3E = 3000 (a partial last
 // panel), D = 125; each sequence's output against the naive reference over its own history.
