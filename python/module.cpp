@@ -13,6 +13,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -81,7 +82,7 @@ py::array as_array(const py::handle& obj) {
 // obj as a float32 numpy array without copying.
 py::array as_f32(const py::handle& obj, const char* name) {
   py::array a = as_array(obj);
-  if (!a.dtype().is(py::dtype::of<float>())) {
+  if (!a.dtype().equal(py::dtype::of<float>())) {  // equal, not identical: a dtype from pickle is another object
     invalid(std::string(name) + ": dtype " + std::string(py::str(a.dtype())) +
             ", expected float32 (gpt2attn computes in float32 and converts nothing itself: pass x.astype(np.float32))");
   }
@@ -166,14 +167,43 @@ std::vector<float> vec_of(const py::object& obj, const char* name) {
   return std::vector<float>(p, p + a.size());
 }
 
-std::vector<float> matrix_of(const py::object& obj, const char* name) {
+std::vector<float> matrix_of(const py::object& obj, const char* name, std::array<int64_t, 2>& shape) {
   py::array a = as_f32(obj, name);
   if (a.ndim() != 2 || !(a.flags() & py::array::c_style)) {
     invalid(std::string(name) + ": expected a C-contiguous 2-D float32 array, got shape " + shape_of(a));
   }
+  shape = {a.shape(0), a.shape(1)};
   const float* p = static_cast<const float*>(a.data());
   return std::vector<float>(p, p + a.size());
 }
+
+// Weights as Python holds them: the library's flat vectors, and the (out, in) shapes the matrices came in (none for
+// Weights.random and load_safetensors, whose shapes the config fixes). The shapes are checked against the config
+// where a layer or the reference is built: ga::Weights checks sizes only, and a (8, 16) matrix passed where (16, 8)
+// belongs (torch's Linear against a Conv1D's transposed layout) has the same size.
+struct PyWeights {
+  ga::Weights w;
+  std::optional<std::array<std::array<int64_t, 2>, 4>> shapes;  // w_q, w_k, w_v, w_o
+
+  const ga::Weights& for_config(const ga::Config& c) const {
+    if (shapes) {
+      const int64_t E = c.d_model, KW = c.kv_width();
+      const std::array<std::array<int64_t, 2>, 4> want = {
+          {{E, c.query_width()}, {KW, c.key_width()}, {KW, c.value_width()}, {E, E}}};
+      const char* const names[4] = {"w_q", "w_k", "w_v", "w_o"};
+      for (int i = 0; i < 4; ++i) {
+        const auto& got = (*shapes)[static_cast<size_t>(i)];
+        const auto& exp = want[static_cast<size_t>(i)];
+        if (got != exp) {
+          invalid(std::string("weights: ") + names[i] + " has shape (" + std::to_string(got[0]) + ", " +
+                  std::to_string(got[1]) + "), expected (out, in) = (" + std::to_string(exp[0]) + ", " +
+                  std::to_string(exp[1]) + ") for this config");
+        }
+      }
+    }
+    return w;
+  }
+};
 
 ga::RunOptions run_options(int threads, bool training = false, uint64_t seed = 0) {
   ga::RunOptions r;
@@ -202,8 +232,8 @@ ga::AttentionInputs attention_inputs(int64_t num_heads, const py::object& query,
   auto mask_view = [&](const py::object& m, const char* name) {
     py::array a = as_array(m);
     keep.push_back(a);
-    if (a.dtype().is(py::dtype::of<float>())) return view_of(a, name);
-    if (a.dtype().is(py::dtype::of<bool>()) || a.dtype().is(py::dtype::of<uint8_t>())) {
+    if (a.dtype().equal(py::dtype::of<float>())) return view_of(a, name);
+    if (a.dtype().equal(py::dtype::of<bool>()) || a.dtype().equal(py::dtype::of<uint8_t>())) {
       return view_of(a, name, ga::DType::u8);
     }
     invalid(std::string(name) + ": dtype " + std::string(py::str(a.dtype())) + ", expected bool, uint8 or float32");
@@ -274,27 +304,33 @@ PYBIND11_MODULE(_gpt2attn, m) {
       .def("validate", &ga::Config::validate)
       .def("__repr__", [](const ga::Config& c) { return "gpt2attn.Config(" + ga::to_json(c) + ")"; });
 
-  py::class_<ga::Weights>(m, "Weights",
-                          "Projection weights in torch's layout: w (out, in) and b (out); copied in.")
+  py::class_<PyWeights>(m, "Weights",
+                        "Projection weights in torch's layout: w (out, in) and b (out); copied in. The shapes are "
+                        "checked against the config where a layer is built.")
       .def(py::init([](const py::object& w_q, const py::object& w_k, const py::object& w_v, const py::object& w_o,
                        const py::object& b_q, const py::object& b_k, const py::object& b_v, const py::object& b_o) {
-             ga::Weights w;
-             w.w_q = matrix_of(w_q, "w_q"), w.w_k = matrix_of(w_k, "w_k"), w.w_v = matrix_of(w_v, "w_v");
-             w.w_o = matrix_of(w_o, "w_o");
+             PyWeights p;
+             ga::Weights& w = p.w;
+             std::array<std::array<int64_t, 2>, 4> shapes{};
+             w.w_q = matrix_of(w_q, "w_q", shapes[0]), w.w_k = matrix_of(w_k, "w_k", shapes[1]);
+             w.w_v = matrix_of(w_v, "w_v", shapes[2]), w.w_o = matrix_of(w_o, "w_o", shapes[3]);
              w.b_q = vec_of(b_q, "b_q"), w.b_k = vec_of(b_k, "b_k"), w.b_v = vec_of(b_v, "b_v");
              w.b_o = vec_of(b_o, "b_o");
-             return w;
+             p.shapes = shapes;
+             return p;
            }),
            py::arg("w_q"), py::arg("w_k"), py::arg("w_v"), py::arg("w_o"), py::arg("b_q") = py::none(),
            py::arg("b_k") = py::none(), py::arg("b_v") = py::none(), py::arg("b_o") = py::none())
-      .def_static("random", &ga::Weights::random, py::arg("config"), py::arg("seed") = 0,
-                  "Uniform +-1/sqrt(fan_in) weights (torch's default init), reproducible from the seed.")
-      .def("validate", &ga::Weights::validate);
+      .def_static(
+          "random", [](const ga::Config& c, uint64_t seed) { return PyWeights{ga::Weights::random(c, seed), {}}; },
+          py::arg("config"), py::arg("seed") = 0,
+          "Uniform +-1/sqrt(fan_in) weights (torch's default init), reproducible from the seed.")
+      .def("validate", [](const PyWeights& p, const ga::Config& c) { p.for_config(c).validate(c); });
 
   m.def(
       "load_safetensors", [](const std::string& path, const std::string& prefix, ga::Config config) {
         const ga::LoadedLayer l = ga::load_safetensors_layer(path, prefix);
-        return py::make_tuple(ga::apply_loaded_shapes(config, l), l.weights);
+        return py::make_tuple(ga::apply_loaded_shapes(config, l), PyWeights{l.weights, {}});
       },
       py::arg("path"), py::arg("prefix") = "", py::arg("config"),
       "(config, weights) of one layer of a safetensors file (torch or Hugging Face GPT-2 names after prefix); "
@@ -340,9 +376,9 @@ PYBIND11_MODULE(_gpt2attn, m) {
 
   py::class_<ga::MultiHeadAttention>(m, "MultiHeadAttention",
                                      "torch.nn.MultiheadAttention's computation (gpt2attn/attention.hpp).")
-      .def(py::init([](const ga::Config& c, const ga::Weights& w, int threads, const std::string& isa,
+      .def(py::init([](const ga::Config& c, const PyWeights& w, int threads, const std::string& isa,
                        const std::string& compute) {
-             return ga::MultiHeadAttention(c, w, engine_options(threads, isa, compute));
+             return ga::MultiHeadAttention(c, w.for_config(c), engine_options(threads, isa, compute));
            }),
            py::arg("config"), py::arg("weights"), py::arg("threads") = 0, py::arg("isa") = "best",
            py::arg("compute") = "f32",
@@ -384,9 +420,9 @@ PYBIND11_MODULE(_gpt2attn, m) {
 
   py::class_<ga::CausalSelfAttention>(m, "CausalSelfAttention",
                                       "GPT-2's attention block: fused QKV, causal, with KV-cache serving.")
-      .def(py::init([](const ga::Config& c, const ga::Weights& w, int threads, const std::string& isa,
+      .def(py::init([](const ga::Config& c, const PyWeights& w, int threads, const std::string& isa,
                        const std::string& compute) {
-             return ga::CausalSelfAttention(c, w, engine_options(threads, isa, compute));
+             return ga::CausalSelfAttention(c, w.for_config(c), engine_options(threads, isa, compute));
            }),
            py::arg("config"), py::arg("weights"), py::arg("threads") = 0, py::arg("isa") = "best",
            py::arg("compute") = "f32",
@@ -464,13 +500,13 @@ PYBIND11_MODULE(_gpt2attn, m) {
 
   m.def(
       "reference_forward",
-      [](const ga::Config& c, const ga::Weights& w, const py::object& query, const py::object& key,
+      [](const ga::Config& c, const PyWeights& pw, const py::object& query, const py::object& key,
          const py::object& value, const py::object& attn_mask, const std::optional<std::string>& mask_kind,
          const py::object& key_padding) {
         std::vector<py::array> keep;
         const ga::AttentionInputs in =
             attention_inputs(c.num_heads, query, key, value, attn_mask, mask_kind, key_padding, keep);
-        const std::vector<double> r = ga::reference_forward(c, w, in);
+        const std::vector<double> r = ga::reference_forward(c, pw.for_config(c), in);
         py::array_t<double> a(std::vector<py::ssize_t>{in.query.shape[0], in.query.shape[1], c.d_model});
         std::copy(r.begin(), r.end(), a.mutable_data());
         return a;

@@ -72,11 +72,19 @@ class MultiheadAttention:
         if getattr(self, "module_training", False) and getattr(self, "dropout", 0.0) > 0.0:
             raise InvalidArgument("the torch module is in training mode with dropout: call module.eval() first")
         torch_out = _is_torch(query)
+        if (key is None) != (value is None):  # torch refuses it too; taking it as self-attention would drop one
+            raise InvalidArgument("key and value: give both or neither (neither: self-attention)")
         self_attention = key is None or (key is query and value is query)
         q = _array(query, "query")
+        if q.ndim not in (2, 3):
+            raise InvalidArgument(f"query: expected (L, E) or {'(N, L, E)' if self.batch_first else '(L, N, E)'}, "
+                                  f"got shape {tuple(q.shape)}")
         unbatched = q.ndim == 2
         k = None if self_attention else _array(key, "key")
         v = None if self_attention else _array(value, "value")
+        for name, a in (("key", k), ("value", v)):
+            if a is not None and a.ndim != q.ndim:
+                raise InvalidArgument(f"{name}: {a.ndim}-D where the query is {q.ndim}-D (shape {tuple(a.shape)})")
 
         # To the library's (N, L, E): add the batch axis, or swap (L, N, E) by strides.
         def to_nle(a):

@@ -394,6 +394,59 @@ def test_bad_input_raises_library_errors():
         gpt2attn.load_safetensors("/nonexistent.safetensors", "", cfg)
 
 
+def test_weights_shapes_are_checked_against_the_config():
+    """A (kdim, E) matrix where (E, kdim) belongs has the right size; before, it was taken and every output was
+    wrong. Also a NaN weight refuses the layer."""
+    rng = np.random.default_rng(3)
+    cfg = gpt2attn.Config(16, 4, kdim=8, vdim=8, qkv_bias=False, out_bias=False)
+    wq, wk, wv, wo = rand(rng, 16, 16), rand(rng, 16, 8), rand(rng, 16, 8), rand(rng, 16, 16)
+    gpt2attn.MultiHeadAttention(cfg, gpt2attn.Weights(wq, wk, wv, wo), threads=1)  # the right layout
+    transposed = gpt2attn.Weights(wq, np.ascontiguousarray(wk.T), np.ascontiguousarray(wv.T), wo)
+    with pytest.raises(gpt2attn.InvalidArgument, match=r"w_k has shape \(8, 16\), expected \(out, in\) = \(16, 8\)"):
+        gpt2attn.MultiHeadAttention(cfg, transposed, threads=1)
+    with pytest.raises(gpt2attn.InvalidArgument, match=r"w_q has shape \(4, 64\)"):
+        gpt2attn.MultiHeadAttention(cfg, gpt2attn.Weights(wq.reshape(4, 64), wk, wv, wo), threads=1)
+    with pytest.raises(gpt2attn.InvalidArgument, match="w_k"):
+        x = rand(rng, 1, 3, 16)
+        gpt2attn.reference_forward(cfg, transposed, x, rand(rng, 1, 5, 8), rand(rng, 1, 5, 8))
+    wo[2, 3] = np.nan
+    with pytest.raises(gpt2attn.InvalidArgument, match=r"w_o contains NaN at \(2, 3\)"):
+        gpt2attn.MultiHeadAttention(cfg, gpt2attn.Weights(wq, wk, wv, wo), threads=1)
+
+
+def test_dtypes_compare_by_value_not_identity():
+    """A float32 array whose dtype is another object (from pickle, with metadata, a native byte order spelled out)
+    is float32; before, the check compared dtype objects and refused it as 'dtype float32, expected float32'."""
+    import pickle
+    cfg = gpt2attn.Config(32, 4, context_length=16)
+    layer = gpt2attn.CausalSelfAttention(cfg, gpt2attn.Weights.random(cfg, 1), threads=1)
+    x = np.random.default_rng(4).standard_normal((1, 4, 32)).astype(np.float32)
+    want = layer.forward(x)
+    for y in (pickle.loads(pickle.dumps(x)), x.view(np.dtype(np.float32, metadata={"k": 1})),
+              x.view(np.dtype("=f4"))):
+        np.testing.assert_array_equal(layer.forward(y), want)
+    mha = gpt2attn.MultiHeadAttention(cfg, gpt2attn.Weights.random(cfg, 2), threads=1)
+    mask = pickle.loads(pickle.dumps(np.triu(np.ones((4, 4), dtype=np.bool_), 1)))
+    plain = np.triu(np.ones((4, 4), np.bool_), 1)
+    np.testing.assert_array_equal(mha.forward(x, attn_mask=mask), mha.forward(x, attn_mask=plain))
+
+
+def test_torch_wrapper_refuses_what_torch_refuses():
+    """key without value (or the reverse) and inputs of the wrong rank are gpt2attn errors naming the argument;
+    before, a lone value was dropped (self-attention over the query) and a 4-D query raised numpy's ValueError."""
+    m = torch.nn.MultiheadAttention(16, 4).eval()
+    w = gpt2attn.MultiheadAttention.from_torch(m, threads=1)
+    q = torch.randn(5, 2, 16)
+    with pytest.raises(gpt2attn.InvalidArgument, match="key and value: give both or neither"):
+        w(q, None, 2 * q)
+    with pytest.raises(gpt2attn.InvalidArgument, match="key and value: give both or neither"):
+        w(q, q)
+    with pytest.raises(gpt2attn.InvalidArgument, match=r"query: expected \(L, E\) or \(L, N, E\), got shape"):
+        w(q[None])
+    with pytest.raises(gpt2attn.InvalidArgument, match="key: 2-D where the query is 3-D"):
+        w(q, q[:, 0], q[:, 0])
+
+
 def test_reference_forward_agrees_with_the_layer():
     rng = np.random.default_rng(9)
     cfg = gpt2attn.Config(48, 6, causal=True)
