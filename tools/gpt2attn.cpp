@@ -283,23 +283,28 @@ int cmd_forward(int argc, char** argv) {
                        {"causal"});
   const ga::DType compute = compute_dtypes(a, false).front();
   const std::string out_path = a.required("output");
+  if (!a.has("heads") && !a.has("config")) throw UsageError("missing required option --heads (or --config)");
   // --config (a Hugging Face GPT-2 config.json, or ours) says the heads and the context length; a --heads that
-  // disagrees is an error, since another dividing head count would silently compute another layer.
+  // disagrees is an error, since another dividing head count would silently compute another layer. Read on every
+  // rank, under mpirun inside the ranks' agreement, so that one rank's unreadable file fails them all.
   std::optional<ga::Config> file_cfg;
-  if (a.has("config")) file_cfg = ga::load_any_config(a.get("config"));
-  if (!a.has("heads") && !file_cfg) throw UsageError("missing required option --heads (or --config)");
-  const auto heads = a.integer<int64_t>("heads", file_cfg ? file_cfg->num_heads : 0, 1);
-  if (file_cfg && heads != file_cfg->num_heads) {
-    ga::invalid("--heads " + std::to_string(heads) + " disagrees with " + a.get("config") + ", which says " +
-                std::to_string(file_cfg->num_heads) + " heads");
-  }
-  // The file's K/V heads likewise (0 there: as many as the heads, or the weights' K/V width decides).
-  const int64_t file_kv_heads = file_cfg ? file_cfg->num_kv_heads : 0;
-  const auto kv_heads = a.integer<int64_t>("kv-heads", file_kv_heads, 1);
-  if (file_kv_heads != 0 && kv_heads != file_kv_heads) {
-    ga::invalid("--kv-heads " + std::to_string(kv_heads) + " disagrees with " + a.get("config") + ", which says " +
-                std::to_string(file_kv_heads) + " K/V heads");
-  }
+  int64_t heads = 0, kv_heads = 0;
+  auto read_config = [&] {
+    if (a.has("config")) file_cfg = ga::load_any_config(a.get("config"));
+    heads = a.integer<int64_t>("heads", file_cfg ? file_cfg->num_heads : 0, 1);
+    if (file_cfg && heads != file_cfg->num_heads) {
+      ga::invalid("--heads " + std::to_string(heads) + " disagrees with " + a.get("config") + ", which says " +
+                  std::to_string(file_cfg->num_heads) + " heads");
+    }
+    // The file's K/V heads likewise (0 there: as many as the heads, or the weights' K/V width decides).
+    const int64_t file_kv_heads = file_cfg ? file_cfg->num_kv_heads : 0;
+    kv_heads = a.integer<int64_t>("kv-heads", file_kv_heads, 1);
+    if (file_kv_heads != 0 && kv_heads != file_kv_heads) {
+      ga::invalid("--kv-heads " + std::to_string(kv_heads) + " disagrees with " + a.get("config") + ", which says " +
+                  std::to_string(file_kv_heads) + " K/V heads");
+    }
+  };
+  if (!g_world.parallel()) read_config();
   const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
   // The write checks again; checking now refuses a device or FIFO before any work is done (on the rank that writes).
   auto check_output_path = [&] { naming_output([&] { ga::io::resolve_write_target(out_path); }); };
@@ -346,10 +351,12 @@ int cmd_forward(int argc, char** argv) {
   };
 
   ga::Config cfg;
-  cfg.num_heads = heads;
-  cfg.num_kv_heads = kv_heads;
-  // Causal when the flag or the config file says so (a Hugging Face GPT-2 config always does: GPT-2 is causal).
-  cfg.causal = a.flag("causal") || (file_cfg && file_cfg->causal);
+  auto configure = [&] {  // after read_config
+    cfg.num_heads = heads;
+    cfg.num_kv_heads = kv_heads;
+    // Causal when the flag or the config file says so (a Hugging Face GPT-2 config always does: GPT-2 is causal).
+    cfg.causal = a.flag("causal") || (file_cfg && file_cfg->causal);
+  };
   // The context length: --context-length, the config file's, or enough for the inputs.
   auto set_context = [&] {
     const int64_t T = in.query.rank == 3 ? in.query.shape[1] : 0;
@@ -395,18 +402,23 @@ int cmd_forward(int argc, char** argv) {
     // weights file and reads only its heads' slices.
     ga::run_agreed(MPI_COMM_WORLD, "forward", [&] {
       if (g_world.prints()) check_output_path();
+      read_config();
+      configure();
       read_inputs();
       set_context();
       output_size(ga::Config{.d_model = 1});
     });
     ga::ShardedAttention mha(cfg, a.required("weights"), a.get("prefix"), MPI_COMM_WORLD, opts);
     cfg = mha.config();
-    check_against_config(cfg);
-    output_size(cfg);
+    ga::run_agreed(MPI_COMM_WORLD, "forward", [&] {  // each rank's config file against the layer, before forward
+      check_against_config(cfg);
+      output_size(cfg);
+    });
     mha.forward(in, out.data());
     if (!g_world.prints()) return 0;
 #endif
   } else {
+    configure();
     const ga::StoredLayer layer = ga::open_safetensors_layer(a.required("weights"), a.get("prefix"));
     read_inputs();
     try {

@@ -248,6 +248,28 @@ def bad_input_on_one_rank(ctx, fw):
     return "%.1f s: %s" % (r.seconds, mentions[0])
 
 
+def config_missing_on_one_rank(ctx, fw):
+    """Rank 1 cannot read --config: every rank exits 2 with one message. Before, the config was read before the
+    ranks' agreement: rank 1 exited silently and rank 0 waited in the agreement for good."""
+    d = ctx.workdir()
+    cfg = os.path.join(d, "cfg.json")
+    with open(cfg, "w") as f:
+        json.dump({"d_model": E, "num_heads": H, "causal": True}, f)
+    missing = "/nonexistent-config.json"
+    out = os.path.join(d, "y.npy")
+    args = [a for a in fw.args if a not in ("--heads", str(H))]  # the heads come from the config
+    tail = [shlex.quote(a) for a in args] + ["--config", '"$C"', "--output", shlex.quote(out)]
+    r = per_rank(ctx, 2, 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then C=%s; else C=%s; fi' % (
+        missing, shlex.quote(cfg)), tail, timeout=60)
+    check(r.returncode == 2, "expected exit status 2: " + r.describe())
+    check(r.seconds < 20, "took %.1f s to fail" % r.seconds)
+    mentions = [ln for ln in r.stderr.splitlines() if missing in ln]
+    check(len(mentions) == 1 and "rank 1" in mentions[0], "expected one line naming rank 1's config: %r" % (
+        r.stderr[-1500:]))
+    check(not os.path.exists(out), "--output was written after the failure")
+    return "%.1f s: %s" % (r.seconds, mentions[0])
+
+
 def nan_query_on_one_rank(ctx, fw):
     """Rank 1 reads a query holding a NaN (the library's collective check fails there): exit 2, one message."""
     d = ctx.workdir()
@@ -292,6 +314,7 @@ def main():
         ctx.case("forward, only rank 0 writes --output", fw.only_rank0_writes)
         ctx.case("forward, missing weights file on rank 1", lambda: bad_input_on_one_rank(ctx, fw))
         ctx.case("forward, NaN query on rank 1 of 3", lambda: nan_query_on_one_rank(ctx, fw))
+        ctx.case("forward, --config unreadable on rank 1", lambda: config_missing_on_one_rank(ctx, fw))
     ctx.case("bench --json, 2 ranks", lambda: bench_json(ctx))
     ctx.case("bench, rank 1 killed", lambda: killed_rank(ctx))
     ctx.finish()
