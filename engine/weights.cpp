@@ -139,10 +139,10 @@ std::vector<float> f32_values(const TensorView& v) {
 
 void WeightsView::validate(const Config& c) const { detail::validate_weights(*this, c, c.d_model); }
 
-void detail::validate_weights(const WeightsView& w, const Config& c, int64_t out_width) {
+void detail::validate_weights(const WeightsView& w, const Config& c, int64_t out_width, bool values) {
   const auto& [w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o] = w;
   const int64_t E = c.d_model, KW = c.kv_width();
-  auto check = [](const char* name, const TensorView& t, int64_t rows, int64_t cols) {
+  auto check = [values](const char* name, const TensorView& t, int64_t rows, int64_t cols) {
     std::string want("(");  // appended piecewise: GCC 12 warns (-Wrestrict) on "(" + std::to_string(...)
     want += std::to_string(rows);
     if (cols != 0) want += ", " + std::to_string(cols);
@@ -155,6 +155,7 @@ void detail::validate_weights(const WeightsView& w, const Config& c, int64_t out
     if (t.dtype != DType::f32 && t.dtype != DType::bf16 && t.dtype != DType::f16) {
       invalid(std::string("weights: ") + name + " has dtype " + to_string(t.dtype) + "; weights are f32, bf16 or f16");
     }
+    if (!values) return;
     const TensorView m = as_matrix(t);  // a bias as one row, its elements still named by one index
     switch (t.dtype) {
       case DType::f32: return check_finite_as<DType::f32>(m, name, rank == 1);

@@ -20,8 +20,10 @@ void copy_rows(const TensorView& w, int64_t r0, int64_t n, DType to, void* dst);
 TensorView slice(const TensorView& v, int dim, int64_t i0, int64_t n);
 
 // WeightsView::validate(c) for a layer whose output projection is (out_width, E): a tensor-parallel shard's
-// (engine/shard.hpp) maps its E_r = c.d_model columns to the full layer's width.
-void validate_weights(const WeightsView& w, const Config& c, int64_t out_width);
+// (engine/shard.hpp) maps its E_r = c.d_model columns to the full layer's width. `values` false checks ranks,
+// shapes and dtypes only, reading no element: a tensor-parallel rank checks the whole file's tensors that way and
+// the values of its own slices when its layer is built.
+void validate_weights(const WeightsView& w, const Config& c, int64_t out_width, bool values = true);
 
 // Weights::random's values for some heads' slices of layer c (a tensor-parallel shard's, engine/shard.hpp): W_q and
 // b_q rows [q0, q0 + q_rows), W_k, W_v and their biases rows [kv0, kv0 + kv_rows), W_o's columns [q0, q0 + q_rows),

@@ -21,6 +21,7 @@
 #include "engine/shard.hpp"
 #include "engine/util.hpp"
 #include "engine/validate.hpp"
+#include "engine/weights_copy.hpp"
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn {
@@ -93,6 +94,31 @@ class Fingerprint {
   void mix(uint64_t w) { h_ = (h_ ^ w) * 0x100000001b3ULL; }
   uint64_t h_ = 0xcbf29ce484222325ULL;
 };
+
+// A layer's weights as ranks compare them at construction: every tensor's dtype and shape, and the values of up to
+// kSampleRows rows of each matrix spread over it (all of a bias). Ranks that build one layer from weights each holds
+// (or maps) must hold the same weights; a full hash would read every byte on every rank, where a rank otherwise reads
+// only its slices, and the sample already tells apart a different seed, file or scaled tensor.
+void sample_weights(Fingerprint& f, const WeightsView& w) {
+  constexpr int64_t kSampleRows = 64;
+  for (const TensorView* t : {&w.w_q, &w.w_k, &w.w_v, &w.w_o, &w.b_q, &w.b_k, &w.b_v, &w.b_o}) {
+    if (t->rank != 2 || t->shape[0] <= kSampleRows) {
+      f.view(*t);
+      continue;
+    }
+    f.value(t->dtype);
+    f.value(t->shape[0]);
+    f.value(t->shape[1]);
+    const int64_t rows = t->shape[0];
+    for (int64_t i = 0; i < kSampleRows; ++i) {
+      TensorView row = *t;
+      const int64_t r = i * (rows - 1) / (kSampleRows - 1);
+      row.data = static_cast<const std::byte*>(t->data) + r * t->strides[0] * static_cast<int64_t>(size_of(t->dtype));
+      row.shape[0] = 1;
+      f.view(row);
+    }
+  }
+}
 
 // What one rank says in an agreement: whether its checks failed (and how), a fingerprint of its arguments that every
 // rank must share, and a value whose minimum over the ranks every rank learns (0 when unused).
@@ -272,10 +298,13 @@ std::unique_ptr<ShardedAttention::Impl> build(const char* call, MPI_Comm comm, c
   check_mpi(MPI_Comm_rank(comm, &impl->rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(comm, &impl->ranks), "MPI_Comm_size");
   check_and_agree(comm, call, [&](Verdict& v) {
-    weights(*impl, [&](const WeightsView& w) { impl->layer = detail::make_shard_layer(impl->shard, w, options); });
+    // What every rank must share: the config, the compute type (the instruction set may differ from node to node),
+    // and what `weights` adds of the weights' source.
     Fingerprint f;
+    weights(*impl, [&](const WeightsView& w) { impl->layer = detail::make_shard_layer(impl->shard, w, options); }, f);
     const std::string json = to_json(impl->full);
     f.bytes(json.data(), json.size());
+    f.value(options.compute);
     v.fingerprint = f.digest();
   });
   impl->comm = private_comm(comm);
@@ -288,32 +317,35 @@ ShardedAttention::ShardedAttention(std::unique_ptr<Impl> impl) : impl_(std::move
 
 ShardedAttention::ShardedAttention(const Config& config, const WeightsView& weights, MPI_Comm comm,
                                    const EngineOptions& options)
-    : impl_(build("ShardedAttention", comm, options, [&](Impl& s, auto&& make) {
+    : impl_(build("ShardedAttention", comm, options, [&](Impl& s, auto&& make, Fingerprint& f) {
         config.validate();
         weights.validate(config);
         s.full = config;
         s.shard = detail::shard_of(config, s.rank, s.ranks);
+        sample_weights(f, weights);
         make(detail::shard_weights(weights, s.shard));
       })) {}
 
 ShardedAttention::ShardedAttention(const Config& config, const std::string& path, const std::string& prefix,
                                    MPI_Comm comm, const EngineOptions& options)
-    : impl_(build("ShardedAttention", comm, options, [&](Impl& s, auto&& make) {
-        // Mapped, not read: the rank's layer copies its slices, so only their pages are read from disk and held.
+    : impl_(build("ShardedAttention", comm, options, [&](Impl& s, auto&& make, Fingerprint& f) {
+        // Mapped, not read: the rank's layer copies its slices, so only their pages (and the sample's) are read.
         const StoredLayer file =
             detail::open_safetensors_layer(std::make_shared<const safetensors::File>(safetensors::map(path)), prefix);
         s.full = apply_loaded_shapes(config, file);
-        file.weights.validate(s.full);
+        detail::validate_weights(file.weights, s.full, s.full.d_model, /*values=*/false);  // the slices' when built
         s.shard = detail::shard_of(s.full, s.rank, s.ranks);
+        sample_weights(f, file.weights);
         make(detail::shard_weights(file.weights, s.shard));
       })) {}
 
 ShardedAttention ShardedAttention::random(const Config& config, uint64_t seed, MPI_Comm comm,
                                           const EngineOptions& options) {
-  return ShardedAttention(build("ShardedAttention::random", comm, options, [&](Impl& s, auto&& make) {
+  return ShardedAttention(build("ShardedAttention::random", comm, options, [&](Impl& s, auto&& make, Fingerprint& f) {
     config.validate();
     s.full = config;
     s.shard = detail::shard_of(config, s.rank, s.ranks);
+    f.value(seed);
     const Weights w = detail::random_shard_weights(config, seed, s.shard);
     make(detail::local_view(w, s.shard));
   }));

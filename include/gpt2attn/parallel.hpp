@@ -11,7 +11,10 @@
 // Each such call first checks its inputs on every rank and agrees the verdict across ranks with one small
 // all-reduce, which also compares a hash of the arguments: a bad input on any rank, or ranks whose inputs differ,
 // gives every rank the same Error ("call: rank r: " and the first failing rank's message, or the first rank whose
-// arguments differ from rank 0's), and no rank waits in a collective the others never reach. Only then is anything computed or written; forward, extend and decode end
+// arguments differ from rank 0's), and no rank waits in a collective the others never reach. The constructors'
+// hash covers the config, the compute type (not the instruction set, which may differ from node to node), the
+// seed of random(), and the weights' dtypes, shapes and a sample of 64 rows of each matrix (all of each bias): a
+// full hash would read the whole layer on every rank. Only then is anything computed or written; forward, extend and decode end
 // with one MPI_Allreduce of the (B, T, E) output, which also carries each rank's success, so an error while
 // computing (out of memory) is reported on every rank too. Calls on one ShardedAttention are serialised; MPI is
 // called only from the calling thread (MPI_THREAD_FUNNELED suffices when that is the thread that initialised MPI,

@@ -984,6 +984,31 @@ TEST_F(ShardedErrors, BadInputOnEveryRank) {
   EXPECT_EQ(s.scache.length(a), 16);
 }
 
+// Construction compares the weights' source, not only the config: one rank's seed, compute type or weight values
+// differing is refused on every rank (before, each was accepted and the sum of the ranks' heads was another layer).
+TEST_F(ShardedErrors, LayersThatDifferBetweenRanks) {
+  if (g_size < 2) GTEST_SKIP() << "needs 2 ranks or more";
+  const int odd = g_size - 1;
+  const Config c = make_config({.E = 64, .H = 8});
+  AgreedError err;
+  EXPECT_TRUE(same_error_on_every_rank(
+      [&] { ShardedAttention::random(c, g_rank == odd ? 8 : 7, MPI_COMM_WORLD, EngineOptions{.threads = 1}); },
+      MPI_COMM_WORLD, &err));
+  EXPECT_NE(err.message.find("other arguments"), std::string::npos) << err.message;
+  EngineOptions bf16{.threads = 1};
+  if (g_rank == odd) bf16.compute = DType::bf16;
+  EXPECT_TRUE(same_error_on_every_rank([&] { ShardedAttention::random(c, 7, MPI_COMM_WORLD, bf16); }, MPI_COMM_WORLD,
+                                       &err));
+  Weights w = Weights::random(c, 7);
+  if (g_rank == odd) w.w_o[static_cast<size_t>(c.d_model) * 40 + 3] *= 2.0f;  // a row the sample reads (E = 64 rows)
+  EXPECT_TRUE(same_error_on_every_rank(
+      [&] { ShardedAttention(c, w.view(c), MPI_COMM_WORLD, EngineOptions{.threads = 1}); }, MPI_COMM_WORLD, &err));
+  if (g_rank == 0) std::printf("[ message  ] weights differ on rank %d: %s\n", odd, err.message.c_str());
+  // The same weights on every rank still build.
+  const Weights same = Weights::random(c, 7);
+  EXPECT_NO_THROW(ShardedAttention(c, same.view(c), MPI_COMM_WORLD, EngineOptions{.threads = 1}));
+}
+
 TEST_F(ShardedErrors, InputsThatDifferBetweenRanks) {
   if (g_size < 2) GTEST_SKIP() << "needs 2 ranks or more";
   const int odd = g_size - 1;
