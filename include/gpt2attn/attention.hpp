@@ -56,9 +56,13 @@ struct RunOptions {
 // Per-caller scratch memory and oneDNN execution state. A call given a Workspace touches no mutable state of
 // the layer, so several threads, each with its own Workspace, run calls in parallel on one shared layer (and
 // one shared KvCache). A call without one uses the layer's own workspace and is serialised by a mutex.
-// A Workspace grows when a call needs more than it holds; once it has seen or reserved the largest call,
-// later calls allocate nothing (the steady state of a server). One Workspace serves any number of layers;
-// using one Workspace from two threads at once is refused with an error.
+// A Workspace grows when a call needs more than it holds; once it has seen or reserved the largest call, its
+// scratch does not grow again. It also keeps the oneDNN primitives of the prefill (forward, extend) shapes it has
+// run, one set per (B, T, thread count), each created on that shape's first call and kept (about 100 KB at
+// gpt2-small): a repeated shape allocates nothing in gpt2attn, a new one does, and a server with many distinct
+// prompt shapes holds one set per shape until the Workspace goes. Decode steps (no oneDNN) allocate nothing after
+// reserve_serving. One Workspace serves any number of layers; using one Workspace from two threads at once is
+// refused with an error.
 class GPT2ATTN_API Workspace {
  public:
   Workspace();
