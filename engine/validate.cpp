@@ -71,8 +71,10 @@ std::string expected_str(const char* symbols, std::initializer_list<int64_t> dim
 // The values of an f32 mask. An additive mask may hold -inf (that is how it blocks) but not NaN, and not +inf: +inf
 // would make the row's softmax inf - inf = NaN, which no caller can mean. A float keep/block mask or key_padding
 // reads nonzero as keep/block, which a NaN is too, but no caller means a NaN as a decision: refused too, rather than
-// silently taken as one. `what` names the mask, `index_names` its indices for v.rank.
-void check_mask_values(const TensorView& v, const std::string& what, bool additive, const char* index_names) {
+// silently taken as one. `what` and `kind` name the mask (kind null for key_padding; the name is built only for the
+// message, so a valid call allocates nothing here), `index_names` its indices for v.rank.
+void check_mask_values(const TensorView& v, const char* what, const char* kind, bool additive,
+                       const char* index_names) {
   if (v.dtype != DType::f32) return;  // u8: every value is a decision
   const auto* p = static_cast<const float*>(v.data);
   std::array<int64_t, 4> shape{1, 1, 1, 1}, strides{0, 0, 0, 0};
@@ -90,7 +92,8 @@ void check_mask_values(const TensorView& v, const std::string& what, bool additi
             const std::array<int64_t, 4> idx{a, b, c, d};
             std::string at;
             for (int k = lead; k < 4; ++k) at += (k > lead ? ", " : "") + str(idx[k]);
-            invalid(what + " contains " + (std::isnan(x) ? "NaN" : "+Inf") + " at " + index_names + " = (" + at +
+            const std::string name = kind ? std::string(what) + " (" + kind + ")" : std::string(what);
+            invalid(name + " contains " + (std::isnan(x) ? "NaN" : "+Inf") + " at " + index_names + " = (" + at +
                     (additive ? "); only finite values and -inf are allowed" : "); a NaN neither keeps nor blocks"));
           }
         }
@@ -293,10 +296,10 @@ AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const
     }
     static const char* const kMaskIndices[5] = {"", "", "(t, j)", "(b, t, j)", "(b, h, t, j)"};
     if (!m.empty()) {
-      check_mask_values(m, std::string("attn_mask (") + to_string(in.mask_kind) + ")",
-                        in.mask_kind == MaskKind::additive, kMaskIndices[m.rank]);
+      check_mask_values(m, "attn_mask", to_string(in.mask_kind), in.mask_kind == MaskKind::additive,
+                        kMaskIndices[m.rank]);
     }
-    if (!kp.empty()) check_mask_values(kp, "key_padding", false, "(b, j)");
+    if (!kp.empty()) check_mask_values(kp, "key_padding", nullptr, false, "(b, j)");
   }
   return s;
 }
