@@ -316,7 +316,7 @@ void MultiHeadAttention::Impl::check_output_dtype(DType out_dtype) const {
 namespace {
 WeightsView checked_view(const Config& c, const Weights& w) {
   c.validate();
-  w.validate(c);  // the vectors' sizes, before views of the config's shapes are made over them
+  detail::check_weight_sizes(w, c);  // before views of the config's shapes are made over them; values: create()
   return w.view(c);
 }
 }  // namespace

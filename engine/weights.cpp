@@ -7,6 +7,7 @@
 
 #include "engine/io/file_io.hpp"
 #include "engine/util.hpp"
+#include "engine/validate.hpp"
 #include "engine/weights_copy.hpp"
 #include "gpt2attn/error.hpp"
 #include "gpt2attn/weights.hpp"
@@ -68,30 +69,17 @@ TensorView as_matrix(const TensorView& v) {
   return m;
 }
 
-// Whether any of n elements of S (`stride` apart, in elements) from p is NaN or +-Inf: all exponent bits set. One
-// mask test per element and no branch, so a contiguous row compiles to vector compares.
-template <DType S>
-bool any_nonfinite(const std::byte* p, int64_t n, int64_t stride) {
-  using Bits = std::conditional_t<S == DType::f32, uint32_t, uint16_t>;
-  constexpr Bits kExponent = static_cast<Bits>(S == DType::f32 ? 0x7f800000u : S == DType::bf16 ? 0x7f80u : 0x7c00u);
-  Bits bad = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    Bits x;
-    std::memcpy(&x, p + i * stride * static_cast<int64_t>(sizeof(Bits)), sizeof x);
-    bad |= static_cast<Bits>((x & kExponent) == kExponent);
-  }
-  return bad != 0;
-}
-
 // Refuses a weight matrix (or a rank-1 bias as one row) holding NaN or +-Inf, naming the first such element: a
 // layer built from it would return NaN or Inf for every input, with no error at forward.
 template <DType S>
 void check_finite_as(const TensorView& m, const char* name, bool vector) {
   const auto* base = static_cast<const std::byte*>(m.data);
   const int64_t bytes = static_cast<int64_t>(size_of(S));
+  using Bits = std::conditional_t<S == DType::f32, uint32_t, uint16_t>;
+  constexpr Bits kExponent = static_cast<Bits>(S == DType::f32 ? 0x7f800000u : S == DType::bf16 ? 0x7f80u : 0x7c00u);
   for (int64_t r = 0; r < m.shape[0]; ++r) {
     const std::byte* row = base + r * m.strides[0] * bytes;
-    if (!any_nonfinite<S>(row, m.shape[1], m.strides[1])) continue;
+    if (!any_nonfinite<Bits>(row, 0, m.shape[1], m.strides[1], kExponent)) continue;
     for (int64_t c = 0; c < m.shape[1]; ++c) {
       const float x = load<S>(row + c * m.strides[1] * bytes);
       if (std::isfinite(x)) continue;
@@ -204,31 +192,35 @@ Weights Weights::copy_of(const WeightsView& v) {
   return w;
 }
 
-void Weights::validate(const Config& c) const {
+void detail::check_weight_sizes(const Weights& w, const Config& c) {
   const int64_t E = c.d_model, KW = c.kv_width();
-  auto check = [](const char* name, const std::vector<float>& w, int64_t rows, int64_t cols) {
-    if (static_cast<int64_t>(w.size()) != rows * cols) {
-      invalid(std::string("weights: ") + name + " has " + std::to_string(w.size()) + " values, expected (" +
+  auto check = [](const char* name, const std::vector<float>& t, int64_t rows, int64_t cols) {
+    if (static_cast<int64_t>(t.size()) != rows * cols) {
+      invalid(std::string("weights: ") + name + " has " + std::to_string(t.size()) + " values, expected (" +
               std::to_string(rows) + (cols == 1 ? ",)" : ", " + std::to_string(cols) + ")") + " = " +
               std::to_string(rows * cols));
     }
   };
-  check("w_q", w_q, E, c.query_width());
-  check("w_k", w_k, KW, c.key_width());
-  check("w_v", w_v, KW, c.value_width());
-  check("w_o", w_o, E, E);
+  check("w_q", w.w_q, E, c.query_width());
+  check("w_k", w.w_k, KW, c.key_width());
+  check("w_v", w.w_v, KW, c.value_width());
+  check("w_o", w.w_o, E, E);
   if (c.qkv_bias) {
-    check("b_q", b_q, E, 1);
-    check("b_k", b_k, KW, 1);
-    check("b_v", b_v, KW, 1);
-  } else if (!b_q.empty() || !b_k.empty() || !b_v.empty()) {
+    check("b_q", w.b_q, E, 1);
+    check("b_k", w.b_k, KW, 1);
+    check("b_v", w.b_v, KW, 1);
+  } else if (!w.b_q.empty() || !w.b_k.empty() || !w.b_v.empty()) {
     invalid("weights: Q/K/V biases given but config.qkv_bias is false");
   }
   if (c.out_bias) {
-    check("b_o", b_o, E, 1);
-  } else if (!b_o.empty()) {
+    check("b_o", w.b_o, E, 1);
+  } else if (!w.b_o.empty()) {
     invalid("weights: output bias given but config.out_bias is false");
   }
+}
+
+void Weights::validate(const Config& c) const {
+  detail::check_weight_sizes(*this, c);
   view(c).validate(c);  // the sizes fit the views now; this adds the values' finiteness
 }
 

@@ -24,6 +24,9 @@ TensorView slice(const TensorView& v, int dim, int64_t i0, int64_t n);
 // shapes and dtypes only, reading no element: a tensor-parallel rank checks the whole file's tensors that way and
 // the values of its own slices when its layer is built.
 void validate_weights(const WeightsView& w, const Config& c, int64_t out_width, bool values = true);
+// Weights::validate's first half: each vector's size against the config (views of the config's shapes over them are
+// safe after it), reading no value. The layer built from the views then checks the values, once.
+void check_weight_sizes(const Weights& w, const Config& c);
 
 // Weights::random's values for some heads' slices of layer c (a tensor-parallel shard's, engine/shard.hpp): W_q and
 // b_q rows [q0, q0 + q_rows), W_k, W_v and their biases rows [kv0, kv0 + kv_rows), W_o's columns [q0, q0 + q_rows),

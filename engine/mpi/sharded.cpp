@@ -110,13 +110,7 @@ void sample_weights(Fingerprint& f, const WeightsView& w) {
     f.value(t->shape[0]);
     f.value(t->shape[1]);
     const int64_t rows = t->shape[0];
-    for (int64_t i = 0; i < kSampleRows; ++i) {
-      TensorView row = *t;
-      const int64_t r = i * (rows - 1) / (kSampleRows - 1);
-      row.data = static_cast<const std::byte*>(t->data) + r * t->strides[0] * static_cast<int64_t>(size_of(t->dtype));
-      row.shape[0] = 1;
-      f.view(row);
-    }
+    for (int64_t i = 0; i < kSampleRows; ++i) f.view(detail::slice(*t, 0, i * (rows - 1) / (kSampleRows - 1), 1));
   }
 }
 
