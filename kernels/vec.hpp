@@ -87,6 +87,21 @@ struct Vec {
   // W int32 values as f32, rounded to nearest even past 2^24 (as static_cast<float>, the scalar twin).
   static B load(const int32_t* p) { return xsimd::to_float(xsimd::batch<int32_t, Arch>::load_unaligned(p)); }
   static void store(float* p, B v) { v.store_unaligned(p); }
+  // A store that bypasses the caches (vmovntps) where one vector is one whole 64-byte line (AVX-512), for outputs
+  // written once and read later by someone else: the line is not read for ownership first, and does not evict the
+  // data in use. p must be aligned to the vector (kStreamsLines says whether stream() is a streaming store at all;
+  // elsewhere it is store()). stream_fence() orders the streamed lines before any later store (sfence).
+  static constexpr bool kStreamsLines = sizeof(B) == 64;
+  static void stream(float* p, B v) {
+    if constexpr (kStreamsLines) {
+      _mm512_stream_ps(p, v);
+    } else {
+      store(p, v);
+    }
+  }
+  static void stream_fence() {
+    if constexpr (kStreamsLines) _mm_sfence();
+  }
   static B set1(float x) { return B(x); }
   static B fma(B a, B b, B c) { return xsimd::fma(a, b, c); }
   static B max(B a, B b) { return xsimd::max(a, b); }
@@ -233,6 +248,9 @@ struct Vec<ScalarArch> {
   static B load(const int8_t* p) { return widen(*p); }
   static B load(const int32_t* p) { return static_cast<float>(*p); }
   static void store(float* p, B v) { *p = v; }
+  static constexpr bool kStreamsLines = false;
+  static void stream(float* p, B v) { *p = v; }
+  static void stream_fence() {}
   static B set1(float x) { return x; }
   static B fma(B a, B b, B c) { return std::fma(a, b, c); }
   static B max(B a, B b) { return a > b ? a : b; }

@@ -579,6 +579,55 @@ TEST_P(KernelAttention, PagedInt8KvMatchesNaive) {
   expect_all_cases(kern.isa, attention_cases(kern.tiles, true, DType::i8),
                    [&](const AttnCase& c) { return check_attention(kern, c); });
 }
+// Output rows aligned to whole vectors take the streaming stores (Vec::stream, where a vector is a cache line) and
+// the others ordinary ones: both give the same bits, write nothing outside the rows' D values, and read back right
+// after the call (the kernel fences its streamed lines). Ragged query tiles and head sizes leave part of each
+// tile to the element-by-element tail.
+TEST_P(KernelAttention, AlignedOutputRowsMatchUnalignedBitForBit) {
+  const kernels::AttentionKernel& kern = detail::attention_kernel(isa());
+  const int64_t BQ = kern.tiles.query_tile;
+  std::mt19937_64 rng(515);
+  const int64_t center = kernels::causal_band_center();
+  std::vector<float> band(static_cast<size_t>(2 * center));
+  kernels::fill_causal_band(band.data());
+  struct Shape { int64_t T, D; bool causal; };
+  for (const Shape sh : {Shape{2 * BQ + 5, 64, true}, Shape{BQ, 16, false}, Shape{33, 128, true}, Shape{7, 65, true},
+                         Shape{BQ + 1, 48, false}}) {
+    const std::vector<float> q = random_uniform(sh.T * sh.D, rng, -2, 2), k = random_uniform(sh.T * sh.D, rng, -2, 2),
+                             v = random_uniform(sh.T * sh.D, rng, -1, 1);
+    kernels::AttentionArgs a;
+    a.q = q.data(), a.ldq = sh.D;
+    a.kv.k = k.data(), a.kv.v = v.data(), a.kv.ldk = a.kv.ldv = sh.D;
+    a.T = a.Tk = sh.T, a.D = sh.D;
+    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sh.D)));
+    a.causal = sh.causal, a.causal_bias = band.data() + center;
+    std::vector<float> scratch = scratch_slice(kern.scratch_floats(sh.D));
+    // Rows of ldo floats from a 64-byte boundary (ldo a multiple of 16) and from one float past it (ldo odd).
+    const int64_t ld_aligned = (sh.D + 15) / 16 * 16 + 16, ld_odd = sh.D + 3;
+    std::vector<float> mem(static_cast<size_t>(sh.T * (ld_aligned + ld_odd) + 64), kSentinel);
+    float* aligned = mem.data() + (64 - reinterpret_cast<uintptr_t>(mem.data()) % 64) % 64 / sizeof(float);
+    float* odd = aligned + sh.T * ld_aligned + 1;
+    a.out = aligned, a.ldo = ld_aligned;
+    kern.run(a, 0, sh.T, scratch.data());
+    a.out = odd, a.ldo = ld_odd;
+    run_tile_by_tile(kern, a, sh.T, scratch.data());
+    int64_t differ = 0, outside = 0;
+    for (int64_t i = 0; i < sh.T; ++i) {
+      for (int64_t d = 0; d < ld_aligned; ++d) {
+        const float x = aligned[i * ld_aligned + d];
+        if (d >= sh.D) {
+          outside += x != kSentinel;
+        } else {
+          differ += std::memcmp(&x, &odd[i * ld_odd + d], sizeof x) != 0 || std::isnan(x);
+        }
+      }
+      for (int64_t d = sh.D; d < ld_odd; ++d) outside += odd[i * ld_odd + d] != kSentinel;
+    }
+    EXPECT_EQ(differ, 0) << kern.isa << " T=" << sh.T << " D=" << sh.D << ": elements that differ between the rows";
+    EXPECT_EQ(outside, 0) << kern.isa << " T=" << sh.T << " D=" << sh.D << ": writes past a row's D values";
+    EXPECT_TRUE(guard_intact(scratch, kern.scratch_floats(sh.D))) << kern.isa << " wrote past its scratch";
+  }
+}
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelAttention);
 
 // Suites over every K/V dtype, or over the bf16-compute row: they pick their kernels themselves.
