@@ -108,11 +108,14 @@ struct MultiHeadAttention::Impl {
   template <class F>
   void with_workspace(Workspace* ws, const char* call, F&& f) {
     detail::translate_bad_alloc(call, [&] {
+      // Held by this call alone from here: the place to bound its oneDNN primitives (ExecContext::trim).
       if (ws) {
         detail::WorkspaceLease lease(ws->impl());
+        ws->impl().exec.trim();
         f(ws->impl());
       } else {
         std::lock_guard<std::mutex> lock(mu);
+        own_ws.impl().exec.trim();
         f(own_ws.impl());
       }
     });

@@ -3,8 +3,12 @@
 
 #include <omp.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "engine/weights_copy.hpp"
@@ -66,6 +70,7 @@ struct ExecContext::Entry {
   memory::desc weights_desc;
   std::vector<memory> keep_alive;       // the memory objects c_args points into
   std::vector<dnnl_exec_arg_t> c_args;  // built once: the C++ execute() would build a vector per call
+  uint64_t last_use = 0;                // ExecContext::uses_ at its latest lookup
 };
 
 Linear::Linear(const TensorView& w, const float* bias, DType compute)
@@ -121,6 +126,27 @@ Linear::~Linear() = default;
 ExecContext::ExecContext() = default;
 ExecContext::~ExecContext() = default;
 
+void ExecContext::trim() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (entries_.size() <= kKeptEntries) return;
+  try {
+    std::vector<std::pair<uint64_t, Key>> by_use;
+    by_use.reserve(entries_.size());
+    for (const auto& [key, e] : entries_) by_use.emplace_back(e->last_use, key);
+    const auto drop = static_cast<std::ptrdiff_t>(entries_.size() - kKeptEntries);
+    std::nth_element(by_use.begin(), by_use.begin() + drop, by_use.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (auto it = by_use.begin(); it != by_use.begin() + drop; ++it) entries_.erase(it->second);
+  } catch (const std::bad_alloc&) {
+    // Keep every entry: the next call tries again.
+  }
+}
+
+size_t ExecContext::entries() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return entries_.size();
+}
+
 size_t ExecContext::KeyHash::operator()(const Key& k) const {
   size_t h = 0;
   for (int64_t v : {k.N, k.K, static_cast<int64_t>(k.bias), static_cast<int64_t>(k.compute),
@@ -142,6 +168,7 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
   if (auto it = ctx.entries_.find(key); it != ctx.entries_.end()) {
     // oneDNN picks the blocked weights layout from the shape alone, so every Linear of this shape has it.
     if (it->second->weights_desc != weights_desc_) fail(ErrorCode::internal, "oneDNN: weights layouts differ for one shape");
+    it->second->last_use = ++ctx.uses_;
     return *it->second;
   }
   try {
@@ -174,6 +201,7 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
       e->keep_alive.push_back(mem);
       e->c_args.push_back({arg, mem.get()});
     }
+    e->last_use = ++ctx.uses_;
     return *ctx.entries_.emplace(key, std::move(e)).first->second;
   } catch (const dnnl::error& e) {
     fail(code_of(e.status), "oneDNN: creating a matmul for M=" + std::to_string(M) + " failed: " + e.what());

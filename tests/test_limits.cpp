@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "engine/workspace.hpp"
 #include "gpt2attn/gpt2attn.hpp"
 #include "tests/test_util.hpp"
 
@@ -84,6 +86,40 @@ TEST(Limits, BuffersAreSizedByTheCallNotTheContext) {
   Workspace ws;
   mha.forward(in, y.data(), {}, &ws);
   EXPECT_LT(ws.bytes(), size_t{1} << 20);
+}
+
+// A Workspace keeps the oneDNN primitives of the prefill shapes it ran, only the ExecContext::kKeptEntries most
+// recently used (engine/linear.hpp): a server meeting a new prompt length on every call holds a bounded number of
+// them (before, one set per length for good). A length whose primitives were dropped, and one still held, give the
+// same bits when they come back.
+TEST(Limits, GemmPrimitivesPerWorkspaceAreBounded) {
+  const Config c = small(512);
+  MultiHeadAttention mha(c, Weights::random(c, 3));
+  Workspace ws;
+  RunOptions one_thread;
+  one_thread.threads = 1;  // one projection entry per shape, whatever the machine's default
+  const auto run = [&](int64_t T) {
+    std::vector<float> x(static_cast<size_t>(T * c.d_model)), y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 13) * 0.125f - 0.75f;
+    AttentionInputs in;
+    in.query = TensorView::f32(x.data(), {1, T, c.d_model});
+    mha.forward(in, y.data(), one_thread, &ws);
+    return y;
+  };
+  const std::vector<float> at_1 = run(1);
+  const int64_t lengths = 300;  // 2 entries a length (the per-head projections' and the output projection's)
+  size_t most = 0;
+  std::vector<float> at_last;
+  for (int64_t T = 2; T <= lengths; ++T) {
+    at_last = run(T);
+    most = std::max(most, ws.impl().exec.entries());
+  }
+  ASSERT_GT(2 * lengths, static_cast<int64_t>(detail::ExecContext::kKeptEntries));  // so the bound is reached
+  EXPECT_LE(most, detail::ExecContext::kKeptEntries + 2);  // trimmed at each call's start; the call adds its own
+  EXPECT_GE(most, detail::ExecContext::kKeptEntries);
+  EXPECT_EQ(run(1), at_1);             // dropped long ago, created again
+  EXPECT_EQ(run(lengths), at_last);    // still held
+  EXPECT_LE(ws.impl().exec.entries(), detail::ExecContext::kKeptEntries + 2);
 }
 
 // Byte counts are computed with overflow checks: a request too large to exist is refused before any allocation.

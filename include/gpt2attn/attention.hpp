@@ -58,10 +58,12 @@ struct RunOptions {
 // one shared KvCache). A call without one uses the layer's own workspace and is serialised by a mutex.
 // A Workspace grows when a call needs more than it holds; once it has seen or reserved the largest call, its
 // scratch does not grow again. It also keeps the oneDNN primitives of the prefill (forward, extend) shapes it has
-// run, one set per (B, T, thread count), each created on that shape's first call and kept (about 100 KB at
-// gpt2-small): a repeated shape allocates nothing in gpt2attn, a new one does, and a server with many distinct
-// prompt shapes holds one set per shape until the Workspace goes. Decode steps (no oneDNN) allocate nothing after
-// reserve_serving. One Workspace serves any number of layers; using one Workspace from two threads at once is
+// run, one set per (B, T, thread count), each created on that shape's first call: a repeated shape allocates
+// nothing in gpt2attn, a new one does. It holds the 256 most recently used GEMM primitives (threads + 1 a shape:
+// about 85 shapes at 2 threads) and drops older ones at the start of a call, so a server meeting many prompt
+// lengths stays bounded (about 30 MB at gpt2-small, 2 threads) and a dropped shape is created again when it
+// returns. oneDNN keeps its own process-wide cache of compiled kernels (DNNL_PRIMITIVE_CACHE_CAPACITY, 1024 by
+// default). Decode steps (no oneDNN) allocate nothing after reserve_serving. One Workspace serves any number of layers; using one Workspace from two threads at once is
 // refused with an error.
 class GPT2ATTN_API Workspace {
  public:
