@@ -316,8 +316,10 @@ struct Projections {
     const float* xp = floats(x);
     float* q = floats(qkv);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t i = 0; i < 3 * H; ++i) heads[static_cast<size_t>(i)].run(exec, xp, T, E, q + i * T * D, D, 1);
-    out->run(exec, floats(ctx), T, E, floats(y), E, threads);
+    for (int64_t i = 0; i < 3 * H; ++i) {
+      heads[static_cast<size_t>(i)].run(exec, xp, T, E, q + i * T * D, D, 1, omp_get_thread_num());
+    }
+    out->run(exec, floats(ctx), T, E, floats(y), E, threads, 0);
   }
 };
 

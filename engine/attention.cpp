@@ -238,7 +238,8 @@ void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnSh
     try {
       for (int64_t b = 0; b < B; ++b) {
         lin[which][h].run(ctx, x[which].row(b * n[which]), n[which], x[which].ld,
-                          elem(dst[which], L.compute, (b * heads[which] + h) * n[which] * D), D, 1, L.compute);
+                          elem(dst[which], L.compute, (b * heads[which] + h) * n[which] * D), D, 1,
+                          omp_get_thread_num(), L.compute);
       }
     } catch (...) {
 #pragma omp critical(gpt2attn_project_error)
@@ -301,7 +302,7 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, void* out_data
     }
     a.dropout_base = static_cast<uint64_t>((b * total_heads + first_head + h) * T * Tk);
   });
-  out.run(ws.exec, ctx, s.B * T, E, out_data, out_width, threads, out_dtype);
+  out.run(ws.exec, ctx, s.B * T, E, out_data, out_width, threads, 0, out_dtype);
 }
 
 void MultiHeadAttention::Impl::check_output_dtype(DType out_dtype) const {

@@ -212,9 +212,9 @@ void Linear::prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int 
   entry(ctx, M, lda, ldc, threads, slot, dst);
 }
 
-void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads,
+void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads, int slot,
                  DType dst) const {
-  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, omp_in_parallel() ? omp_get_thread_num() : 0, dst);
+  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst);
   e.src.set_data_handle(const_cast<void*>(x));
   e.weights.set_data_handle(weights_.get_data_handle());
   if (has_bias_) e.bias.set_data_handle(bias_.get_data_handle());

@@ -213,7 +213,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   float* stage = r.kv_stage.in(w);
   parallel_items(H + 2 * H_kv * segments, threads, [&](int64_t item) {
     if (item < H) {
-      proj_q[item].run(ws.exec, xin.data, T, xin.ld, q + item * T * D * tsize, D, 1, t);
+      proj_q[item].run(ws.exec, xin.data, T, xin.ld, q + item * T * D * tsize, D, 1, omp_get_thread_num(), t);
       return;
     }
     item -= H;
@@ -223,7 +223,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     float* staged = stage + ((part == KvPart::value ? H_kv : 0) + h) * T * D + t0 * D;
     void* dst = in_place ? static_cast<void*>(layout.row<std::byte>(tables[blk], part, h, (P + t0) % bt)) : staged;
     (part == KvPart::value ? proj_v : proj_k)[h].run(ws.exec, xin.row(t0), t1 - t0, xin.ld, dst, D, 1,
-                                                      in_place ? layout.dtype : DType::f32);
+                                                      omp_get_thread_num(), in_place ? layout.dtype : DType::f32);
     if (!in_place) {
       for (int64_t i = t0; i < t1; ++i) kv.store_row(tables[blk], part, h, (P + i) % bt, staged + (i - t0) * D);
     }
@@ -239,7 +239,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     a.out = ctx + h * D * tsize;
     a.kv.head = s.kv_head(h);
   });
-  out.run(ws.exec, ctx, T, E, out_data, out_width, threads);
+  out.run(ws.exec, ctx, T, E, out_data, out_width, threads, 0);
   lease.commit();
 }
 

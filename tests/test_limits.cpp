@@ -3,6 +3,7 @@
 // context, and allocation failures surfacing as Error(out_of_memory). Each case is a refusal with a message that
 // names the problem, never a crash or a silent truncation.
 #include <gtest/gtest.h>
+#include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -120,6 +121,42 @@ TEST(Limits, GemmPrimitivesPerWorkspaceAreBounded) {
   EXPECT_EQ(run(1), at_1);             // dropped long ago, created again
   EXPECT_EQ(run(lengths), at_last);    // still held
   EXPECT_LE(ws.impl().exec.entries(), detail::ExecContext::kKeptEntries + 2);
+}
+
+// A server that calls forward() from its own OpenMP region, one Workspace per thread, each reserved beforehand
+// outside it: the calls find every primitive reserve() prepared. Linear::run took the caller's thread number in
+// that region for the output projection's slot, so thread 1 created a primitive (an allocation on the hot path)
+// that reserve(), preparing slot 0, could not know of. The answers are the plain call's.
+TEST(Limits, ReservedWorkspacesServeCallersInTheirOwnParallelRegion) {
+  const Config c = small(64);
+  MultiHeadAttention mha(c, Weights::random(c, 4));
+  const int64_t B = 2, T = 9;
+  std::vector<float> x(static_cast<size_t>(B * T * c.d_model)), expected(x.size());
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 7) * 0.25f - 0.5f;
+  AttentionInputs in;
+  in.query = TensorView::f32(x.data(), {B, T, c.d_model});
+  mha.forward(in, expected.data());
+  constexpr int kCallers = 2;
+  Workspace ws[kCallers];
+  size_t reserved[kCallers];
+  for (int k = 0; k < kCallers; ++k) {
+    mha.reserve(B, T, T, &ws[k]);
+    reserved[k] = ws[k].impl().exec.entries();
+  }
+  std::vector<float> got[kCallers];
+  int callers = 0;
+#pragma omp parallel num_threads(kCallers) reduction(+ : callers)
+  {
+    const int k = omp_get_thread_num();
+    got[k].resize(x.size());
+    mha.forward(in, got[k].data(), {}, &ws[k]);
+    callers = 1;
+  }
+  for (int k = 0; k < callers; ++k) {
+    EXPECT_EQ(ws[k].impl().exec.entries(), reserved[k]) << "caller thread " << k << " created a primitive";
+    EXPECT_EQ(got[k], expected) << "caller thread " << k;
+  }
+  EXPECT_EQ(callers, kCallers) << "the region ran on fewer threads than asked";
 }
 
 // Byte counts are computed with overflow checks: a request too large to exist is refused before any allocation.
