@@ -1,18 +1,15 @@
 // engine/config.cpp: Config validation, JSON (de)serialisation and the compiled-in presets.
 // The preset text comes from configs/*.json through CMake (generated/presets.cpp); nothing is duplicated here.
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string_view>
-#include <system_error>
 
+#include "engine/io/file_io.hpp"
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/error.hpp"
 
@@ -166,43 +163,16 @@ namespace {
 constexpr std::uintmax_t kMaxConfigFileBytes = std::uintmax_t{1} << 20;
 
 // A config file's bytes. Only a regular file (or a link to one) is read, and only up to kMaxConfigFileBytes: the
-// type is checked before opening, so a FIFO does not block, /dev/zero is not read until memory runs out, and a
-// directory is not reported as invalid JSON.
+// descriptor's type is checked (io::ReadFile), so a FIFO does not block, /dev/zero is not read until memory runs
+// out, and a directory is not reported as invalid JSON.
 std::string read_config_file(const std::string& path) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::file_status st = fs::status(path, ec);  // follows links: a link to a regular file is fine
-  if (st.type() == fs::file_type::not_found) {
-    fail(ErrorCode::bad_file, path + ": cannot open config file: no such file");
-  }
-  if (ec) fail(ErrorCode::bad_file, path + ": cannot open config file: " + ec.message());
-  if (st.type() != fs::file_type::regular) {
-    const char* kind = st.type() == fs::file_type::directory ? "a directory"
-                       : st.type() == fs::file_type::fifo    ? "a FIFO"
-                       : st.type() == fs::file_type::character || st.type() == fs::file_type::block ? "a device"
-                       : st.type() == fs::file_type::socket  ? "a socket"
-                                                             : "of an unknown type";
-    fail(ErrorCode::bad_file, path + ": not a regular file (" + kind + "); a config file must be one");
-  }
+  const io::ReadFile f(path, "config file");
   const std::string limit = "the " + std::to_string(kMaxConfigFileBytes) + "-byte (1 MiB) limit on a config file";
-  const std::uintmax_t size = fs::file_size(path, ec);
-  if (ec) fail(ErrorCode::bad_file, path + ": cannot open config file: " + ec.message());
-  if (size > kMaxConfigFileBytes) {
-    fail(ErrorCode::bad_file, path + ": " + std::to_string(size) + " bytes, over " + limit);
+  if (f.size() > kMaxConfigFileBytes) {
+    fail(ErrorCode::bad_file, path + ": " + std::to_string(f.size()) + " bytes, over " + limit);
   }
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail(ErrorCode::bad_file, path + ": cannot open config file: " + std::strerror(errno));
-  // Bounded again while reading, in case the file grew since it was measured.
-  std::string text;
-  char buf[1 << 16];
-  while (text.size() <= kMaxConfigFileBytes) {
-    f.read(buf, sizeof buf);
-    const std::streamsize n = f.gcount();
-    text.append(buf, static_cast<size_t>(n));
-    if (n < static_cast<std::streamsize>(sizeof buf)) break;
-  }
-  if (f.bad()) fail(ErrorCode::bad_file, path + ": cannot read config file");
-  if (text.size() > kMaxConfigFileBytes) fail(ErrorCode::bad_file, path + ": over " + limit + " (it grew)");
+  std::string text(f.size(), '\0');
+  f.read_at(0, text.data(), text.size());
   return text;
 }
 }  // namespace

@@ -1,10 +1,12 @@
 // tests/test_npy.cpp: the .npy reader and writer: round trips, hand-built files in every accepted dtype and
 // header version, and one test per rejection class. Byte-level files are built here, not with numpy.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include "tools/npy.hpp"
 #include "tests/file_test_util.hpp"
@@ -198,7 +200,16 @@ TEST_F(Npy, AcceptsHeaderSpellingVariants) {
 
 TEST_F(Npy, RejectsMissingFile) {
   EXPECT_TRUE(ThrowsError([&] { npy::read(path("nope.npy")); }, ErrorCode::bad_file, "cannot open"));
-  EXPECT_TRUE(ThrowsError([&] { npy::read(dir_.string()); }, ErrorCode::bad_file, "not a regular file"));
+  EXPECT_TRUE(ThrowsError([&] { npy::read(dir_.string()); }, ErrorCode::bad_file, "not a regular file (a directory)"));
+}
+
+// What the opened descriptor is decides (io::ReadFile): a FIFO with no writer is refused at once rather than
+// blocking the read for good, and a device is not read.
+TEST_F(Npy, RejectsFifosAndDevicesWithoutBlocking) {
+  const std::string fifo = path("q.npy");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_TRUE(ThrowsError([&] { npy::read(fifo); }, ErrorCode::bad_file, fifo + ": not a regular file (a FIFO)"));
+  EXPECT_TRUE(ThrowsError([&] { npy::read("/dev/zero"); }, ErrorCode::bad_file, "not a regular file (a device)"));
 }
 
 TEST_F(Npy, RejectsBadMagic) {

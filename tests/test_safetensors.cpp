@@ -2,6 +2,7 @@
 // Conv1D transpose checked element by element), f16/bf16 widening, and one test per corruption class.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <bit>
@@ -211,6 +212,18 @@ TEST_F(Safetensors, RejectsEmptyAndShortFiles) {
   EXPECT_TRUE(ThrowsError([&] { safetensors::read(file("")); }, ErrorCode::bad_file, "empty"));
   EXPECT_TRUE(ThrowsError([&] { safetensors::read(file("\x02\0\0\0\0")); }, ErrorCode::bad_file, "too short"));
   EXPECT_TRUE(ThrowsError([&] { safetensors::read(path("missing.safetensors")); }, ErrorCode::bad_file, "cannot open"));
+}
+
+// What the opened descriptor is decides (io::ReadFile), for read() and map() alike: a FIFO with no writer is refused
+// at once rather than blocking for good, and a device is not read.
+TEST_F(Safetensors, RejectsFifosAndDevicesWithoutBlocking) {
+  const std::string fifo = path("w.safetensors");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& p : {fifo, std::string("/dev/zero")}) {
+    const std::string kind = p == fifo ? "(a FIFO)" : "(a device)";
+    EXPECT_TRUE(ThrowsError([&] { safetensors::read(p); }, ErrorCode::bad_file, p + ": not a regular file " + kind));
+    EXPECT_TRUE(ThrowsError([&] { safetensors::map(p); }, ErrorCode::bad_file, p + ": not a regular file " + kind));
+  }
 }
 
 TEST_F(Safetensors, RejectsBadHeaderLengths) {

@@ -321,8 +321,7 @@ int64_t Array::numel() const {
 }
 
 Array read(const std::string& path) {
-  io::ByteSource src(path, io::file_size(path));
-  src.open();  // an unreadable file is "cannot open" even when it is too short to hold a magic
+  io::ByteSource src(path);  // opened here: an unreadable file is "cannot open" even when too short for a magic
   return parse_from(src);
 }
 

@@ -2,9 +2,11 @@
 // checked file sizes and reads, atomic writes (and where they may land), f16/bf16 widening. No format knowledge.
 #pragma once
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cmath>
@@ -14,8 +16,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <system_error>
+#include <utility>
 
 #include "gpt2attn/error.hpp"
 
@@ -28,47 +32,83 @@ static_assert(std::endian::native == std::endian::little, "gpt2attn's file reade
   fail(ErrorCode::bad_file, path + ": " + problem);
 }
 
-// Size of a regular file; a missing path or a directory is a bad_file error, not a 0-byte read.
-inline uint64_t file_size(const std::string& path) {
-  std::error_code ec;
-  const auto status = std::filesystem::status(path, ec);
-  if (ec || !std::filesystem::exists(status)) file_error(path, "cannot open: no such file");
-  if (!std::filesystem::is_regular_file(status)) file_error(path, "cannot open: not a regular file");
-  const uint64_t size = std::filesystem::file_size(path, ec);
-  if (ec) file_error(path, "cannot open: " + ec.message());
-  return size;
+// What a path that is not a regular file is, for messages.
+inline const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "of an unknown type";
 }
 
-inline std::ifstream open_for_read(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) file_error(path, std::string("cannot open: ") + std::strerror(errno));
-  return in;
-}
+// A regular file opened for reading, links followed: the one way every reader opens its input. The type and size
+// are those of the descriptor opened (fstat), not of a path looked up before the open, so a path swapped between a
+// check and the open cannot slip a FIFO (a read that blocks for good), a device (/dev/zero, read until memory runs
+// out) or another file past the checks; O_NONBLOCK keeps the open itself from blocking on a FIFO. Errors are
+// bad_file naming the path: "cannot open[ <noun>]: no such file" (or the system's reason), and "not a regular file
+// (a FIFO)[; a <noun> must be one]".
+class ReadFile {
+ public:
+  explicit ReadFile(const std::string& path, const std::string& noun = "") : path_(path) {
+    const std::string what = noun.empty() ? "cannot open" : "cannot open " + noun;
+    fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd_ < 0) file_error(path, what + ": " + (errno == ENOENT ? "no such file" : std::strerror(errno)));
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) {
+      const int e = errno;
+      ::close(fd_);
+      file_error(path, what + ": " + std::strerror(e));
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd_);
+      file_error(path, std::string("not a regular file (") + file_kind(st.st_mode) + ")" +
+                           (noun.empty() ? "" : "; a " + noun + " must be one"));
+    }
+    size_ = static_cast<uint64_t>(st.st_size);
+  }
+  ReadFile(ReadFile&& o) noexcept : path_(std::move(o.path_)), fd_(std::exchange(o.fd_, -1)), size_(o.size_) {}
+  ReadFile& operator=(ReadFile&&) = delete;
+  ReadFile(const ReadFile&) = delete;
+  ~ReadFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
 
-// Callers have already checked the byte count against the file size, so a short read here means the
-// file changed underneath us or the device failed.
-inline void read_exact(std::ifstream& in, const std::string& path, void* dst, uint64_t n) {
-  if (n == 0) return;
-  in.read(static_cast<char*>(dst), static_cast<std::streamsize>(n));
-  if (static_cast<uint64_t>(in.gcount()) != n) file_error(path, "read failed (file shrank while reading?)");
-}
+  const std::string& path() const { return path_; }
+  int fd() const { return fd_; }
+  uint64_t size() const { return size_; }  // when opened
+  // Bytes [offset, offset + n). Callers have checked them against size(), so a short read means the file shrank
+  // underneath us or the device failed.
+  void read_at(uint64_t offset, void* dst, uint64_t n) const {
+    auto* p = static_cast<unsigned char*>(dst);
+    while (n > 0) {
+      const ssize_t got = ::pread(fd_, p, std::min<uint64_t>(n, uint64_t{1} << 30), static_cast<off_t>(offset));
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0) file_error(path_, std::string("read failed: ") + std::strerror(errno));
+      if (got == 0) file_error(path_, "read failed (file shrank while reading?)");
+      p += got, offset += static_cast<uint64_t>(got), n -= static_cast<uint64_t>(got);
+    }
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
 
 // A file's bytes read front to back, from disk or from memory: each reader has one parser that both its read(path)
 // and its in-memory parse(path, bytes) run, so a file and the same bytes in memory give the same result and the same
 // messages (the fuzz targets use the in-memory one). A file is opened at the first read, or by open().
 class ByteSource {
  public:
-  // The file at `path`, `size` bytes long (file_size(path)).
-  ByteSource(const std::string& path, uint64_t size) : path_(path), size_(size) {}
+  // The regular file at `path` (ReadFile: opened, its type checked, its size taken, all on one descriptor).
+  explicit ByteSource(const std::string& path) : path_(path), file_(std::in_place, path) { size_ = file_->size(); }
   // `size` bytes at `data`, which the caller keeps alive; `path` only names them in messages.
   ByteSource(const std::string& path, const void* data, uint64_t size)
       : path_(path), size_(size), mem_(static_cast<const unsigned char*>(data)), in_memory_(true) {}
 
   const std::string& path() const { return path_; }
   uint64_t size() const { return size_; }
-  void open() {
-    if (!in_memory_ && !in_.is_open()) in_ = open_for_read(path_);
-  }
+  const ReadFile* file() const { return file_ ? &*file_ : nullptr; }  // null for bytes in memory
   // The next n bytes. Parsers check n against size() before reading, so running past the end is their bug.
   void read(void* dst, uint64_t n) {
     if (n == 0) return;
@@ -76,18 +116,17 @@ class ByteSource {
     if (in_memory_) {
       std::memcpy(dst, mem_ + pos_, n);
     } else {
-      open();
-      read_exact(in_, path_, dst, n);
+      file_->read_at(pos_, dst, n);
     }
     pos_ += n;
   }
 
  private:
   std::string path_;
+  std::optional<ReadFile> file_;
   uint64_t size_ = 0, pos_ = 0;
   const unsigned char* mem_ = nullptr;  // may be null for 0 bytes
   bool in_memory_ = false;
-  std::ifstream in_;
 };
 
 inline uint64_t load_le_u64(const unsigned char* p) {

@@ -210,17 +210,16 @@ void check_layout(const std::string& path, const std::map<std::string, Tensor>& 
                            " (the data section must end where the last tensor does)");
 }
 
-// The file's bytes [offset, offset + n) mapped read-only; `total` is the size the header was checked against.
-Bytes map_section(const std::string& path, uint64_t offset, uint64_t n, uint64_t total) {
+// The file's bytes [offset, offset + n) mapped read-only, from the descriptor the header was read from; `total` is
+// the size the header was checked against.
+Bytes map_section(const io::ReadFile& file, uint64_t offset, uint64_t n, uint64_t total) {
   if (n == 0) return {};
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) io::file_error(path, std::string("cannot open: ") + std::strerror(errno));
+  const std::string& path = file.path();
   struct stat st {};
-  const bool same = ::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) == total;
-  void* base = same ? ::mmap(nullptr, total, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
+  const bool same = ::fstat(file.fd(), &st) == 0 && static_cast<uint64_t>(st.st_size) == total;
+  void* base = same ? ::mmap(nullptr, total, PROT_READ, MAP_PRIVATE, file.fd(), 0) : MAP_FAILED;
   const int map_errno = errno;
-  ::close(fd);
-  if (!same) io::file_error(path, "changed size while being opened");
+  if (!same) io::file_error(path, "changed size since it was opened");
   if (base == MAP_FAILED) io::file_error(path, std::string("cannot map: ") + std::strerror(map_errno));
   std::shared_ptr<const void> owner(base, [total](const void* p) { ::munmap(const_cast<void*>(p), total); });
   return Bytes(std::move(owner), static_cast<const uint8_t*>(base) + offset, n);
@@ -267,8 +266,8 @@ File parse_from(io::ByteSource& src, bool map_data = false) {
   }
   check_layout(path, f.tensors, data_size);
 
-  if (map_data) {
-    f.data = map_section(path, 8 + header_len, data_size, size);
+  if (map_data && src.file()) {
+    f.data = map_section(*src.file(), 8 + header_len, data_size, size);
     return f;
   }
   // Every tensor's bytes were proved to lie inside data_size, so this is the only large allocation.
@@ -283,12 +282,12 @@ File parse_from(io::ByteSource& src, bool map_data = false) {
 }  // namespace
 
 File read(const std::string& path) {
-  io::ByteSource src(path, io::file_size(path));  // opened at the first read, after the size checks
+  io::ByteSource src(path);
   return parse_from(src);
 }
 
 File map(const std::string& path) {
-  io::ByteSource src(path, io::file_size(path));
+  io::ByteSource src(path);
   return parse_from(src, true);
 }
 
