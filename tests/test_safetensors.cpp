@@ -241,6 +241,9 @@ TEST_F(Safetensors, RejectsHeaderThatIsNotAJsonObject) {
                           "not valid JSON"));
   EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(st_raw("[1, 2]", ""))); }, ErrorCode::bad_file,
                           "not an object"));
+  // A UTF-8 byte-order mark before the JSON: nlohmann would skip it, the format has none.
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(st_raw("\xEF\xBB\xBF{}", ""))); }, ErrorCode::bad_file,
+                          "starts with a byte-order mark"));
 }
 
 // One tensor "t" with the given header entry over 16 data bytes.
