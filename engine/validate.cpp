@@ -237,22 +237,23 @@ AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const
       invalid(std::string("attn_mask: mask_kind additive requires dtype f32, got ") + to_string(m.dtype) +
               " (use keep or block for a boolean mask)");
     }
-    const std::string all = expected_str("(T, Tk)", {s.T, s.Tk}) + ", " +
-                            expected_str("(B, T, Tk)", {s.B, s.T, s.Tk}) + " or " +
-                            expected_str("(B, H, T, Tk)", {s.B, s.H, s.T, s.Tk});
+    // The message is built only on error: a valid call allocates nothing here.
+    const auto refuse = [&] {
+      bad_shape(m, "attn_mask",
+                expected_str("(T, Tk)", {s.T, s.Tk}) + ", " + expected_str("(B, T, Tk)", {s.B, s.T, s.Tk}) + " or " +
+                    expected_str("(B, H, T, Tk)", {s.B, s.H, s.T, s.Tk}));
+    };
     switch (m.rank) {
       case 2:
-        if (m.shape[0] != s.T || m.shape[1] != s.Tk) bad_shape(m, "attn_mask", all);
+        if (m.shape[0] != s.T || m.shape[1] != s.Tk) refuse();
         break;
       case 3:
-        if (m.shape[0] != s.B || m.shape[1] != s.T || m.shape[2] != s.Tk) bad_shape(m, "attn_mask", all);
+        if (m.shape[0] != s.B || m.shape[1] != s.T || m.shape[2] != s.Tk) refuse();
         break;
       case 4:
-        if (m.shape[0] != s.B || m.shape[1] != s.H || m.shape[2] != s.T || m.shape[3] != s.Tk) {
-          bad_shape(m, "attn_mask", all);
-        }
+        if (m.shape[0] != s.B || m.shape[1] != s.H || m.shape[2] != s.T || m.shape[3] != s.Tk) refuse();
         break;
-      default: bad_shape(m, "attn_mask", all);
+      default: refuse();
     }
     s.mask_rank = m.rank;
   }
