@@ -71,6 +71,7 @@ struct ExecContext::Entry {
   std::vector<memory> keep_alive;       // the memory objects c_args points into
   std::vector<dnnl_exec_arg_t> c_args;  // built once: the C++ execute() would build a vector per call
   uint64_t last_use = 0;                // ExecContext::uses_ at its latest lookup
+  bool reserved = false;                // made or found by prepare(): trim() keeps it
 };
 
 Linear::Linear(const TensorView& w, const float* bias, DType compute)
@@ -130,10 +131,13 @@ void ExecContext::trim() noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   if (entries_.size() <= kKeptEntries) return;
   try {
-    std::vector<std::pair<uint64_t, Key>> by_use;
+    std::vector<std::pair<uint64_t, Key>> by_use;  // the entries trim may drop
     by_use.reserve(entries_.size());
-    for (const auto& [key, e] : entries_) by_use.emplace_back(e->last_use, key);
-    const auto drop = static_cast<std::ptrdiff_t>(entries_.size() - kKeptEntries);
+    for (const auto& [key, e] : entries_) {
+      if (!e->reserved) by_use.emplace_back(e->last_use, key);
+    }
+    if (by_use.size() <= kKeptEntries) return;
+    const auto drop = static_cast<std::ptrdiff_t>(by_use.size() - kKeptEntries);
     std::nth_element(by_use.begin(), by_use.begin() + drop, by_use.end(),
                      [](const auto& a, const auto& b) { return a.first < b.first; });
     for (auto it = by_use.begin(); it != by_use.begin() + drop; ++it) entries_.erase(it->second);
@@ -145,6 +149,12 @@ void ExecContext::trim() noexcept {
 size_t ExecContext::entries() {
   std::lock_guard<std::mutex> lock(mu_);
   return entries_.size();
+}
+
+size_t ExecContext::reserved() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto pinned = [](const auto& e) { return e.second->reserved; };
+  return static_cast<size_t>(std::count_if(entries_.begin(), entries_.end(), pinned));
 }
 
 size_t ExecContext::KeyHash::operator()(const Key& k) const {
@@ -209,7 +219,9 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
 }
 
 void Linear::prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot, DType dst) const {
-  entry(ctx, M, lda, ldc, threads, slot, dst);
+  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst);
+  std::lock_guard<std::mutex> lock(ctx.mu_);
+  e.reserved = true;
 }
 
 void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads, int slot,

@@ -39,14 +39,17 @@ class Linear;
 // thread's number inside an OpenMP team, so team threads running same-shape GEMMs at once never share an
 // entry. Each Workspace owns one ExecContext: calls with distinct workspaces share no mutable oneDNN state,
 // while the weights (Linear) are shared read-only.
-// The entries are bounded: trim() keeps the kKeptEntries most recently used and drops the rest. It runs at the
+// The entries are bounded: those prepare() made (reserve, reserve_serving: what the caller asked to keep) stay for
+// good, and of the others trim() keeps the kKeptEntries most recently used and drops the rest. It runs at the
 // start of a call (MultiHeadAttention::Impl::with_workspace), where no GEMM of this context is running and no
 // entry is referenced, so a call's own entries are never dropped under it; a dropped shape is created again on its
-// next use. A prefill shape takes (threads + 1) entries (one per team thread for the per-head projections, one
-// for the output projection; bf16 two), so 256 hold the last ~85 shapes at 2 threads, ~15 at 16. Over 600 prompt
-// lengths at gpt2-small on 2 threads the process grew 162 MB without the bound and 29.5 MB with it (measured with
-// oneDNN's own primitive cache off, DNNL_PRIMITIVE_CACHE_CAPACITY=0: that process-wide cache keeps up to 1024
-// compiled kernels of its own, 108 MB after 1000 lengths with it on).
+// next use. A self-attention prefill shape takes (threads + 1) entries (one per team thread for the per-head
+// projections, one for the output projection; bf16 two), so 256 hold the last ~85 shapes at 2 threads, ~15 at 16;
+// an extend takes more (its K/V segments have lengths of their own). Over 600 prompt lengths at gpt2-small on 2
+// threads the process grew 162 MB without the bound and 29.5 MB with it (measured with oneDNN's own primitive cache
+// off, DNNL_PRIMITIVE_CACHE_CAPACITY=0: that process-wide cache keeps up to 1024 compiled kernels of its own,
+// 108 MB after 1000 lengths with it on). Shapes a server cycles through, more than the bound holds, should be
+// reserved.
 class ExecContext {
  public:
   static constexpr size_t kKeptEntries = 256;
@@ -56,10 +59,12 @@ class ExecContext {
   ExecContext(const ExecContext&) = delete;
   ExecContext& operator=(const ExecContext&) = delete;
 
-  // Drops the least recently used entries past kKeptEntries. Only where no call is using this context. Never
-  // throws: where the bookkeeping cannot be allocated, it keeps everything until the next call.
+  // Drops the least recently used entries that prepare() did not make, past kKeptEntries of them. Only where no
+  // call is using this context. Never throws: where the bookkeeping cannot be allocated, it keeps everything until
+  // the next call.
   void trim() noexcept;
-  size_t entries();  // how many are held now
+  size_t entries();   // how many are held now
+  size_t reserved();  // how many of them prepare() made (never trimmed)
 
  private:
   friend class Linear;
@@ -99,7 +104,7 @@ class Linear {
   // there that is no slot of ours (it made the output projection miss what reserve() had prepared).
   void run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads, int slot,
            DType dst = DType::f32) const;
-  // Creates the entry run() would use from `slot`, without running.
+  // Creates the entry run() would use from `slot`, without running, and keeps it for good (ExecContext::trim).
   void prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot,
                DType dst = DType::f32) const;
 

@@ -90,13 +90,18 @@ TEST(Limits, BuffersAreSizedByTheCallNotTheContext) {
 }
 
 // A Workspace keeps the oneDNN primitives of the prefill shapes it ran, only the ExecContext::kKeptEntries most
-// recently used (engine/linear.hpp): a server meeting a new prompt length on every call holds a bounded number of
-// them (before, one set per length for good). A length whose primitives were dropped, and one still held, give the
-// same bits when they come back.
+// recently used besides the reserved ones (engine/linear.hpp): a server meeting a new prompt length on every call
+// holds a bounded number of them (before, one set per length for good), and what it reserved stays however many
+// other shapes pass. A length whose primitives were dropped, and one still held, give the same bits when they
+// come back.
 TEST(Limits, GemmPrimitivesPerWorkspaceAreBounded) {
   const Config c = small(512);
   MultiHeadAttention mha(c, Weights::random(c, 3));
   Workspace ws;
+  mha.reserve(2, 400, 400, &ws);  // a shape the loop below never runs
+  const size_t reserved = ws.impl().exec.reserved();
+  ASSERT_GT(reserved, 0u);
+  ASSERT_EQ(ws.impl().exec.entries(), reserved);
   RunOptions one_thread;
   one_thread.threads = 1;  // one projection entry per shape, whatever the machine's default
   const auto run = [&](int64_t T) {
@@ -115,12 +120,14 @@ TEST(Limits, GemmPrimitivesPerWorkspaceAreBounded) {
     at_last = run(T);
     most = std::max(most, ws.impl().exec.entries());
   }
+  const size_t kept = detail::ExecContext::kKeptEntries + reserved;
   ASSERT_GT(2 * lengths, static_cast<int64_t>(detail::ExecContext::kKeptEntries));  // so the bound is reached
-  EXPECT_LE(most, detail::ExecContext::kKeptEntries + 2);  // trimmed at each call's start; the call adds its own
-  EXPECT_GE(most, detail::ExecContext::kKeptEntries);
-  EXPECT_EQ(run(1), at_1);             // dropped long ago, created again
-  EXPECT_EQ(run(lengths), at_last);    // still held
-  EXPECT_LE(ws.impl().exec.entries(), detail::ExecContext::kKeptEntries + 2);
+  EXPECT_LE(most, kept + 2);  // trimmed at each call's start; the call adds its own
+  EXPECT_GE(most, kept);
+  EXPECT_EQ(ws.impl().exec.reserved(), reserved);  // none of the reserved shape's was dropped
+  EXPECT_EQ(run(1), at_1);                         // dropped long ago, created again
+  EXPECT_EQ(run(lengths), at_last);                // still held
+  EXPECT_LE(ws.impl().exec.entries(), kept + 2);
 }
 
 // A server that calls forward() from its own OpenMP region, one Workspace per thread, each reserved beforehand

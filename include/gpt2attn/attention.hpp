@@ -59,11 +59,13 @@ struct RunOptions {
 // A Workspace grows when a call needs more than it holds; once it has seen or reserved the largest call, its
 // scratch does not grow again. It also keeps the oneDNN primitives of the prefill (forward, extend) shapes it has
 // run, one set per (B, T, thread count), each created on that shape's first call: a repeated shape allocates
-// nothing in gpt2attn, a new one does. It holds the 256 most recently used GEMM primitives (threads + 1 a shape:
-// about 85 shapes at 2 threads) and drops older ones at the start of a call, so a server meeting many prompt
-// lengths stays bounded (about 30 MB at gpt2-small, 2 threads) and a dropped shape is created again when it
-// returns. oneDNN keeps its own process-wide cache of compiled kernels (DNNL_PRIMITIVE_CACHE_CAPACITY, 1024 by
-// default). Decode steps (no oneDNN) allocate nothing after reserve_serving. One Workspace serves any number of layers; using one Workspace from two threads at once is
+// nothing in gpt2attn, a new one does. Those of reserved shapes (reserve, reserve_serving) it keeps for good; of the
+// others, the 256 most recently used GEMM primitives (threads + 1 a self-attention shape: about 85 shapes at 2
+// threads), dropping older ones at the start of a call. A server meeting many prompt lengths so stays bounded
+// (about 30 MB at gpt2-small, 2 threads), a dropped shape is created again when it returns, and shapes a server
+// cycles through, more than that holds, should be reserved. oneDNN keeps its own process-wide cache of compiled
+// kernels (DNNL_PRIMITIVE_CACHE_CAPACITY, 1024 by default). Decode steps (no oneDNN) allocate nothing after
+// reserve_serving. One Workspace serves any number of layers; using one Workspace from two threads at once is
 // refused with an error.
 class GPT2ATTN_API Workspace {
  public:
@@ -114,8 +116,8 @@ class GPT2ATTN_API MultiHeadAttention {
                Workspace* ws = nullptr);
 
   // Reserves the layer's own workspace (or `ws`) for (B, T, Tk) and creates the GEMM primitives of that
-  // shape at the default thread count, so that later such calls allocate nothing of their own (oneDNN 2.6
-  // still builds a small argument map per GEMM execution; see reserve_serving).
+  // shape at the default thread count, kept for good (see Workspace), so that later such calls allocate nothing
+  // of their own (oneDNN 2.6 still builds a small argument map per GEMM execution; see reserve_serving).
   void reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws = nullptr);
   size_t workspace_bytes(int64_t B, int64_t T, int64_t Tk) const;
 
@@ -163,8 +165,8 @@ class GPT2ATTN_API CausalSelfAttention {
   // Grows `ws` (the layer's own when null) for extend() of up to max_extend_tokens and decode() of up to
   // max_decode_batch sequences at `threads` (0 = default); serving_workspace_bytes() is what that takes.
   // Afterwards decode() allocates nothing at all (its projections run on our own kernels). extend() and
-  // forward() allocate nothing of their own once a chunk shape has been seen, but their oneDNN GEMMs do:
-  // oneDNN 2.6 builds a small argument map on every primitive execution.
+  // forward() allocate nothing of their own for a chunk shape reserved or recently seen (see Workspace), but
+  // their oneDNN GEMMs do: oneDNN 2.6 builds a small argument map on every primitive execution.
   void reserve_serving(int64_t max_extend_tokens, int64_t max_decode_batch, int threads = 0, Workspace* ws = nullptr);
   size_t serving_workspace_bytes(int64_t max_extend_tokens, int64_t max_decode_batch, int threads = 0) const;
 

@@ -220,7 +220,8 @@ GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_decode(gpt2attn_layer_t* layer, gp
 GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_forward(gpt2attn_layer_t* layer, const float* x, int64_t B,
                                                       int64_t T, float* out, int threads, gpt2attn_workspace_t* ws);
 /* Grows ws (NULL: the layer's own) for extend <= max_extend_tokens, decode <= max_decode_batch: decode then never
- * allocates; extend allocates nothing of gpt2attn's own once a chunk shape was seen (oneDNN's GEMMs still do). */
+ * allocates; extend allocates nothing of gpt2attn's own for a chunk shape reserved or recently seen (a workspace
+ * keeps the 256 most recently used GEMM primitives besides the reserved ones; oneDNN's GEMMs still allocate). */
 GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_reserve(gpt2attn_layer_t* layer, int64_t max_extend_tokens,
                                                       int64_t max_decode_batch, int threads,
                                                       gpt2attn_workspace_t* ws);
