@@ -4,11 +4,14 @@
 // shipped config, every preset and a real Hugging Face GPT-2 config.json still load.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <thread>
@@ -127,6 +130,19 @@ TEST_F(ConfigFiles, OnlyARegularFileOfAtMostOneMiBIsRead) {
 
   EXPECT_TRUE(ThrowsError([&] { load_config("/dev/zero"); }, ErrorCode::bad_file, "/dev/zero: not a regular file"));
   EXPECT_TRUE(ThrowsError([&] { load_any_config("/dev/null"); }, ErrorCode::bad_file, "/dev/null: not a regular file"));
+  // A socket is refused by its type too (opening one fails with ENXIO, which named no type): the path is looked up
+  // before it is opened.
+  const std::string sock = path("s.sock");
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (sock.size() < sizeof addr.sun_path) {
+    std::memcpy(addr.sun_path, sock.c_str(), sock.size() + 1);
+    const int s = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    ASSERT_GE(s, 0);
+    ASSERT_EQ(::bind(s, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
+    EXPECT_TRUE(ThrowsError([&] { load_config(sock); }, ErrorCode::bad_file, sock + ": not a regular file (a socket)"));
+    ::close(s);
+  }
 
   // Unreadable: still "cannot open config file" (root reads it anyway, so only checked for other users).
   if (::geteuid() != 0) {

@@ -41,28 +41,45 @@ inline const char* file_kind(mode_t mode) {
   return "of an unknown type";
 }
 
-// A regular file opened for reading, links followed: the one way every reader opens its input. The type and size
-// are those of the descriptor opened (fstat), not of a path looked up before the open, so a path swapped between a
-// check and the open cannot slip a FIFO (a read that blocks for good), a device (/dev/zero, read until memory runs
-// out) or another file past the checks; O_NONBLOCK keeps the open itself from blocking on a FIFO. Errors are
-// bad_file naming the path: "cannot open[ <noun>]: no such file" (or the system's reason), and "not a regular file
-// (a FIFO)[; a <noun> must be one]".
+// A regular file opened for reading, links followed: the one way every reader opens its input. The path is looked
+// up first and anything but a regular file refused without being opened (opening a FIFO releases a writer waiting
+// on it, and opening some devices has effects of its own). Then the file is opened (O_NONBLOCK, so that a FIFO
+// swapped in meanwhile cannot block the open; O_NOCTTY) and the descriptor itself checked: still a regular file, and
+// the same one (device and inode) that was looked up. Its type and size are then the descriptor's, so a path
+// swapped between the check and the open cannot slip a FIFO (a read that blocks for good), a device (/dev/zero,
+// read until memory runs out) or another file past the checks. O_NONBLOCK is cleared before reading (a lease or
+// mandatory lock would otherwise fail a read at once rather than wait). Errors are bad_file naming the path:
+// "cannot open[ <noun>]: no such file" (or the system's reason), "not a regular file (a FIFO)[; a <noun> must be
+// one]" and "changed while being opened".
 class ReadFile {
  public:
   explicit ReadFile(const std::string& path, const std::string& noun = "") : path_(path) {
     const std::string what = noun.empty() ? "cannot open" : "cannot open " + noun;
-    fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd_ < 0) file_error(path, what + ": " + (errno == ENOENT ? "no such file" : std::strerror(errno)));
-    struct stat st {};
-    if (::fstat(fd_, &st) != 0) {
-      const int e = errno;
-      ::close(fd_);
-      file_error(path, what + ": " + std::strerror(e));
-    }
-    if (!S_ISREG(st.st_mode)) {
-      ::close(fd_);
-      file_error(path, std::string("not a regular file (") + file_kind(st.st_mode) + ")" +
+    const auto refuse = [&](int err) {
+      file_error(path, what + ": " + (err == ENOENT ? std::string("no such file") : std::strerror(err)));
+    };
+    const auto not_regular = [&](mode_t mode) {
+      file_error(path, std::string("not a regular file (") + file_kind(mode) + ")" +
                            (noun.empty() ? "" : "; a " + noun + " must be one"));
+    };
+    struct stat looked {};
+    if (::stat(path.c_str(), &looked) != 0) refuse(errno);
+    if (!S_ISREG(looked.st_mode)) not_regular(looked.st_mode);
+    fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    if (fd_ < 0) refuse(errno);
+    struct stat st {};
+    const int fstat_err = ::fstat(fd_, &st) != 0 ? errno : 0;
+    const int flags = fstat_err == 0 ? ::fcntl(fd_, F_GETFL) : -1;
+    const bool blocking = flags >= 0 && ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK) == 0;
+    const int fcntl_err = blocking ? 0 : errno;
+    if (fstat_err != 0 || !S_ISREG(st.st_mode) || st.st_dev != looked.st_dev || st.st_ino != looked.st_ino ||
+        !blocking) {
+      ::close(fd_);
+      fd_ = -1;
+      if (fstat_err != 0) refuse(fstat_err);
+      if (!S_ISREG(st.st_mode)) not_regular(st.st_mode);
+      if (!blocking) refuse(fcntl_err);
+      file_error(path, "changed while being opened (another file took its place)");
     }
     size_ = static_cast<uint64_t>(st.st_size);
   }

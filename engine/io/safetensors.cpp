@@ -154,7 +154,9 @@ json parse_header(const std::string& path, const std::string& text) {
   };
   // nlohmann skips a UTF-8 byte-order mark; the format's header is JSON text with none (the reference reader,
   // serde_json, refuses one), so a file starting with one was not written by a safetensors writer.
-  if (text.rfind("\xEF\xBB\xBF", 0) == 0) io::file_error(path, "header is not valid JSON: it starts with a byte-order mark");
+  if (text.rfind("\xEF\xBB\xBF", 0) == 0) {
+    io::file_error(path, "header is not valid JSON: it starts with a byte-order mark");
+  }
   try {
     return json::parse(text, check_key);
   } catch (const json::exception& e) {
@@ -269,7 +271,8 @@ File parse_from(io::ByteSource& src, bool map_data = false) {
   }
   check_layout(path, f.tensors, data_size);
 
-  if (map_data && src.file()) {
+  if (map_data) {
+    if (!src.file()) fail(ErrorCode::internal, path + ": map() of bytes that are not a file");
     f.data = map_section(*src.file(), 8 + header_len, data_size, size);
     return f;
   }
