@@ -121,17 +121,18 @@ struct MicroF32 {
 
   // out[i][d] = acc[d][i] * inv[i] for the nq queries, in the compute type: the tile's result, transposed.
   // f32 outputs in W x W blocks through registers, the rest one element at a time (the same products).
-  // Where every block row is whole 64-byte lines (AVX-512, out and ldo aligned to the vector: the engine's context
-  // rows at D a multiple of 16), the blocks are streamed (Vec::stream): the context (T, E) is written once here and
-  // read next by the output projection, and each of its lines missed in every cache level and was first read for
-  // ownership. Core/gpt2-small/T:1024/threads:1, a scratch harness alternating the two kernels over 10 rounds:
-  // 0.943-0.950 of the time, and 0.89 at T = 4096 on 2 threads, whose context is 12 MiB.
-  static void store_output(float* acc, const float* inv, int64_t nq, int64_t D, QT* out, int64_t ldo) {
+  // With `stream` (the driver's choice: a context past tiles::kStreamOutputMinBytes), where every block row is whole
+  // 64-byte lines (AVX-512, out and ldo aligned to the vector: the engine's context rows at D a multiple of 16),
+  // the blocks are streamed (Vec::stream): the context (T, E) is written once here and read next by the output
+  // projection, and each of its lines missed in every cache level and was first read for ownership.
+  // Core/gpt2-small/T:1024/threads:1, a scratch harness alternating the two kernels over 10 rounds: 0.943-0.950 of
+  // the time, and 0.89 at T = 4096 on 2 threads, whose context is 12 MiB.
+  static void store_output(float* acc, const float* inv, int64_t nq, int64_t D, QT* out, int64_t ldo, bool stream) {
     int64_t i0 = 0, d_end = 0;  // blocks cover queries [0, i0) x head dimensions [0, d_end)
     if constexpr (kBlocked) {
       d_end = D / W * W;
-      const bool stream = V::kStreamsLines && reinterpret_cast<uintptr_t>(out) % sizeof(B) == 0 &&
-                          (ldo * static_cast<int64_t>(sizeof(float))) % static_cast<int64_t>(sizeof(B)) == 0;
+      stream = stream && V::kStreamsLines && reinterpret_cast<uintptr_t>(out) % sizeof(B) == 0 &&
+               (ldo * static_cast<int64_t>(sizeof(float))) % static_cast<int64_t>(sizeof(B)) == 0;
       for (; i0 + W <= nq; i0 += W) {
         const B iv = V::load(inv + i0);
         for (int64_t d0 = 0; d0 < d_end; d0 += W) {
@@ -302,7 +303,8 @@ struct MicroBf16Dot {
   // As MicroF32's, with the scaling and the rounding to bf16 done a vector at a time, in place in acc (row d's
   // bf16 values in the first half of its bytes), so only the transposed 16-bit copy is per element (the scalar
   // rounding loop was a tenth of the tile's time).
-  static void store_output(float* acc, const float* inv, int64_t nq, int64_t D, bf16* out, int64_t ldo) {
+  static void store_output(float* acc, const float* inv, int64_t nq, int64_t D, bf16* out, int64_t ldo,
+                           bool /*stream*/) {
     for (int64_t d = 0; d < D; ++d) {
       float* row = acc + d * BQ;
       for (int v = 0; v < QV; ++v) V::store(row + v * W, V::load(row + v * W) * V::load(inv + v * W));
@@ -554,12 +556,15 @@ struct TiledAttention {
       }
     }
 
+    // The rows of the output this call's slice spans (T rows of ldo): streamed past the caches when larger than
+    // they hold (tiles::kStreamOutputMinBytes).
+    const bool stream_out = a.T * a.ldo * static_cast<int64_t>(sizeof(QT)) > tiles::kStreamOutputMinBytes;
     for (int g = 0; g < n; ++g) {
       // out_i = acc_i / l_i; a query that saw no key (l == 0) gets zeros, never NaN. 1 / l goes in alpha (free now).
       const Tile& x = t[g];
       const int64_t nq = x.i1 - x.i0;
       for (int64_t i = 0; i < BQ; ++i) x.alpha[i] = i < nq && x.l[i] > 0.0f ? 1.0f / x.l[i] : 0.0f;
-      M::store_output(x.acc, x.alpha, nq, D, static_cast<QT*>(a.out) + x.i0 * a.ldo, a.ldo);
+      M::store_output(x.acc, x.alpha, nq, D, static_cast<QT*>(a.out) + x.i0 * a.ldo, a.ldo, stream_out);
     }
   }
 

@@ -579,10 +579,10 @@ TEST_P(KernelAttention, PagedInt8KvMatchesNaive) {
   expect_all_cases(kern.isa, attention_cases(kern.tiles, true, DType::i8),
                    [&](const AttnCase& c) { return check_attention(kern, c); });
 }
-// Output rows aligned to whole vectors take the streaming stores (Vec::stream, where a vector is a cache line) and
-// the others ordinary ones: both give the same bits, write nothing outside the rows' D values, and read back right
-// after the call (the kernel fences its streamed lines). Ragged query tiles and head sizes leave part of each
-// tile to the element-by-element tail.
+// Output rows aligned to whole vectors, spanning more than tiles::kStreamOutputMinBytes, take the streaming stores
+// (Vec::stream, where a vector is a cache line) and the others ordinary ones: both give the same bits, write nothing
+// outside the rows' D values, and read back right after the call (the kernel fences its streamed lines). Ragged
+// query tiles and head sizes leave part of each tile to the element-by-element tail.
 TEST_P(KernelAttention, AlignedOutputRowsMatchUnalignedBitForBit) {
   const kernels::AttentionKernel& kern = detail::attention_kernel(isa());
   const int64_t BQ = kern.tiles.query_tile;
@@ -602,8 +602,10 @@ TEST_P(KernelAttention, AlignedOutputRowsMatchUnalignedBitForBit) {
     a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sh.D)));
     a.causal = sh.causal, a.causal_bias = band.data() + center;
     std::vector<float> scratch = scratch_slice(kern.scratch_floats(sh.D));
-    // Rows of ldo floats from a 64-byte boundary (ldo a multiple of 16) and from one float past it (ldo odd).
-    const int64_t ld_aligned = (sh.D + 15) / 16 * 16 + 16, ld_odd = sh.D + 3;
+    // Rows of ldo floats from a 64-byte boundary (ldo a multiple of 16, wide enough that the T rows pass the
+    // streaming threshold) and from one float past it (ldo odd, rows far below it).
+    const int64_t past = kernels::tiles::kStreamOutputMinBytes / (sh.T * static_cast<int64_t>(sizeof(float))) + 1;
+    const int64_t ld_aligned = (std::max(sh.D, past) + 15) / 16 * 16 + 16, ld_odd = sh.D + 3;
     std::vector<float> mem(static_cast<size_t>(sh.T * (ld_aligned + ld_odd) + 64), kSentinel);
     float* aligned = mem.data() + (64 - reinterpret_cast<uintptr_t>(mem.data()) % 64) % 64 / sizeof(float);
     float* odd = aligned + sh.T * ld_aligned + 1;
