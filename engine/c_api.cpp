@@ -42,11 +42,20 @@ static_assert(GPT2ATTN_ERR_INVALID_ARGUMENT == static_cast<int>(ga::ErrorCode::i
 
 namespace {
 
-// A fixed buffer, not a std::string: recording an out-of-memory error must not need memory.
-thread_local char t_last_error[1024] = "";
+// A fixed buffer, not a std::string: recording an out-of-memory error must not need memory. 8 KiB holds any
+// message but one naming a path of thousands of characters; that one keeps its start and its end, where the reason
+// is ("...: cannot open: File name too long"), with " ... " between.
+thread_local char t_last_error[8192] = "";
 
 gpt2attn_status_t record(gpt2attn_status_t status, const char* fn, const char* what) noexcept {
-  std::snprintf(t_last_error, sizeof t_last_error, "%s: %s", fn, what);
+  const int n = std::snprintf(t_last_error, sizeof t_last_error, "%s: %s", fn, what);
+  if (n >= static_cast<int>(sizeof t_last_error)) {
+    constexpr size_t kTail = sizeof t_last_error / 2, kGap = 5;  // " ... "
+    const size_t head = sizeof t_last_error - 1 - kGap - kTail;
+    std::memcpy(t_last_error + head, " ... ", kGap);
+    std::memcpy(t_last_error + head + kGap, what + std::strlen(what) - kTail, kTail);
+    t_last_error[head + kGap + kTail] = '\0';
+  }
   return status;
 }
 

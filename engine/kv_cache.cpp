@@ -60,6 +60,8 @@ KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
       "KvCache: the pool");
   refcount.assign(static_cast<size_t>(nblocks), 0);
   pins.assign(static_cast<size_t>(nblocks), 0);
+  block_stamp.assign(static_cast<size_t>(nblocks), 0);
+  block_count.assign(static_cast<size_t>(nblocks), 0);
   free_list.reserve(static_cast<size_t>(nblocks));
   for (int64_t b = nblocks - 1; b >= 0; --b) free_list.push_back(static_cast<int32_t>(b));
 }
@@ -101,24 +103,32 @@ int32_t KvCache::Impl::partial_block(const Sequence& s) const {
 
 int64_t KvCache::Impl::blocks_for_append(const SequenceId* ids, int64_t n, int64_t tokens, int64_t max_length) const {
   int64_t needed = 0;
+  const uint64_t pass = ++pass_stamp;
   for (int64_t i = 0; i < n; ++i) {
     const Sequence& s = find(ids[i]);
-    for (int64_t j = 0; j < i; ++j) {
-      if (ids[j] == ids[i]) invalid("sequence id " + str(ids[i]) + " appears twice in one call (at " + str(j) + " and " + str(i) + ")");
+    if (s.seen == pass) {
+      const int64_t j = std::find(ids, ids + i, ids[i]) - ids;
+      invalid("sequence id " + str(ids[i]) + " appears twice in one call (at " + str(j) + " and " + str(i) + ")");
     }
+    s.seen = pass;
     if (s.busy) invalid("sequence " + str(ids[i]) + " is in use by another call");
     if (s.length + tokens > max_length) {
       invalid("sequence " + str(ids[i]) + ": length " + str(s.length) + " + " + str(tokens) +
               " new tokens exceeds context_length=" + str(max_length));
     }
+    // A request larger than the whole pool is a wrong request, not a full pool: waiting for room cannot help.
+    if (table_size_after(s, tokens) > nblocks) {
+      invalid("sequence " + str(ids[i]) + ": length " + str(s.length) + " + " + str(tokens) + " new tokens needs " +
+              str(table_size_after(s, tokens)) + " blocks of " + str(block_tokens) + " tokens, more than the pool's " +
+              str(nblocks) + " in all: it can never fit");
+    }
     needed += new_blocks(s, tokens);
     // A shared block about to be written is copied (must_copy), unless every other holder copies it first in this
-    // same call. The scan for earlier writers runs only for a block held more than once.
+    // same call: count this call's earlier writers of it.
     const int32_t x = partial_block(s);
-    if (x >= 0 && must_copy(x, 0)) {
-      int64_t earlier = 0;
-      for (int64_t j = 0; j < i; ++j) earlier += partial_block(seqs.find(ids[j])->second) == x;
-      needed += must_copy(x, earlier);
+    if (x >= 0) {
+      if (must_copy(x, 0)) needed += must_copy(x, earlier_in_pass(x, pass));
+      count_in_pass(x, pass);
     }
   }
   if (needed > static_cast<int64_t>(free_list.size())) {
@@ -140,18 +150,15 @@ void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t token
   // Pass 1: checks and the block count, changing nothing.
   blocks_for_append(ids, n, tokens, max_length);
   // Pass 2: cannot fail. What it changes is recorded in the sequence so end_append can undo it.
+  const uint64_t pass = ++pass_stamp;  // counts this call's copies of each block so far
   for (int64_t i = 0; i < n; ++i) {
     Sequence& s = seqs.find(ids[i])->second;
     s.blocks_before = static_cast<int64_t>(s.blocks.size());
     s.cow_original = -1;
     const int32_t x = partial_block(s);
-    bool copies = false;
-    if (x >= 0 && must_copy(x, 0)) {  // held more than once: count this call's earlier copies of it (pass 1 did)
-      int64_t own = 0;
-      for (int64_t j = 0; j < i; ++j) own += seqs.find(ids[j])->second.cow_original == x;
-      copies = must_copy(x, own);
-    }
+    const bool copies = x >= 0 && must_copy(x, earlier_in_pass(x, pass));
     if (copies) {
+      count_in_pass(x, pass);
       const int64_t b = s.length / block_tokens;
       const int32_t copy = take_block();
       std::memcpy(block(copy), block(s.blocks[b]), block_bytes);

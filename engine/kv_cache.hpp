@@ -26,6 +26,7 @@ struct KvCache::Impl {
     // What the running append changed, so a failed call can be undone (end_append):
     int64_t blocks_before = 0;    // the table's size before it
     int32_t cow_original = -1;    // the shared block a copy-on-write copy replaced (pinned), or -1
+    mutable uint64_t seen = 0;    // the call stamp of the append pass that last met it (repeated ids)
   };
 
   Config cfg;
@@ -40,6 +41,19 @@ struct KvCache::Impl {
   std::unordered_map<SequenceId, Sequence> seqs;
   SequenceId next_id = 1;
   mutable std::mutex mu;
+  // An append's passes count, per block, how many of the call's earlier sequences write or copied it: count[b] is
+  // valid where stamp[b] is the pass's stamp (a new stamp per pass, so nothing is cleared). O(1) a sequence where a
+  // rescan of the earlier ones made a batch of B sequences O(B^2) under mu (a decode of 2048 forks of one prompt:
+  // 40 ms against 3.75 ms unshared, in a review's measurement).
+  mutable uint64_t pass_stamp = 0;
+  mutable std::vector<uint64_t> block_stamp;
+  mutable std::vector<int64_t> block_count;
+  // This pass's count of block x so far, and its increment.
+  int64_t earlier_in_pass(int32_t x, uint64_t pass) const { return block_stamp[x] == pass ? block_count[x] : 0; }
+  void count_in_pass(int32_t x, uint64_t pass) const {
+    block_count[x] = earlier_in_pass(x, pass) + 1;
+    block_stamp[x] = pass;
+  }
 
   Impl(const Config& c, const KvCacheOptions& o);
 
@@ -53,8 +67,9 @@ struct KvCache::Impl {
   void load_row(const std::byte* block, kernels::KvPart part, int64_t h, int64_t slot, float* dst) const;
 
   // For an append of `tokens` to each of seqs[0..n): checks every id (known, not busy, not repeated) and the
-  // lengths against `max_length`, then takes the blocks all of them need (new blocks and copy-on-write copies
-  // of shared blocks about to be written) or throws out_of_memory with nothing changed. On success the
+  // lengths against `max_length` and the pool's size (invalid_argument), then takes the blocks all of them need
+  // (new blocks and copy-on-write copies of shared blocks about to be written) or throws out_of_memory with nothing
+  // changed. O(n) besides the blocks taken (the pass stamps). On success the
   // sequences are marked busy, lengths[i] = cached tokens before the append, and tables + i * table_stride
   // holds the block pointers covering [0, lengths[i] + tokens).
   void begin_append(const SequenceId* seqs, int64_t n, int64_t tokens, int64_t max_length, std::byte** tables,

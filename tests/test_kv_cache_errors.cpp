@@ -125,6 +125,24 @@ TEST_P(KvCacheErrors, PoolExhaustedInExtend) {
   EXPECT_TRUE(h->matches_reference(c, "c after exhaustion"));
 }
 
+// A request that needs more blocks than the whole pool holds can never fit, whatever is released: invalid_argument,
+// not the out_of_memory a server reads as "wait for room" (it waited for good). Extend and decode alike.
+TEST_P(KvCacheErrors, RequestLargerThanThePoolIsInvalidNotExhausted) {
+  h = std::make_unique<Harness>(serving_config(32, 2, 24, 16), isa(), 4, 8, 170, 2);  // 2 blocks of 4 tokens
+  ASSERT_EQ(h->cache.total_blocks(), 2);
+  const SequenceId c = h->create();
+  std::vector<float> out = sentinel_out(9);
+  const std::vector<float> x = tokens(9);
+  expect_refused("extend of 9 tokens (3 blocks) into an empty sequence of a 2-block pool", ErrorCode::invalid_argument,
+                 {{"never fit"}, {"3 blocks"}}, out, [&] { h->block.extend(h->cache, c, x.data(), 9, out.data()); });
+  h->extend(c, 8);
+  ASSERT_EQ(h->cache.free_blocks(), 0);
+  std::vector<float> out1 = sentinel_out(1);
+  expect_refused("decode of c, which holds the whole pool", ErrorCode::invalid_argument, {{"never fit"}}, out1,
+                 [&] { h->block.decode(h->cache, &c, 1, x.data(), out1.data()); });
+  EXPECT_TRUE(h->matches_reference(c, "after the refusals"));
+}
+
 TEST_P(KvCacheErrors, PoolExhaustedInDecodeIsAllOrNothing) {
   // Fill: c takes the last block with 3 tokens. Then decode {c, b}: c fits in its block, b (length 8, full) needs
   // a new one: the whole batch is refused and c is not appended either.

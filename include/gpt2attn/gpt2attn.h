@@ -4,8 +4,11 @@
  * Status contract: every function that can fail returns gpt2attn_status_t, and gpt2attn_last_error() then holds
  * a one-line message naming the function and the argument, sequence, field or file. A failed call wrote nothing
  * (outputs, the cache, *out are as they were; GPT2ATTN_ERR_INTERNAL alone promises nothing about outputs). No C++
- * exception crosses this boundary and the library never exits or aborts. A null handle or pointer is
- * GPT2ATTN_ERR_INVALID_ARGUMENT, never a crash.
+ * exception crosses this boundary and gpt2attn's code never exits or aborts. Two libraries under it can: the
+ * OpenMP runtime (libgomp) exits the process when it cannot create a team's threads (a thread or pid limit, no
+ * address space left), and oneDNN's code generator may crash when no memory is left for a new kernel; a server
+ * whose first call at each thread count and shape happens at start-up (reserve, reserve_serving) meets both there.
+ * A null handle or pointer is GPT2ATTN_ERR_INVALID_ARGUMENT, never a crash.
  *
  * Shapes use one vocabulary: B batch (sequences in a decode step), T tokens, E model width (d_model),
  * H heads, D = E / H head size, d_in input width (E unless the weights say otherwise). Every array is
@@ -67,7 +70,8 @@ typedef enum gpt2attn_status {
   GPT2ATTN_OK = 0,
   GPT2ATTN_ERR_INVALID_ARGUMENT = 1, /* a handle, pointer, id, shape or size the caller passed is wrong */
   GPT2ATTN_ERR_BAD_FILE = 2,         /* a weights file is missing, truncated, corrupt or inconsistent */
-  GPT2ATTN_ERR_OUT_OF_MEMORY = 3,    /* an allocation failed or the KV pool has no free block; nothing written */
+  GPT2ATTN_ERR_OUT_OF_MEMORY = 3,    /* an allocation failed or the KV pool has no free block now; nothing written
+                                        (a request larger than the whole pool is INVALID_ARGUMENT: it can never fit) */
   GPT2ATTN_ERR_INTERNAL = 4          /* a bug or an unexpected failure inside a dependency */
 } gpt2attn_status_t;
 

@@ -36,7 +36,7 @@ struct KvCacheOptions {
 // pointers.
 //
 // Thread safety: every method may be called from any thread. Block bookkeeping is guarded by one mutex, held
-// for O(B^2 + blocks) bookkeeping and, when a fork's shared block is first written, one block copy; never
+// for O(B + blocks) bookkeeping and, when a fork's shared block is first written, one block copy; never
 // while attention runs. create() and fork() allocate the sequence's entry. Distinct sequences may be extended or
 // decoded concurrently; one sequence must not be used by two calls at once (the layer checks and refuses).
 //

@@ -278,6 +278,17 @@ static void test_argument_errors(gpt2attn_layer_t* layer, const float* xa) {
   CHECK_ERR(gpt2attn_layer_load_safetensors("/nonexistent/model.safetensors", "h.0.attn.", 12, 1024, &none),
             GPT2ATTN_ERR_BAD_FILE, "/nonexistent/model.safetensors");
   CHECK(none == NULL, "no handle on failure");
+  /* A message longer than the library's buffer (a path of 10000 characters) keeps its start and the reason at
+   * its end. */
+  static char long_path[10001];
+  memset(long_path, 'p', sizeof long_path - 1);
+  long_path[0] = '/';
+  CHECK_ERR(gpt2attn_layer_load_safetensors(long_path, "", 12, 1024, &none), GPT2ATTN_ERR_BAD_FILE, " ... ");
+  const char* msg = gpt2attn_last_error();
+  CHECK(strncmp(msg, "gpt2attn_layer_load_safetensors: /ppp", 37) == 0, "long message keeps its start: %.60s", msg);
+  const char* reason = ": cannot open: File name too long";
+  CHECK(strlen(msg) > strlen(reason) && strcmp(msg + strlen(msg) - strlen(reason), reason) == 0,
+        "long message keeps its reason at the end: ...%s", msg + (strlen(msg) > 80 ? strlen(msg) - 80 : 0));
   gpt2attn_kv_cache_destroy(cache);
 }
 
