@@ -85,6 +85,7 @@ const char* to_string(DType t) {
 }
 
 DType dtype_from_string(const std::string& s) {
+  if (s == "int8") return DType::i8;  // the name the CLI and the Python module use for an int8 KV cache
   std::string known;
   for (DType t : kDTypes) {
     if (s == to_string(t)) return t;

@@ -114,7 +114,8 @@ constexpr int64_t kParallelScanElements = int64_t{1} << 16;
 // Scans a rank-3 f32 or bf16 view through its strides, a row at a time; the message gives the first bad element's
 // (b, t, e).
 void check_finite(const TensorView& v, const char* name, const char* len_symbol, int threads) {
-  const int64_t T = v.shape[1], n = v.shape[2], rows = v.shape[0] * T;
+  const int64_t T = v.shape[1], n = v.shape[2];
+  const int64_t rows = checked_mul(v.shape[0], T, "the input's rows (B x T)");  // refused, not wrapped
   const int64_t sB = v.strides[0], sT = v.strides[1], sE = v.strides[2];
   const bool f32 = v.dtype != DType::bf16;
   const auto offset = [&](int64_t r) { return r / T * sB + r % T * sT; };  // row r = (b, t) = (r / T, r % T)

@@ -183,6 +183,11 @@ TEST(Limits, HugeCallsAreRefusedNotWrapped) {
                       ErrorCode::invalid_argument, {"capacity"}));
   EXPECT_TRUE(refused([&] { KvCache(c, KvCacheOptions{.block_tokens = 4, .capacity_bytes = SIZE_MAX}); },
                       ErrorCode::invalid_argument, {"capacity"}));
+  // A batch whose B x T overflows: the input's finiteness scan counted its rows in int64 and wrapped (the scan was
+  // skipped); now it is refused before any element is read (x is never dereferenced).
+  float x = 0.0f, y = 0.0f;
+  EXPECT_TRUE(refused([&] { layer.forward(&x, int64_t{1} << 62, 4, &y); }, ErrorCode::out_of_memory,
+                      {"B x T", "overflows"}));
 }
 
 // Linux overcommits: a buffer larger than the machine's memory may be granted and the process OOM-killed when it

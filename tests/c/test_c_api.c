@@ -450,6 +450,10 @@ static void test_bf16_cache(gpt2attn_layer_t* layer, const float* xa) {
   CHECK_OK(gpt2attn_kv_cache_create_with(layer, &o, &f32));
   o.kv_dtype = "bf16";
   CHECK_OK(gpt2attn_kv_cache_create_with(layer, &o, &bf));
+  o.kv_dtype = "int8";  /* the CLI's and the Python module's name, taken too */
+  gpt2attn_kv_cache_t* q8_alias = NULL;
+  CHECK_OK(gpt2attn_kv_cache_create_with(layer, &o, &q8_alias));
+  gpt2attn_kv_cache_destroy(q8_alias);
   o.kv_dtype = "i8";
   CHECK_OK(gpt2attn_kv_cache_create_with(layer, &o, &q8));
   if (!f32 || !bf || !q8) return;
