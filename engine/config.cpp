@@ -176,7 +176,8 @@ std::string read_config_file(const std::string& path) {
   // A file that grew after it was measured would be parsed cut short: refuse it rather than guess.
   char more = 0;
   if (::pread(f.fd(), &more, 1, static_cast<off_t>(f.size())) > 0) {
-    fail(ErrorCode::bad_file, path + ": cannot read config file: it grew while being read");
+    fail(ErrorCode::bad_file, path + ": cannot read config file: it holds more than the " + std::to_string(f.size()) +
+                                  " bytes it reported (it grew while being read, or is a /proc-like file)");
   }
   return text;
 }

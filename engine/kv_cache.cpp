@@ -116,7 +116,8 @@ int64_t KvCache::Impl::blocks_for_append(const SequenceId* ids, int64_t n, int64
       invalid("sequence " + str(ids[i]) + ": length " + str(s.length) + " + " + str(tokens) +
               " new tokens exceeds context_length=" + str(max_length));
     }
-    // A request larger than the whole pool is a wrong request, not a full pool: waiting for room cannot help.
+    // A sequence larger than the whole pool is a wrong request, not a full pool: waiting for room cannot help.
+    // (A batch whose sequences fit one by one but not together is out_of_memory: a smaller batch would fit.)
     if (table_size_after(s, tokens) > nblocks) {
       invalid("sequence " + str(ids[i]) + ": length " + str(s.length) + " + " + str(tokens) + " new tokens needs " +
               str(table_size_after(s, tokens)) + " blocks of " + str(block_tokens) + " tokens, more than the pool's " +

@@ -116,6 +116,7 @@ constexpr int64_t kParallelScanElements = int64_t{1} << 16;
 void check_finite(const TensorView& v, const char* name, const char* len_symbol, int threads) {
   const int64_t T = v.shape[1], n = v.shape[2];
   const int64_t rows = checked_mul(v.shape[0], T, "the input's rows (B x T)");  // refused, not wrapped
+  const int64_t elements = checked_mul(rows, n, "the input's elements (B x T x width)");
   const int64_t sB = v.strides[0], sT = v.strides[1], sE = v.strides[2];
   const bool f32 = v.dtype != DType::bf16;
   const auto offset = [&](int64_t r) { return r / T * sB + r % T * sT; };  // row r = (b, t) = (r / T, r % T)
@@ -125,7 +126,7 @@ void check_finite(const TensorView& v, const char* name, const char* len_symbol,
   };
   // The first bad row: with a team, the least of every thread's finds (the same row a serial scan stops at).
   int64_t first = rows;
-  if (threads > 1 && rows * n >= kParallelScanElements) {
+  if (threads > 1 && elements >= kParallelScanElements) {
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(min : first)
     for (int64_t r = 0; r < rows; ++r) {
       if (row_bad(r)) first = std::min(first, r);
@@ -269,6 +270,12 @@ AttnShape validate_inputs(const Config& config, const AttentionInputs& in, const
     }
     s.key_padding = true;
   }
+
+  // An output that could never exist (B x T x E floats past the machine's memory) is refused before the scans below
+  // read the input it implies: nothing else bounds B. The memory is asked only past 1 GiB (sysconf makes a system
+  // call), so an ordinary call pays a multiplication.
+  const int64_t out_bytes = checked_product({s.B, s.T, config.d_model, int64_t{4}}, "the output (B, T, E)");
+  if (out_bytes > int64_t{1} << 30) check_fits_in_memory(out_bytes, "the output (B, T, E)");
 
   // Last, because it reads every element: the shapes above guarantee the scans stay in bounds.
   if (run.check_finite) {

@@ -183,11 +183,14 @@ TEST(Limits, HugeCallsAreRefusedNotWrapped) {
                       ErrorCode::invalid_argument, {"capacity"}));
   EXPECT_TRUE(refused([&] { KvCache(c, KvCacheOptions{.block_tokens = 4, .capacity_bytes = SIZE_MAX}); },
                       ErrorCode::invalid_argument, {"capacity"}));
-  // A batch whose B x T overflows: the input's finiteness scan counted its rows in int64 and wrapped (the scan was
-  // skipped); now it is refused before any element is read (x is never dereferenced).
+  // A batch no output could hold: B x T (or B x T x E) overflowing int64 wrapped the input's finiteness scan (which
+  // was skipped, or read far past x); now it is refused before any element is read (x is never dereferenced).
   float x = 0.0f, y = 0.0f;
-  EXPECT_TRUE(refused([&] { layer.forward(&x, int64_t{1} << 62, 4, &y); }, ErrorCode::out_of_memory,
-                      {"B x T", "overflows"}));
+  for (const int64_t B : {int64_t{1} << 62, int64_t{1} << 60}) {
+    EXPECT_TRUE(refused([&] { layer.forward(&x, B, 4, &y); }, ErrorCode::out_of_memory, {"overflows"})) << B;
+  }
+  EXPECT_TRUE(refused([&] { layer.forward(&x, int64_t{1} << 40, 4, &y); }, ErrorCode::out_of_memory,
+                      {"the output (B, T, E)", "physical memory"}));
 }
 
 // Linux overcommits: a buffer larger than the machine's memory may be granted and the process OOM-killed when it

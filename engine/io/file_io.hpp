@@ -44,13 +44,12 @@ inline const char* file_kind(mode_t mode) {
 // A regular file opened for reading, links followed: the one way every reader opens its input. The path is looked
 // up first and anything but a regular file refused without being opened (opening a FIFO releases a writer waiting
 // on it, and opening some devices has effects of its own). Then the file is opened (O_NONBLOCK, so that a FIFO
-// swapped in meanwhile cannot block the open; O_NOCTTY) and the descriptor itself checked: still a regular file, and
-// the same one (device and inode) that was looked up. Its type and size are then the descriptor's, so a path
-// swapped between the check and the open cannot slip a FIFO (a read that blocks for good), a device (/dev/zero,
-// read until memory runs out) or another file past the checks. O_NONBLOCK is cleared before reading (a lease or
-// mandatory lock would otherwise fail a read at once rather than wait). Errors are bad_file naming the path:
-// "cannot open[ <noun>]: no such file" (or the system's reason), "not a regular file (a FIFO)[; a <noun> must be
-// one]" and "changed while being opened".
+// swapped in meanwhile cannot block the open; O_NOCTTY) and the descriptor itself checked: still a regular file. Its
+// type and size are then the descriptor's, so a path swapped between the check and the open cannot slip a FIFO (a
+// read that blocks for good) or a device (/dev/zero, read until memory runs out) past the checks. (A regular file
+// swapped in is read as what it is; no identity check, which some filesystems would fail for the same file.)
+// O_NONBLOCK is cleared before reading. Errors are bad_file naming the path: "cannot open[ <noun>]: no such file"
+// (or the system's reason) and "not a regular file (a FIFO)[; a <noun> must be one]".
 class ReadFile {
  public:
   explicit ReadFile(const std::string& path, const std::string& noun = "") : path_(path) {
@@ -72,14 +71,12 @@ class ReadFile {
     const int flags = fstat_err == 0 ? ::fcntl(fd_, F_GETFL) : -1;
     const bool blocking = flags >= 0 && ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK) == 0;
     const int fcntl_err = blocking ? 0 : errno;
-    if (fstat_err != 0 || !S_ISREG(st.st_mode) || st.st_dev != looked.st_dev || st.st_ino != looked.st_ino ||
-        !blocking) {
+    if (fstat_err != 0 || !S_ISREG(st.st_mode) || !blocking) {
       ::close(fd_);
       fd_ = -1;
       if (fstat_err != 0) refuse(fstat_err);
       if (!S_ISREG(st.st_mode)) not_regular(st.st_mode);
-      if (!blocking) refuse(fcntl_err);
-      file_error(path, "changed while being opened (another file took its place)");
+      refuse(fcntl_err);
     }
     size_ = static_cast<uint64_t>(st.st_size);
   }
