@@ -111,7 +111,7 @@ class ReadFile {
 
 // A file's bytes read front to back, from disk or from memory: each reader has one parser that both its read(path)
 // and its in-memory parse(path, bytes) run, so a file and the same bytes in memory give the same result and the same
-// messages (the fuzz targets use the in-memory one). A file is opened at the first read, or by open().
+// messages (the fuzz targets use the in-memory one). A file is opened, and its type checked, at construction.
 class ByteSource {
  public:
   // The regular file at `path` (ReadFile: opened, its type checked, its size taken, all on one descriptor).
