@@ -53,8 +53,9 @@ gpt2attn_status_t record(gpt2attn_status_t status, const char* fn, const char* w
     constexpr size_t kTail = sizeof t_last_error / 2, kGap = 5;  // " ... "
     const size_t head = sizeof t_last_error - 1 - kGap - kTail;
     std::memcpy(t_last_error + head, " ... ", kGap);
-    const size_t tail = std::min(kTail, std::strlen(what));  // `what` alone may be shorter (a long fn)
-    std::memcpy(t_last_error + head + kGap, what + std::strlen(what) - tail, tail);
+    const size_t what_len = std::strlen(what);
+    const size_t tail = std::min(kTail, what_len);  // `what` alone may be shorter (a long fn)
+    std::memcpy(t_last_error + head + kGap, what + what_len - tail, tail);
     t_last_error[head + kGap + tail] = '\0';
   }
   return status;

@@ -121,8 +121,8 @@ void check_finite(const TensorView& v, const char* name, const char* len_symbol,
   const bool f32 = v.dtype != DType::bf16;
   const auto offset = [&](int64_t r) { return r / T * sB + r % T * sT; };  // row r = (b, t) = (r / T, r % T)
   const auto row_bad = [&](int64_t r) {
-    return f32 ? any_nonfinite<uint32_t>(v.data, offset(r), n, sE, 0x7f800000u)
-               : any_nonfinite<uint16_t>(v.data, offset(r), n, sE, 0x7f80u);
+    return f32 ? any_nonfinite<DType::f32>(v.data, offset(r), n, sE)
+               : any_nonfinite<DType::bf16>(v.data, offset(r), n, sE);
   };
   // The first bad row: with a team, the least of every thread's finds (the same row a serial scan stops at).
   int64_t first = rows;
