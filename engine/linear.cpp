@@ -168,7 +168,7 @@ size_t ExecContext::KeyHash::operator()(const Key& k) const {
 }
 
 ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot,
-                                  DType dst_type) const {
+                                  DType dst_type, bool pin) const {
   if (dst_type != DType::f32 && dst_type != compute_) {
     fail(ErrorCode::internal,
          std::string("linear: a ") + to_string(compute_) + " GEMM cannot write " + to_string(dst_type));
@@ -179,6 +179,7 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     // oneDNN picks the blocked weights layout from the shape alone, so every Linear of this shape has it.
     if (it->second->weights_desc != weights_desc_) fail(ErrorCode::internal, "oneDNN: weights layouts differ for one shape");
     it->second->last_use = ++ctx.uses_;
+    it->second->reserved = it->second->reserved || pin;
     return *it->second;
   }
   try {
@@ -212,6 +213,7 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
       e->c_args.push_back({arg, mem.get()});
     }
     e->last_use = ++ctx.uses_;
+    e->reserved = pin;
     return *ctx.entries_.emplace(key, std::move(e)).first->second;
   } catch (const dnnl::error& e) {
     fail(code_of(e.status), "oneDNN: creating a matmul for M=" + std::to_string(M) + " failed: " + e.what());
@@ -219,14 +221,12 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
 }
 
 void Linear::prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot, DType dst) const {
-  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst);
-  std::lock_guard<std::mutex> lock(ctx.mu_);
-  e.reserved = true;
+  entry(ctx, M, lda, ldc, threads, slot, dst, /*pin=*/true);
 }
 
 void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads, int slot,
                  DType dst) const {
-  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst);
+  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst, /*pin=*/false);
   e.src.set_data_handle(const_cast<void*>(x));
   e.weights.set_data_handle(weights_.get_data_handle());
   if (has_bias_) e.bias.set_data_handle(bias_.get_data_handle());

@@ -114,8 +114,10 @@ class Linear {
   const std::string& implementation() const { return impl_; }  // oneDNN's name, e.g. "brg:avx512_core"
 
  private:
-  ExecContext::Entry& entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot,
-                            DType dst) const;
+  // The entry for this shape, found or made, under ctx's lock; `pin` marks it reserved under the same lock, so no
+  // trim() can come between finding it and keeping it.
+  ExecContext::Entry& entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot, DType dst,
+                            bool pin) const;
 
   int64_t N_ = 0, K_ = 0;
   DType compute_ = DType::f32;
