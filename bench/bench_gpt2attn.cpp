@@ -20,6 +20,9 @@
 //                                        {1024, 4096}, 1 and 2 threads: ratio = avx2 ms / avx512 ms
 //   ThreadScaling/<layer|core>/...       1 and 2 threads timed alternately inside one benchmark (gpt2-small
 //                                        T = 1024; the core also at T = 4096 for gpt2-small and gpt2-xl)
+//   PeakFrac/<core|layer>/...            issue 12's floors, each run's GFLOP/s over an FMA probe run right after it
+//                                        (core: gpt2-small and gpt2-xl at T = 1024 and 4096; layer: gpt2-small at
+//                                        T = 1024 and 8192), medians over the runs
 //   Tiles/<isa>/BQ:../BK:../D:<D>/...    the compiled tile shape at D = 64 and 128 (tiles.hpp cites this)
 //   Decode/<preset>/B:<B>/T:<T>/threads:2  one decode step, gpt2-small, B in {1, 4, 16, 64} x T cached tokens
 //                                          in {128, 1024, 4096}
@@ -415,6 +418,59 @@ void bm_isa_ratio(benchmark::State& state, int64_t H, int64_t D, int64_t T, int 
   state.counters["isa_peak_frac_avx2"] = gflops_of(state, flops, t2) / g_isa_peak.at({ga::Isa::avx2, threads});
 }
 
+// ---- issue 12's floors against a probe beside every run ---------------------------------------------------
+
+// On a shared VM the FMA probe's rate moves by a quarter from one minute to the next (bench/README, "Reading the
+// numbers"), so a fraction of a peak measured minutes away mixes two machines. Each iteration here times one run
+// of the workload, then probes the FMA peak at once (the best of 3 trials of 20 ms: the start-up probe's method,
+// shorter), and takes that iteration's fraction against that probe. Counters: peak_frac, the median of the
+// iterations' fractions, with peak_frac_min and peak_frac_max; ms, the median run; probe_gflops, the median probe.
+// The probe gets no credit for a slow minute of the workload's own: a neighbour that takes the caches and not the
+// FMA units lowers the fraction.
+constexpr gpt2attn::bench::ProbeSpec kAdjacentProbe{3, 0.02};
+
+template <class Run>
+void peak_frac_adjacent(benchmark::State& state, double flops, int threads, Run&& run) {
+  std::vector<double> frac, ms, probe;
+  for (auto _ : state) {
+    const Span span;
+    run();
+    benchmark::ClobberMemory();
+    const double seconds = span.wall();
+    const double peak = gpt2attn::bench::measured_fma_peak_gflops(threads, ga::Isa::best, kAdjacentProbe);
+    frac.push_back(flops / seconds * 1e-9 / peak);
+    ms.push_back(seconds * 1e3);
+    probe.push_back(peak);
+  }
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  };
+  state.counters["peak_frac"] = median(frac);
+  state.counters["peak_frac_min"] = *std::min_element(frac.begin(), frac.end());
+  state.counters["peak_frac_max"] = *std::max_element(frac.begin(), frac.end());
+  state.counters["ms"] = median(ms);
+  state.counters["probe_gflops"] = median(probe);
+}
+
+void bm_peak_frac_core(benchmark::State& state, int64_t H, int64_t D, int64_t T, int threads) {
+  Core& c = core_for(H, D, T, ga::Isa::best);
+  c.run(threads);
+  peak_frac_adjacent(state, core_flops(static_cast<double>(c.E), static_cast<double>(T)), threads,
+                     [&] { c.run(threads); });
+  state.SetLabel(c.kernel->isa);
+}
+
+void bm_peak_frac_layer(benchmark::State& state, const std::string& preset, int64_t T, int threads) {
+  LayerFixture& f = layer_for(preset, T, ga::Isa::best, threads);
+  ga::RunOptions run;
+  run.threads = threads;
+  peak_frac_adjacent(state, layer_flops(static_cast<double>(f.cfg.d_model), static_cast<double>(T)), threads,
+                     [&] { f.layer->forward(f.x.data(), 1, T, f.y.data(), run); });
+  state.SetLabel(f.layer->layer().implementation());
+}
+
 // ---- decode: one step of B sequences over a paged KV cache ------------------------------------------------
 
 // B sequences of T cached tokens each are prefilled once (extend(), one sequence at a time; the cache and the
@@ -640,6 +696,27 @@ void register_all() {
     const int64_t H = c.num_heads, D = c.head_dim();
     standard(benchmark::RegisterBenchmark((std::string("ThreadScaling/core/") + p + "/T:4096").c_str(),
                                           [=](benchmark::State& s) { bm_scaling_core(s, H, D, 4096); }));
+  }
+
+  // Issue 12's peak-fraction floors, each run beside its own probe (the core: gpt2-small and gpt2-xl at T = 1024 and
+  // 4096; the layer: gpt2-small at T = 1024 and 8192). A fixed count of iterations: the probes dominate short runs.
+  if (g_machine_peak.at(2) > 0) {
+    for (const char* p : {"gpt2-small", "gpt2-xl"}) {
+      const ga::Config c = ga::preset(p);
+      const int64_t H = c.num_heads, D = c.head_dim();
+      for (int64_t T : {1024, 4096})
+        benchmark::RegisterBenchmark((std::string("PeakFrac/core/") + p + "/T:" + ts(T) + "/threads:2").c_str(),
+                                     [=](benchmark::State& s) { bm_peak_frac_core(s, H, D, T, 2); })
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime()
+            ->Iterations(T == 1024 ? 31 : 11);
+    }
+    for (int64_t T : {1024, 8192})
+      benchmark::RegisterBenchmark(("PeakFrac/layer/gpt2-small/T:" + ts(T) + "/threads:2").c_str(),
+                                   [=](benchmark::State& s) { bm_peak_frac_layer(s, "gpt2-small", T, 2); })
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime()
+          ->Iterations(T == 1024 ? 31 : 7);
   }
 
   // Tile shapes are compile-time (kernels/tiles.hpp): each ISA's compiled shape at head sizes 64 and 128

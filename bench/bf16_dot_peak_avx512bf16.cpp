@@ -30,7 +30,7 @@ float dpbf16_chains(long iters, float seed) {
 
 double bf16_dot_peak_gflops_avx512bf16(int threads) {
   constexpr int A = 16;
-  return team_peak_gflops(threads, 64.0 * A, dpbf16_chains<A>);
+  return team_peak_gflops(threads, 64.0 * A, dpbf16_chains<A>, ProbeSpec{});
 }
 
 }  // namespace gpt2attn::bench

@@ -10,11 +10,18 @@
 
 namespace gpt2attn::bench {
 
+// How a probe runs: the best of `trials` trials of about `trial_seconds` each (other load only lowers a trial). The
+// default is the start-up probe's; a benchmark that probes beside each of its own iterations takes a shorter one.
+struct ProbeSpec {
+  int trials = 10;
+  double trial_seconds = 0.05;
+};
+
 // GFLOP/s (an FMA counts 2 FLOPs per lane) of `threads` OpenMP threads together, each running independent
-// FMA chains for ~50 ms; the best of 10 trials (other load only lowers a trial). Defined in
-// fma_peak_<isa>.cpp, compiled with that ISA's flags: call only where the CPU supports the ISA.
-double fma_peak_gflops_avx512(int threads);
-double fma_peak_gflops_avx2(int threads);
+// FMA chains, as `spec` says. Defined in fma_peak_<isa>.cpp, compiled with that ISA's flags: call only where the
+// CPU supports the ISA.
+double fma_peak_gflops_avx512(int threads, ProbeSpec spec = {});
+double fma_peak_gflops_avx2(int threads, ProbeSpec spec = {});
 
 // GFLOP/s of vdpbf16ps (AVX512-BF16: 32 bf16 products summed in pairs into 16 f32 lanes, 64 FLOPs), measured as
 // the FMA peak is: the ceiling a bf16 kernel is compared with (issue: bf16 compute). Defined in
@@ -31,13 +38,13 @@ inline double measured_bf16_dot_peak_gflops(int threads) {
 // The f32 FMA peak for an instruction set (best = the strongest this CPU runs; avx512_bf16's f32 FMAs are
 // avx512's). Scalar has no FMA instruction in the baseline x86-64 flags the scalar kernel is built with, so it
 // has no peak of its own: that is refused.
-inline double measured_fma_peak_gflops(int threads, Isa isa) {
+inline double measured_fma_peak_gflops(int threads, Isa isa, ProbeSpec spec = {}) {
   if (isa == Isa::best) isa = best_supported_isa();
   if (!isa_supported(isa)) throw std::invalid_argument(std::string("fma peak: this CPU lacks ") + to_string(isa));
   switch (isa) {
     case Isa::avx512_bf16:
-    case Isa::avx512: return fma_peak_gflops_avx512(threads);
-    case Isa::avx2: return fma_peak_gflops_avx2(threads);
+    case Isa::avx512: return fma_peak_gflops_avx512(threads, spec);
+    case Isa::avx2: return fma_peak_gflops_avx2(threads, spec);
     default: throw std::invalid_argument(std::string("fma peak: no vector FMA for ") + to_string(isa));
   }
 }

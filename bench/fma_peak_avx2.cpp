@@ -3,5 +3,7 @@
 #include "bench/fma_peak_impl.hpp"
 
 namespace gpt2attn::bench {
-double fma_peak_gflops_avx2(int threads) { return fma_peak_gflops<xsimd::fma3<xsimd::avx2>, 12>(threads); }
+double fma_peak_gflops_avx2(int threads, ProbeSpec spec) {
+  return fma_peak_gflops<xsimd::fma3<xsimd::avx2>, 12>(threads, spec);
+}
 }  // namespace gpt2attn::bench

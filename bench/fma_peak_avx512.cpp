@@ -3,5 +3,7 @@
 #include "bench/fma_peak_impl.hpp"
 
 namespace gpt2attn::bench {
-double fma_peak_gflops_avx512(int threads) { return fma_peak_gflops<xsimd::avx512f, 16>(threads); }
+double fma_peak_gflops_avx512(int threads, ProbeSpec spec) {
+  return fma_peak_gflops<xsimd::avx512f, 16>(threads, spec);
+}
 }  // namespace gpt2attn::bench

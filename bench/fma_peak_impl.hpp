@@ -10,6 +10,8 @@
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
+#include "bench/fma_peak.hpp"
+
 namespace gpt2attn::bench {
 namespace {
 
@@ -33,19 +35,19 @@ float fma_chains(long iters, float seed) {
 using Clock = std::chrono::steady_clock;
 
 // The rate of `threads` OpenMP threads each running chains(iters, seed) (flops_per_iter FLOPs an iteration) for
-// ~50 ms: the best of 10 trials (other load only lowers a trial). Shared by every probe (fma_peak_<isa>.cpp,
-// bf16_dot_peak_avx512bf16.cpp), so their figures are measured alike.
+// spec.trial_seconds: the best of spec.trials trials (other load only lowers a trial). Shared by every probe
+// (fma_peak_<isa>.cpp, bf16_dot_peak_avx512bf16.cpp), so their figures are measured alike.
 template <class Chains>
-double team_peak_gflops(int threads, double flops_per_iter, Chains chains) {
+double team_peak_gflops(int threads, double flops_per_iter, Chains chains, ProbeSpec spec) {
   volatile float sink = 0;
-  // Calibrate the iteration count to ~50 ms on one thread (also wakes the cores and settles the clock).
+  // Calibrate the iteration count to a trial's length on one thread (also wakes the cores and settles the clock).
   long iters = 1 << 20;
   for (;;) {
     const auto t0 = Clock::now();
     sink = sink + chains(iters, 1.0f);
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     if (s > 0.01) {
-      iters = static_cast<long>(iters * 0.05 / s);
+      iters = std::max(1L, static_cast<long>(static_cast<double>(iters) * spec.trial_seconds / s));
       break;
     }
     iters *= 4;
@@ -53,7 +55,7 @@ double team_peak_gflops(int threads, double flops_per_iter, Chains chains) {
   // The rate of the team: all FLOPs over the span from the first thread's start to the last one's end, so
   // threads that were time-sliced rather than run side by side are not counted as parallel.
   double best = 0;
-  for (int trial = 0; trial < 10; ++trial) {
+  for (int trial = 0; trial < spec.trials; ++trial) {
     std::vector<Clock::time_point> start(static_cast<size_t>(threads)), end(start);
 #pragma omp parallel num_threads(threads)
     {
@@ -74,8 +76,8 @@ double team_peak_gflops(int threads, double flops_per_iter, Chains chains) {
 }
 
 template <class Arch, int A>
-double fma_peak_gflops(int threads) {
-  return team_peak_gflops(threads, 2.0 * A * xsimd::batch<float, Arch>::size, fma_chains<Arch, A>);
+double fma_peak_gflops(int threads, ProbeSpec spec) {
+  return team_peak_gflops(threads, 2.0 * A * xsimd::batch<float, Arch>::size, fma_chains<Arch, A>, spec);
 }
 
 }  // namespace
