@@ -7,11 +7,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <new>
+#include <optional>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "engine/weights_copy.hpp"
+#include "kernels/bf16.hpp"
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn::detail {
@@ -68,6 +70,7 @@ struct ExecContext::Entry {
   dnnl::stream stream;
   memory src, weights, bias, dst, scratch;  // handles set per call: one entry serves every Linear of its shape
   memory::desc weights_desc;
+  std::vector<float> src32, dst32;      // a bf16 Linear on f32 GEMMs: x widened, and y before narrowing (bf16 y)
   std::vector<memory> keep_alive;       // the memory objects c_args points into
   std::vector<dnnl_exec_arg_t> c_args;  // built once: the C++ execute() would build a vector per call
   uint64_t last_use = 0;                // ExecContext::uses_ at its latest lookup
@@ -75,26 +78,46 @@ struct ExecContext::Entry {
 };
 
 Linear::Linear(const TensorView& w, const float* bias, DType compute)
-    : N_(w.shape[0]), K_(w.shape[1]), compute_(compute), has_bias_(bias != nullptr) {
+    : N_(w.shape[0]), K_(w.shape[1]), compute_(compute), gemm_(compute), has_bias_(bias != nullptr) {
   const int64_t N = N_, K = K_;
-  const dt ct = dnnl_type(compute);
+  dnnl_type(compute);  // refuses a type that is not a compute type
   try {
     auto& eng = cpu_engine();
     // Let oneDNN choose the weights' blocked layout for a representative M; every later primitive is
     // created with this same layout, so the weights exist once, reordered (and rounded to bf16) once.
-    const memory::desc src_any({128, K}, ct, tag::ab), w_any({K, N}, ct, tag::any), dst_any({128, N}, dt::f32, tag::ab);
     const memory::desc b_desc({1, N}, dt::f32, tag::ab);
-    auto pd = has_bias_ ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_any, w_any, b_desc, dst_any), eng)
-                        : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src_any, w_any, dst_any), eng);
-    skip_amx(pd, compute, K);
+    // The operation descriptor outlives the primitive descriptor made from it: oneDNN's iterator reads it in place
+    // when next_impl() (skip_amx) steps to another implementation.
+    std::optional<dnnl::matmul::desc> op;
+    const auto describe = [&](DType gemm) {
+      const dt g = dnnl_type(gemm);
+      const memory::desc src_any({128, K}, g, tag::ab), w_any({K, N}, g, tag::any), dst_any({128, N}, dt::f32, tag::ab);
+      op.emplace(has_bias_ ? dnnl::matmul::desc(src_any, w_any, b_desc, dst_any)
+                           : dnnl::matmul::desc(src_any, w_any, dst_any));
+      return dnnl::matmul::primitive_desc(*op, eng);
+    };
+    auto pd = [&]() -> dnnl::matmul::primitive_desc {
+      try {
+        return describe(compute);
+      } catch (const dnnl::error& e) {
+        // oneDNN 2.6 has bf16 matmuls from avx512_core on: below, a bf16 layer multiplies in f32 (gemm_).
+        if (compute != DType::bf16 || e.status != dnnl_unimplemented) throw;
+        gemm_ = DType::f32;
+        return describe(gemm_);
+      }
+    }();
+    skip_amx(pd, gemm_, K);
     weights_desc_ = pd.weights_desc();
     impl_ = pd.impl_info_str();
+    if (gemm_ != compute_) impl_ += " (f32 on bf16 values)";
     weights_ = memory(weights_desc_, eng);
     // oneDNN reorders f32 and bf16 through any positive strides: our (N, K) view is its (K, N) matrix with the
     // strides swapped. f16 (which oneDNN 2.6 does not reorder on every CPU), unaligned data and broadcast (zero)
-    // strides are first read into a contiguous (N, K) copy in the compute type.
+    // strides are first read into a contiguous (N, K) copy in the compute type; so are the weights of a bf16 layer
+    // on f32 GEMMs, rounded to bf16 and widened back.
     std::vector<std::byte> staged;
-    const bool direct = (w.dtype == DType::f32 || w.dtype == DType::bf16) && w.strides[0] > 0 && w.strides[1] > 0 &&
+    const bool direct = gemm_ == compute_ && (w.dtype == DType::f32 || w.dtype == DType::bf16) &&
+                        w.strides[0] > 0 && w.strides[1] > 0 &&
                         reinterpret_cast<uintptr_t>(w.data) % size_of(w.dtype) == 0;
     memory::desc user_desc;
     const void* user_data = w.data;
@@ -103,7 +126,14 @@ Linear::Linear(const TensorView& w, const float* bias, DType compute)
     } else {
       staged.resize(static_cast<size_t>(N * K) * size_of(compute));
       copy_rows(w, 0, N, compute, staged.data());
-      user_desc = memory::desc({K, N}, ct, tag::ba);
+      if (gemm_ != compute_) {
+        std::vector<std::byte> wide(static_cast<size_t>(N * K) * sizeof(float));
+        const auto* narrow = reinterpret_cast<const kernels::bf16*>(staged.data());
+        auto* f = reinterpret_cast<float*>(wide.data());
+        for (int64_t i = 0; i < N * K; ++i) f[i] = kernels::widen(narrow[i]);
+        staged = std::move(wide);
+      }
+      user_desc = memory::desc({K, N}, dnnl_type(gemm_), tag::ba);
       user_data = staged.data();
     }
     memory user_w(user_desc, eng, const_cast<void*>(user_data));
@@ -184,23 +214,29 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
   }
   try {
     auto& eng = cpu_engine();
-    const memory::desc src({M, K_}, dnnl_type(compute_), memory::dims{lda, 1}),
-        dst({M, N_}, dnnl_type(dst_type), memory::dims{ldc, 1});
+    // A bf16 Linear on f32 GEMMs reads x from a dense f32 copy, and writes a bf16 y through a dense f32 one.
+    const bool wide = gemm_ != compute_, wide_dst = wide && dst_type != DType::f32;
+    const memory::desc src({M, K_}, dnnl_type(gemm_), memory::dims{wide ? K_ : lda, 1}),
+        dst({M, N_}, dt::f32, memory::dims{wide_dst ? N_ : ldc, 1});
+    const memory::desc dst_desc = wide ? dst : memory::desc({M, N_}, dnnl_type(dst_type), memory::dims{ldc, 1});
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     // Created under the caller's thread count: oneDNN plans its work split for it.
     ScopedOmpThreads scope(threads);
-    auto pd = has_bias_
-                  ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights_desc_, bias_.get_desc(), dst), attr, eng)
-                  : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights_desc_, dst), attr, eng);
-    skip_amx(pd, compute_, K_);
+    // Named, so that it outlives pd: skip_amx's next_impl() reads it in place.
+    const dnnl::matmul::desc op = has_bias_ ? dnnl::matmul::desc(src, weights_desc_, bias_.get_desc(), dst_desc)
+                                            : dnnl::matmul::desc(src, weights_desc_, dst_desc);
+    dnnl::matmul::primitive_desc pd(op, attr, eng);
+    skip_amx(pd, gemm_, K_);
     auto e = std::make_unique<ExecContext::Entry>();
     e->prim = dnnl::matmul(pd);
     e->stream = dnnl::stream(eng);
     e->src = memory(src, eng, DNNL_MEMORY_NONE);
     e->weights = memory(weights_desc_, eng, DNNL_MEMORY_NONE);
     e->weights_desc = weights_desc_;
-    e->dst = memory(dst, eng, DNNL_MEMORY_NONE);
+    e->dst = memory(dst_desc, eng, DNNL_MEMORY_NONE);
+    if (wide) e->src32.resize(static_cast<size_t>(M * K_));
+    if (wide_dst) e->dst32.resize(static_cast<size_t>(M * N_));
     e->scratch = memory(pd.scratchpad_desc(), eng);
     std::vector<std::pair<int, memory>> args = {{DNNL_ARG_SRC, e->src}, {DNNL_ARG_WEIGHTS, e->weights},
                                                 {DNNL_ARG_DST, e->dst}, {DNNL_ARG_SCRATCHPAD, e->scratch}};
@@ -227,15 +263,27 @@ void Linear::prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int 
 void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads, int slot,
                  DType dst) const {
   ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst, /*pin=*/false);
-  e.src.set_data_handle(const_cast<void*>(x));
+  if (gemm_ != compute_) {  // bf16 x widened (exactly) into the entry's f32 copy
+    const auto* xb = static_cast<const kernels::bf16*>(x);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t k = 0; k < K_; ++k) e.src32[static_cast<size_t>(i * K_ + k)] = kernels::widen(xb[i * lda + k]);
+    e.src.set_data_handle(e.src32.data());
+  } else {
+    e.src.set_data_handle(const_cast<void*>(x));
+  }
   e.weights.set_data_handle(weights_.get_data_handle());
   if (has_bias_) e.bias.set_data_handle(bias_.get_data_handle());
-  e.dst.set_data_handle(y);
+  e.dst.set_data_handle(e.dst32.empty() ? y : e.dst32.data());
   ScopedOmpThreads scope(threads);
   const dnnl_status_t st =
       dnnl_primitive_execute(e.prim.get(), e.stream.get(), static_cast<int>(e.c_args.size()), e.c_args.data());
   if (st != dnnl_success) fail(code_of(st), "oneDNN: matmul execution failed (status " + std::to_string(st) + ")");
   e.stream.wait();
+  if (!e.dst32.empty()) {  // the f32 result rounded into the bf16 y
+    auto* yb = static_cast<kernels::bf16*>(y);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t n = 0; n < N_; ++n) yb[i * ldc + n] = kernels::to_bf16(e.dst32[static_cast<size_t>(i * N_ + n)]);
+  }
 }
 
 }  // namespace gpt2attn::detail

@@ -97,7 +97,7 @@ class Linear {
   ~Linear();
 
   // x: (M, K) of the compute type with row stride lda; y: (M, N) of type `dst` (f32, or bf16 when the compute type
-  // is bf16) with row stride ldc. M >= 1. The first call for a given (M, lda, ldc, threads, dst, slot) in `ctx`
+  // is bf16) with row stride ldc. A bf16 Linear on f32 GEMMs (gemm_, below) converts x and y around them. M >= 1. The first call for a given (M, lda, ldc, threads, dst, slot) in `ctx`
   // creates its primitive; later calls allocate nothing. `slot`: the caller's thread number in the engine's own
   // team running same-shape GEMMs at once (omp_get_thread_num() inside that region), 0 for a GEMM run alone. The
   // engine says which, not the OpenMP runtime: a server calling from its own parallel region has a thread number
@@ -121,6 +121,12 @@ class Linear {
 
   int64_t N_ = 0, K_ = 0;
   DType compute_ = DType::f32;
+  // The type oneDNN multiplies in: the compute type, except where oneDNN has no bf16 matmul (a CPU without
+  // AVX-512, or oneDNN capped below it by ONEDNN_MAX_CPU_ISA): there a bf16 layer's GEMMs run in f32 on the
+  // bf16-rounded weights and activations, which gives the products a bf16 GEMM forms (a product of two bf16 values
+  // is exact in f32) summed in f32 as it sums them, in an order of oneDNN's choosing. Each entry then widens x into
+  // an f32 copy and, for a bf16 y, narrows the f32 result into it.
+  DType gemm_ = DType::f32;
   bool has_bias_ = false;
   dnnl::memory::desc weights_desc_;
   dnnl::memory weights_, bias_;

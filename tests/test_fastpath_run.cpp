@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -31,6 +32,16 @@ using test::OwnedTensor;
 using test::random_uniform;
 using test::reduction_length;
 using test::simple_inputs;
+
+// Whether this process's oneDNN is capped below AVX-512 (ONEDNN_MAX_CPU_ISA, or its older name), where oneDNN 2.6
+// has no bf16 matmul. Its values are SSE41, AVX, AVX2, AVX2_VNNI, AVX512_CORE..., ALL.
+bool onednn_below_avx512() {
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (!cap) cap = std::getenv("DNNL_MAX_CPU_ISA");
+  if (!cap) return false;
+  const std::string c = cap;
+  return c.rfind("AVX512", 0) != 0 && c != "ALL";
+}
 
 // =============================================================================================================
 // 1. Dropout follows the documented hash contract exactly, so training mode matches the reference.
@@ -363,10 +374,26 @@ TEST_P(FastPathBf16Io, ImplementationNamesTheBf16Kernels) {
             std::string::npos)
       << impl;
   EXPECT_EQ(impl.find("onednn-matmul/ref"), std::string::npos) << "oneDNN fell back to its reference GEMM: " << impl;
-  if (isa_supported(Isa::avx512_bf16)) {
+  if (isa_supported(Isa::avx512_bf16) && !onednn_below_avx512()) {
     EXPECT_TRUE(impl.find("brg:avx512_core_bf16") != std::string::npos ||
                 impl.find("brg:avx512_core_amx_bf16") != std::string::npos)
         << impl;
+  }
+}
+
+// Below AVX-512 oneDNN 2.6 has no bf16 matmul (a CPU without it, or oneDNN capped by ONEDNN_MAX_CPU_ISA, as ctest's
+// `bf16_on_f32_gemms` runs the bf16 suites): a bf16 layer's projections then multiply its bf16-rounded weights and
+// activations in f32 GEMMs (engine/linear.hpp, gemm_), and agree with the reference run on the rounded inputs within the
+// bf16 bound, in f32 and bf16 output, self- and cross-attention with d_in, kdim and vdim of their own.
+TEST_P(FastPathBf16Io, ProjectionsWithoutOneDnnBf16MultiplyInF32) {
+  if (!onednn_below_avx512()) GTEST_SKIP() << "oneDNN runs bf16 GEMMs here; ctest's bf16_on_f32_gemms runs this";
+  for (bool self : {true, false}) {
+    const Config c = make_config(48, 4, self ? 0 : 40, self ? 0 : 24, self ? 0 : 32, self);
+    const Weights w = Weights::random(c, 960 + self);
+    MultiHeadAttention l(c, w, EngineOptions{.threads = 2, .isa = isa(), .compute = DType::bf16});
+    EXPECT_NE(l.implementation().find("(f32 on bf16 values)"), std::string::npos) << l.implementation();
+    const OwnedInputs in = simple_inputs(c, 2, 33, self ? 33 : 7, self, 970 + self, 2.0f);
+    EXPECT_TRUE(test::bf16_matches_reference(l, w, in, RunOptions{}, self ? "self, f32 GEMMs" : "cross, f32 GEMMs"));
   }
 }
 

@@ -216,21 +216,29 @@ def cpu_lacks(isa):
     return [x for x in ISA_CPU_FLAGS[isa] if flags and x not in flags]
 
 
+# The oneDNN level the CLI's --isa X caps the GEMMs at (tools/gpt2attn.cpp, cap_onednn).
+ONEDNN_LEVEL = {"avx512": "AVX512_CORE", "avx2": "AVX2", "scalar": "SSE41"}
+
+
 def isa_case(r, isa, **kw):
     """--isa X against torch as any case, and its distance to --isa best (reported, not checked: the widening
-    kernels multiply the bf16 Q, K, V in f32 and do not round P, so they differ from AVX512-BF16 within the bound).
-    GPT2ATTN_ISA=X in the environment must force the same kernels as --isa X: the outputs are compared bitwise."""
+    kernels multiply the bf16 Q, K, V in f32 and do not round P, so they differ from AVX512-BF16 within the bound;
+    below AVX-512 oneDNN has no bf16 matmul, and the projections multiply the bf16 values in f32).
+    GPT2ATTN_ISA=X with oneDNN's own cap in the environment must run the same layer as --isa X, which sets both:
+    the outputs are compared bitwise."""
     if cpu_lacks(isa):
         return "skipped: this CPU lacks %s" % " ".join(cpu_lacks(isa))
     note, y, ref = bf16_case(r, isa=isa, **kw)
     _, y_best, _ = bf16_case(r, isa=None, **kw)
     os.environ["GPT2ATTN_ISA"] = isa
+    os.environ["ONEDNN_MAX_CPU_ISA"] = ONEDNN_LEVEL[isa]
     try:
         _, y_env, _ = bf16_case(r, isa=None, **kw)
     finally:
         del os.environ["GPT2ATTN_ISA"]
-    check(np.array_equal(y_env, y), "GPT2ATTN_ISA=%s and --isa %s differ by up to %.3g"
-          % (isa, isa, float(np.max(np.abs(y_env.astype(np.float64) - y)))))
+        del os.environ["ONEDNN_MAX_CPU_ISA"]
+    check(np.array_equal(y_env, y), "GPT2ATTN_ISA=%s ONEDNN_MAX_CPU_ISA=%s and --isa %s differ by up to %.3g"
+          % (isa, ONEDNN_LEVEL[isa], isa, float(np.max(np.abs(y_env.astype(np.float64) - y)))))
     return "%s; max |%s - best| %.2g; GPT2ATTN_ISA=%s bitwise equal" % (
         note, isa, float(np.max(np.abs(y.astype(np.float64) - y_best))), isa)
 
