@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstddef>
 #include <cstdint>
 #include <new>
@@ -58,6 +59,22 @@ ScopedOmpThreads::ScopedOmpThreads(int threads) : saved_(omp_get_max_threads()) 
 }
 ScopedOmpThreads::~ScopedOmpThreads() { omp_set_num_threads(saved_); }
 
+void cap_onednn(Isa isa) {
+  if (isa == Isa::best || std::getenv("ONEDNN_MAX_CPU_ISA") || std::getenv("DNNL_MAX_CPU_ISA")) return;
+  dnnl::cpu_isa level = dnnl::cpu_isa::sse41;
+  switch (isa) {
+    case Isa::avx512_bf16: level = dnnl::cpu_isa::avx512_core_bf16; break;
+    case Isa::avx512: level = dnnl::cpu_isa::avx512_core; break;
+    case Isa::avx2: level = dnnl::cpu_isa::avx2; break;
+    case Isa::scalar:
+    case Isa::best: break;
+  }
+  if (dnnl::set_max_cpu_isa(level) != dnnl::status::success) {
+    fail(ErrorCode::internal, std::string("oneDNN: cannot cap its instruction set at ") + to_string(isa) +
+                                  " (it has dispatched already in this process)");
+  }
+}
+
 dnnl::engine& cpu_engine() {
   static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
   return eng;
@@ -70,7 +87,7 @@ struct ExecContext::Entry {
   dnnl::stream stream;
   memory src, weights, bias, dst, scratch;  // handles set per call: one entry serves every Linear of its shape
   memory::desc weights_desc;
-  std::vector<float> src32, dst32;      // a bf16 Linear on f32 GEMMs: x widened, and y before narrowing (bf16 y)
+  bool narrow_dst = false;              // a bf16 Linear on f32 GEMMs writing bf16: the result goes through Wide::dst
   std::vector<memory> keep_alive;       // the memory objects c_args points into
   std::vector<dnnl_exec_arg_t> c_args;  // built once: the C++ execute() would build a vector per call
   uint64_t last_use = 0;                // ExecContext::uses_ at its latest lookup
@@ -87,7 +104,7 @@ Linear::Linear(const TensorView& w, const float* bias, DType compute)
     // created with this same layout, so the weights exist once, reordered (and rounded to bf16) once.
     const memory::desc b_desc({1, N}, dt::f32, tag::ab);
     // The operation descriptor outlives the primitive descriptor made from it: oneDNN's iterator reads it in place
-    // when next_impl() (skip_amx) steps to another implementation.
+    // when next_impl() (skip_amx) steps to another implementation. describe() (re)makes it, then the pd over it.
     std::optional<dnnl::matmul::desc> op;
     const auto describe = [&](DType gemm) {
       const dt g = dnnl_type(gemm);
@@ -198,13 +215,20 @@ size_t ExecContext::KeyHash::operator()(const Key& k) const {
 }
 
 ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot,
-                                  DType dst_type, bool pin) const {
+                                  DType dst_type, bool pin, ExecContext::Wide** wide_out) const {
   if (dst_type != DType::f32 && dst_type != compute_) {
     fail(ErrorCode::internal,
          std::string("linear: a ") + to_string(compute_) + " GEMM cannot write " + to_string(dst_type));
   }
   const ExecContext::Key key{N_, K_, has_bias_, compute_, dst_type, M, lda, ldc, threads, slot};
   std::lock_guard<std::mutex> lock(ctx.mu_);
+  if (gemm_ != compute_) {  // the slot's f32 buffers, grown (only) when an entry of a larger shape is made
+    ExecContext::Wide& wd = ctx.wide_[slot];
+    const auto src_floats = static_cast<size_t>(M * K_), dst_floats = static_cast<size_t>(M * N_);
+    if (wd.src.size() < src_floats) wd.src.resize(src_floats);
+    if (dst_type != DType::f32 && wd.dst.size() < dst_floats) wd.dst.resize(dst_floats);
+    if (wide_out) *wide_out = &wd;
+  }
   if (auto it = ctx.entries_.find(key); it != ctx.entries_.end()) {
     // oneDNN picks the blocked weights layout from the shape alone, so every Linear of this shape has it.
     if (it->second->weights_desc != weights_desc_) fail(ErrorCode::internal, "oneDNN: weights layouts differ for one shape");
@@ -235,8 +259,7 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     e->weights = memory(weights_desc_, eng, DNNL_MEMORY_NONE);
     e->weights_desc = weights_desc_;
     e->dst = memory(dst_desc, eng, DNNL_MEMORY_NONE);
-    if (wide) e->src32.resize(static_cast<size_t>(M * K_));
-    if (wide_dst) e->dst32.resize(static_cast<size_t>(M * N_));
+    e->narrow_dst = wide_dst;
     e->scratch = memory(pd.scratchpad_desc(), eng);
     std::vector<std::pair<int, memory>> args = {{DNNL_ARG_SRC, e->src}, {DNNL_ARG_WEIGHTS, e->weights},
                                                 {DNNL_ARG_DST, e->dst}, {DNNL_ARG_SCRATCHPAD, e->scratch}};
@@ -262,27 +285,30 @@ void Linear::prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int 
 
 void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads, int slot,
                  DType dst) const {
-  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst, /*pin=*/false);
-  if (gemm_ != compute_) {  // bf16 x widened (exactly) into the entry's f32 copy
+  ExecContext::Wide* wide = nullptr;
+  ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst, /*pin=*/false, &wide);
+  if (wide) {  // bf16 x widened (exactly) into the slot's f32 copy
     const auto* xb = static_cast<const kernels::bf16*>(x);
+    float* x32 = wide->src.data();
     for (int64_t i = 0; i < M; ++i)
-      for (int64_t k = 0; k < K_; ++k) e.src32[static_cast<size_t>(i * K_ + k)] = kernels::widen(xb[i * lda + k]);
-    e.src.set_data_handle(e.src32.data());
+      for (int64_t k = 0; k < K_; ++k) x32[i * K_ + k] = kernels::widen(xb[i * lda + k]);
+    e.src.set_data_handle(x32);
   } else {
     e.src.set_data_handle(const_cast<void*>(x));
   }
   e.weights.set_data_handle(weights_.get_data_handle());
   if (has_bias_) e.bias.set_data_handle(bias_.get_data_handle());
-  e.dst.set_data_handle(e.dst32.empty() ? y : e.dst32.data());
+  e.dst.set_data_handle(e.narrow_dst ? wide->dst.data() : y);
   ScopedOmpThreads scope(threads);
   const dnnl_status_t st =
       dnnl_primitive_execute(e.prim.get(), e.stream.get(), static_cast<int>(e.c_args.size()), e.c_args.data());
   if (st != dnnl_success) fail(code_of(st), "oneDNN: matmul execution failed (status " + std::to_string(st) + ")");
   e.stream.wait();
-  if (!e.dst32.empty()) {  // the f32 result rounded into the bf16 y
+  if (e.narrow_dst) {  // the f32 result rounded into the bf16 y
     auto* yb = static_cast<kernels::bf16*>(y);
+    const float* y32 = wide->dst.data();
     for (int64_t i = 0; i < M; ++i)
-      for (int64_t n = 0; n < N_; ++n) yb[i * ldc + n] = kernels::to_bf16(e.dst32[static_cast<size_t>(i * N_ + n)]);
+      for (int64_t n = 0; n < N_; ++n) yb[i * ldc + n] = kernels::to_bf16(y32[i * N_ + n]);
   }
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gpt2attn/dtype.hpp"
+#include "gpt2attn/isa.hpp"
 #include "gpt2attn/tensor.hpp"
 
 namespace gpt2attn::detail {
@@ -80,8 +81,15 @@ class ExecContext {
   struct KeyHash {
     size_t operator()(const Key& k) const;
   };
+  // A bf16 Linear on f32 GEMMs (Linear::gemm_): each slot's f32 copy of x and f32 result before a bf16 y, grown to the
+  // largest shape the slot's entries were made for (never per call, never shrunk; trim() keeps them). Node-based, so
+  // a slot's buffers stay put while another slot's are added; a slot's GEMMs are its thread's, one at a time.
+  struct Wide {
+    std::vector<float> src, dst;
+  };
   std::mutex mu_;  // the team's threads look up and add entries concurrently
   std::unordered_map<Key, std::unique_ptr<Entry>, KeyHash> entries_;
+  std::unordered_map<int, Wide> wide_;
   uint64_t uses_ = 0;  // entry lookups so far: each entry's last_use orders them for trim()
 };
 
@@ -97,9 +105,10 @@ class Linear {
   ~Linear();
 
   // x: (M, K) of the compute type with row stride lda; y: (M, N) of type `dst` (f32, or bf16 when the compute type
-  // is bf16) with row stride ldc. A bf16 Linear on f32 GEMMs (gemm_, below) converts x and y around them. M >= 1. The first call for a given (M, lda, ldc, threads, dst, slot) in `ctx`
-  // creates its primitive; later calls allocate nothing. `slot`: the caller's thread number in the engine's own
-  // team running same-shape GEMMs at once (omp_get_thread_num() inside that region), 0 for a GEMM run alone. The
+  // is bf16) with row stride ldc. A bf16 Linear on f32 GEMMs (gemm_, below) converts x and y around them. M >= 1.
+  // The first call for a given (M, lda, ldc, threads, dst, slot) in `ctx` creates its primitive; later calls
+  // allocate nothing. `slot`: the caller's thread number in the engine's own team running same-shape GEMMs at once
+  // (omp_get_thread_num() inside that region), 0 for a GEMM run alone. The
   // engine says which, not the OpenMP runtime: a server calling from its own parallel region has a thread number
   // there that is no slot of ours (it made the output projection miss what reserve() had prepared).
   void run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads, int slot,
@@ -116,16 +125,18 @@ class Linear {
  private:
   // The entry for this shape, found or made, under ctx's lock; `pin` marks it reserved under the same lock, so no
   // trim() can come between finding it and keeping it.
+  // For a bf16 Linear on f32 GEMMs, *wide (when not null) gets the slot's f32 buffers, large enough for this shape.
   ExecContext::Entry& entry(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot, DType dst,
-                            bool pin) const;
+                            bool pin, ExecContext::Wide** wide = nullptr) const;
 
   int64_t N_ = 0, K_ = 0;
   DType compute_ = DType::f32;
   // The type oneDNN multiplies in: the compute type, except where oneDNN has no bf16 matmul (a CPU without
   // AVX-512, or oneDNN capped below it by ONEDNN_MAX_CPU_ISA): there a bf16 layer's GEMMs run in f32 on the
   // bf16-rounded weights and activations, which gives the products a bf16 GEMM forms (a product of two bf16 values
-  // is exact in f32) summed in f32 as it sums them, in an order of oneDNN's choosing. Each entry then widens x into
-  // an f32 copy and, for a bf16 y, narrows the f32 result into it.
+  // is exact in f32) summed in f32 as it sums them, in an order of oneDNN's choosing. Each call then widens x into
+  // its slot's f32 buffer (ExecContext::Wide) on the calling thread and, for a bf16 y, rounds the f32 result into it:
+  // a fallback, not a fast path (each per-head projection widens the whole input again).
   DType gemm_ = DType::f32;
   bool has_bias_ = false;
   dnnl::memory::desc weights_desc_;
@@ -134,5 +145,12 @@ class Linear {
 };
 
 dnnl::engine& cpu_engine();
+
+// Caps oneDNN's instruction set for the whole process (dnnl::set_max_cpu_isa) at the level of `isa`: avx512_bf16 ->
+// avx512_core_bf16 (so no AMX), avx512 -> avx512_core, avx2 -> avx2, scalar -> sse41 (oneDNN's lowest); best caps
+// nothing, and neither does a process whose environment already sets ONEDNN_MAX_CPU_ISA or DNNL_MAX_CPU_ISA (that
+// cap is kept). Process-wide and once: for a program that owns its process (the CLI), before any layer exists; once
+// oneDNN has dispatched anything it fails with an internal error. No environment is written.
+void cap_onednn(Isa isa);
 
 }  // namespace gpt2attn::detail

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "engine/io/file_io.hpp"
+#include "engine/linear.hpp"
 #include "engine/util.hpp"
 #include "tools/npy.hpp"
 #include "gpt2attn/gpt2attn.h"
@@ -111,9 +112,10 @@ bench    times the whole layer (QKV projection, causal attention, output project
          the process's peak resident memory so far (getrusage): for a run of one case, that case's.
 presets  lists the compiled-in presets.
 
---isa caps the instruction set of the whole layer: gpt2attn's kernels, and oneDNN's GEMMs through
-ONEDNN_MAX_CPU_ISA (avx512_bf16: AVX512_CORE_BF16, so no AMX; avx512: AVX512_CORE; avx2: AVX2; scalar: SSE41),
-unless that variable is already set, which is then kept; best caps neither.
+--isa caps the instruction set of the whole layer: gpt2attn's kernels, and oneDNN's GEMMs (avx512_bf16: oneDNN's
+avx512_core_bf16, so no AMX; avx512: avx512_core; avx2: avx2; scalar: sse41), unless ONEDNN_MAX_CPU_ISA or
+DNNL_MAX_CPU_ISA is set in the environment, which is then kept; best caps neither. Below avx512 oneDNN has no
+bf16 GEMM, and --dtype bf16 projections multiply the bf16-rounded values in f32 GEMMs.
 --threads N is 1 to 1024 (default: every core OpenMP offers); --repeats N is 1 to 2147483647; --heads,
 --kv-heads, --context-length, --batch and --seq are 1 or more. A value out of range is refused, never narrowed.
 An option that takes one value (all but bench's --preset, --dtype, --kv-dtype and --kv-heads) given twice is refused;
@@ -234,23 +236,9 @@ ga::Isa isa_option(const Args& a) {
   }
 }
 
-// --isa caps the whole layer, oneDNN's GEMMs too: the library's EngineOptions::isa picks gpt2attn's own kernels only,
-// since oneDNN's cap is process-wide (ONEDNN_MAX_CPU_ISA, read once, at its first dispatch), so this process, which
-// is the CLI's, sets it before any layer exists. A cap the caller set in the environment stays as it is.
-// `best` sets nothing (oneDNN may then take AMX for bf16); scalar gets oneDNN's lowest level, SSE4.1.
-void cap_onednn(ga::Isa isa) {
-  if (isa == ga::Isa::best || std::getenv("ONEDNN_MAX_CPU_ISA") || std::getenv("DNNL_MAX_CPU_ISA")) return;
-  const char* level = "SSE41";
-  switch (isa) {
-    case ga::Isa::avx512_bf16: level = "AVX512_CORE_BF16"; break;
-    case ga::Isa::avx512: level = "AVX512_CORE"; break;
-    case ga::Isa::avx2: level = "AVX2"; break;
-    case ga::Isa::scalar:
-    case ga::Isa::best: break;
-  }
-  setenv("ONEDNN_MAX_CPU_ISA", level, 0);
-}
-
+// --isa caps the whole layer, oneDNN's GEMMs too (detail::cap_onednn): the library's EngineOptions::isa picks
+// gpt2attn's own kernels only, since oneDNN's cap is process-wide and fixed at its first dispatch; this process is the
+// CLI's, so it caps oneDNN before any layer exists. A cap the caller set in the environment stays as it is.
 Args parse(int argc, char** argv, int first, const std::vector<std::string>& value_opts,
            const std::vector<std::string>& flag_opts) {
   Args a;
@@ -409,7 +397,7 @@ int cmd_forward(int argc, char** argv) {
   ga::EngineOptions opts;
   opts.threads = threads;
   opts.isa = isa_option(a);
-  cap_onednn(opts.isa);
+  ga::detail::cap_onednn(opts.isa);
   opts.compute = compute;
   std::vector<float> out;
   auto output_size = [&](const ga::Config& c) {
@@ -948,7 +936,7 @@ int cmd_bench(int argc, char** argv) {
   const bool json = a.flag("json");
   const bool check = a.flag("check") || (!json && !a.flag("no-check"));
   const ga::Isa isa = isa_option(a);
-  cap_onednn(isa);
+  ga::detail::cap_onednn(isa);
   // --kv-heads may repeat too (0: as many as the preset's heads).
   std::vector<int64_t> kv_heads_list = a.integers<int64_t>("kv-heads", 1);
   if (kv_heads_list.empty()) kv_heads_list = {0};
