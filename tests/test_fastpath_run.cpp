@@ -4,6 +4,8 @@
 // Shapes chosen for the kernel's tiles live in test_fastpath_tiles.cpp, the random sweep in test_fastpath_sweep.cpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -14,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/linear.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/bf16.hpp"
 #include "tests/fastpath_util.hpp"
@@ -33,14 +36,18 @@ using test::random_uniform;
 using test::reduction_length;
 using test::simple_inputs;
 
-// Whether this process's oneDNN is capped below AVX-512 (ONEDNN_MAX_CPU_ISA, or its older name), where oneDNN 2.6
-// has no bf16 matmul. Its values are SSE41, AVX, AVX2, AVX2_VNNI, AVX512_CORE..., ALL.
-bool onednn_below_avx512() {
+// This process's oneDNN cap (ONEDNN_MAX_CPU_ISA, or its older name), upper-cased; empty where none is set.
+std::string onednn_cap() {
   const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
   if (!cap) cap = std::getenv("DNNL_MAX_CPU_ISA");
-  if (!cap) return false;
-  const std::string c = cap;
-  return c.rfind("AVX512", 0) != 0 && c != "ALL";
+  std::string c = cap ? cap : "";
+  for (char& ch : c) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  return c;
+}
+// Whether that cap is below AVX-512, where oneDNN 2.6 has no bf16 matmul.
+bool onednn_below_avx512() {
+  const std::string c = onednn_cap();
+  return c == "SSE41" || c == "AVX" || c == "AVX2" || c == "AVX2_VNNI";
 }
 
 // =============================================================================================================
@@ -374,7 +381,7 @@ TEST_P(FastPathBf16Io, ImplementationNamesTheBf16Kernels) {
             std::string::npos)
       << impl;
   EXPECT_EQ(impl.find("onednn-matmul/ref"), std::string::npos) << "oneDNN fell back to its reference GEMM: " << impl;
-  if (isa_supported(Isa::avx512_bf16) && !onednn_below_avx512()) {
+  if (isa_supported(Isa::avx512_bf16) && onednn_cap().empty()) {
     EXPECT_TRUE(impl.find("brg:avx512_core_bf16") != std::string::npos ||
                 impl.find("brg:avx512_core_amx_bf16") != std::string::npos)
         << impl;
@@ -383,8 +390,9 @@ TEST_P(FastPathBf16Io, ImplementationNamesTheBf16Kernels) {
 
 // Below AVX-512 oneDNN 2.6 has no bf16 matmul (a CPU without it, or oneDNN capped by ONEDNN_MAX_CPU_ISA, as ctest's
 // `bf16_on_f32_gemms` runs the bf16 suites): a bf16 layer's projections then multiply its bf16-rounded weights and
-// activations in f32 GEMMs (engine/linear.hpp, gemm_), and agree with the reference run on the rounded inputs within the
-// bf16 bound, in f32 and bf16 output, self- and cross-attention with d_in, kdim and vdim of their own.
+// activations in f32 GEMMs (engine/linear.hpp, gemm_), and agree with the reference run on the rounded inputs within
+// the bf16 bound, self- and cross-attention with d_in, kdim and vdim of their own. The GEMM itself, strides and bf16
+// output: Bf16Linear below.
 TEST_P(FastPathBf16Io, ProjectionsWithoutOneDnnBf16MultiplyInF32) {
   if (!onednn_below_avx512()) GTEST_SKIP() << "oneDNN runs bf16 GEMMs here; ctest's bf16_on_f32_gemms runs this";
   for (bool self : {true, false}) {
@@ -412,6 +420,52 @@ TEST_P(FastPathBf16Io, RaggedInnerDimensionStaysOffAmx) {
   }
 }
 GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathBf16Io);
+
+// A bf16 Linear multiplies the bf16-rounded weights and inputs and sums the products in f32, whichever GEMM oneDNN has:
+// a bf16 one, or f32 on the bf16 values where it has none (ctest's bf16_on_f32_gemms). Checked against a double sum of
+// the same rounded products within an f32 summation bound, (K + 1) 2^-24 sum |terms|, which unrounded weights break
+// (checked too), with row strides past the widths (lda = K + 3, ldc = N + 5: the padding is never written), in f32
+// and in bf16 output.
+TEST(Bf16Linear, SumsTheProductsOfRoundedValuesInF32) {
+  const int64_t M = 37, K = 70, N = 45, lda = K + 3, ldc = N + 5;
+  std::mt19937 rng(77);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> w(static_cast<size_t>(N * K)), bias(static_cast<size_t>(N));
+  for (float& v : w) v = nd(rng);  // not bf16 values: the Linear rounds them once
+  for (float& v : bias) v = nd(rng);
+  std::vector<kernels::bf16> x(static_cast<size_t>(M * lda));
+  for (kernels::bf16& v : x) v = kernels::to_bf16(nd(rng));
+  const detail::Linear lin(TensorView::f32(w.data(), {N, K}), bias.data(), DType::bf16);
+  detail::ExecContext ctx;
+  constexpr uint16_t kPad = 0x7fc1;
+  std::vector<float> y(static_cast<size_t>(M * ldc), std::nanf(""));
+  std::vector<kernels::bf16> yb(y.size(), kernels::bf16{kPad});
+  lin.run(ctx, x.data(), M, lda, y.data(), ldc, 1, 0, DType::f32);
+  lin.run(ctx, x.data(), M, lda, yb.data(), ldc, 1, 0, DType::bf16);
+  double worst_unrounded = 0;  // how far unrounded weights would land, in units of the bound
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t n = 0; n < ldc; ++n) {
+      const size_t at = static_cast<size_t>(i * ldc + n);
+      if (n >= N) {
+        ASSERT_TRUE(std::isnan(y[at]) && yb[at].bits == kPad) << "row " << i << " padding column " << n << " written";
+        continue;
+      }
+      double sum = bias[static_cast<size_t>(n)], unrounded = sum, mag = std::fabs(sum);
+      for (int64_t k = 0; k < K; ++k) {
+        const double xv = kernels::widen(x[static_cast<size_t>(i * lda + k)]);
+        const float wv = w[static_cast<size_t>(n * K + k)];
+        const double t = static_cast<double>(kernels::widen(kernels::to_bf16(wv))) * xv;
+        sum += t, unrounded += static_cast<double>(wv) * xv, mag += std::fabs(t);
+      }
+      const double bound = static_cast<double>(K + 1) * std::ldexp(mag, -24);
+      ASSERT_LE(std::fabs(y[at] - sum), bound) << "(" << i << ", " << n << "): " << y[at] << " against " << sum;
+      ASSERT_LE(std::fabs(kernels::widen(yb[at]) - y[at]), std::ldexp(std::fabs(y[at]), -8) + bound)
+          << "(" << i << ", " << n << "): bf16 output " << kernels::widen(yb[at]) << ", f32 output " << y[at];
+      worst_unrounded = std::max(worst_unrounded, std::fabs(unrounded - sum) / bound);
+    }
+  }
+  EXPECT_GT(worst_unrounded, 10.0) << "the bound would not tell rounded weights from unrounded ones";
+}
 
 }  // namespace
 }  // namespace gpt2attn

@@ -1,6 +1,7 @@
 # tests/python/test_cli_isa.py: the CLI's --isa caps the whole layer, oneDNN's GEMMs as well as gpt2attn's kernels
-# (ONEDNN_MAX_CPU_ISA, set by the CLI before any layer exists), so `bench --isa avx2` times an AVX2 layer; `best` caps
-# nothing, and a cap the caller put in the environment is kept.
+# (dnnl::set_max_cpu_isa, before any layer exists), so `bench --isa avx2` times an AVX2 layer; `best` caps nothing, and
+# a cap the caller put in the environment (ONEDNN_MAX_CPU_ISA) is kept. The AMX case means something only on a CPU
+# with AMX.
 import json
 import os
 import re
@@ -56,6 +57,17 @@ def bf16_level_keeps_amx_off(r):
     return "oneDNN: " + gemm
 
 
+def avx512_caps_below_its_bf16_kernels(r):
+    if best_level(r, "bf16") != "avx512_bf16":
+        return "skipped: no AVX512-BF16 here"
+    isa, gemm = bench_row(r, "avx512")
+    check(isa == "avx512" and "avx512_core" in gemm, "f32 at --isa avx512 runs oneDNN's avx512_core, got %s" % gemm)
+    isa, gemm = bench_row(r, "avx512", dtype="bf16")
+    check("avx512_core_bf16" not in gemm and "amx" not in gemm,
+          "--isa avx512 keeps oneDNN below its AVX512-BF16 kernels, got %s" % gemm)
+    return "bf16 oneDNN: " + gemm
+
+
 def callers_cap_is_kept(r):
     if not best_level(r).startswith("avx512"):
         return "skipped: no AVX-512 here"
@@ -70,6 +82,7 @@ def main():
     r.case("avx2_caps_onednn", lambda: avx2_caps_onednn(r))
     r.case("best_caps_nothing", lambda: best_caps_nothing(r))
     r.case("bf16_level_keeps_amx_off", lambda: bf16_level_keeps_amx_off(r))
+    r.case("avx512_caps_below_its_bf16_kernels", lambda: avx512_caps_below_its_bf16_kernels(r))
     r.case("callers_cap_is_kept", lambda: callers_cap_is_kept(r))
     r.finish()
 

@@ -216,7 +216,7 @@ def cpu_lacks(isa):
     return [x for x in ISA_CPU_FLAGS[isa] if flags and x not in flags]
 
 
-# The oneDNN level the CLI's --isa X caps the GEMMs at (tools/gpt2attn.cpp, cap_onednn).
+# The oneDNN level the CLI's --isa X caps the GEMMs at (engine/linear.hpp, cap_onednn).
 ONEDNN_LEVEL = {"avx512": "AVX512_CORE", "avx2": "AVX2", "scalar": "SSE41"}
 
 
@@ -230,13 +230,18 @@ def isa_case(r, isa, **kw):
         return "skipped: this CPU lacks %s" % " ".join(cpu_lacks(isa))
     note, y, ref = bf16_case(r, isa=isa, **kw)
     _, y_best, _ = bf16_case(r, isa=None, **kw)
+    saved = {k: os.environ.get(k) for k in ("GPT2ATTN_ISA", "ONEDNN_MAX_CPU_ISA")}
     os.environ["GPT2ATTN_ISA"] = isa
-    os.environ["ONEDNN_MAX_CPU_ISA"] = ONEDNN_LEVEL[isa]
+    if not (saved["ONEDNN_MAX_CPU_ISA"] or os.environ.get("DNNL_MAX_CPU_ISA")):  # a caller's cap holds for both
+        os.environ["ONEDNN_MAX_CPU_ISA"] = ONEDNN_LEVEL[isa]
     try:
         _, y_env, _ = bf16_case(r, isa=None, **kw)
     finally:
-        del os.environ["GPT2ATTN_ISA"]
-        del os.environ["ONEDNN_MAX_CPU_ISA"]
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     check(np.array_equal(y_env, y), "GPT2ATTN_ISA=%s ONEDNN_MAX_CPU_ISA=%s and --isa %s differ by up to %.3g"
           % (isa, ONEDNN_LEVEL[isa], isa, float(np.max(np.abs(y_env.astype(np.float64) - y)))))
     return "%s; max |%s - best| %.2g; GPT2ATTN_ISA=%s bitwise equal" % (
