@@ -69,9 +69,11 @@ void cap_onednn(Isa isa) {
     case Isa::scalar:
     case Isa::best: break;
   }
-  if (dnnl::set_max_cpu_isa(level) != dnnl::status::success) {
+  const dnnl::status st = dnnl::set_max_cpu_isa(level);
+  if (st != dnnl::status::success) {
     fail(ErrorCode::internal, std::string("oneDNN: cannot cap its instruction set at ") + to_string(isa) +
-                                  " (it has dispatched already in this process)");
+                                  (st == dnnl::status::unimplemented ? " (this oneDNN was built without that control)"
+                                                                     : " (it has dispatched already in this process)"));
   }
 }
 
