@@ -4,9 +4,9 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <new>
 #include <optional>
 #include <string_view>
@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "engine/weights_copy.hpp"
-#include "kernels/bf16.hpp"
 #include "gpt2attn/error.hpp"
+#include "kernels/bf16.hpp"
 
 namespace gpt2attn::detail {
 

@@ -236,9 +236,6 @@ ga::Isa isa_option(const Args& a) {
   }
 }
 
-// --isa caps the whole layer, oneDNN's GEMMs too (detail::cap_onednn): the library's EngineOptions::isa picks
-// gpt2attn's own kernels only, since oneDNN's cap is process-wide and fixed at its first dispatch; this process is the
-// CLI's, so it caps oneDNN before any layer exists. A cap the caller set in the environment stays as it is.
 Args parse(int argc, char** argv, int first, const std::vector<std::string>& value_opts,
            const std::vector<std::string>& flag_opts) {
   Args a;
@@ -397,6 +394,8 @@ int cmd_forward(int argc, char** argv) {
   ga::EngineOptions opts;
   opts.threads = threads;
   opts.isa = isa_option(a);
+  // EngineOptions::isa picks gpt2attn's kernels; oneDNN's cap is process-wide and fixed at its first dispatch, and
+  // this process is the CLI's: --isa caps oneDNN's GEMMs too, before any layer exists.
   ga::detail::cap_onednn(opts.isa);
   opts.compute = compute;
   std::vector<float> out;
@@ -936,7 +935,7 @@ int cmd_bench(int argc, char** argv) {
   const bool json = a.flag("json");
   const bool check = a.flag("check") || (!json && !a.flag("no-check"));
   const ga::Isa isa = isa_option(a);
-  ga::detail::cap_onednn(isa);
+  ga::detail::cap_onednn(isa);  // as forward does: the whole layer at --isa, GEMMs included
   // --kv-heads may repeat too (0: as many as the preset's heads).
   std::vector<int64_t> kv_heads_list = a.integers<int64_t>("kv-heads", 1);
   if (kv_heads_list.empty()) kv_heads_list = {0};
