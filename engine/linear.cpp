@@ -145,11 +145,9 @@ Linear::Linear(const TensorView& w, const float* bias, DType compute)
     } else {
       staged.resize(static_cast<size_t>(N * K) * size_of(compute));
       copy_rows(w, 0, N, compute, staged.data());
-      if (gemm_ != compute_) {
+      if (gemm_ != compute_) {  // the bf16 values, widened (exactly) for the f32 GEMM
         std::vector<std::byte> wide(static_cast<size_t>(N * K) * sizeof(float));
-        const auto* narrow = reinterpret_cast<const kernels::bf16*>(staged.data());
-        auto* f = reinterpret_cast<float*>(wide.data());
-        for (int64_t i = 0; i < N * K; ++i) f[i] = kernels::widen(narrow[i]);
+        copy_rows(TensorView::contiguous(staged.data(), DType::bf16, {N, K}), 0, N, DType::f32, wide.data());
         staged = std::move(wide);
       }
       user_desc = memory::desc({K, N}, dnnl_type(gemm_), tag::ba);
@@ -290,11 +288,9 @@ void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* 
   ExecContext::Wide* wide = nullptr;
   ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst, /*pin=*/false, &wide);
   if (wide) {  // bf16 x widened (exactly) into the slot's f32 copy
-    const auto* xb = static_cast<const kernels::bf16*>(x);
-    float* x32 = wide->src.data();
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t k = 0; k < K_; ++k) x32[i * K_ + k] = kernels::widen(xb[i * lda + k]);
-    e.src.set_data_handle(x32);
+    copy_rows(TensorView::contiguous(x, DType::bf16, {M, K_}).with_strides({lda, 1}), 0, M, DType::f32,
+              wide->src.data());
+    e.src.set_data_handle(wide->src.data());
   } else {
     e.src.set_data_handle(const_cast<void*>(x));
   }

@@ -1,5 +1,6 @@
 // engine/weights_copy.hpp: reading a WeightsView's tensors (f32, bf16 or f16, any strides) into the contiguous
-// rows the layer packs from, used once per layer, at construction; and Weights::random's counter-based values.
+// rows the layer packs from, used once per layer, at construction (and per call by a bf16 Linear on f32 GEMMs, to
+// widen its input); and Weights::random's counter-based values.
 #pragma once
 
 #include <cstdint>
