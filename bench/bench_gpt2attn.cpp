@@ -51,6 +51,8 @@
 #include "engine/buffer.hpp"
 #include "engine/dispatch.hpp"
 #include "engine/linear.hpp"
+#include "engine/query_tiles.hpp"
+#include "engine/team.hpp"
 #include "gpt2attn/attention.hpp"
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/kv_cache.hpp"
@@ -227,10 +229,9 @@ struct Core {
     gk::fill_causal_band(causal_row.data());
   }
 
-  // engine/attention.cpp's forward() core (Impl::run_query_tiles) for B = 1, causal, no mask, no dropout: (H, query
-  // tiles, as many an item as the kernel asks for) items taken dynamically head by head, each head's longest (last)
-  // tiles first. Q, K and V head-major as the projections leave them, qkv (3, H, T, D): each head's rows
-  // contiguous, D apart; the output (T, E).
+  // engine/attention.cpp's forward() core for B = 1, causal, no mask, no dropout, through the engine's own
+  // run_query_tiles (engine/query_tiles.hpp). Q, K and V head-major as the projections leave them, qkv (3, H, T, D): each
+  // head's rows contiguous, D apart; the output (T, E).
   void run(int threads) {
     gk::AttentionArgs base;
     base.ldq = base.kv.ldk = base.kv.ldv = D;
@@ -240,25 +241,16 @@ struct Core {
     base.causal = true;
     base.causal_offset = 0;
     base.causal_bias = causal_row.data() + gk::causal_band_center();
-    const gk::QueryItems q(*kernel, T, T, D);
-    const int64_t items = H * q.per_slice;
     const auto* qp = reinterpret_cast<const std::byte*>(qkv.get());
     auto* out = reinterpret_cast<std::byte*>(ctx.get());
     const int64_t es = static_cast<int64_t>(ga::size_of(compute));  // bytes per element
-#pragma omp parallel num_threads(threads)
-    {
-      float* s = floats(scratch) + omp_get_thread_num() * scratch_stride;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t it = 0; it < items; ++it) {
-        const int64_t h = it / q.per_slice, i = it % q.per_slice;
-        gk::AttentionArgs a = base;
-        a.q = qp + h * T * D * es;
-        a.kv.k = qp + (H + h) * T * D * es;
-        a.kv.v = qp + (2 * H + h) * T * D * es;
-        a.out = out + h * D * es;
-        kernel->run(a, q.row_begin(i), q.row_end(i), s);
-      }
-    }
+    ga::detail::run_query_tiles(*kernel, H, T, base, floats(scratch), scratch_stride, threads,
+                                [&](gk::AttentionArgs& a, int64_t h) {
+                                  a.q = qp + h * T * D * es;
+                                  a.kv.k = qp + (H + h) * T * D * es;
+                                  a.kv.v = qp + (2 * H + h) * T * D * es;
+                                  a.out = out + h * D * es;
+                                });
   }
 };
 
@@ -318,10 +310,9 @@ struct Projections {
   void run(int threads) {
     const float* xp = floats(x);
     float* q = floats(qkv);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t i = 0; i < 3 * H; ++i) {
-      heads[static_cast<size_t>(i)].run(exec, xp, T, E, q + i * T * D, D, 1, omp_get_thread_num());
-    }
+    ga::detail::team_for(threads, 3 * H, [&](int64_t i, int thread) {
+      heads[static_cast<size_t>(i)].run(exec, xp, T, E, q + i * T * D, D, 1, thread);
+    });
     out->run(exec, floats(ctx), T, E, floats(y), E, threads, 0);
   }
 };

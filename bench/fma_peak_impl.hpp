@@ -3,14 +3,13 @@
 // internal linkage keeps ISA-flagged code out of other TUs.
 #pragma once
 
-#include <omp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <vector>
 #include <xsimd/xsimd.hpp>
 
 #include "bench/fma_peak.hpp"
+#include "engine/team.hpp"
 
 namespace gpt2attn::bench {
 namespace {
@@ -34,9 +33,10 @@ float fma_chains(long iters, float seed) {
 
 using Clock = std::chrono::steady_clock;
 
-// The rate of `threads` OpenMP threads each running chains(iters, seed) (flops_per_iter FLOPs an iteration) for
-// spec.trial_seconds: the best of spec.trials trials (other load only lowers a trial). Shared by every probe
-// (fma_peak_<isa>.cpp, bf16_dot_peak_avx512bf16.cpp), so their figures are measured alike.
+// The rate of a team of `threads` OpenMP threads (engine/team.hpp's team_run, the threads the layer's calls use),
+// each running chains(iters, seed) (flops_per_iter FLOPs an iteration) for spec.trial_seconds: the best of
+// spec.trials trials (other load only lowers a trial). Shared by every probe (fma_peak_<isa>.cpp,
+// bf16_dot_peak_avx512bf16.cpp), so their figures are measured alike.
 template <class Chains>
 double team_peak_gflops(int threads, double flops_per_iter, Chains chains, ProbeSpec spec) {
   volatile float sink = 0;
@@ -57,20 +57,18 @@ double team_peak_gflops(int threads, double flops_per_iter, Chains chains, Probe
   double best = 0;
   for (int trial = 0; trial < spec.trials; ++trial) {
     std::vector<Clock::time_point> start(static_cast<size_t>(threads)), end(start);
-#pragma omp parallel num_threads(threads)
-    {
-      const auto t = static_cast<size_t>(omp_get_thread_num());
-#pragma omp barrier
-      start[t] = Clock::now();
+    const int team = gpt2attn::detail::team_run(threads, [&](int t, int) {
+      const auto i = static_cast<size_t>(t);
+      start[i] = Clock::now();
       const float r = chains(iters, static_cast<float>(t));
-      end[t] = Clock::now();
+      end[i] = Clock::now();
       sink = sink + r;
-    }
-    const double s =
-        std::chrono::duration<double>(*std::max_element(end.begin(), end.end()) -
-                                      *std::min_element(start.begin(), start.end()))
-            .count();
-    best = std::max(best, flops_per_iter * static_cast<double>(iters) * threads / s * 1e-9);
+    });
+    const auto ran = static_cast<std::ptrdiff_t>(team);  // the threads OpenMP granted: only their times were set
+    const double s = std::chrono::duration<double>(*std::max_element(end.begin(), end.begin() + ran) -
+                                                   *std::min_element(start.begin(), start.begin() + ran))
+                         .count();
+    best = std::max(best, flops_per_iter * static_cast<double>(iters) * team / s * 1e-9);
   }
   return best;
 }

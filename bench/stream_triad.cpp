@@ -1,8 +1,7 @@
-// bench/stream_triad.cpp: the STREAM-style triad (see stream_triad.hpp). Plain C++ with OpenMP, compiled with
-// the baseline flags: a memory-bound loop gains nothing from wider vectors, so there is no per-ISA copy.
+// bench/stream_triad.cpp: the STREAM-style triad (see stream_triad.hpp). Plain C++ on the engine's OpenMP team
+// (engine/team.hpp), compiled with the baseline flags: a memory-bound loop gains nothing from wider vectors, so
+// there is no per-ISA copy.
 #include "bench/stream_triad.hpp"
-
-#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
@@ -11,6 +10,8 @@
 #include <memory>
 #include <new>
 #include <stdexcept>
+
+#include "engine/team.hpp"
 
 namespace gpt2attn::bench {
 namespace {
@@ -27,12 +28,19 @@ Array page_aligned(size_t n) {
   return Array(p);
 }
 
-// a[i] = b[i] + s*c[i] over [0, n) split statically across the team: the same split as the first touch, so
-// each thread streams the pages it placed.
-void triad(float* __restrict a, const float* __restrict b, const float* __restrict c, float s, int64_t n,
-           int threads) {
-#pragma omp parallel for simd schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i) a[i] = b[i] + s * c[i];
+// a[i] = b[i] + s*c[i] over [begin, end).
+void triad_range(float* __restrict a, const float* __restrict b, const float* __restrict c, float s, int64_t begin,
+                 int64_t end) {
+  for (int64_t i = begin; i < end; ++i) a[i] = b[i] + s * c[i];
+}
+
+// The triad over [0, n), each thread of the team its static share: the same cut as the first touch, so each thread
+// streams the pages it placed.
+void triad(float* a, const float* b, const float* c, float s, int64_t n, int threads) {
+  gpt2attn::detail::team_run(threads, [&](int t, int team) {
+    const auto [begin, end] = gpt2attn::detail::static_share(n, team, t);
+    triad_range(a, b, c, s, begin, end);
+  });
 }
 
 }  // namespace
@@ -46,8 +54,10 @@ double stream_triad_gbps(int threads, size_t array_bytes, int trials) {
   float* pa = a.get();
   float* pb = b.get();
   float* pc = c.get();
-#pragma omp parallel for simd schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i) pa[i] = 0.0f, pb[i] = 1.0f, pc[i] = 2.0f;  // first touch, same split
+  gpt2attn::detail::team_run(threads, [&](int t, int team) {  // first touch, the triad's cut
+    const auto [begin, end] = gpt2attn::detail::static_share(n, team, t);
+    for (int64_t i = begin; i < end; ++i) pa[i] = 0.0f, pb[i] = 1.0f, pc[i] = 2.0f;
+  });
 
   using Clock = std::chrono::steady_clock;
   triad(pa, pb, pc, 0.5f, n, threads);  // wakes the team and settles the clock

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
-#include <exception>
 
 #include "engine/dispatch.hpp"
 #include "engine/layer.hpp"
@@ -230,23 +229,14 @@ void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnSh
   std::byte* dst[3] = {q, k, v};
   const int64_t n[3] = {s.T, s.Tk, s.Tk};
   const int64_t heads[3] = {s.H, s.H_kv, s.H_kv};
-  std::exception_ptr error;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t item = 0; item < s.H + 2 * s.H_kv; ++item) {
+  detail::team_for(threads, s.H + 2 * s.H_kv, [&](int64_t item, int thread) {
     const int64_t which = item < s.H ? 0 : 1 + (item - s.H) / s.H_kv;
     const int64_t h = which == 0 ? item : (item - s.H) % s.H_kv;
-    try {
-      for (int64_t b = 0; b < B; ++b) {
-        lin[which][h].run(ctx, x[which].row(b * n[which]), n[which], x[which].ld,
-                          elem(dst[which], L.compute, (b * heads[which] + h) * n[which] * D), D, 1,
-                          omp_get_thread_num(), L.compute);
-      }
-    } catch (...) {
-#pragma omp critical(gpt2attn_project_error)
-      if (!error) error = std::current_exception();
+    for (int64_t b = 0; b < B; ++b) {
+      lin[which][h].run(ctx, x[which].row(b * n[which]), n[which], x[which].ld,
+                        elem(dst[which], L.compute, (b * heads[which] + h) * n[which] * D), D, 1, thread, L.compute);
     }
-  }
-  if (error) std::rethrow_exception(error);
+  });
 }
 
 }  // namespace

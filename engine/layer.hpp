@@ -3,8 +3,6 @@
 // layer's own Workspace, guarded by `mu`.
 #pragma once
 
-#include <omp.h>
-
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -14,6 +12,7 @@
 #include "engine/buffer.hpp"
 #include "engine/dispatch.hpp"
 #include "engine/linear.hpp"
+#include "engine/query_tiles.hpp"
 #include "engine/shard.hpp"
 #include "engine/util.hpp"
 #include "engine/validate.hpp"
@@ -142,37 +141,12 @@ struct MultiHeadAttention::Impl {
   // Workspace bytes reserve_serving() takes: enough for extend() and decode() with any cache.
   int64_t serving_bytes(int64_t max_extend_tokens, int64_t max_decode_batch, int threads) const;
 
-  // Runs the tiled kernel `kern` over (BH slices) x (query tiles of T rows, as many a call as the kernel asks for),
-  // taken dynamically slice by slice, each slice's longest (latest) tiles first; setup(args, bh) points args at
-  // slice bh's Q, K/V and output.
-  // Slice-major, so a slice's K and V stay in the threads' L2 from one query tile to the next: ordered tile-major
-  // (every slice's last tile, then every slice's tile before it) each item read its K/V from L3 or memory.
-  // Measured (Core, bench/ab.py, 3 rounds, medians): 2 threads, gpt2-small T=1024 7.37 -> 6.67 ms, T=4096 110 ->
-  // 102 ms, gpt2-xl T=4096 270 -> 199 ms. The causal triangle still balances: the last items are the last slice's
-  // shortest tiles.
+  // detail::run_query_tiles with this layer's scratch stride.
   template <class Setup>
   void run_query_tiles(const kernels::AttentionKernel& kern, int64_t BH, int64_t T, const kernels::AttentionArgs& base,
-                       float* scratch_base, int threads, Setup&& setup) const;
-};
-
-template <class Setup>
-void MultiHeadAttention::Impl::run_query_tiles(const kernels::AttentionKernel& kern, int64_t BH, int64_t T,
-                                               const kernels::AttentionArgs& base, float* scratch_base, int threads,
-                                               Setup&& setup) const {
-  const kernels::QueryItems q(kern, T, base.Tk, base.D);
-  const int64_t items = BH * q.per_slice;
-  const int64_t stride = scratch_stride(kern);
-#pragma omp parallel num_threads(threads)
-  {
-    float* scratch = scratch_base + omp_get_thread_num() * stride;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
-      const int64_t bh = it / q.per_slice, i = it % q.per_slice;
-      kernels::AttentionArgs a = base;
-      setup(a, bh);
-      kern.run(a, q.row_begin(i), q.row_end(i), scratch);
-    }
+                       float* scratch_base, int threads, Setup&& setup) const {
+    detail::run_query_tiles(kern, BH, T, base, scratch_base, scratch_stride(kern), threads, setup);
   }
-}
+};
 
 }  // namespace gpt2attn

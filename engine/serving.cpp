@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <exception>
 #include <string>
 
 #include "engine/kv_cache.hpp"
@@ -27,25 +26,6 @@ using kernels::KvPart;
 
 int64_t max_length(const Config& layer, const KvCache& cache) {
   return std::min(layer.context_length, cache.config().context_length);
-}
-
-// Runs f(item) for items [0, n) across the team, round robin, and rethrows the first exception (oneDNN can
-// fail) after the loop, outside the parallel region. Round robin rather than dynamic: the same call shape
-// puts the same GEMMs on the same thread every time, so each thread's primitives (keyed by its slot in the
-// team, see ExecContext) are created once and then found.
-template <class F>
-void parallel_items(int64_t n, int threads, F&& f) {
-  std::exception_ptr error;
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-  for (int64_t item = 0; item < n; ++item) {
-    try {
-      f(item);
-    } catch (...) {
-#pragma omp critical(gpt2attn_serving_error)
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
 }
 
 // A decode projection's panels as work items: contiguous runs of whole panel groups (the kernel's unit), about
@@ -211,9 +191,11 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   const detail::Rows xin = detail::as_rows(TensorView::f32(x, {1, T, d_in}), t, r.x.in(w), threads);
   std::byte* q = r.q.in(w);
   float* stage = r.kv_stage.in(w);
-  parallel_items(H + 2 * H_kv * segments, threads, [&](int64_t item) {
+  // Round robin (team_for_round_robin): the same call shape puts the same GEMMs on the same thread every time, so
+  // each thread's primitives (keyed by its slot in the team, see ExecContext) are created once and then found.
+  detail::team_for_round_robin(threads, H + 2 * H_kv * segments, [&](int64_t item, int thread) {
     if (item < H) {
-      proj_q[item].run(ws.exec, xin.data, T, xin.ld, q + item * T * D * tsize, D, 1, omp_get_thread_num(), t);
+      proj_q[item].run(ws.exec, xin.data, T, xin.ld, q + item * T * D * tsize, D, 1, thread, t);
       return;
     }
     item -= H;
@@ -222,8 +204,8 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     const int64_t t0 = std::max(P, blk * bt) - P, t1 = std::min(P + T, (blk + 1) * bt) - P;  // new-token rows
     float* staged = stage + ((part == KvPart::value ? H_kv : 0) + h) * T * D + t0 * D;
     void* dst = in_place ? static_cast<void*>(layout.row<std::byte>(tables[blk], part, h, (P + t0) % bt)) : staged;
-    (part == KvPart::value ? proj_v : proj_k)[h].run(ws.exec, xin.row(t0), t1 - t0, xin.ld, dst, D, 1,
-                                                      omp_get_thread_num(), in_place ? layout.dtype : DType::f32);
+    (part == KvPart::value ? proj_v : proj_k)[h].run(ws.exec, xin.row(t0), t1 - t0, xin.ld, dst, D, 1, thread,
+                                                      in_place ? layout.dtype : DType::f32);
     if (!in_place) {
       for (int64_t i = t0; i < t1; ++i) kv.store_row(tables[blk], part, h, (P + i) % bt, staged + (i - t0) * D);
     }

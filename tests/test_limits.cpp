@@ -3,7 +3,6 @@
 // context, and allocation failures surfacing as Error(out_of_memory). Each case is a refusal with a message that
 // names the problem, never a crash or a silent truncation.
 #include <gtest/gtest.h>
-#include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/team.hpp"
 #include "engine/workspace.hpp"
 #include "gpt2attn/gpt2attn.hpp"
 #include "tests/test_util.hpp"
@@ -151,14 +151,11 @@ TEST(Limits, ReservedWorkspacesServeCallersInTheirOwnParallelRegion) {
     reserved[k] = ws[k].impl().exec.entries();
   }
   std::vector<float> got[kCallers];
-  int callers = 0;
-#pragma omp parallel num_threads(kCallers) reduction(+ : callers)
-  {
-    const int k = omp_get_thread_num();
+  // The caller's region: an OpenMP team, as engine/team.hpp starts one (k = omp_get_thread_num() inside it).
+  const int callers = detail::team_run(kCallers, [&](int k, int) {
     got[k].resize(x.size());
     mha.forward(in, got[k].data(), {}, &ws[k]);
-    callers = 1;
-  }
+  });
   for (int k = 0; k < callers; ++k) {
     EXPECT_EQ(ws[k].impl().exec.entries(), reserved[k]) << "caller thread " << k << " created a primitive";
     EXPECT_EQ(got[k], expected) << "caller thread " << k;

@@ -22,6 +22,7 @@
 
 #include "engine/io/file_io.hpp"
 #include "engine/linear.hpp"
+#include "engine/team.hpp"
 #include "engine/util.hpp"
 #include "tools/npy.hpp"
 #include "gpt2attn/gpt2attn.h"
@@ -673,10 +674,12 @@ void flush_caches(int threads) {
     return b;
   }();
   const int64_t lines = static_cast<int64_t>(buffer.size() / 8);
-  uint64_t sum = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : sum)
-  for (int64_t i = 0; i < lines; ++i) sum += buffer[static_cast<size_t>(i) * 8];
-  asm volatile("" : : "r"(sum));  // keep the reads
+  ga::detail::team_run(threads, [&](int t, int team) {
+    const auto [begin, end] = ga::detail::static_share(lines, team, t);
+    uint64_t sum = 0;
+    for (int64_t i = begin; i < end; ++i) sum += buffer[static_cast<size_t>(i) * 8];
+    asm volatile("" : : "r"(sum));  // keep the reads
+  });
 }
 
 // B sequences of T cached tokens in a paged cache (prefilled one by one with extend()), then warm-up and `repeats`

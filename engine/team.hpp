@@ -1,0 +1,83 @@
+// engine/team.hpp: the OpenMP teams that the engine's loops run on, as three small helpers. bench/ and tools/ time,
+// probe and flush caches on the same threads through them, so that `#pragma omp` stays in engine/ (kernels/ are
+// single-threaded; tests start their callers' threads with std::thread, as a server does). Not every engine loop
+// goes through here: those with a reduction or a collapsed nest keep their own pragma beside the code they split.
+#pragma once
+
+#include <omp.h>
+
+#include <cstdint>
+#include <exception>
+#include <utility>
+
+namespace gpt2attn::detail {
+
+// Runs f(item, thread) for items [0, n) on a team of `threads`, taken dynamically one at a time (thread: 0 ..
+// threads - 1, the slot of per-thread scratch). The first exception an item throws is rethrown after the loop,
+// outside the parallel region; the other items still run (an OpenMP loop cannot be left early).
+template <class F>
+void team_for(int threads, int64_t n, F&& f) {
+  std::exception_ptr error;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t item = 0; item < n; ++item) {
+    try {
+      f(item, omp_get_thread_num());
+    } catch (...) {
+#pragma omp critical(gpt2attn_team_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// team_for, but item i always goes to thread i % threads (OpenMP's schedule(static, 1)): the same call shape puts
+// the same items on the same threads every time, for work whose per-thread state is keyed by the thread.
+template <class F>
+void team_for_round_robin(int threads, int64_t n, F&& f) {
+  std::exception_ptr error;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int64_t item = 0; item < n; ++item) {
+    try {
+      f(item, omp_get_thread_num());
+    } catch (...) {
+#pragma omp critical(gpt2attn_team_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// Runs f(thread, team) once on each thread of a team of `threads`, all of them released together by a barrier, so
+// no thread's share starts before the last one is awake (a timed team: the FMA probe, the STREAM triad, a flush).
+// team is the size OpenMP granted (OMP_THREAD_LIMIT may grant fewer than asked), which a share must be cut by; it is
+// also returned. Exceptions as in team_for.
+template <class F>
+int team_run(int threads, F&& f) {
+  std::exception_ptr error;
+  int granted = 1;
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), team = omp_get_num_threads();
+    if (t == 0) granted = team;
+#pragma omp barrier
+    try {
+      f(t, team);
+    } catch (...) {
+#pragma omp critical(gpt2attn_team_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  return granted;
+}
+
+// Thread t's contiguous share [begin, end) of [0, n) among `threads`, cut as OpenMP's schedule(static) cuts it: each
+// n / threads, the first n % threads one more. The same cut for a first touch and the passes after it puts each
+// thread on the pages it placed.
+inline std::pair<int64_t, int64_t> static_share(int64_t n, int threads, int t) {
+  const int64_t q = n / threads, r = n % threads;
+  const int64_t begin = t * q + (t < r ? t : r);
+  return {begin, begin + q + (t < r ? 1 : 0)};
+}
+
+}  // namespace gpt2attn::detail
