@@ -1,15 +1,32 @@
-// engine/buffer.cpp: allocate_buffer (engine/buffer.hpp).
+// engine/buffer.cpp: allocate_buffer (engine/buffer.hpp), and the out-of-memory error of last resort (engine/util.hpp).
 #include "engine/buffer.hpp"
 
 #include <sys/mman.h>
 
 #include <cstdint>
+#include <exception>
+#include <new>
 #include <string>
 
 #include "engine/util.hpp"
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn::detail {
+
+namespace {
+// Made while the library loads, when the heap has room: rethrowing it takes no operator new (the C++ runtime
+// allocates a rethrown exception's header with malloc, or from its emergency pool when malloc fails).
+const std::exception_ptr g_out_of_memory = std::make_exception_ptr(
+    Error(ErrorCode::out_of_memory, "gpt2attn: out of memory (too little left to name the call)"));
+}  // namespace
+
+void fail_out_of_memory(const char* what) {
+  try {
+    fail(ErrorCode::out_of_memory, std::string(what) + ": out of memory");
+  } catch (const std::bad_alloc&) {  // building the message, or the Error's copy of it
+    std::rethrow_exception(g_out_of_memory);
+  }
+}
 
 size_t buffer_capacity(size_t bytes) {
   const size_t align = bytes >= kHugePageBytes ? kHugePageBytes : 64;

@@ -64,6 +64,11 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 // The multiple of m at or above n (n >= 0, m > 0), checked.
 inline int64_t round_up(int64_t n, int64_t m, const char* what = "size") { return checked_mul(ceil_div(n, m), m, what); }
 
+// Throws Error(out_of_memory, "<what>: out of memory"); where the heap cannot spare even that message (or the
+// Error's copy of it), a preallocated Error(out_of_memory) that does not name the call (engine/buffer.cpp), so that
+// std::bad_alloc never leaves the API.
+[[noreturn]] void fail_out_of_memory(const char* what);
+
 // Runs f() and turns a std::bad_alloc escaping it into Error(out_of_memory) naming `what`, so a C++ caller sees
 // the library's one exception type for every failure (the public entry points wrap their bodies in this).
 template <class F>
@@ -71,7 +76,7 @@ decltype(auto) translate_bad_alloc(const char* what, F&& f) {
   try {
     return f();
   } catch (const std::bad_alloc&) {
-    fail(ErrorCode::out_of_memory, std::string(what) + ": out of memory");
+    fail_out_of_memory(what);
   }
 }
 

@@ -124,6 +124,18 @@ struct Verdict {
   uint64_t min_value = std::numeric_limits<uint64_t>::max();
 };
 
+// A failed verdict's code and message. Copying the message may itself need memory; where the heap has none, the
+// verdict says "out of memory", which fits std::string's in-place buffer: so local_verdict cannot throw, and a rank
+// short of memory still reaches the agreement that the others wait in.
+void set_failure(Verdict& v, ErrorCode code, const char* what) noexcept {
+  v.failed = true, v.code = code;
+  try {
+    v.message = what;
+  } catch (const std::bad_alloc&) {
+    v.code = ErrorCode::out_of_memory, v.message = "out of memory";
+  }
+}
+
 // Runs f(verdict), which checks this rank's inputs (throwing as the library does) and fills the fingerprint and the
 // value to minimise, as a verdict.
 template <class F>
@@ -132,11 +144,11 @@ Verdict local_verdict(F&& f) {
   try {
     f(v);
   } catch (const Error& e) {
-    v.failed = true, v.code = e.code(), v.message = e.what();
+    set_failure(v, e.code(), e.what());
   } catch (const std::bad_alloc&) {
-    v.failed = true, v.code = ErrorCode::out_of_memory, v.message = "out of memory";
+    set_failure(v, ErrorCode::out_of_memory, "out of memory");
   } catch (const std::exception& e) {
-    v.failed = true, v.code = ErrorCode::internal, v.message = e.what();
+    set_failure(v, ErrorCode::internal, e.what());
   }
   return v;
 }

@@ -1,5 +1,5 @@
 // tests/alloc/no_alloc_test.cpp: the serving steady state allocates nothing, and an allocation that fails anywhere
-// in a serving life cycle reaches the caller as Error(out_of_memory). This program replaces malloc and its
+// in a serving life cycle, alone or with every allocation after it, reaches the caller as Error(out_of_memory). This program replaces malloc and its
 // relatives (forwarding to glibc's __libc_* entry points) and operator new/delete for the whole process, counts
 // every allocation made while a flag is armed, and requires zero during decode steps after reserve_serving(), on
 // every instruction set this CPU runs. forward() and extend() run oneDNN GEMMs, and oneDNN 2.6 builds an argument
@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <functional>
 #include <new>
 #include <random>
@@ -106,18 +107,22 @@ void note_free(void* p) {
 }
 
 // Fault injection: while g_fail_at > 0, the g_fail_at-th call of a throwing operator new made outside oneDNN and
-// libgomp throws std::bad_alloc (as a real out-of-memory would), once; g_injected says whether it happened.
+// libgomp throws std::bad_alloc (as a real out-of-memory would): that call alone, or with g_fail_later every such call
+// after it too (a heap that stays exhausted, where even an error message cannot be built); g_injected says whether
+// it happened, and the first failure's backtrace is kept.
 std::atomic<long> g_fail_at{0}, g_new_calls{0};
-std::atomic<bool> g_injected{false};
+std::atomic<bool> g_fail_later{false}, g_injected{false};
 __attribute__((always_inline)) inline void maybe_fail_new(const void* caller) {
   if (g_fail_at.load(std::memory_order_relaxed) == 0 || t_in_hook || origin_of(caller) != kOther) return;
-  if (g_new_calls.fetch_add(1) + 1 == g_fail_at.load()) {
+  const long call = g_new_calls.fetch_add(1) + 1, at = g_fail_at.load();
+  if (call == at) {
     g_injected.store(true);
     t_in_hook = true;
     g_samples[kOther][0].depth = backtrace(g_samples[kOther][0].stack, kFrames);
     t_in_hook = false;
     throw std::bad_alloc();
   }
+  if (call > at && g_fail_later.load()) throw std::bad_alloc();
 }
 
 // Not a function: the caller's address must be the allocating function's caller.
@@ -370,8 +375,9 @@ void check_isa(Isa isa, DType compute) {
 
 // A server's whole life cycle on one layer (construction, a cache, prefill, fork, decode, forward), run again and
 // again with its n-th C++ allocation failing, n = 1, 2, ... until a run makes fewer allocations than n. Each run
-// must end in success or in Error(out_of_memory): never std::bad_alloc or another exception escaping the API.
-void check_allocation_failures() {
+// must end in success or in Error(out_of_memory): never std::bad_alloc or another exception escaping the API. With
+// `later`, every allocation after the n-th fails too, so the library's own handlers cannot allocate their messages.
+void check_allocation_failures(bool later) {
   Config c;
   c.d_model = 32, c.num_heads = 2, c.context_length = 64, c.causal = true;
   const Weights w = Weights::random(c, 3);
@@ -388,29 +394,40 @@ void check_allocation_failures() {
     Workspace ws;
     layer.forward(x.data(), 1, 6, out.data(), {}, &ws);
   };
-  long n = 1, errors = 0;
+  const char* mode = later ? "and every one after it " : "";
+  long n = 1, errors = 0, unnamed = 0;  // unnamed: the preallocated Error (engine/buffer.cpp)
   for (;; ++n) {
     g_new_calls.store(0);
     g_injected.store(false);
+    g_fail_later.store(later);
     g_fail_at.store(n);
-    std::string escaped;
+    std::exception_ptr thrown;  // kept, not inspected, until allocations work again (current_exception allocates nothing)
     try {
       life();
-    } catch (const Error& e) {
-      if (e.code() == ErrorCode::out_of_memory) {
-        ++errors;
-      } else {
-        escaped = std::string("Error with code ") + std::to_string(static_cast<int>(e.code())) + ": " + e.what();
-      }
-    } catch (const std::bad_alloc&) {
-      escaped = "std::bad_alloc";
-    } catch (const std::exception& e) {
-      escaped = std::string("std::exception: ") + e.what();
+    } catch (...) {
+      thrown = std::current_exception();
     }
     g_fail_at.store(0);
+    std::string escaped;
+    if (thrown) {
+      try {
+        std::rethrow_exception(thrown);
+      } catch (const Error& e) {
+        if (e.code() == ErrorCode::out_of_memory) {
+          ++errors;
+          if (std::string(e.what()).find("too little left to name the call") != std::string::npos) ++unnamed;
+        } else {
+          escaped = std::string("Error with code ") + std::to_string(static_cast<int>(e.code())) + ": " + e.what();
+        }
+      } catch (const std::bad_alloc&) {
+        escaped = "std::bad_alloc";
+      } catch (const std::exception& e) {
+        escaped = std::string("std::exception: ") + e.what();
+      }
+    }
     if (!escaped.empty()) {
-      std::printf("FAIL  allocation %ld failing: %s escaped the API; the failed allocation was made from:\n", n,
-                  escaped.c_str());
+      std::printf("FAIL  allocation %ld %sfailing: %s escaped the API; the failed allocation was made from:\n", n,
+                  mode, escaped.c_str());
       std::fflush(stdout);
       backtrace_symbols_fd(g_samples[kOther][0].stack, g_samples[kOther][0].depth, STDOUT_FILENO);
       ++g_failed;
@@ -418,8 +435,14 @@ void check_allocation_failures() {
     }
     if (!g_injected.load()) break;
   }
-  std::printf("ok    each of %ld C++ allocations of a serving life cycle failed in turn: %ld ended in "
-              "Error(out_of_memory), the rest recovered\n", n - 1, errors);
+  if (later && unnamed == 0) {  // the exhausted heap must reach the error of last resort, or this checks nothing
+    std::printf("FAIL  no run with every allocation after the n-th failing ended in the preallocated Error\n");
+    ++g_failed;
+    return;
+  }
+  std::printf("ok    each of %ld C++ allocations %sof a serving life cycle failed in turn: %ld ended in "
+              "Error(out_of_memory) (%ld of them the preallocated one), the rest recovered\n", n - 1, mode, errors,
+              unnamed);
   ++g_passed;
 }
 
@@ -444,7 +467,8 @@ int main() {
       }
     }
   }
-  check_allocation_failures();
+  check_allocation_failures(false);
+  check_allocation_failures(true);
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
