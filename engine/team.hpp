@@ -12,39 +12,49 @@
 
 namespace gpt2attn::detail {
 
-// Runs f(item, thread) for items [0, n) on a team of `threads`, taken dynamically one at a time (thread: 0 ..
-// threads - 1, the slot of per-thread scratch). The first exception an item throws is rethrown after the loop,
-// outside the parallel region; the other items still run (an OpenMP loop cannot be left early).
-template <class F>
-void team_for(int threads, int64_t n, F&& f) {
-  std::exception_ptr error;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t item = 0; item < n; ++item) {
+// The first exception any thread of a team throws, kept until the team has ended and then rethrown on the calling
+// thread: an exception must not leave an OpenMP region (the runtime would terminate the process).
+class FirstError {
+ public:
+  template <class F>
+  void run(F&& f) noexcept {
     try {
-      f(item, omp_get_thread_num());
+      f();
     } catch (...) {
-#pragma omp critical(gpt2attn_team_error)
-      if (!error) error = std::current_exception();
+      keep(std::current_exception());
     }
   }
-  if (error) std::rethrow_exception(error);
+  void rethrow() const {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void keep(std::exception_ptr e) noexcept {
+#pragma omp critical(gpt2attn_team_error)
+    if (!error_) error_ = std::move(e);
+  }
+  std::exception_ptr error_;
+};
+
+// Runs f(item, thread) for items [0, n) on a team of `threads`, taken dynamically one at a time (thread: 0 ..
+// threads - 1, the slot of per-thread scratch). The first exception an item throws is rethrown after the loop; the
+// other items still run (an OpenMP loop cannot be left early).
+template <class F>
+void team_for(int threads, int64_t n, F&& f) {
+  FirstError error;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t item = 0; item < n; ++item) error.run([&] { f(item, omp_get_thread_num()); });
+  error.rethrow();
 }
 
 // team_for, but item i always goes to thread i % threads (OpenMP's schedule(static, 1)): the same call shape puts
 // the same items on the same threads every time, for work whose per-thread state is keyed by the thread.
 template <class F>
 void team_for_round_robin(int threads, int64_t n, F&& f) {
-  std::exception_ptr error;
+  FirstError error;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
-  for (int64_t item = 0; item < n; ++item) {
-    try {
-      f(item, omp_get_thread_num());
-    } catch (...) {
-#pragma omp critical(gpt2attn_team_error)
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
+  for (int64_t item = 0; item < n; ++item) error.run([&] { f(item, omp_get_thread_num()); });
+  error.rethrow();
 }
 
 // Runs f(thread, team) once on each thread of a team of `threads`, all of them released together by a barrier, so
@@ -53,21 +63,16 @@ void team_for_round_robin(int threads, int64_t n, F&& f) {
 // also returned. Exceptions as in team_for.
 template <class F>
 int team_run(int threads, F&& f) {
-  std::exception_ptr error;
+  FirstError error;
   int granted = 1;
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
     if (t == 0) granted = team;
 #pragma omp barrier
-    try {
-      f(t, team);
-    } catch (...) {
-#pragma omp critical(gpt2attn_team_error)
-      if (!error) error = std::current_exception();
-    }
+    error.run([&] { f(t, team); });
   }
-  if (error) std::rethrow_exception(error);
+  error.rethrow();
   return granted;
 }
 
