@@ -174,8 +174,7 @@ std::string read_config_file(const std::string& path) {
   std::string text(f.size(), '\0');
   f.read_at(0, text.data(), text.size());
   // A file that grew after it was measured would be parsed cut short: refuse it rather than guess.
-  char more = 0;
-  if (::pread(f.fd(), &more, 1, static_cast<off_t>(f.size())) > 0) {
+  if (f.grew()) {
     fail(ErrorCode::bad_file, path + ": cannot read config file: it holds more than the " + std::to_string(f.size()) +
                                   " bytes it reported (it grew while being read, or is a /proc-like file)");
   }

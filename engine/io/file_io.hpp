@@ -102,6 +102,15 @@ class ReadFile {
       p += got, offset += static_cast<uint64_t>(got), n -= static_cast<uint64_t>(got);
     }
   }
+  // Whether a byte lies past size(): the file grew after it was opened, or is a /proc-like file whose size says 0.
+  bool grew() const {
+    unsigned char more = 0;
+    for (;;) {
+      const ssize_t got = ::pread(fd_, &more, 1, static_cast<off_t>(size_));
+      if (got < 0 && errno == EINTR) continue;
+      return got > 0;
+    }
+  }
 
  private:
   std::string path_;
