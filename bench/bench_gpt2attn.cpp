@@ -230,8 +230,8 @@ struct Core {
   }
 
   // engine/attention.cpp's forward() core for B = 1, causal, no mask, no dropout, through the engine's own
-  // run_query_tiles (engine/query_tiles.hpp). Q, K and V head-major as the projections leave them, qkv (3, H, T, D): each
-  // head's rows contiguous, D apart; the output (T, E).
+  // run_query_tiles (engine/query_tiles.hpp). Q, K and V head-major as the projections leave them, qkv (3, H, T, D):
+  // each head's rows contiguous, D apart; the output (T, E).
   void run(int threads) {
     gk::AttentionArgs base;
     base.ldq = base.kv.ldk = base.kv.ldv = D;

@@ -1,7 +1,7 @@
-// engine/team.hpp: the OpenMP teams that the engine's loops run on, as three small helpers. bench/ and tools/ time,
-// probe and flush caches on the same threads through them, so that `#pragma omp` stays in engine/ (kernels/ are
-// single-threaded; tests start their callers' threads with std::thread, as a server does). Not every engine loop
-// goes through here: those with a reduction or a collapsed nest keep their own pragma beside the code they split.
+// engine/team.hpp: the OpenMP teams that the engine's loops run on, as three small helpers. bench/, tools/ and tests/
+// start their teams through them too (to time, probe and flush caches on the threads the layer uses, or to play a
+// server's own parallel region), so that `#pragma omp` stays in engine/; kernels/ are single-threaded. Not every
+// engine loop goes through here: those with a reduction or a collapsed nest keep their own pragma beside the code.
 #pragma once
 
 #include <omp.h>

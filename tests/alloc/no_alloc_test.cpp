@@ -1,10 +1,11 @@
 // tests/alloc/no_alloc_test.cpp: the serving steady state allocates nothing, and an allocation that fails anywhere
-// in a serving life cycle, alone or with every allocation after it, reaches the caller as Error(out_of_memory). This program replaces malloc and its
-// relatives (forwarding to glibc's __libc_* entry points) and operator new/delete for the whole process, counts
-// every allocation made while a flag is armed, and requires zero during decode steps after reserve_serving(), on
-// every instruction set this CPU runs. forward() and extend() run oneDNN GEMMs, and oneDNN 2.6 builds an argument
-// map on every primitive execution; for them the test requires no allocation outside oneDNN and the same oneDNN
-// count on a repeat of the same work (a primitive created on the first run would make the counts differ).
+// in a serving life cycle, alone or with every allocation after it, reaches the caller as Error(out_of_memory).
+// This program replaces malloc and its relatives (forwarding to glibc's __libc_* entry points) and operator
+// new/delete for the whole process, counts every allocation made while a flag is armed, and requires zero during
+// decode steps after reserve_serving(), on every instruction set this CPU runs. forward() and extend() run oneDNN
+// GEMMs, and oneDNN 2.6 builds an argument map on every primitive execution; for them the test requires no
+// allocation outside oneDNN and the same oneDNN count on a repeat of the same work (a primitive created on the first
+// run would make the counts differ).
 // A separate executable, not a GoogleTest suite: replacing malloc must not leak into gpt2attn_tests, and it cannot
 // run under a sanitizer (which replaces malloc itself). It does not check results (tests/test_kv_cache_*.cpp do).
 #include <execinfo.h>
@@ -401,7 +402,8 @@ void check_allocation_failures(bool later) {
     g_injected.store(false);
     g_fail_later.store(later);
     g_fail_at.store(n);
-    std::exception_ptr thrown;  // kept, not inspected, until allocations work again (current_exception allocates nothing)
+    // Kept, not inspected, until allocations work again (current_exception allocates nothing).
+    std::exception_ptr thrown;
     try {
       life();
     } catch (...) {
