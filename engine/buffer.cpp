@@ -15,16 +15,19 @@ namespace gpt2attn::detail {
 
 namespace {
 // Made while the library loads, when the heap has room: rethrowing it takes no operator new (the C++ runtime
-// allocates a rethrown exception's header with malloc, or from its emergency pool when malloc fails).
-const std::exception_ptr g_out_of_memory = std::make_exception_ptr(
-    Error(ErrorCode::out_of_memory, "gpt2attn: out of memory (too little left to name the call)"));
+// allocates a rethrown exception's header with malloc, or from its emergency pool when malloc fails). Never freed,
+// so a thread still running while statics are destroyed at exit finds it too; null (zero-initialised) only before
+// the library's own initialisers have run.
+const std::exception_ptr* const g_out_of_memory = new std::exception_ptr(std::make_exception_ptr(
+    Error(ErrorCode::out_of_memory, "gpt2attn: out of memory (too little left to name the call)")));
 }  // namespace
 
 void fail_out_of_memory(const char* what) {
   try {
     fail(ErrorCode::out_of_memory, std::string(what) + ": out of memory");
   } catch (const std::bad_alloc&) {  // building the message, or the Error's copy of it
-    std::rethrow_exception(g_out_of_memory);
+    if (g_out_of_memory) std::rethrow_exception(*g_out_of_memory);
+    throw;  // before the library's statics are made (another library's initialiser calling in): bad_alloc as it came
   }
 }
 

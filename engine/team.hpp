@@ -1,7 +1,9 @@
 // engine/team.hpp: the OpenMP teams that the engine's loops run on, as three small helpers. bench/, tools/ and tests/
 // start their teams through them too (to time, probe and flush caches on the threads the layer uses, or to play a
-// server's own parallel region), so that `#pragma omp` stays in engine/; kernels/ are single-threaded. Not every
-// engine loop goes through here: those with a reduction or a collapsed nest keep their own pragma beside the code.
+// server's own parallel region), so that `#pragma omp` stays in engine/; kernels/ are single-threaded. The engine's
+// other regions keep their pragma beside the code they split: loops with a reduction or a collapsed nest
+// (validate.cpp, attention.cpp's packing, reference.cpp), and the decode step's one region of three stages
+// (serving.cpp).
 #pragma once
 
 #include <omp.h>
@@ -13,7 +15,10 @@
 namespace gpt2attn::detail {
 
 // The first exception any thread of a team throws, kept until the team has ended and then rethrown on the calling
-// thread: an exception must not leave an OpenMP region (the runtime would terminate the process).
+// thread: an exception must not leave an OpenMP region (the runtime would terminate the process). keep() and
+// rethrow() are compiled once, in engine/team.cpp with the baseline flags: this header is also included by files
+// built for one instruction set (bench's probes), whose copy of an inline function the linker could otherwise pick
+// for the whole program.
 class FirstError {
  public:
   template <class F>
@@ -24,15 +29,10 @@ class FirstError {
       keep(std::current_exception());
     }
   }
-  void rethrow() const {
-    if (error_) std::rethrow_exception(error_);
-  }
+  void rethrow() const;
 
  private:
-  void keep(std::exception_ptr e) noexcept {
-#pragma omp critical(gpt2attn_team_error)
-    if (!error_) error_ = std::move(e);
-  }
+  void keep(std::exception_ptr e) noexcept;
   std::exception_ptr error_;
 };
 
@@ -47,8 +47,8 @@ void team_for(int threads, int64_t n, F&& f) {
   error.rethrow();
 }
 
-// team_for, but item i always goes to thread i % threads (OpenMP's schedule(static, 1)): the same call shape puts
-// the same items on the same threads every time, for work whose per-thread state is keyed by the thread.
+// team_for, but item i always goes to thread i % team, the size OpenMP granted (schedule(static, 1)): the same call
+// shape puts the same items on the same threads every time, for work whose per-thread state is keyed by the thread.
 template <class F>
 void team_for_round_robin(int threads, int64_t n, F&& f) {
   FirstError error;

@@ -69,8 +69,9 @@ inline int64_t round_up(int64_t n, int64_t m, const char* what = "size") { retur
 // std::bad_alloc never leaves the API.
 [[noreturn]] void fail_out_of_memory(const char* what);
 
-// Runs f() and turns a std::bad_alloc escaping it into Error(out_of_memory) naming `what`, so a C++ caller sees
-// the library's one exception type for every failure (the public entry points wrap their bodies in this).
+// Runs f() and turns a std::bad_alloc escaping it into Error(out_of_memory) naming `what` (fail_out_of_memory), so a
+// C++ caller sees the library's one exception type for every failure (the public entry points wrap their bodies in
+// this).
 template <class F>
 decltype(auto) translate_bad_alloc(const char* what, F&& f) {
   try {

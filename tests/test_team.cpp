@@ -62,13 +62,18 @@ TEST(Team, RunStartsEveryThreadOfTheTeamOnce) {
 }
 
 TEST(Team, AnExceptionOnAnyThreadReachesTheCaller) {
-  EXPECT_THROW(team_for(2, 10, [](int64_t item, int) { if (item == 7) throw std::runtime_error("item 7"); }),
+  std::atomic<int> ran{0};
+  EXPECT_THROW(team_for(2, 10, [&](int64_t item, int) {
+                 ran.fetch_add(1);
+                 if (item == 7) throw std::runtime_error("item 7");
+               }),
                std::runtime_error);
+  EXPECT_EQ(ran.load(), 10);  // the other items still ran
   EXPECT_THROW(team_for_round_robin(2, 10, [](int64_t item, int) { if (item == 3) throw std::runtime_error("3"); }),
                std::runtime_error);
   EXPECT_THROW(team_run(2, [](int t, int team) { if (t == team - 1) throw std::runtime_error("last"); }),
                std::runtime_error);
-  // The rest of the items still ran, and the team is usable afterwards.
+  // The team is usable afterwards.
   std::atomic<int> count{0};
   team_for(2, 5, [&](int64_t, int) { count.fetch_add(1); });
   EXPECT_EQ(count.load(), 5);

@@ -169,10 +169,15 @@ Verdict local_verdict(F&& f) {
   check_mpi(MPI_Bcast(&msg, sizeof msg, MPI_BYTE, static_cast<int>(failed_rank), comm), "MPI_Bcast");
   msg.text[kMax - 1] = '\0';
   // "call: rank r: what", the call named once (most of the library's messages already start with it).
-  const std::string text = msg.text, prefix = std::string(call) + ": ";
-  const bool named = text.compare(0, prefix.size(), prefix) == 0;
-  fail(static_cast<ErrorCode>(msg.code), prefix + "rank " + str(static_cast<int64_t>(failed_rank)) + ": " +
-                                             (named ? text.substr(prefix.size()) : text));
+  // Every rank is past the collectives here: one that cannot build the message reports out of memory instead.
+  try {
+    const std::string text = msg.text, prefix = std::string(call) + ": ";
+    const bool named = text.compare(0, prefix.size(), prefix) == 0;
+    fail(static_cast<ErrorCode>(msg.code), prefix + "rank " + str(static_cast<int64_t>(failed_rank)) + ": " +
+                                               (named ? text.substr(prefix.size()) : text));
+  } catch (const std::bad_alloc&) {
+    detail::fail_out_of_memory(call);
+  }
 }
 
 // The agreement before a collective call: every rank's verdict and fingerprint combined by one MPI_Allreduce (MIN of
@@ -187,12 +192,19 @@ uint64_t agree(MPI_Comm comm, const char* call, const Verdict& v) {
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, 4, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
   if (buf[0] < static_cast<uint64_t>(ranks)) throw_shared_error(comm, rank, buf[0], v, call);
   if (buf[1] != ~buf[2]) {
-    // Every rank knows the fingerprints differ, so all join this gather to name the first rank unlike rank 0.
-    std::vector<uint64_t> all(static_cast<size_t>(ranks));
-    check_mpi(MPI_Allgather(&v.fingerprint, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, comm), "MPI_Allgather");
-    const auto odd = std::find_if(all.begin(), all.end(), [&](uint64_t f) { return f != all[0]; }) - all.begin();
-    invalid(std::string(call) + ": rank " + str(static_cast<int64_t>(odd)) + " was given other arguments than rank 0 " +
-            "(every rank must pass the same config, inputs and sequence ids to a collective call)");
+    // Every rank knows the fingerprints differ, so all join these two collectives to name the first rank unlike
+    // rank 0: rank 0's fingerprint to all, then the least rank whose own differs. Fixed-size buffers, so no rank
+    // short of memory can leave before them.
+    uint64_t first = v.fingerprint;
+    check_mpi(MPI_Bcast(&first, 1, MPI_UINT64_T, 0, comm), "MPI_Bcast");
+    uint64_t odd = v.fingerprint != first ? static_cast<uint64_t>(rank) : static_cast<uint64_t>(ranks);
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &odd, 1, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
+    try {
+      invalid(std::string(call) + ": rank " + str(static_cast<int64_t>(odd)) + " was given other arguments than " +
+              "rank 0 (every rank must pass the same config, inputs and sequence ids to a collective call)");
+    } catch (const std::bad_alloc&) {
+      detail::fail_out_of_memory(call);
+    }
   }
   return buf[3];
 }
@@ -272,15 +284,20 @@ struct ShardedKvCache::Impl {
   const ShardedAttention::Impl* layer = nullptr;  // the layer it was built for (its shard and config)
   std::unique_ptr<KvCache> local;
   // Set on every rank when a rank failed after the ranks agreed to append (an allocation inside the computation):
-  // then some ranks' pools hold the new tokens and others' do not, so the cache refuses every further call.
-  std::string out_of_step;
+  // then some ranks' pools hold the new tokens and others' do not, so the cache refuses every further call. Two
+  // literals, what happened and in which call, not a string: setting it must not need memory, because a rank that
+  // throws there would skip the collective the other ranks wait in.
+  struct OutOfStep {
+    const char* what = nullptr;
+    const char* call = nullptr;
+  } out_of_step;
 
   ~Impl() { free_comm(comm); }
 
   void check_in_step(const char* call) const {
-    if (!out_of_step.empty()) {
-      invalid(std::string(call) + ": the sharded KV cache is out of step across ranks since " + out_of_step +
-              "; release it and build a new one");
+    if (out_of_step.what) {
+      invalid(std::string(call) + ": the sharded KV cache is out of step across ranks since " + out_of_step.what +
+              out_of_step.call + "; release it and build a new one");
     }
   }
   // The pool's state that every rank must share before a call: its sequences and their lengths.
@@ -299,11 +316,14 @@ namespace {
 template <class Weights>
 std::unique_ptr<ShardedAttention::Impl> build(const char* call, MPI_Comm comm, const EngineOptions& options,
                                               Weights&& weights) {
-  auto impl = std::make_unique<ShardedAttention::Impl>();
   if (comm == MPI_COMM_NULL) invalid(std::string(call) + ": the communicator is MPI_COMM_NULL");
-  check_mpi(MPI_Comm_rank(comm, &impl->rank), "MPI_Comm_rank");
-  check_mpi(MPI_Comm_size(comm, &impl->ranks), "MPI_Comm_size");
-  check_and_agree(comm, call, [&](Verdict& v) {
+  int rank = 0, ranks = 1;
+  check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(comm, &ranks), "MPI_Comm_size");
+  std::unique_ptr<ShardedAttention::Impl> impl;
+  check_and_agree(comm, call, [&](Verdict& v) {  // everything that may fail, the first allocation included
+    impl = std::make_unique<ShardedAttention::Impl>();
+    impl->rank = rank, impl->ranks = ranks;
     // What every rank must share: the config, the compute type (the instruction set may differ from node to node),
     // and what `weights` adds of the weights' source.
     Fingerprint f;
@@ -431,7 +451,7 @@ void serving_call(ShardedAttention::Impl& s, ShardedKvCache::Impl& c, const char
   quiet.check_finite = false;  // scanned once, in the agreement
   s.compute_and_reduce(call, rows * s.full.d_model, out, t0, [&](float* partial) {
     s.layer->with_workspace(nullptr, call, [&](Workspace::Impl& w) { compute(partial, quiet, w); });
-  }, [&] { c.out_of_step = std::string("a rank failed while computing ") + call; });
+  }, [&] { c.out_of_step = {"a rank failed while computing ", call}; });
 }
 
 }  // namespace
@@ -478,14 +498,13 @@ void run_agreed(MPI_Comm comm, const char* what, const std::function<void()>& st
 
 // --- the sharded cache ---
 
-ShardedKvCache::ShardedKvCache(const ShardedAttention& layer, const KvCacheOptions& options)
-    : impl_(std::make_unique<Impl>()) {
-  Impl& c = *impl_;
+ShardedKvCache::ShardedKvCache(const ShardedAttention& layer, const KvCacheOptions& options) {
   const ShardedAttention::Impl& s = *layer.impl_;
-  c.layer = &s;
   // Round 1: the options are valid on every rank, and the tokens each rank's bytes would hold (a one-block probe
   // pool gives the block size); every rank learns the smallest.
   const uint64_t tokens = check_and_agree(s.comm, "ShardedKvCache", [&](Verdict& v) {
+    impl_ = std::make_unique<Impl>();  // inside the agreement: a rank that cannot allocate still joins it
+    impl_->layer = &s;
     if (!s.full.causal || !s.full.same_input_widths()) {
       invalid("ShardedKvCache: a KV cache serves causal self-attention (config.causal, kdim = vdim = d_in), as "
               "CausalSelfAttention does; this layer's config is " + to_json(s.full));
@@ -508,6 +527,7 @@ ShardedKvCache::ShardedKvCache(const ShardedAttention& layer, const KvCacheOptio
     v.fingerprint = f.digest();
   });
   // Round 2: every rank's pool, of the agreed token capacity.
+  Impl& c = *impl_;
   check_and_agree(s.comm, "ShardedKvCache", [&](Verdict&) {
     KvCacheOptions o = options;
     o.capacity_bytes = 0;
@@ -542,7 +562,7 @@ SequenceId sequence_op(ShardedKvCache::Impl& c, const char* call, int op, Sequen
   try {
     return f();
   } catch (...) {
-    c.out_of_step = std::string("rank failed in ") + call;
+    c.out_of_step = {"a rank failed in ", call};
     throw;
   }
 }

@@ -1,5 +1,7 @@
 // gpt2attn/error.hpp: the one exception type the library throws, with a code the C API maps to status.
-// Every message names the offending argument, field, file or tensor; nothing is thrown across the C API.
+// Every message names the offending argument, field, file or tensor (but one: an out-of-memory error raised where
+// the heap cannot spare even its message, "gpt2attn: out of memory (too little left to name the call)"); nothing is
+// thrown across the C API.
 #pragma once
 
 #include <stdexcept>

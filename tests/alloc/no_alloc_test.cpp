@@ -114,8 +114,9 @@ void note_free(void* p) {
 std::atomic<long> g_fail_at{0}, g_new_calls{0};
 std::atomic<bool> g_fail_later{false}, g_injected{false};
 __attribute__((always_inline)) inline void maybe_fail_new(const void* caller) {
-  if (g_fail_at.load(std::memory_order_relaxed) == 0 || t_in_hook || origin_of(caller) != kOther) return;
-  const long call = g_new_calls.fetch_add(1) + 1, at = g_fail_at.load();
+  const long at = g_fail_at.load();
+  if (at == 0 || t_in_hook || origin_of(caller) != kOther) return;
+  const long call = g_new_calls.fetch_add(1) + 1;
   if (call == at) {
     g_injected.store(true);
     t_in_hook = true;
