@@ -36,10 +36,10 @@ dt dnnl_type(DType t) {
   }
 }
 
-// The matmul (M, K) x (K, N) -> (M, N), with the bias, a (1, N) f32 row, as part of the operation when there is one.
-dnnl::matmul::desc matmul_op(const memory::desc& src, const memory::desc& w, const memory::desc& dst, bool bias) {
-  if (!bias) return dnnl::matmul::desc(src, w, dst);
-  return dnnl::matmul::desc(src, w, memory::desc({1, dst.dims()[1]}, dt::f32, tag::ab), dst);
+// The matmul (M, K) x (K, N) -> (M, N), with the bias (1, N) as part of the operation when there is one (bias null).
+dnnl::matmul::desc matmul_op(const memory::desc& src, const memory::desc& w, const memory::desc& dst,
+                             const memory::desc* bias) {
+  return bias ? dnnl::matmul::desc(src, w, *bias, dst) : dnnl::matmul::desc(src, w, dst);
 }
 
 // oneDNN 2.6's AMX bf16 matmul (`brg:avx512_core_amx_bf16`) executes an illegal instruction for some GEMMs whose K is
@@ -117,7 +117,7 @@ Linear::Linear(const TensorView& w, const float* bias, DType compute)
     const auto describe = [&](DType gemm) {
       const dt g = dnnl_type(gemm);
       const memory::desc src_any({128, K}, g, tag::ab), w_any({K, N}, g, tag::any), dst_any({128, N}, dt::f32, tag::ab);
-      op.emplace(matmul_op(src_any, w_any, dst_any, has_bias_));
+      op.emplace(matmul_op(src_any, w_any, dst_any, has_bias_ ? &b_desc : nullptr));
       return dnnl::matmul::primitive_desc(*op, eng);
     };
     auto pd = [&]() -> dnnl::matmul::primitive_desc {
@@ -253,7 +253,8 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     // Created under the caller's thread count: oneDNN plans its work split for it.
     ScopedOmpThreads scope(threads);
     // Named, so that it outlives pd: skip_amx's next_impl() reads it in place.
-    const dnnl::matmul::desc op = matmul_op(src, weights_desc_, dst_desc, has_bias_);
+    const memory::desc b_desc = has_bias_ ? bias_.get_desc() : memory::desc();
+    const dnnl::matmul::desc op = matmul_op(src, weights_desc_, dst_desc, has_bias_ ? &b_desc : nullptr);
     dnnl::matmul::primitive_desc pd(op, attr, eng);
     skip_amx(pd, gemm_, K_);
     auto e = std::make_unique<ExecContext::Entry>();
