@@ -306,9 +306,11 @@ void MultiHeadAttention::Impl::check_output_dtype(DType out_dtype) const {
 
 namespace {
 WeightsView checked_view(const Config& c, const Weights& w) {
-  c.validate();
-  detail::check_weight_sizes(w, c);  // before views of the config's shapes are made over them; values: create()
-  return w.view(c);
+  return detail::translate_bad_alloc("MultiHeadAttention", [&] {
+    c.validate();
+    detail::check_weight_sizes(w, c);  // before views of the config's shapes are made over them; values: create()
+    return w.view(c);
+  });
 }
 }  // namespace
 
@@ -319,20 +321,20 @@ std::unique_ptr<MultiHeadAttention::Impl> MultiHeadAttention::Impl::create(const
                                                                          const WeightsView& weights,
                                                                          const EngineOptions& options,
                                                                          const detail::HeadShard* shard) {
-  config.validate();
-  detail::validate_weights(weights, config, shard ? shard->out_width : config.d_model);
-  detail::check_threads(options.threads, "MultiHeadAttention", "EngineOptions.threads");
-  if (options.compute != DType::f32 && options.compute != DType::bf16) {
-    invalid(std::string("MultiHeadAttention: EngineOptions.compute ") + to_string(options.compute) +
-            " is not a compute type (expected f32 or bf16)");
-  }
-  // oneDNN's weight reorders run OpenMP teams: at the layer's thread count, not the process default (a threads = 1
-  // layer built in a process with OMP_NUM_THREADS=2 would otherwise start a second thread).
-  detail::ScopedOmpThreads scope(options.threads);
-  std::unique_ptr<Impl> impl;
-  detail::translate_bad_alloc("MultiHeadAttention: constructing the layer",
-                              [&] { impl = std::make_unique<Impl>(config, weights, options, shard); });
-  return impl;
+  // The checks too: their messages need memory, and a bad argument met with an exhausted heap is still an Error.
+  return detail::translate_bad_alloc("MultiHeadAttention: constructing the layer", [&] {
+    config.validate();
+    detail::validate_weights(weights, config, shard ? shard->out_width : config.d_model);
+    detail::check_threads(options.threads, "MultiHeadAttention", "EngineOptions.threads");
+    if (options.compute != DType::f32 && options.compute != DType::bf16) {
+      invalid(std::string("MultiHeadAttention: EngineOptions.compute ") + to_string(options.compute) +
+              " is not a compute type (expected f32 or bf16)");
+    }
+    // oneDNN's weight reorders run OpenMP teams: at the layer's thread count, not the process default (a threads =
+    // 1 layer built in a process with OMP_NUM_THREADS=2 would otherwise start a second thread).
+    detail::ScopedOmpThreads scope(options.threads);
+    return std::make_unique<Impl>(config, weights, options, shard);
+  });
 }
 
 MultiHeadAttention::MultiHeadAttention(const Config& config, const WeightsView& weights, const EngineOptions& options)

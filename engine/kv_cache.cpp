@@ -227,30 +227,35 @@ SequenceId KvCache::create() {
   });
 }
 
+// The bookkeeping calls below build their error messages, and their copies of a table, inside translate_bad_alloc:
+// a bad id met with an exhausted heap still reaches the caller as an Error.
 SequenceId KvCache::fork(SequenceId parent) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl::Sequence& p = impl_->find(parent);
-  if (p.busy) invalid("KvCache::fork: sequence " + str(parent) + " is in use by another call");
-  // Only the blocks holding tokens are shared; a block reserved past the length stays the parent's.
-  const int64_t used = impl_->table_size_after(p, 0);
-  const SequenceId id = detail::translate_bad_alloc("KvCache::fork", [&] {
+  return detail::translate_bad_alloc("KvCache::fork", [&] {
+    Impl::Sequence& p = impl_->find(parent);
+    if (p.busy) invalid("KvCache::fork: sequence " + str(parent) + " is in use by another call");
+    // Only the blocks holding tokens are shared; a block reserved past the length stays the parent's.
+    const int64_t used = impl_->table_size_after(p, 0);
     Impl::Sequence c;
     c.blocks.reserve(static_cast<size_t>(impl_->max_blocks_per_seq));
     c.blocks.assign(p.blocks.begin(), p.blocks.begin() + used);
     c.length = p.length;
-    impl_->seqs.emplace(impl_->next_id, std::move(c));  // may throw bad_alloc: nothing changed then
-    return impl_->next_id++;
+    const SequenceId id = impl_->next_id;
+    auto& child = impl_->seqs.emplace(id, std::move(c)).first->second;  // may throw bad_alloc: nothing changed then
+    ++impl_->next_id;
+    for (int32_t b : child.blocks) ++impl_->refcount[b];
+    return id;
   });
-  for (int32_t b : impl_->seqs.at(id).blocks) ++impl_->refcount[b];
-  return id;
 }
 
 void KvCache::release(SequenceId seq) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl::Sequence& s = impl_->find(seq);
-  if (s.busy) invalid("KvCache::release: sequence " + str(seq) + " is in use by another call");
-  for (int32_t b : s.blocks) impl_->drop_block(b);
-  impl_->seqs.erase(seq);
+  detail::translate_bad_alloc("KvCache::release", [&] {
+    Impl::Sequence& s = impl_->find(seq);
+    if (s.busy) invalid("KvCache::release: sequence " + str(seq) + " is in use by another call");
+    for (int32_t b : s.blocks) impl_->drop_block(b);
+    impl_->seqs.erase(seq);
+  });
 }
 
 bool KvCache::contains(SequenceId seq) const {
@@ -260,20 +265,22 @@ bool KvCache::contains(SequenceId seq) const {
 
 int64_t KvCache::length(SequenceId seq) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->find(seq).length;
+  return detail::translate_bad_alloc("KvCache::length", [&] { return impl_->find(seq).length; });
 }
 
 int64_t KvCache::blocks_needed(SequenceId seq, int64_t tokens) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  if (tokens < 0) invalid("KvCache::blocks_needed: tokens must be >= 0, got " + str(tokens));
-  const Impl::Sequence& s = impl_->find(seq);
-  const int64_t context = impl_->cfg.context_length;  // tokens is compared before it is added: no overflow
-  if (tokens > context - s.length) {
-    invalid("KvCache::blocks_needed: sequence " + str(seq) + ": length " + str(s.length) + " + " + str(tokens) +
-            " new tokens exceeds context_length=" + str(context));
-  }
-  const int32_t x = impl_->partial_block(s);
-  return impl_->new_blocks(s, tokens) + (tokens > 0 && x >= 0 && impl_->must_copy(x, 0));
+  return detail::translate_bad_alloc("KvCache::blocks_needed", [&] {
+    if (tokens < 0) invalid("KvCache::blocks_needed: tokens must be >= 0, got " + str(tokens));
+    const Impl::Sequence& s = impl_->find(seq);
+    const int64_t context = impl_->cfg.context_length;  // tokens is compared before it is added: no overflow
+    if (tokens > context - s.length) {
+      invalid("KvCache::blocks_needed: sequence " + str(seq) + ": length " + str(s.length) + " + " + str(tokens) +
+              " new tokens exceeds context_length=" + str(context));
+    }
+    const int32_t x = impl_->partial_block(s);
+    return impl_->new_blocks(s, tokens) + (tokens > 0 && x >= 0 && impl_->must_copy(x, 0));
+  });
 }
 
 int64_t KvCache::block_tokens() const { return impl_->block_tokens; }
@@ -310,11 +317,15 @@ int32_t KvCache::Impl::block_of(SequenceId seq, int64_t t) const {
 namespace {
 void read_row(const KvCache::Impl& c, SequenceId seq, int64_t h, int64_t t, float* dst, kernels::KvPart part) {
   std::lock_guard<std::mutex> lock(c.mu);
-  const KvCache::Impl::Sequence& s = c.find(seq);
-  if (h < 0 || h >= c.layout.heads) invalid("KvCache: head " + str(h) + " out of range [0, " + str(c.layout.heads) + ")");
-  const int32_t b = c.block_holding(s, t);
-  if (!dst) invalid("KvCache: dst is a null pointer");
-  c.load_row(c.block(b), part, h, t % c.block_tokens, dst);
+  detail::translate_bad_alloc("KvCache::read_key/read_value", [&] {
+    const KvCache::Impl::Sequence& s = c.find(seq);
+    if (h < 0 || h >= c.layout.heads) {
+      invalid("KvCache: head " + str(h) + " out of range [0, " + str(c.layout.heads) + ")");
+    }
+    const int32_t b = c.block_holding(s, t);
+    if (!dst) invalid("KvCache: dst is a null pointer");
+    c.load_row(c.block(b), part, h, t % c.block_tokens, dst);
+  });
 }
 }  // namespace
 

@@ -1,5 +1,6 @@
 // tests/alloc/no_alloc_test.cpp: the serving steady state allocates nothing, and an allocation that fails anywhere
-// in a serving life cycle, alone or with every allocation after it, reaches the caller as Error(out_of_memory).
+// in a serving life cycle, alone or with every allocation after it, reaches the caller as Error(out_of_memory), as
+// does a bad argument met with an exhausted heap.
 // This program replaces malloc and its relatives (forwarding to glibc's __libc_* entry points) and operator
 // new/delete for the whole process, counts every allocation made while a flag is armed, and requires zero during
 // decode steps after reserve_serving(), on every instruction set this CPU runs. forward() and extend() run oneDNN
@@ -449,6 +450,75 @@ void check_allocation_failures(bool later) {
   ++g_passed;
 }
 
+// Bad arguments met with an exhausted heap: every allocation fails from the call's start, so no error message can be
+// built, and the caller must still get an Error (the preallocated out-of-memory one), not std::bad_alloc.
+void check_bad_arguments_without_memory() {
+  Config c;
+  c.d_model = 32, c.num_heads = 2, c.context_length = 64, c.causal = true;
+  const Weights w = Weights::random(c, 3);
+  Config bad = c;
+  bad.num_heads = 3;  // does not divide d_model
+  CausalSelfAttention layer(c, w, EngineOptions{.threads = 1});
+  KvCache cache(layer.config(), KvCacheOptions{.block_tokens = 4, .capacity_tokens = 64});
+  const SequenceId unknown = 12345;
+  float row[16];
+  const std::vector<float> x(static_cast<size_t>((c.context_length + 1) * c.d_model), 0.5f);
+  std::vector<float> out(x.size());
+  struct Case {
+    const char* name;
+    std::function<void()> call;
+  };
+  const std::vector<Case> cases = {
+      {"MultiHeadAttention(a config whose heads do not divide d_model)", [&] { MultiHeadAttention m(bad, w); }},
+      {"KvCache::length(an unknown id)", [&] { cache.length(unknown); }},
+      {"KvCache::fork(an unknown id)", [&] { cache.fork(unknown); }},
+      {"KvCache::release(an unknown id)", [&] { cache.release(unknown); }},
+      {"KvCache::blocks_needed(an unknown id)", [&] { cache.blocks_needed(unknown, 1); }},
+      {"KvCache::read_key(an unknown id)", [&] { cache.read_key(unknown, 0, 0, row); }},
+      {"CausalSelfAttention(a config whose heads do not divide d_model)",
+       [&] { CausalSelfAttention l(bad, w, EngineOptions{.threads = 1}); }},
+      {"CausalSelfAttention::decode(an unknown id)",
+       [&] { layer.decode(cache, &unknown, 1, x.data(), out.data()); }},
+      {"CausalSelfAttention::extend(an unknown id)",
+       [&] { layer.extend(cache, unknown, x.data(), 1, out.data()); }},
+      {"CausalSelfAttention::forward(T past the context length)",
+       [&] { layer.forward(x.data(), 1, c.context_length + 1, out.data()); }},
+      {"KvCache(a negative block size)",
+       [&] { KvCache k(layer.config(), KvCacheOptions{.block_tokens = -1, .capacity_tokens = 64}); }},
+  };
+  for (const Case& k : cases) {
+    std::exception_ptr thrown;
+    g_new_calls.store(0);
+    g_fail_later.store(true);
+    g_fail_at.store(1);
+    try {
+      k.call();
+    } catch (...) {
+      thrown = std::current_exception();
+    }
+    g_fail_at.store(0);
+    std::string got = "no exception";
+    if (thrown) {
+      try {
+        std::rethrow_exception(thrown);
+      } catch (const Error& e) {
+        got = e.code() == ErrorCode::out_of_memory ? "" : std::string("Error: ") + e.what();
+      } catch (const std::bad_alloc&) {
+        got = "std::bad_alloc";
+      } catch (const std::exception& e) {
+        got = std::string("std::exception: ") + e.what();
+      }
+    }
+    if (got.empty()) {
+      std::printf("ok    %s with every allocation failing: Error(out_of_memory)\n", k.name);
+      ++g_passed;
+    } else {
+      std::printf("FAIL  %s with every allocation failing: %s\n", k.name, got.c_str());
+      ++g_failed;
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -472,6 +542,7 @@ int main() {
   }
   check_allocation_failures(false);
   check_allocation_failures(true);
+  check_bad_arguments_without_memory();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
