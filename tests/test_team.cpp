@@ -1,5 +1,5 @@
 // tests/test_team.cpp: engine/team.hpp, the helpers every OpenMP team of the project starts through: each item runs
-// once, round robin keeps item i on thread i % threads, a team's shares cut [0, n) exactly, and an exception thrown
+// once, round robin keeps item i on thread i % team, a team's shares cut [0, n) exactly, and an exception thrown
 // on any thread comes back to the caller instead of ending the process.
 #include "engine/team.hpp"
 
