@@ -376,6 +376,46 @@ void check_isa(Isa isa, DType compute) {
   }
 }
 
+// What f() threw with its n-th C++ allocation failing (with `later`, every one after it too), inspected once
+// allocations work again: whether it was Error(out_of_memory), whether that was the preallocated one
+// (engine/buffer.cpp), or else what escaped the API instead (empty when f() returned).
+struct Outcome {
+  bool out_of_memory = false, unnamed = false;
+  std::string escaped;
+};
+template <class F>
+Outcome run_failing(long n, bool later, F&& f) {
+  g_new_calls.store(0);
+  g_injected.store(false);
+  g_fail_later.store(later);
+  g_fail_at.store(n);
+  // Kept, not inspected, until allocations work again (current_exception allocates nothing).
+  std::exception_ptr thrown;
+  try {
+    f();
+  } catch (...) {
+    thrown = std::current_exception();
+  }
+  g_fail_at.store(0);
+  Outcome o;
+  if (!thrown) return o;
+  try {
+    std::rethrow_exception(thrown);
+  } catch (const Error& e) {
+    if (e.code() == ErrorCode::out_of_memory) {
+      o.out_of_memory = true;
+      o.unnamed = std::string(e.what()).find("too little left to name the call") != std::string::npos;
+    } else {
+      o.escaped = std::string("Error with code ") + std::to_string(static_cast<int>(e.code())) + ": " + e.what();
+    }
+  } catch (const std::bad_alloc&) {
+    o.escaped = "std::bad_alloc";
+  } catch (const std::exception& e) {
+    o.escaped = std::string("std::exception: ") + e.what();
+  }
+  return o;
+}
+
 // A server's whole life cycle on one layer (construction, a cache, prefill, fork, decode, forward), run again and
 // again with its n-th C++ allocation failing, n = 1, 2, ... until a run makes fewer allocations than n. Each run
 // must end in success or in Error(out_of_memory): never std::bad_alloc or another exception escaping the API. With
@@ -400,38 +440,12 @@ void check_allocation_failures(bool later) {
   const char* mode = later ? "and every one after it " : "";
   long n = 1, errors = 0, unnamed = 0;  // unnamed: the preallocated Error (engine/buffer.cpp)
   for (;; ++n) {
-    g_new_calls.store(0);
-    g_injected.store(false);
-    g_fail_later.store(later);
-    g_fail_at.store(n);
-    // Kept, not inspected, until allocations work again (current_exception allocates nothing).
-    std::exception_ptr thrown;
-    try {
-      life();
-    } catch (...) {
-      thrown = std::current_exception();
-    }
-    g_fail_at.store(0);
-    std::string escaped;
-    if (thrown) {
-      try {
-        std::rethrow_exception(thrown);
-      } catch (const Error& e) {
-        if (e.code() == ErrorCode::out_of_memory) {
-          ++errors;
-          if (std::string(e.what()).find("too little left to name the call") != std::string::npos) ++unnamed;
-        } else {
-          escaped = std::string("Error with code ") + std::to_string(static_cast<int>(e.code())) + ": " + e.what();
-        }
-      } catch (const std::bad_alloc&) {
-        escaped = "std::bad_alloc";
-      } catch (const std::exception& e) {
-        escaped = std::string("std::exception: ") + e.what();
-      }
-    }
-    if (!escaped.empty()) {
+    const Outcome o = run_failing(n, later, life);
+    errors += o.out_of_memory ? 1 : 0;
+    unnamed += o.unnamed ? 1 : 0;
+    if (!o.escaped.empty()) {
       std::printf("FAIL  allocation %ld %sfailing: %s escaped the API; the failed allocation was made from:\n", n,
-                  mode, escaped.c_str());
+                  mode, o.escaped.c_str());
       std::fflush(stdout);
       backtrace_symbols_fd(g_samples[kOther][0].stack, g_samples[kOther][0].depth, STDOUT_FILENO);
       ++g_failed;
@@ -487,28 +501,8 @@ void check_bad_arguments_without_memory() {
        [&] { KvCache k(layer.config(), KvCacheOptions{.block_tokens = -1, .capacity_tokens = 64}); }},
   };
   for (const Case& k : cases) {
-    std::exception_ptr thrown;
-    g_new_calls.store(0);
-    g_fail_later.store(true);
-    g_fail_at.store(1);
-    try {
-      k.call();
-    } catch (...) {
-      thrown = std::current_exception();
-    }
-    g_fail_at.store(0);
-    std::string got = "no exception";
-    if (thrown) {
-      try {
-        std::rethrow_exception(thrown);
-      } catch (const Error& e) {
-        got = e.code() == ErrorCode::out_of_memory ? "" : std::string("Error: ") + e.what();
-      } catch (const std::bad_alloc&) {
-        got = "std::bad_alloc";
-      } catch (const std::exception& e) {
-        got = std::string("std::exception: ") + e.what();
-      }
-    }
+    const Outcome o = run_failing(1, true, k.call);
+    const std::string got = o.out_of_memory ? "" : o.escaped.empty() ? "no exception" : o.escaped;
     if (got.empty()) {
       std::printf("ok    %s with every allocation failing: Error(out_of_memory)\n", k.name);
       ++g_passed;
