@@ -36,12 +36,6 @@ dt dnnl_type(DType t) {
   }
 }
 
-// The matmul (M, K) x (K, N) -> (M, N), with the bias (1, N) as part of the operation when there is one (bias null).
-dnnl::matmul::desc matmul_op(const memory::desc& src, const memory::desc& w, const memory::desc& dst,
-                             const memory::desc* bias) {
-  return bias ? dnnl::matmul::desc(src, w, *bias, dst) : dnnl::matmul::desc(src, w, dst);
-}
-
 // oneDNN 2.6's AMX bf16 matmul (`brg:avx512_core_amx_bf16`) executes an illegal instruction for some GEMMs whose K is
 // not a multiple of 32, the bf16 elements of a 64-byte tile row, killing the process with SIGILL: 200x63 times 63x2 on
 // one thread, 33x63 times 63x17 on two (an Intel Xeon with AMX, 2026-11-26; uxlfoundation/oneDNN#1661 reports the
@@ -117,7 +111,8 @@ Linear::Linear(const TensorView& w, const float* bias, DType compute)
     const auto describe = [&](DType gemm) {
       const dt g = dnnl_type(gemm);
       const memory::desc src_any({128, K}, g, tag::ab), w_any({K, N}, g, tag::any), dst_any({128, N}, dt::f32, tag::ab);
-      op.emplace(matmul_op(src_any, w_any, dst_any, has_bias_ ? &b_desc : nullptr));
+      op.emplace(has_bias_ ? dnnl::matmul::desc(src_any, w_any, b_desc, dst_any)
+                           : dnnl::matmul::desc(src_any, w_any, dst_any));
       return dnnl::matmul::primitive_desc(*op, eng);
     };
     auto pd = [&]() -> dnnl::matmul::primitive_desc {
@@ -253,8 +248,8 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     // Created under the caller's thread count: oneDNN plans its work split for it.
     ScopedOmpThreads scope(threads);
     // Named, so that it outlives pd: skip_amx's next_impl() reads it in place.
-    const memory::desc b_desc = has_bias_ ? bias_.get_desc() : memory::desc();
-    const dnnl::matmul::desc op = matmul_op(src, weights_desc_, dst_desc, has_bias_ ? &b_desc : nullptr);
+    const dnnl::matmul::desc op = has_bias_ ? dnnl::matmul::desc(src, weights_desc_, bias_.get_desc(), dst_desc)
+                                            : dnnl::matmul::desc(src, weights_desc_, dst_desc);
     dnnl::matmul::primitive_desc pd(op, attr, eng);
     skip_amx(pd, gemm_, K_);
     auto e = std::make_unique<ExecContext::Entry>();
