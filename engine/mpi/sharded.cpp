@@ -169,7 +169,8 @@ Verdict local_verdict(F&& f) {
   check_mpi(MPI_Bcast(&msg, sizeof msg, MPI_BYTE, static_cast<int>(failed_rank), comm), "MPI_Bcast");
   msg.text[kMax - 1] = '\0';
   // "call: rank r: what", the call named once (most of the library's messages already start with it).
-  // Every rank is past the collectives here: one that cannot build the message reports out of memory instead.
+  // Every rank is past the collectives here: one that cannot build the message reports out of memory instead
+  // (translate_bad_alloc's work, spelled out so that the compiler sees this function cannot return).
   try {
     const std::string text = msg.text, prefix = std::string(call) + ": ";
     const bool named = text.compare(0, prefix.size(), prefix) == 0;
@@ -199,12 +200,10 @@ uint64_t agree(MPI_Comm comm, const char* call, const Verdict& v) {
     check_mpi(MPI_Bcast(&first, 1, MPI_UINT64_T, 0, comm), "MPI_Bcast");
     uint64_t odd = v.fingerprint != first ? static_cast<uint64_t>(rank) : static_cast<uint64_t>(ranks);
     check_mpi(MPI_Allreduce(MPI_IN_PLACE, &odd, 1, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
-    try {
+    detail::translate_bad_alloc(call, [&] {
       invalid(std::string(call) + ": rank " + str(static_cast<int64_t>(odd)) + " was given other arguments than " +
               "rank 0 (every rank must pass the same config, inputs and sequence ids to a collective call)");
-    } catch (const std::bad_alloc&) {
-      detail::fail_out_of_memory(call);
-    }
+    });
   }
   return buf[3];
 }
