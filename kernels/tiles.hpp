@@ -22,9 +22,13 @@ inline constexpr Blocking kAvx512{4, 6};
 inline constexpr Blocking kAvx2{2, 6};
 inline constexpr Blocking kScalar{4, 4};
 
-// Keys per tile. The per-call working set is qt (D x BQ) + scores (BK x BQ) + acc (D x BQ) floats:
-// for D=64, BQ=64, BK=64 that is 48 KiB = L1d here (48 KiB), with the K and V tiles (2 x 16 KiB) streaming
-// from L2 (2 MiB). Larger BK amortises the per-tile softmax bookkeeping but spills the score tile to L2.
+// Keys per tile. The per-call working set is qt (D x BQ) + scores (BK x BQ) + acc (D x BQ) floats: for D=64,
+// BQ=64, BK=64 that is 48 KiB, a Zen 5's or Sapphire Rapids' L1d (48 KiB) and more than a Zen 4's (32 KiB), with
+// the K and V tiles (2 x 16 KiB) streaming from L2 (1-2 MiB a core). Larger BK amortises the per-tile softmax
+// bookkeeping but spills the score tile to L2; a smaller one pays that bookkeeping twice as often. 32 keys took
+// 1.00-1.06x the time of 64 on Zen 4, even though its working set (40 KiB) is nearer that L1d (bench/ab.py,
+// 4 rounds, Core/gpt2-{small,xl}/T:{1024,4096}/threads:{1,2}, 2026-11-27); on the Xeon VM neither 32 nor 128
+// measured better (bench/README.md, "Where the core's cycles go").
 inline constexpr int kKeyTile = 64;
 
 // The score dot product over the head size D is summed in chunks of kScoreChunk: each chunk in fresh registers,
