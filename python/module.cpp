@@ -413,7 +413,7 @@ PYBIND11_MODULE(_gpt2attn, m) {
           "Strided float32 views are read in place. mask_kind: None (torch's reading: bool blocks, float adds), "
           "keep (nonzero attends), block (nonzero does not: "
           "torch's bool mask) or additive (torch's float mask).")
-      .def_property_readonly("config", &ga::MultiHeadAttention::config)
+      .def_property_readonly("config", [](const ga::MultiHeadAttention& s) { return s.config(); })  // a copy, as below
       .def_property_readonly("isa", [](const ga::MultiHeadAttention& s) { return std::string(ga::to_string(s.isa())); })
       .def_property_readonly("implementation", &ga::MultiHeadAttention::implementation)
       .def_property_readonly("default_threads", &ga::MultiHeadAttention::default_threads);
@@ -489,10 +489,15 @@ PYBIND11_MODULE(_gpt2attn, m) {
       .def(
           "reserve_serving",
           [](ga::CausalSelfAttention& self, int64_t max_extend_tokens, int64_t max_decode_batch, int threads,
-             ga::Workspace* ws) { self.reserve_serving(max_extend_tokens, max_decode_batch, threads, ws); },
+             ga::Workspace* ws) {
+            py::gil_scoped_release nogil;
+            self.reserve_serving(max_extend_tokens, max_decode_batch, threads, ws);
+          },
           py::arg("max_extend_tokens"), py::arg("max_decode_batch"), py::arg("threads") = 0,
           py::arg("workspace") = nullptr)
-      .def_property_readonly("config", &ga::CausalSelfAttention::config)
+      // A copy: the layer's own Config, returned by reference, would let Python change the shape a built layer
+      // trusts (layer.config.num_heads = 8), and forward would then index projections it never made.
+      .def_property_readonly("config", [](const ga::CausalSelfAttention& s) { return s.config(); })
       .def_property_readonly("isa",
                              [](ga::CausalSelfAttention& s) { return std::string(ga::to_string(s.layer().isa())); })
       .def_property_readonly("implementation",
@@ -500,13 +505,19 @@ PYBIND11_MODULE(_gpt2attn, m) {
 
   m.def(
       "reference_forward",
-      [](const ga::Config& c, const PyWeights& pw, const py::object& query, const py::object& key,
+      // The Config by value: another Python thread may change the caller's while this one runs without the GIL.
+      [](const ga::Config c, const PyWeights& pw, const py::object& query, const py::object& key,
          const py::object& value, const py::object& attn_mask, const std::optional<std::string>& mask_kind,
          const py::object& key_padding) {
         std::vector<py::array> keep;
         const ga::AttentionInputs in =
             attention_inputs(c.num_heads, query, key, value, attn_mask, mask_kind, key_padding, keep);
-        const std::vector<double> r = ga::reference_forward(c, pw.for_config(c), in);
+        const ga::Weights& w = pw.for_config(c);  // pw, an argument, outlives the call
+        std::vector<double> r;
+        {
+          py::gil_scoped_release nogil;  // the naive reference takes seconds at GPT-2 sizes
+          r = ga::reference_forward(c, w, in);
+        }
         py::array_t<double> a(std::vector<py::ssize_t>{in.query.shape[0], in.query.shape[1], c.d_model});
         std::copy(r.begin(), r.end(), a.mutable_data());
         return a;

@@ -10,7 +10,9 @@ torch's (N * num_heads, L, S); key_padding_mask (N, S) is bool, True = ignore th
 otherwise (for (L, N, E) layouts a transposed view of the library's (N, L, E) result; a torch tensor is made
 contiguous, as torch's is). Inputs are read in place: a transposed layout is passed to the
 library as strides, not copied. Not supported (refused with a message): add_bias_kv, add_zero_attn, float
-key_padding_mask, and dropout in training mode (gpt2attn's dropout draws differ from torch's).
+key_padding_mask, and a module in training mode with dropout (gpt2attn's dropout draws differ from torch's;
+from_torch refuses it). float16 and bfloat16 tensors are refused as inputs (pass x.float()); a bf16 or f16 module's
+weights are widened exactly.
 """
 import numpy as np
 
@@ -26,12 +28,16 @@ def _array(x, name):
     if _is_torch(x):
         if x.device.type != "cpu":
             raise InvalidArgument(f"{name}: a {x.device.type} tensor; gpt2attn computes on the CPU (pass x.cpu())")
+        if str(x.dtype) in ("torch.bfloat16", "torch.float16"):  # numpy has no bfloat16; .numpy() would raise TypeError
+            raise InvalidArgument(f"{name}: a {x.dtype} tensor; gpt2attn takes float32 arrays (pass x.float(), and "
+                                  f"compute='bf16' to compute in bf16)")
         return x.detach().numpy()
     return np.asarray(x)
 
 
 def _f32(t):
-    return np.ascontiguousarray(t.detach().cpu().numpy(), dtype=np.float32)
+    """A parameter as a float32 array: a bf16 or f16 module's values widen exactly."""
+    return np.ascontiguousarray(t.detach().cpu().float().numpy(), dtype=np.float32)
 
 
 class MultiheadAttention:
@@ -47,6 +53,10 @@ class MultiheadAttention:
         """Copies a torch.nn.MultiheadAttention's weights; context_length bounds L and S."""
         if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
             raise InvalidArgument("from_torch: add_bias_kv and add_zero_attn are not supported")
+        # Refused here, not at the call: the weights are copied now, and a later module.eval() reaches only the module.
+        if module.training and module.dropout > 0.0:
+            raise InvalidArgument(f"from_torch: the torch module is in training mode with dropout {module.dropout} "
+                                  f"(gpt2attn's dropout draws differ from torch's): call module.eval() before from_torch")
         E, H = module.embed_dim, module.num_heads
         if module._qkv_same_embed_dim:
             w = module.in_proj_weight
@@ -61,16 +71,12 @@ class MultiheadAttention:
         weights = Weights(w_q, w_k, w_v, _f32(module.out_proj.weight), biases[0], biases[1], biases[2], b_o)
         self = cls(cfg, weights, batch_first=getattr(module, "batch_first", False), threads=threads, isa=isa,
                    compute=compute)
-        self.dropout = module.dropout
-        self.module_training = module.training
         return self
 
     def __call__(self, query, key=None, value=None, attn_mask=None, key_padding_mask=None, is_causal=False,
                  need_weights=False):
         if need_weights:
             raise InvalidArgument("need_weights=True: gpt2attn never materialises the attention weights")
-        if getattr(self, "module_training", False) and getattr(self, "dropout", 0.0) > 0.0:
-            raise InvalidArgument("the torch module is in training mode with dropout: call module.eval() first")
         torch_out = _is_torch(query)
         if (key is None) != (value is None):  # torch refuses it too; taking it as self-attention would drop one
             raise InvalidArgument("key and value: give both or neither (neither: self-attention)")

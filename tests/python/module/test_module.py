@@ -124,8 +124,12 @@ def test_mask_without_a_kind_is_read_as_torch_reads_it():
     additive = rng.standard_normal((6, 6)).astype(np.float32)
     np.testing.assert_array_equal(layer.forward(x, attn_mask=additive),
                                   layer.forward(x, attn_mask=additive, mask_kind="additive"))
-    assert not np.array_equal(layer.forward(x, attn_mask=blocked),
-                              layer.forward(x, attn_mask=blocked, mask_kind="keep"))
+    # keep is block's complement: nonzero attends (seeds 002/003)
+    np.testing.assert_array_equal(layer.forward(x, attn_mask=~blocked, mask_kind="keep"),
+                                  layer.forward(x, attn_mask=blocked, mask_kind="block"))
+    pc.compare(layer.forward(x, attn_mask=(~blocked).astype(np.float32), mask_kind="keep"),
+               gpt2attn.reference_forward(cfg, gpt2attn.Weights.random(cfg, 24), x, attn_mask=blocked,
+                                          mask_kind="block"), pc.reduction_length(32, 6))
 
 
 def test_torch_wrapper_reads_uint8_masks_as_bool_ones():
@@ -331,13 +335,41 @@ def test_threads_with_own_workspaces_match_sequential():
         np.testing.assert_array_equal(got, want)
 
 
-def test_compute_releases_the_gil():
-    """With a switch interval far longer than the test, Python hands the GIL over only where a thread blocks or
-    releases it. A counting thread that yields the GIL every step can then advance during forward() only if
-    forward() released it; were it held, the count read after the call would equal the one read before."""
-    cfg = gpt2attn.Config(256, 4, context_length=1024)
-    layer = gpt2attn.CausalSelfAttention(cfg, gpt2attn.Weights.random(cfg, 14), threads=1)
+def _gil_test_call(name):
+    """The call `name` on layers and a cache built here, each taking milliseconds (decode repeats its short step)."""
+    cfg = gpt2attn.Config(256, 4, context_length=2048)
+    w = gpt2attn.Weights.random(cfg, 14)
     x = rand(np.random.default_rng(10), 1, 1024, 256)
+    causal = gpt2attn.CausalSelfAttention(cfg, w, threads=1)
+    if name == "CausalSelfAttention.forward":
+        return lambda: causal.forward(x)
+    if name == "MultiHeadAttention.forward":
+        mha = gpt2attn.MultiHeadAttention(cfg, w, threads=1)
+        return lambda: mha.forward(x)
+    if name == "reference_forward":
+        return lambda: gpt2attn.reference_forward(cfg, w, x[:, :128])
+    if name == "reserve_serving":
+        return lambda: causal.reserve_serving(1024, 16, threads=1)
+    cache = gpt2attn.KvCache(cfg, capacity_tokens=2048)
+    seq = cache.create()
+    if name == "extend":
+        return lambda: causal.extend(cache, seq, x[0])
+    assert name == "decode"
+    causal.extend(cache, seq, x[0])
+
+    def steps():
+        for i in range(32):
+            causal.decode(cache, [seq], x[0, i:i + 1])
+    return steps
+
+
+@pytest.mark.parametrize("name", ["CausalSelfAttention.forward", "MultiHeadAttention.forward", "extend", "decode",
+                                  "reserve_serving", "reference_forward"])
+def test_compute_releases_the_gil(name):
+    """With a switch interval far longer than the test, Python hands the GIL over only where a thread blocks or
+    releases it. A counting thread that yields the GIL every step can then advance during the calls only if they
+    release it; were it held, the count read after them would equal the one read before."""
+    call = _gil_test_call(name)
     count, go, stop = [0], threading.Event(), threading.Event()
 
     def counter():
@@ -352,14 +384,35 @@ def test_compute_releases_the_gil():
         c = threading.Thread(target=counter)
         c.start()
         go.set()
-        before = count[0]
-        layer.forward(x)
+        # A busy machine may not wake the counter during one short call; a call that holds the GIL never lets it
+        # run, however often it is repeated.
+        before, deadline = count[0], time.monotonic() + 10.0
+        call()
+        while count[0] == before and time.monotonic() < deadline:
+            call()
         during = count[0] - before
         stop.set()
         c.join()
     finally:
         sys.setswitchinterval(old)
-    assert during > 0, "a Python thread made no progress during forward(): the GIL was held"
+    assert during > 0, f"a Python thread made no progress during {name}(): the GIL was held"
+
+
+def test_layer_config_is_a_copy():
+    """layer.config returned the layer's own Config by reference, so `layer.config.num_heads = 8` changed the shape
+    a built layer trusts: forward then indexed projections it never made, and read past the input's rows."""
+    cfg = gpt2attn.Config(64, 4, context_length=16)
+    w = gpt2attn.Weights.random(cfg, 15)
+    x = rand(np.random.default_rng(16), 1, 4, 64)
+    for layer in (gpt2attn.MultiHeadAttention(cfg, w), gpt2attn.CausalSelfAttention(cfg, w)):
+        want = layer.forward(x)
+        c = layer.config
+        before = (c.num_heads, c.d_in, c.causal)
+        c.num_heads, c.d_in, c.causal = 8, 8, not c.causal
+        assert (layer.config.num_heads, layer.config.d_in, layer.config.causal) == before
+        np.testing.assert_array_equal(layer.forward(x), want)
+        with pytest.raises(gpt2attn.InvalidArgument):
+            layer.forward(x[:, :, :8])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -429,6 +482,35 @@ def test_dtypes_compare_by_value_not_identity():
     mask = pickle.loads(pickle.dumps(np.triu(np.ones((4, 4), dtype=np.bool_), 1)))
     plain = np.triu(np.ones((4, 4), np.bool_), 1)
     np.testing.assert_array_equal(mha.forward(x, attn_mask=mask), mha.forward(x, attn_mask=plain))
+
+
+def test_torch_wrapper_refuses_training_dropout_at_construction():
+    """The wrapper copies the weights; it used to note module.training at from_torch and refuse every call, so the
+    module.eval() its message advised, made afterwards, could never take effect. from_torch now refuses it."""
+    m = torch.nn.MultiheadAttention(16, 4, dropout=0.1)  # a new module is in training mode
+    with pytest.raises(gpt2attn.InvalidArgument, match=r"training mode with dropout 0.1.*module.eval\(\) before"):
+        gpt2attn.MultiheadAttention.from_torch(m)
+    q = torch.randn(5, 2, 16)
+    with torch.no_grad():
+        want = m.eval()(q, q, q, need_weights=False)[0]
+    got = gpt2attn.MultiheadAttention.from_torch(m, threads=1)(q)[0]
+    pc.compare(got.numpy(), want.double().numpy(), pc.reduction_length(16, 5))
+    no_dropout = torch.nn.MultiheadAttention(16, 4)  # training mode without dropout computes what eval does
+    gpt2attn.MultiheadAttention.from_torch(no_dropout, threads=1)(q)
+
+
+def test_torch_wrapper_half_precision():
+    """A bf16 module's weights widen exactly into the float32 copy; a bf16 or f16 input is refused by name (it
+    raised torch's TypeError from .numpy())."""
+    m = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval().to(torch.bfloat16)
+    q = torch.randn(2, 5, 16)
+    got = gpt2attn.MultiheadAttention.from_torch(m, threads=1)(q)[0]
+    want = gpt2attn.MultiheadAttention.from_torch(m.float(), threads=1)(q)[0]  # the same values in f32
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    w = gpt2attn.MultiheadAttention.from_torch(m, threads=1)
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(gpt2attn.InvalidArgument, match=f"query: a {dtype} tensor"):
+            w(q.to(dtype))
 
 
 def test_torch_wrapper_refuses_what_torch_refuses():
