@@ -9,6 +9,7 @@
 #include <cmath>
 #include <string>
 
+#include "engine/buffer.hpp"
 #include "engine/kv_cache.hpp"
 #include "engine/layer.hpp"
 #include "engine/split_kv.hpp"
@@ -345,7 +346,8 @@ size_t CausalSelfAttention::serving_workspace_bytes(int64_t max_extend_tokens, i
   }
   detail::check_threads(threads, "serving_workspace_bytes/reserve_serving", "threads");
   const int t = threads > 0 ? threads : L.default_threads;
-  return static_cast<size_t>(L.serving_bytes(max_extend_tokens, max_decode_batch, t));
+  // As the workspace allocates it (to 64 B, or to 2 MiB pages from 2 MiB on): what reserve_serving makes it hold.
+  return detail::buffer_capacity(static_cast<size_t>(L.serving_bytes(max_extend_tokens, max_decode_batch, t)));
 }
 
 void CausalSelfAttention::reserve_serving(int64_t max_extend_tokens, int64_t max_decode_batch, int threads,

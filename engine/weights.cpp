@@ -273,6 +273,7 @@ Weights random_weights(const Config& c, uint64_t seed, const RandomSlice& s, con
 }  // namespace detail
 
 Weights Weights::random(const Config& c, uint64_t seed) {
+  c.validate();  // before kv_width(), whose product an invalid config (num_kv_heads = INT64_MAX) can overflow
   return detail::random_weights(c, seed, {0, c.d_model, 0, c.kv_width(), true}, "Weights::random");
 }
 

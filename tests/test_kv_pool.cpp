@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "engine/kv_cache.hpp"
@@ -209,6 +210,19 @@ TEST(KvPool, ReserveServingCoversBlocksLongerThanTheLayersContext) {
   std::vector<float> y(x.size());
   layer.decode(cache, seqs, 2, x.data(), y.data(), RunOptions{.threads = 2}, &ws);
   EXPECT_EQ(ws.bytes(), reserved) << "decode grew the workspace reserve_serving sized";
+}
+
+// serving_workspace_bytes() is what reserve_serving() makes a fresh workspace hold, below and above the 2 MiB from
+// which workspaces take whole huge pages (it returned the plan's bytes, short of the rounded allocation).
+TEST(KvPool, ServingWorkspaceBytesIsWhatReserveHolds) {
+  const Config c = small_config(512);
+  CausalSelfAttention layer(c, Weights::random(c, 17));
+  ASSERT_GE(layer.serving_workspace_bytes(512, 512, 2), size_t{2} << 20) << "the last case must reach huge pages";
+  for (const auto& [extend, batch] : {std::pair<int64_t, int64_t>{0, 0}, {0, 3}, {7, 1}, {512, 512}}) {
+    Workspace ws;
+    layer.reserve_serving(extend, batch, 2, &ws);
+    EXPECT_EQ(ws.bytes(), layer.serving_workspace_bytes(extend, batch, 2)) << extend << " tokens, " << batch << " rows";
+  }
 }
 
 // Decode's few-row projections at a width where every path of kernels/linear_f32 runs: B = 19 (full and ragged

@@ -163,6 +163,14 @@ TEST(Limits, ReservedWorkspacesServeCallersInTheirOwnParallelRegion) {
   EXPECT_EQ(callers, kCallers) << "the region ran on fewer threads than asked";
 }
 
+// Weights::random validates its config before sizing anything: kv_width() of num_kv_heads = INT64_MAX overflowed
+// int64 (undefined behaviour, which UBSan reports) before the layer that would have refused the config was built.
+TEST(Limits, RandomWeightsRefuseAnInvalidConfigFirst) {
+  Config c = small();
+  c.num_kv_heads = kInt64Max;
+  EXPECT_TRUE(refused([&] { Weights::random(c, 1); }, ErrorCode::invalid_argument, {"num_kv_heads"}));
+}
+
 // Byte counts are computed with overflow checks: a request too large to exist is refused before any allocation.
 TEST(Limits, HugeCallsAreRefusedNotWrapped) {
   const Config c = small();

@@ -163,7 +163,8 @@ class GPT2ATTN_API CausalSelfAttention {
               const RunOptions& run = {}, Workspace* ws = nullptr);
 
   // Grows `ws` (the layer's own when null) for extend() of up to max_extend_tokens and decode() of up to
-  // max_decode_batch sequences at `threads` (0 = default); serving_workspace_bytes() is what that takes.
+  // max_decode_batch sequences at `threads` (0 = default); serving_workspace_bytes() is what that takes (the
+  // bytes() of a workspace that held less before).
   // Afterwards decode() allocates nothing at all (its projections run on our own kernels). extend() and
   // forward() allocate nothing of their own for a chunk shape reserved or recently seen (see Workspace), but
   // their oneDNN GEMMs do: oneDNN 2.6 builds a small argument map on every primitive execution.

@@ -229,7 +229,8 @@ GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_forward(gpt2attn_layer_t* layer, c
 GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_reserve(gpt2attn_layer_t* layer, int64_t max_extend_tokens,
                                                       int64_t max_decode_batch, int threads,
                                                       gpt2attn_workspace_t* ws);
-/* *out = the scratch bytes gpt2attn_layer_reserve would hold for these sizes. */
+/* *out = the scratch bytes gpt2attn_layer_reserve would hold for these sizes (gpt2attn_workspace_bytes of a workspace
+ * that held less before). */
 GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_reserve_bytes(const gpt2attn_layer_t* layer,
                                                             int64_t max_extend_tokens, int64_t max_decode_batch,
                                                             int threads, size_t* out);

@@ -20,6 +20,9 @@
 #define LEN_A (PROMPT_A + STEPS)
 #define LEN_B (PROMPT_B + STEPS)
 #define SENTINEL 12345.0f
+/* A handle value no call returns: *out starts here where a failing call must leave it as it was. Never dereferenced. */
+static char unset_marker;
+#define UNSET_LAYER ((gpt2attn_layer_t*)(void*)&unset_marker)
 
 static int g_passed, g_failed;
 
@@ -149,6 +152,10 @@ static void test_prefill_decode(gpt2attn_layer_t* layer, const float* xa, const 
   CHECK_OK(gpt2attn_workspace_create(&ws));
   if (!cache || !ws) return;
   CHECK_OK(gpt2attn_layer_reserve(layer, 8, 2, 2, ws));
+  size_t planned = 0, held = 0;
+  CHECK_OK(gpt2attn_layer_reserve_bytes(layer, 8, 2, 2, &planned));
+  CHECK_OK(gpt2attn_workspace_bytes(ws, &held));
+  CHECK(planned == held && held > 0, "reserve_bytes %zu, a fresh workspace after reserve holds %zu", planned, held);
 
   /* The references: the layer's own cacheless forward over prompt + decoded tokens. */
   CHECK_OK(gpt2attn_layer_forward(layer, xa, 1, LEN_A, ref_a, 2, NULL));
@@ -242,12 +249,12 @@ static void test_argument_errors(gpt2attn_layer_t* layer, const float* xa) {
     /* A context length near INT64_MAX wrapped the layer's sizes and forward wrote past its workspace. */
     gpt2attn_config_t huge = gpt2attn_config_init();
     CHECK_OK(gpt2attn_config_preset("gpt2-small", &huge));
-    gpt2attn_layer_t* none = NULL;
+    gpt2attn_layer_t* none = UNSET_LAYER; /* not NULL: a create that wrote NULL on failure would show */
     huge.context_length = INT64_MAX;
     CHECK_ERR(gpt2attn_layer_create_random(&huge, 1, &none), GPT2ATTN_ERR_INVALID_ARGUMENT, "context_length");
     huge.context_length = (int64_t)1 << 62;
     CHECK_ERR(gpt2attn_layer_create_random(&huge, 1, &none), GPT2ATTN_ERR_INVALID_ARGUMENT, "context_length");
-    CHECK(none == NULL, "no layer published by a failed create");
+    CHECK(none == UNSET_LAYER, "a failed create left *out as it was");
   }
 
   /* Unknown and released sequence ids: refused, naming the id; the cache is unchanged. */
@@ -274,10 +281,10 @@ static void test_argument_errors(gpt2attn_layer_t* layer, const float* xa) {
   CHECK(untouched(y, E), "decode of a released sequence wrote nothing");
 
   /* A bad file is BAD_FILE naming the path; *out stays as it was. */
-  gpt2attn_layer_t* none = NULL;
+  gpt2attn_layer_t* none = UNSET_LAYER;
   CHECK_ERR(gpt2attn_layer_load_safetensors("/nonexistent/model.safetensors", "h.0.attn.", 12, 1024, &none),
             GPT2ATTN_ERR_BAD_FILE, "/nonexistent/model.safetensors");
-  CHECK(none == NULL, "no handle on failure");
+  CHECK(none == UNSET_LAYER, "a failed load left *out as it was");
   /* A message longer than the library's buffer (a path of 10000 characters) keeps its start and the reason at
    * its end. */
   static char long_path[10001];
