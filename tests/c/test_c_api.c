@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <threads.h>
 
 /* E = 64, H = 4: small enough to run in milliseconds, D = 16 still a real head. Blocks of 4 tokens make the
  * prompts (7 and 5 tokens) and the decode steps cross block boundaries; context 16 keeps the limit reachable. */
@@ -81,6 +82,14 @@ static int untouched(const float* out, size_t n) {
     if (out[i] != SENTINEL) return 0;
   }
   return 1;
+}
+
+/* Fails a call on its own thread; returns whether that thread then read its own message. */
+static int fail_on_another_thread(void* unused) {
+  (void)unused;
+  gpt2attn_seq_t s = 0;
+  return gpt2attn_seq_create(NULL, &s) == GPT2ATTN_ERR_INVALID_ARGUMENT &&
+         strncmp(gpt2attn_last_error(), "gpt2attn_seq_create", 19) == 0;
 }
 
 static void set_sentinel(float* out, size_t n) {
@@ -244,6 +253,14 @@ static void test_argument_errors(gpt2attn_layer_t* layer, const float* xa) {
   /* The message is per thread and prefixed with the function that failed. */
   CHECK(strncmp(gpt2attn_last_error(), "gpt2attn_layer_forward", 22) == 0, "message names the function: \"%s\"",
         gpt2attn_last_error());
+  {
+    thrd_t other;
+    int other_failed = 0;
+    CHECK(thrd_create(&other, fail_on_another_thread, NULL) == thrd_success && thrd_join(other, &other_failed) ==
+          thrd_success && other_failed, "another thread's call failed with its own message");
+    CHECK(strncmp(gpt2attn_last_error(), "gpt2attn_layer_forward", 22) == 0,
+          "another thread's failure left this thread's message: \"%s\"", gpt2attn_last_error());
+  }
   CHECK_ERR(gpt2attn_layer_extend(layer, cache, s, xa, 2, y, 100000, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "threads");
   {
     /* A context length near INT64_MAX wrapped the layer's sizes and forward wrote past its workspace. */
@@ -310,6 +327,17 @@ static void test_context_limit(gpt2attn_layer_t* layer) {
   CHECK_ERR(gpt2attn_layer_extend(layer, cache, s, x, CTX + 1, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
             "context_length");
   CHECK_OK(gpt2attn_layer_extend(layer, cache, s, x, CTX - 2, y, 0, NULL));
+  /* Admission control: 14 tokens fill blocks of 4 up to 4 + 4 + 4 + 2, so 2 more fit in the last block. */
+  int64_t need = -1;
+  CHECK_OK(gpt2attn_seq_blocks_needed(cache, s, 2, &need));
+  CHECK(need == 0, "2 tokens into a half-full last block need %lld blocks", (long long)need);
+  CHECK_ERR(gpt2attn_seq_blocks_needed(cache, s, 3, &need), GPT2ATTN_ERR_INVALID_ARGUMENT, "context_length");
+  CHECK_ERR(gpt2attn_seq_blocks_needed(cache, s, -1, &need), GPT2ATTN_ERR_INVALID_ARGUMENT, "tokens");
+  gpt2attn_seq_t fresh = -1;
+  CHECK_OK(gpt2attn_seq_create(cache, &fresh));
+  CHECK_OK(gpt2attn_seq_blocks_needed(cache, fresh, 5, &need));
+  CHECK(need == 2, "5 tokens of a new sequence need %lld blocks of 4", (long long)need);
+  CHECK_OK(gpt2attn_seq_release(cache, fresh));
   set_sentinel(y, (CTX + 1) * E);
   CHECK_ERR(gpt2attn_layer_extend(layer, cache, s, x, 3, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
             "context_length");
