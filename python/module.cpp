@@ -86,6 +86,9 @@ py::array as_f32(const py::handle& obj, const char* name) {
     invalid(std::string(name) + ": dtype " + std::string(py::str(a.dtype())) +
             ", expected float32 (gpt2attn computes in float32 and converts nothing itself: pass x.astype(np.float32))");
   }
+  if (reinterpret_cast<uintptr_t>(a.data()) % alignof(float) != 0) {  // np.frombuffer(b, np.float32, offset=1)
+    invalid(std::string(name) + ": the data is not aligned to float32's 4 bytes: pass a copy (x.copy())");
+  }
   return a;
 }
 
@@ -121,6 +124,10 @@ ga::TensorView view_of(const py::array& a, const char* name, ga::DType dtype = g
     invalid(std::string(name) + ": rank " + std::to_string(a.ndim()) + ", expected 1 to 4");
   }
   const auto item = static_cast<py::ssize_t>(ga::size_of(dtype));
+  if (reinterpret_cast<uintptr_t>(a.data()) % static_cast<uintptr_t>(item) != 0) {
+    invalid(std::string(name) + ": the data is not aligned to its " + std::to_string(item) +
+            "-byte elements: pass a copy");
+  }
   ga::TensorView v;
   v.data = a.data();
   v.dtype = dtype;

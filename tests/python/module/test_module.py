@@ -418,6 +418,27 @@ def test_layer_config_is_a_copy():
 # ---------------------------------------------------------------------------------------------------------
 # Bad input: a Python exception naming the problem, never a crash.
 
+def test_misaligned_arrays_are_refused():
+    """A float32 array at an odd byte address (np.frombuffer with an offset) was read through a misaligned float*."""
+    cfg = gpt2attn.Config(16, 2, context_length=8)
+    mha = gpt2attn.MultiHeadAttention(cfg, gpt2attn.Weights.random(cfg, 18))
+    causal = gpt2attn.CausalSelfAttention(cfg, gpt2attn.Weights.random(cfg, 18))
+    raw = bytearray(4 * 2 * 3 * 16 + 1)
+    x = np.frombuffer(raw, np.float32, count=2 * 3 * 16, offset=1).reshape(2, 3, 16)
+    assert x.ctypes.data % 4 != 0
+    with pytest.raises(gpt2attn.InvalidArgument, match="query: the data is not aligned"):
+        mha.forward(x)
+    with pytest.raises(gpt2attn.InvalidArgument, match="x: the data is not aligned"):
+        causal.forward(x)
+    good = np.zeros((2, 3, 16), np.float32)
+    out = np.frombuffer(bytearray(4 * 2 * 3 * 16 + 1), np.float32, count=2 * 3 * 16, offset=1).reshape(2, 3, 16)
+    with pytest.raises(gpt2attn.InvalidArgument, match="out: the data is not aligned"):
+        causal.forward(good, out=out)
+    mask = np.frombuffer(bytearray(4 * 9 + 1), np.float32, count=9, offset=1).reshape(3, 3)
+    with pytest.raises(gpt2attn.InvalidArgument, match="attn_mask: the data is not aligned"):
+        mha.forward(good, attn_mask=mask)
+
+
 def test_bad_input_raises_library_errors():
     cfg = gpt2attn.Config(32, 4, context_length=16)
     layer = gpt2attn.CausalSelfAttention(cfg, gpt2attn.Weights.random(cfg, 1))
