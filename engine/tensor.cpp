@@ -52,7 +52,10 @@ TensorView TensorView::with_strides(std::initializer_list<int64_t> strides) cons
 }
 
 TensorView torch_mask_view(TensorView m, int64_t B, int64_t H) {
-  if (m.rank == 3 && m.shape[0] == B * H && B * H != B) {  // torch's (B * H, T, Tk): row b * H + h
+  // torch's (B * H, T, Tk): row b * H + h. B and H are the caller's, not yet validated: a product that overflows
+  // matches no mask.
+  int64_t BH = 0;
+  if (m.rank == 3 && !__builtin_mul_overflow(B, H, &BH) && m.shape[0] == BH && BH != B) {
     m.rank = 4;
     m.shape = {B, H, m.shape[1], m.shape[2]};
     m.strides = {H * m.strides[0], m.strides[0], m.strides[1], m.strides[2]};

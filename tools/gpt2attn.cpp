@@ -58,8 +58,9 @@ const char* kUsage = R"(usage:
 
 forward  runs one multi-head attention layer (torch.nn.MultiheadAttention semantics, batch_first) with the
          weights of a safetensors file (torch or Hugging Face GPT-2 naming) and writes float32 (B, T, E).
-         Inputs are float32/float64 .npy; masks bool, uint8 or float; without --key/--value it is
-         self-attention. An unbatched (T, d_in) query, as torch takes it, gives a (T, E) output. --config
+         Inputs are float32/float64 .npy; masks bool, uint8 or float (a key padding bool or uint8, nonzero
+         = padding); without --key/--value it is self-attention. An unbatched (T, d_in) query, as torch
+         takes it, gives a (T, E) output. --config
          reads a Hugging Face GPT-2 config.json (n_embd, n_head, n_positions) or one of configs/*.json:
          the heads, K/V heads, causality (GPT-2's is) and the default context length come from it, a
          --heads or --kv-heads that disagrees is refused, and so are weights whose widths or biases differ
@@ -249,6 +250,14 @@ Args parse(int argc, char** argv, int first, const std::vector<std::string>& val
       a.flags.push_back(s);
     } else if (std::find(value_opts.begin(), value_opts.end(), s) != value_opts.end()) {
       if (i + 1 >= argc) throw UsageError("option --" + s + " needs a value");
+      // `--output --causal` would otherwise write a file named "--causal" and compute without the mask.
+      const std::string value = argv[i + 1];
+      const auto is_option = [&](const std::vector<std::string>& names) {
+        return value.rfind("--", 0) == 0 && std::find(names.begin(), names.end(), value.substr(2)) != names.end();
+      };
+      if (is_option(value_opts) || is_option(flag_opts) || value == "--help") {
+        throw UsageError("option --" + s + " needs a value, got the option " + value);
+      }
       a.values[s].push_back(argv[++i]);
     } else {
       throw UsageError("unknown option --" + s);
@@ -302,8 +311,9 @@ int cmd_forward(int argc, char** argv) {
       ga::invalid("--heads " + std::to_string(heads) + " disagrees with " + a.get("config") + ", which says " +
                   std::to_string(file_cfg->num_heads) + " heads");
     }
-    // The file's K/V heads likewise (0 there: as many as the heads, or the weights' K/V width decides).
-    const int64_t file_kv_heads = file_cfg ? file_cfg->num_kv_heads : 0;
+    // The file's K/V heads likewise: a config that names none has as many as heads (a Hugging Face GPT-2 config
+    // never names them). Without a config file the weights' K/V width decides.
+    const int64_t file_kv_heads = file_cfg ? file_cfg->kv_heads() : 0;
     kv_heads = a.integer<int64_t>("kv-heads", file_kv_heads, 1);
     if (file_kv_heads != 0 && kv_heads != file_kv_heads) {
       ga::invalid("--kv-heads " + std::to_string(kv_heads) + " disagrees with " + a.get("config") + ", which says " +
@@ -353,6 +363,12 @@ int cmd_forward(int argc, char** argv) {
     if (a.has("key-padding")) {
       padding = ga::npy::read(a.get("key-padding"));
       in.key_padding = batch_of_one(view_of(padding, "key-padding"), 1);
+      // torch adds a float key_padding_mask to the scores; the library reads nonzero as padding. Refused rather
+      // than read another way than torch reads it.
+      if (in.key_padding.dtype == ga::DType::f32) {
+        ga::invalid("--key-padding " + a.get("key-padding") + ": a float mask (torch adds it to the scores); pass "
+                    "a bool or uint8 one, nonzero = padding");
+      }
     }
   };
 
@@ -936,6 +952,7 @@ int cmd_bench(int argc, char** argv) {
   const int threads = a.integer<int>("threads", 0, 1, kMaxThreads);
   const int repeats = a.integer<int>("repeats", 5, 1);
   const bool json = a.flag("json");
+  if (a.flag("check") && a.flag("no-check")) throw UsageError("--check and --no-check contradict each other");
   const bool check = a.flag("check") || (!json && !a.flag("no-check"));
   const ga::Isa isa = isa_option(a);
   ga::detail::cap_onednn(isa);  // as forward does: the whole layer at --isa, GEMMs included

@@ -17,6 +17,8 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <ostream>
+#include <streambuf>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -196,21 +198,67 @@ inline std::string resolve_write_target(const std::string& path) {
   return (std::filesystem::path(real(dir, "directory " + dir)) / p.filename()).string();
 }
 
+// An output stream buffer over a file descriptor, which std::ofstream cannot be opened on. Writes in 64 KiB runs,
+// retrying on EINTR and short writes; a failed write makes the stream fail.
+class FdOutBuf : public std::streambuf {
+ public:
+  explicit FdOutBuf(int fd) : fd_(fd) { setp(buf_, buf_ + sizeof buf_); }
+
+ protected:
+  int_type overflow(int_type ch) override {
+    if (sync() != 0) return traits_type::eof();
+    if (!traits_type::eq_int_type(ch, traits_type::eof())) {
+      *pptr() = traits_type::to_char_type(ch);
+      pbump(1);
+    }
+    return traits_type::not_eof(ch);
+  }
+  int sync() override {
+    for (const char* p = pbase(); p < pptr();) {
+      const ssize_t n = ::write(fd_, p, static_cast<size_t>(pptr() - p));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return -1;
+      p += n;
+    }
+    setp(buf_, buf_ + sizeof buf_);
+    return 0;
+  }
+
+ private:
+  int fd_;
+  char buf_[size_t{1} << 16];
+};
+
 // Writes through `body(std::ostream&)` into a temporary file next to the target (resolve_write_target():
 // links followed, special files refused) and renames it onto the target, so readers see either the old
-// file or the complete new one, never a partial one. The temporary is removed on every failure path,
-// including an exception from `body`.
+// file or the complete new one, never a partial one. The temporary is created exclusively (O_CREAT | O_EXCL, which
+// also refuses a symbolic link planted at its name), takes the mode of the file it replaces (a new file gets 0666
+// less the umask), and is removed on every failure path, including an exception from `body`.
 template <class Body>
 void write_atomically(const std::string& path, Body&& body) {
   const std::string target = resolve_write_target(path);
-  const std::string tmp = target + ".tmp." + std::to_string(::getpid());
+  struct stat old {};
+  const bool replaces = ::stat(target.c_str(), &old) == 0;
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; fd < 0 && attempt < 100; ++attempt) {
+    tmp = target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(attempt);
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST) file_error(path, "cannot create temporary file " + tmp + ": " + std::strerror(errno));
+  }
+  if (fd < 0) file_error(path, "cannot create a temporary file next to it: 100 names taken (" + tmp + ")");
   try {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) file_error(path, "cannot create temporary file " + tmp + ": " + std::strerror(errno));
+    if (replaces && ::fchmod(fd, old.st_mode & 07777) != 0) {
+      file_error(path, "cannot give " + tmp + " the mode of " + target + ": " + std::strerror(errno));
+    }
+    FdOutBuf buf(fd);
+    std::ostream out(&buf);
     body(out);
-    out.close();
-    if (out.fail()) file_error(path, "write to " + tmp + " failed (disk full?)");
+    out.flush();
+    if (out.fail()) file_error(path, "write to " + tmp + " failed: " + std::strerror(errno));
+    if (::close(std::exchange(fd, -1)) != 0) file_error(path, "write to " + tmp + " failed: " + std::strerror(errno));
   } catch (...) {
+    if (fd >= 0) ::close(fd);
     std::remove(tmp.c_str());
     throw;
   }

@@ -7,6 +7,7 @@ import os
 import re
 import stat
 import struct
+import subprocess
 import sys
 import time
 
@@ -114,6 +115,15 @@ def main():
     err("kv_heads_flag_disagrees_with_config",
         fx.fwd(extra=["--config", hf("c7.json", dict(ours, num_kv_heads=1)), "--kv-heads", "2"], drop=("--heads",)),
         [r"--kv-heads 2 disagrees with .*c7\.json, which says 1 K/V heads"])
+    # A config naming no K/V heads (every Hugging Face GPT-2 config, every configs/*.json) has as many as heads;
+    # grouped-query weights were accepted with it, and so was a --kv-heads that disagreed.
+    err("config_without_kv_heads_refuses_grouped_weights",
+        fx.fwd(weights=fx.st("gqa.safetensors", grouped_state_dict(fx.sd, kv_heads=1)),
+               extra=["--config", hf("c10.json", good)], drop=("--heads",)),
+        [r"K/V projections have 4 outputs but the config asks for 2 K/V heads"])
+    err("kv_heads_flag_disagrees_with_config_without_kv_heads",
+        fx.fwd(extra=["--config", hf("c11.json", good), "--kv-heads", "1"], drop=("--heads",)),
+        [r"--kv-heads 1 disagrees with .*c11\.json, which says 2 K/V heads"])
     err("config_bias_disagrees_with_weights",
         fx.fwd(extra=["--config", hf("c8.json", dict(ours, qkv_bias=False))], drop=("--heads",)),
         [r"c8\.json says qkv_bias false but the weights in .*w\.safetensors have qkv_bias true"])
@@ -259,6 +269,8 @@ def main():
     r.case("output_char_device_refused", output_special_refused, r, fx, "chr", False)
     r.case("output_dangling_symlink_refused", output_dangling_symlink_refused, r, fx)
     err("output_directory_refused", fx.fwd(), ["not a regular file"], output=fx.dir, output_exists=True)
+    r.case("output_temporary_name_taken_by_a_link", output_temporary_name_taken, r, fx)
+    r.case("output_keeps_the_mode_it_replaces", output_keeps_mode, r, fx)
 
     # --- inputs ---
     err("query_rank_4", fx.fwd(query=fx.npy("q4.npy", np.zeros((1, B, T, E), np.float32))),
@@ -305,6 +317,16 @@ def main():
         ["additive", "float", "bool", "mask"])
     err("key_padding_wrong_shape", fx.fwd(extra=["--key-padding", fx.npy("kp.npy", np.zeros((B, T + 1), bool))]),
         ["padding", "key"])
+    # torch adds a float key_padding_mask; it was read as nonzero = padding, silently another answer than torch's.
+    err("key_padding_float_refused",
+        fx.fwd(extra=["--key-padding", fx.npy("kpf.npy", np.array([[0, 0.5, 0]] * B, np.float32))]),
+        [r"--key-padding .*kpf\.npy: a float mask \(torch adds it"])
+
+    # --- option values ---
+    # `--output --causal` wrote a file named "--causal" and computed without the causal mask.
+    r.case("option_as_value_refused", option_as_value_refused, r, fx)
+    err("bench_check_and_no_check", ["bench", "--check", "--no-check", "--preset", "gpt2-small", "--seq", "4"],
+        [r"--check and --no-check contradict"], with_output=False)
 
     # --- lengths ---
     err("T_exceeds_context_length", fx.fwd(extra=["--context-length", T - 1]), ["context"])
@@ -356,6 +378,62 @@ def output_symlink_followed(r, fx):
     check(y.shape == (B, T, E) and y.dtype == np.float32, "target holds %s %s" % (y.shape, y.dtype))
     left = sorted(os.listdir(wd)) + sorted(os.listdir(os.path.join(wd, "real")))
     check(left == ["link.npy", "real", "y.npy"], "files left behind: %s" % left)
+    return None
+
+
+def grouped_state_dict(sd, kv_heads):
+    """The fixture's torch state dict cut to `kv_heads` K/V heads (fused in_proj rows: E of Q, then K and V)."""
+    kw = kv_heads * (E // H)
+    out = dict(sd)
+    w, b = sd["in_proj_weight"], sd["in_proj_bias"]
+    out["in_proj_weight"] = torch.cat([w[:E], w[E:E + kw], w[2 * E:2 * E + kw]]).contiguous()
+    out["in_proj_bias"] = torch.cat([b[:E], b[E:E + kw], b[2 * E:2 * E + kw]]).contiguous()
+    return out
+
+
+def option_as_value_refused(r, fx):
+    """A value that is one of the command's options is a missing value, not a file named after the option."""
+    wd = r.workdir()
+    args = fx.fwd(extra=["--output", "--causal"])
+    p = subprocess.run([r.cli] + args, capture_output=True, text=True, cwd=wd, timeout=pc.CLI_TIMEOUT_S)
+    check(p.returncode == 2, "exit %d, expected 2; stderr %r" % (p.returncode, p.stderr[-300:]))
+    check("--output needs a value, got the option --causal" in p.stderr, "stderr: %r" % p.stderr[-300:])
+    check(os.listdir(wd) == [], "files written: %s" % os.listdir(wd))
+    return "stderr: %s" % p.stderr.strip()
+
+
+def output_temporary_name_taken(r, fx):
+    """A symbolic link planted at the name of the output's temporary file (it was <output>.tmp.<pid>, opened with
+    O_TRUNC and followed) is not followed: its target keeps its contents and --output gets the result."""
+    wd = r.workdir()
+    victim = os.path.join(wd, "victim.txt")
+    with open(victim, "w") as f:
+        f.write("not yours")
+    out = os.path.join(wd, "y.npy")
+    # exec keeps the shell's pid, so $$ is the CLI's: links at the old temporary name and at the first one tried now.
+    script = 'ln -s "$1" "$2.tmp.$$" && ln -s "$1" "$2.tmp.$$.0" && exec "$3" "${@:4}"'
+    args = [str(a) for a in fx.fwd(extra=["--output", out])]
+    p = subprocess.run(["bash", "-c", script, "bash", victim, out, r.cli] + args, capture_output=True, text=True,
+                       timeout=pc.CLI_TIMEOUT_S)
+    check(p.returncode == 0, "exit %d; stderr %r" % (p.returncode, p.stderr[-300:]))
+    with open(victim, "rb") as f:
+        check(f.read() == b"not yours", "the planted link's target was overwritten")
+    check(not os.path.islink(out) and np.load(out).shape == (B, T, E), "--output is not the result")
+    links = [n for n in os.listdir(wd) if os.path.islink(os.path.join(wd, n))]
+    check(len(links) == 2 and all(n.startswith("y.npy.tmp.") for n in links), "links: %s" % links)
+    return None
+
+
+def output_keeps_mode(r, fx):
+    """Renaming a new file over --output gave it 0666 less the umask; it now keeps the mode of the file it replaces."""
+    out = os.path.join(r.workdir(), "y.npy")
+    with open(out, "wb") as f:
+        f.write(b"old")
+    os.chmod(out, 0o600)
+    p = pc.run_cli(r.cli, fx.fwd(extra=["--output", out]))
+    check(p.returncode == 0, "exit %d; stderr %r" % (p.returncode, p.stderr[-300:]))
+    mode = stat.S_IMODE(os.stat(out).st_mode)
+    check(mode == 0o600 and np.load(out).shape == (B, T, E), "mode %o after the write" % mode)
     return None
 
 
