@@ -70,6 +70,7 @@ struct IntDotKernel {
   const char* isa;
   int keys;  // IntDot<Arch>::kKeys
   void (*dots)(const int16_t* q, const int8_t* k, int64_t ldk, int64_t n, int keys, int32_t* out);
+  float (*quantize)(const float* x, float c, int64_t n, int16_t* q);  // quantize_query_i16<Arch>, for the tests
 };
 const IntDotKernel& int_dot_scalar();
 const IntDotKernel& int_dot_avx2();

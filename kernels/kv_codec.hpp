@@ -45,14 +45,18 @@ inline void store_kv_row(const KvLayout& layout, std::byte* block, KvPart part, 
       if (nan) amax = NAN;
       const float scale = amax / kInt8Levels;
       int8_t* dst = layout.row<int8_t>(block, part, h, slot);
-      if (std::isfinite(scale) && scale > 0.0f) {
-        const float inv = kInt8Levels / amax;
+      const float inv = kInt8Levels / amax;
+      if (std::isfinite(scale) && scale > 0.0f && std::isfinite(inv)) {
         for (int64_t d = 0; d < D; ++d) {
           // Round to nearest, ties to even (as std::nearbyint in the default mode): adding and subtracting 1.5 *
           // 2^23 leaves no fraction bits, and |x * inv| <= 127 is far inside the range where that is exact.
           const float r = (src[d] * inv + kRoundMagic) - kRoundMagic;
           dst[d] = static_cast<int8_t>(r > kInt8Levels ? kInt8Levels : r < -kInt8Levels ? -kInt8Levels : r);
         }
+      } else if (std::isfinite(scale) && scale > 0.0f) {
+        // amax below 127 / FLT_MAX (denormal-sized rows): 127 / amax overflows float, so the row is scaled in double.
+        const double inv_wide = kInt8Levels / static_cast<double>(amax);
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<int8_t>(std::nearbyint(src[d] * inv_wide));
       } else {
         for (int64_t d = 0; d < D; ++d) dst[d] = 0;
       }

@@ -1065,6 +1065,31 @@ TEST_P(KernelIntDot, MatchesScalarTwinExactly) {
   }
 }
 
+// The int16 query quantiser on every instruction set, at the edge where 32767 / max|x * c| overflows float (a row of
+// denormal-sized values): it gave 0 * inf = NaN for zeros (cast to int16: undefined) and +-32767 for the rest.
+TEST_P(KernelIntDot, QueryQuantiserKeepsTinyRowsWithinHalfAStep) {
+  const kernels::IntDotKernel& kern = int_dot_kernel(isa());
+  for (const float c : {1.0f, 0.125f}) {
+    for (const float top : {4e-35f, 3.0f}) {  // a tiny row, and an ordinary one
+      std::vector<float> x(37);
+      for (size_t d = 0; d < x.size(); ++d) x[d] = top * static_cast<float>((d * 7) % 11) / 10.0f * (d % 2 ? -1 : 1);
+      x[20] = -top;  // the largest magnitude, at (20 * 7) % 11 = 8 otherwise
+      x[5] = 0.0f;
+      std::vector<int16_t> q(x.size());
+      const float scale = kern.quantize(x.data(), c, static_cast<int64_t>(x.size()), q.data());
+      ASSERT_GT(scale, 0.0f) << "[isa=" << kern.isa << "] top=" << top;
+      EXPECT_EQ(q[20], -32767) << "[isa=" << kern.isa << "] the largest magnitude maps to the end of the range";
+      EXPECT_EQ(q[5], 0) << "[isa=" << kern.isa << "] top=" << top;
+      // Half a step, plus the rounding of a denormal scale to a multiple of 2^-149 (|q| times half of that).
+      const double bound = top * c / 65534.0 * 1.01 + 32767.0 * std::ldexp(1.0, -150);
+      for (size_t d = 0; d < x.size(); ++d) {
+        EXPECT_LE(std::fabs(q[d] * static_cast<double>(scale) - x[d] * static_cast<double>(c)), bound)
+            << "[isa=" << kern.isa << "] c=" << c << " top=" << top << " d=" << d << " q=" << q[d];
+      }
+    }
+  }
+}
+
 // Through the decode kernel: D = 1, 128 and 600 (two chunks of the dot, kIntDotMaxLen + 88), a zero query head; the
 // same int8 cache at every level, against naive attention over what it holds.
 TEST_P(KernelIntDot, DecodeInt8HeadSizesAndZeroQuery) {

@@ -289,6 +289,14 @@ TEST(KvCacheStoragePool, Int8QuantisesPerRow) {
     return back;
   };
   EXPECT_EQ(round_trip({0, 0, 0, 0}), std::vector<float>(4, 0.0f));  // scale 0, no division by zero
+  // A row below 127 / FLT_MAX: 127 / amax overflowed float, so zeros became 0 * inf = NaN (cast to int8: undefined)
+  // and every other value +-127.
+  const std::vector<float> tiny = {1e-38f, 0.0f, 1e-40f, -2e-38f};
+  const std::vector<float> tiny_back = round_trip(tiny);
+  for (size_t d = 0; d < tiny.size(); ++d) {
+    EXPECT_LE(std::fabs(tiny_back[d] - tiny[d]), 2e-38 / 254.0 * 1.01) << d << ": " << tiny_back[d];
+  }
+  EXPECT_EQ(tiny_back[1], 0.0f);
   for (float bad : {NAN, INFINITY, -INFINITY}) {  // a bad value turns the row into NaN, never into numbers
     for (float e : round_trip({1.0f, bad, 2.0f, 3.0f})) EXPECT_TRUE(std::isnan(e)) << bad;
   }
