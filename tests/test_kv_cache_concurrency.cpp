@@ -33,7 +33,8 @@ using test::reference_sequence;
 // Concurrency: 4 caller threads on one shared layer and pool, each with its own sequences (and its own
 // Workspace, or none: the layer's own, serialised), give bit-identical results to the same work run
 // sequentially. Each thread also forks and releases a scratch sequence off its own, so the pool's shared
-// bookkeeping and copy on write race with the others' appends. Run under ThreadSanitizer by scripts/tsan.sh.
+// bookkeeping and copy on write race with the others' appends; and threads append to forks of one parent, whose
+// shared blocks they copy at once. Run under ThreadSanitizer by scripts/tsan.sh.
 
 class KvCacheConcurrency : public IsaTest {};
 
@@ -154,7 +155,84 @@ void concurrent_matches_sequential(Isa isa, bool own_workspaces, DType kv = DTyp
                         ctx + " | thread 0 sequence 0 vs reference; index token*E+e"));
 }
 
+// Forks of one parent, appended to by 4 threads at once: the parent's owner decodes it while each other thread
+// decodes its own fork and then releases it. All four hold the parent's partly filled last block, so every first
+// append copies it while the others still hold it (or have just let go), and the releases race the others' copies.
+// The results must equal the same work run sequentially, bit for bit, and every block must come back to the pool.
+void shared_parent_matches_sequential(Isa isa, DType kv) {
+  KvCacheOptions opts = pool(16, 1024);
+  opts.dtype = kv;
+  const Config c = serving_config(64, 4, 48, 128);
+  CausalSelfAttention block = make_block(c, Weights::random(c, 220), isa, 1);
+  const int64_t W = block.config().query_width(), E = block.config().d_model, T0 = 37;  // 16 + 16 + 5 tokens
+  std::mt19937_64 rng(221);
+  const std::vector<float> prompt = random_uniform(static_cast<size_t>(T0 * W), rng, -2.0f, 2.0f);
+  std::vector<std::vector<float>> tokens(kThreads);
+  for (auto& t : tokens) t = random_uniform(static_cast<size_t>(kSteps * W), rng, -2.0f, 2.0f);
+  const RunOptions run{.threads = 1};
+
+  // The parent and its forks, made before any thread starts (a sequence being appended to cannot be forked).
+  const auto set_up = [&](KvCache& cache) {
+    std::vector<SequenceId> ids{cache.create()};
+    std::vector<float> out(static_cast<size_t>(T0 * E));
+    block.extend(cache, ids[0], prompt.data(), T0, out.data(), run, nullptr);
+    for (int t = 1; t < kThreads; ++t) ids.push_back(cache.fork(ids[0]));
+    return ids;
+  };
+  // Thread t's work: kSteps decode steps of its sequence; the forks' threads then release theirs.
+  const auto work = [&](KvCache& cache, SequenceId id, int t, Workspace& ws) {
+    std::vector<float> result(static_cast<size_t>(kSteps * E), kNaN);
+    for (int step = 0; step < kSteps; ++step) {
+      block.decode(cache, &id, 1, tokens[t].data() + step * W, result.data() + step * E, run, &ws);
+    }
+    if (t > 0) cache.release(id);
+    return result;
+  };
+
+  std::vector<std::vector<float>> want(kThreads), got(kThreads);
+  {
+    KvCache cache(block.config(), opts);
+    const std::vector<SequenceId> ids = set_up(cache);
+    Workspace ws;
+    for (int t = 0; t < kThreads; ++t) want[t] = work(cache, ids[static_cast<size_t>(t)], t, ws);
+  }
+  KvCache cache(block.config(), opts);
+  const std::vector<SequenceId> ids = set_up(cache);
+  std::vector<std::string> errors(kThreads);
+  std::atomic<int> ready{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      Workspace ws;
+      ready.fetch_add(1);
+      while (ready.load() < kThreads) std::this_thread::yield();
+      try {
+        got[t] = work(cache, ids[static_cast<size_t>(t)], t, ws);
+      } catch (const std::exception& e) {
+        errors[t] = e.what();
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  const std::string ctx = label(isa, 1, "4 threads on one parent and its forks, " + std::string(to_string(kv)) + " cache");
+  for (int t = 0; t < kThreads; ++t) {
+    ASSERT_TRUE(errors[t].empty()) << ctx << ": thread " << t << " threw: " << errors[t];
+    ASSERT_EQ(std::memcmp(got[t].data(), want[t].data(), got[t].size() * sizeof(float)), 0)
+        << ctx << ": thread " << t << "'s outputs differ from the sequential run";
+  }
+  EXPECT_EQ(cache.length(ids[0]), T0 + kSteps) << ctx;
+  EXPECT_EQ(cache.num_sequences(), 1) << ctx;
+  cache.release(ids[0]);
+  EXPECT_EQ(cache.free_blocks(), cache.total_blocks()) << ctx << ": a block was lost or freed twice";
+}
+
 TEST_P(KvCacheConcurrency, ThreadsWithOwnWorkspacesMatchSequential) { concurrent_matches_sequential(isa(), true); }
+TEST_P(KvCacheConcurrency, ForksOfOneParentAppendedConcurrentlyMatchSequential) {
+  shared_parent_matches_sequential(isa(), DType::f32);
+}
+TEST_P(KvCacheConcurrency, ForksOfOneInt8ParentAppendedConcurrentlyMatchSequential) {
+  shared_parent_matches_sequential(isa(), DType::i8);
+}
 TEST_P(KvCacheConcurrency, ThreadsSharingLayerWorkspaceMatchSequential) {
   concurrent_matches_sequential(isa(), false);
 }
