@@ -1,6 +1,8 @@
 // engine/c_api.cpp: the C API (include/gpt2attn/gpt2attn.h) over the C++ classes: null checks, status codes,
-// the thread-local last-error message. It computes nothing itself and lets no exception out.
+// the per-thread last-error message. It computes nothing itself and lets no exception out.
 #include "gpt2attn/gpt2attn.h"
+
+#include <pthread.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -42,21 +44,62 @@ static_assert(GPT2ATTN_ERR_INVALID_ARGUMENT == static_cast<int>(ga::ErrorCode::i
 
 namespace {
 
-// A fixed buffer, not a std::string: recording an out-of-memory error must not need memory. 8 KiB holds any
-// message but one naming a path of thousands of characters; that one keeps its start and its end, where the reason
-// is ("...: cannot open: File name too long"), with " ... " between.
-thread_local char t_last_error[8192] = "";
+// Each thread's message lives in a buffer of its own, made on the thread's first failure and then reused: a fixed
+// size, not a std::string, so that recording an out-of-memory error needs no memory once the buffer exists. 8 KiB
+// holds any message but one naming a path of thousands of characters; that one keeps its start and its end, where the
+// reason is ("...: cannot open: File name too long"), with " ... " between.
+// Not a thread_local: in a library loaded with dlopen (an FFI, a plugin) glibc allocates a thread's thread_locals on
+// their first use and ends the process when that fails, the very case an out-of-memory status must survive. Getting
+// and setting a pthread key's value allocates nothing (for a process's first 32 keys; a later key's first set may
+// need memory, and its failure is handled). Where no buffer can be had, the message is kNoRoom.
+constexpr size_t kMessageBytes = 8192;
+constexpr char kNoRoom[] = "gpt2attn: out of memory (no room left to keep this call's error message)";
+
+void free_message(void* p) {
+  if (p != kNoRoom) delete[] static_cast<char*>(p);
+}
+
+struct MessageKey {
+  pthread_key_t key{};
+  bool made = false;  // zero before this object is constructed: a call from another library's initialiser gets kNoRoom
+  MessageKey() { made = pthread_key_create(&key, free_message) == 0; }
+  ~MessageKey() {
+    if (made) pthread_key_delete(key);  // before the library unloads: no thread-exit call into its unmapped code
+  }
+};
+const MessageKey g_messages;
+
+// The calling thread's buffer, made on its first use; null (with kNoRoom recorded where it can be) when none can be.
+char* message_buffer() noexcept {
+  if (!g_messages.made) return nullptr;
+  void* p = pthread_getspecific(g_messages.key);
+  if (p != nullptr && p != kNoRoom) return static_cast<char*>(p);
+  char* buf = nullptr;
+  try {
+    buf = new char[kMessageBytes];
+  } catch (const std::bad_alloc&) {
+    pthread_setspecific(g_messages.key, kNoRoom);
+    return nullptr;
+  }
+  if (pthread_setspecific(g_messages.key, buf) != 0) {
+    delete[] buf;
+    return nullptr;
+  }
+  return buf;
+}
 
 gpt2attn_status_t record(gpt2attn_status_t status, const char* fn, const char* what) noexcept {
-  const int n = std::snprintf(t_last_error, sizeof t_last_error, "%s: %s", fn, what);
-  if (n >= static_cast<int>(sizeof t_last_error)) {
-    constexpr size_t kTail = sizeof t_last_error / 2, kGap = 5;  // " ... "
-    const size_t head = sizeof t_last_error - 1 - kGap - kTail;
-    std::memcpy(t_last_error + head, " ... ", kGap);
+  char* const msg = message_buffer();
+  if (msg == nullptr) return status;
+  const int n = std::snprintf(msg, kMessageBytes, "%s: %s", fn, what);
+  if (n >= static_cast<int>(kMessageBytes)) {
+    constexpr size_t kTail = kMessageBytes / 2, kGap = 5;  // " ... "
+    const size_t head = kMessageBytes - 1 - kGap - kTail;
+    std::memcpy(msg + head, " ... ", kGap);
     const size_t what_len = std::strlen(what);
     const size_t tail = std::min(kTail, what_len);  // `what` alone may be shorter (a long fn)
-    std::memcpy(t_last_error + head + kGap, what + what_len - tail, tail);
-    t_last_error[head + kGap + tail] = '\0';
+    std::memcpy(msg + head + kGap, what + what_len - tail, tail);
+    msg[head + kGap + tail] = '\0';
   }
   return status;
 }
@@ -199,7 +242,11 @@ extern "C" {
 
 // ---- library ------------------------------------------------------------------------------------------------
 
-const char* gpt2attn_last_error(void) { return t_last_error; }
+const char* gpt2attn_last_error(void) {
+  if (!g_messages.made) return kNoRoom;
+  const void* p = pthread_getspecific(g_messages.key);
+  return p != nullptr ? static_cast<const char*>(p) : "";
+}
 
 const char* gpt2attn_version(void) {
   return GPT2ATTN_STR(GPT2ATTN_VERSION_MAJOR) "." GPT2ATTN_STR(GPT2ATTN_VERSION_MINOR) "." GPT2ATTN_STR(

@@ -130,7 +130,8 @@ static inline gpt2attn_kv_cache_options_t gpt2attn_kv_cache_options_init(void) {
 
 /* ---- library ---------------------------------------------------------------------------------------------- */
 
-/* The message of this thread's last failed call ("" if none); valid until this thread's next failing call. */
+/* The message of this thread's last failed call ("" if none); valid until this thread's next failing call or its
+ * exit. Where even that message finds no memory, a fixed one saying so. */
 GPT2ATTN_API const char* gpt2attn_last_error(void);
 /* "MAJOR.MINOR.PATCH" of the loaded library (GPT2ATTN_VERSION_* are the header's). */
 GPT2ATTN_API const char* gpt2attn_version(void);

@@ -24,8 +24,10 @@
 #include <new>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "gpt2attn/gpt2attn.h"
 #include "gpt2attn/gpt2attn.hpp"
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -513,6 +515,32 @@ void check_bad_arguments_without_memory() {
   }
 }
 
+// The C API's message on a thread whose first failure meets an exhausted heap: the message buffer cannot be made
+// (it is a thread's own, made on its first failure: not a thread_local, which glibc allocates on first use in a
+// dlopen-ed library and ends the process when it cannot), so the status says out of memory and the message is the
+// fixed one; once memory is back, the thread's next failure gets its own message.
+void check_c_api_message_without_memory() {
+  gpt2attn_status_t first = GPT2ATTN_OK, second = GPT2ATTN_OK;
+  std::string first_message, second_message;
+  Outcome o;
+  std::thread fresh([&] {
+    gpt2attn_seq_t s = 0;
+    o = run_failing(1, true, [&] { first = gpt2attn_seq_create(nullptr, &s); });
+    first_message = gpt2attn_last_error();
+    second = gpt2attn_seq_create(nullptr, &s);
+    second_message = gpt2attn_last_error();
+  });
+  fresh.join();
+  const bool ok = o.escaped.empty() && !o.out_of_memory && first == GPT2ATTN_ERR_OUT_OF_MEMORY &&
+                  first_message.find("no room left to keep this call's error message") != std::string::npos &&
+                  second == GPT2ATTN_ERR_INVALID_ARGUMENT &&
+                  second_message.rfind("gpt2attn_seq_create: cache is NULL", 0) == 0;
+  std::printf("%s  a C call failing on a fresh thread with every allocation failing: status %d \"%s\", then with "
+              "memory back: status %d \"%s\"%s\n", ok ? "ok  " : "FAIL", first, first_message.c_str(), second,
+              second_message.c_str(), o.escaped.empty() ? "" : (" (escaped: " + o.escaped + ")").c_str());
+  ++(ok ? g_passed : g_failed);
+}
+
 }  // namespace
 
 int main() {
@@ -537,6 +565,7 @@ int main() {
   check_allocation_failures(false);
   check_allocation_failures(true);
   check_bad_arguments_without_memory();
+  check_c_api_message_without_memory();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
