@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -56,6 +57,28 @@ ThreadWork make_work(int t, int64_t W) {
   k.steps = random_uniform(static_cast<size_t>(kSteps * 2 * W), rng, -2.0f, 2.0f);
   k.scratch = random_uniform(static_cast<size_t>(kSteps * W), rng, -2.0f, 2.0f);
   return k;
+}
+
+// Runs body(t, ws) on kThreads threads released together, each with a Workspace of its own; returns what each threw
+// ("" where nothing).
+std::vector<std::string> run_together(const std::function<void(int, Workspace&)>& body) {
+  std::vector<std::string> errors(kThreads);
+  std::atomic<int> ready{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      Workspace ws;
+      ready.fetch_add(1);
+      while (ready.load() < kThreads) std::this_thread::yield();
+      try {
+        body(t, ws);
+      } catch (const std::exception& e) {
+        errors[t] = e.what();
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  return errors;
 }
 
 // One thread's work; returns the outputs of its two sequences, prefill rows then decode rows.
@@ -108,22 +131,8 @@ void concurrent_matches_sequential(Isa isa, bool own_workspaces, DType kv = DTyp
   // Concurrent: all threads released together.
   KvCache cache(block.config(), opts);
   std::vector<std::vector<float>> got(kThreads);
-  std::vector<std::string> errors(kThreads);
-  std::atomic<int> ready{0};
-  std::vector<std::thread> pool_threads;
-  for (int t = 0; t < kThreads; ++t) {
-    pool_threads.emplace_back([&, t] {
-      Workspace ws;
-      ready.fetch_add(1);
-      while (ready.load() < kThreads) std::this_thread::yield();
-      try {
-        got[t] = run_work(block, cache, work[t], own_workspaces ? &ws : nullptr);
-      } catch (const std::exception& e) {
-        errors[t] = e.what();
-      }
-    });
-  }
-  for (std::thread& th : pool_threads) th.join();
+  const std::vector<std::string> errors = run_together(
+      [&](int t, Workspace& ws) { got[t] = run_work(block, cache, work[t], own_workspaces ? &ws : nullptr); });
   const std::string ctx = label(isa, 1, std::string(own_workspaces ? "4 threads, own Workspaces" : "4 threads, no Workspace") +
                                             ", " + to_string(kv) + " cache");
   for (int t = 0; t < kThreads; ++t) {
@@ -198,22 +207,8 @@ void shared_parent_matches_sequential(Isa isa, DType kv) {
   }
   KvCache cache(block.config(), opts);
   const std::vector<SequenceId> ids = set_up(cache);
-  std::vector<std::string> errors(kThreads);
-  std::atomic<int> ready{0};
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      Workspace ws;
-      ready.fetch_add(1);
-      while (ready.load() < kThreads) std::this_thread::yield();
-      try {
-        got[t] = work(cache, ids[static_cast<size_t>(t)], t, ws);
-      } catch (const std::exception& e) {
-        errors[t] = e.what();
-      }
-    });
-  }
-  for (std::thread& th : threads) th.join();
+  const std::vector<std::string> errors =
+      run_together([&](int t, Workspace& ws) { got[t] = work(cache, ids[static_cast<size_t>(t)], t, ws); });
   const std::string ctx = label(isa, 1, "4 threads on one parent and its forks, " + std::string(to_string(kv)) + " cache");
   for (int t = 0; t < kThreads; ++t) {
     ASSERT_TRUE(errors[t].empty()) << ctx << ": thread " << t << " threw: " << errors[t];
