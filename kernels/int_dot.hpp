@@ -50,13 +50,13 @@ float quantize_query_i16(const float* x, float c, int64_t n, int16_t* q) {
     tail_bad += a * 0.0f;
   }
   if (V::sum(bad) + tail_bad != 0.0f) amax = NAN;
-  const float scale = amax / kQueryI16Levels;
-  if (std::isfinite(scale) && scale > 0.0f && !std::isfinite(kQueryI16Levels / amax)) {
+  const float scale = amax / kQueryI16Levels, levels_per_amax = kQueryI16Levels / amax;
+  if (std::isfinite(scale) && scale > 0.0f && !std::isfinite(levels_per_amax)) {
     // amax below 32767 / FLT_MAX (denormal-sized rows): the factor overflows float, so the row is scaled in double.
     const double inv_wide = kQueryI16Levels / static_cast<double>(amax) * c;
     for (int64_t d = 0; d < n; ++d) q[d] = static_cast<int16_t>(std::nearbyint(x[d] * inv_wide));
   } else if (std::isfinite(scale) && scale > 0.0f) {
-    const float inv = kQueryI16Levels / amax * c;
+    const float inv = levels_per_amax * c;
     constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to nearest even
     for (int64_t d = 0; d < n; ++d) {
       const float r = (x[d] * inv + kMagic) - kMagic;
