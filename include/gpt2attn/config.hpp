@@ -23,7 +23,8 @@ struct GPT2ATTN_API Config {
   int64_t num_heads = 0;        // H; must divide E
   int64_t num_kv_heads = 0;     // H_kv: K/V heads, shared by groups of H / H_kv query heads (grouped-query
                                 // attention; 1 = multi-query); must divide H; 0 means H (plain multi-head)
-  int64_t d_in = 0;             // query input width; 0 means E (seed 004's d_in != d_out when set)
+  int64_t d_in = 0;             // query input width; 0 means E (set it for a layer whose input width
+                                // differs from its output width, torch's Linear(d_in, d_out) projections)
   int64_t kdim = 0;             // key input width; 0 means d_in (torch.nn.MultiheadAttention's kdim)
   int64_t vdim = 0;             // value input width; 0 means d_in
   int64_t context_length = 1024;  // longest T and Tk accepted (<= kMaxContextLength); the causal mask is

@@ -51,7 +51,7 @@ GPT2ATTN_API TensorView torch_mask_view(TensorView mask, int64_t B, int64_t H);
 
 // How a user mask is read. Each is broadcast from (T, Tk), (B, T, Tk) or (B, H, T, Tk).
 enum class MaskKind : uint8_t {
-  keep,      // nonzero may attend (seeds 002/003: masked_fill(mask == 0, -inf))
+  keep,      // nonzero may attend (torch's scores.masked_fill(mask == 0, -inf))
   block,     // nonzero may not attend (torch.nn.MultiheadAttention's bool attn_mask)
   additive,  // float added to the scaled scores (torch's float attn_mask; -inf blocks)
 };

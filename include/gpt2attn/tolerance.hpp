@@ -40,7 +40,7 @@ inline Tolerance accumulated_tolerance(DType p, int64_t reduction_length, double
 // error of at most u/2 (u = 2^-8, round to nearest); five of them, added in the worst case, with a factor 2 for the
 // softmax, which turns a score error into an output error about as large relative to the output: 5u. Against the
 // plain f32 inputs and weights, the rounding of the input, of W_q/W_k/W_v and of W_o adds three more: 8u.
-// Measured (the bf16 random sweep, 120 shapes per ISA, since folded into FastPathSweep.RandomCasesMatchReference):
+// Measured over 120 random bf16 shapes per ISA (shapes of the kind FastPathSweep.RandomCasesMatchReference draws):
 // at most 0.93u and 1.36u respectively.
 inline constexpr int kBf16ComputeRoundings = 5;
 inline constexpr int kBf16InputRoundings = 3;
