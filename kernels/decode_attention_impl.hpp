@@ -30,8 +30,8 @@ struct DecodeAttention {
   static constexpr int64_t kAhead = tiles::kDecodePrefetchBytes;
   // How far (log2 units) a run's scores may pass the running max before it moves (group_block): till then p_j may
   // reach 2^8, alpha is 1, and the run's softmax needs no horizontal max and no exp2 of alpha, a chain P.V waited
-  // on. Cold gpt2-small B=16 T=1024 steps, 2 threads, 6 alternated rounds, medians: f32 3.724 -> 3.653 ms, bf16
-  // 2.163 -> 2.112, int8 1.437 -> 1.387.
+  // on. A cold gpt2-small B=16 T=1024 int8 step, 2 threads (gpt2attn bench --mode decode --cache cold): 1.437 ->
+  // 1.387 ms.
   static constexpr float kLazyMax = 8.0f;
 
   // The K (or V) stream's prefetch, kAhead bytes ahead of the row being read. A run of one head's rows is read
@@ -99,8 +99,8 @@ struct DecodeAttention {
   // (V::in_register) for all GB heads' FMAs: unpinned, GCC folds the load into every head's FMA as a memory operand,
   // and grouping the heads measured the same as scoring them one by one. AVX-512, GB = 3: 12 accumulators + 4 K
   // vectors + 1 query vector + 12 folds of 32 registers (kScoreHeads; AVX2 has too few and scores head by head).
-  // Measured at gpt2-small B=16 T=1024 with 4 K/V heads (groups of 3), cold, 2 threads, 4 alternated rounds: the
-  // attention stage 1980-2240 -> 1780-2140 us, the step 2.53-2.85 -> 2.40-2.64 ms; 12 K/V heads unchanged.
+  // A cold gpt2-small B=16 T=1024 step with 4 K/V heads (groups of 3), 2 threads (gpt2attn bench --mode decode
+  // --cache cold --kv-heads 4): 2.53-2.85 -> 2.40-2.64 ms; 12 K/V heads unchanged.
   static constexpr int kScoreHeads = W >= 16 ? 3 : 1;
   template <int GB>
   static void dots_w(const float* qs, int64_t ldqs, const KvT* k, int64_t D, float* s, int64_t lds,

@@ -26,18 +26,16 @@ inline constexpr Blocking kScalar{4, 4};
 // BQ=64, BK=64 that is 48 KiB, a Zen 5's or Sapphire Rapids' L1d (48 KiB) and more than a Zen 4's (32 KiB), with
 // the K and V tiles (2 x 16 KiB) streaming from L2 (1-2 MiB a core). Larger BK amortises the per-tile softmax
 // bookkeeping but spills the score tile to L2; a smaller one pays that bookkeeping twice as often. 32 keys took
-// 1.00-1.06x the time of 64 on Zen 4, even though its working set (40 KiB) is nearer that L1d (bench/ab.py,
-// 4 rounds, Core/gpt2-{small,xl}/T:{1024,4096}/threads:{1,2}, 2026-11-27); on the Xeon VM neither 32 nor 128
-// measured better (bench/README.md, "Where the core's cycles go").
+// 1.00-1.06x the time of 64 on Zen 4, even though its working set (40 KiB) is nearer that L1d (bench/ab.py over
+// Core/gpt2-{small,xl}/T:{1024,4096}/threads:{1,2}); docs/perf-log.md has the other sizes tried.
 inline constexpr int kKeyTile = 64;
 
 // The score dot product over the head size D is summed in chunks of kScoreChunk: each chunk in fresh registers,
 // then added to the partial score held in the score tile. One fp32 accumulator over all of D rounds D partial
 // sums as large as the score itself, an error that grows like D; chunks of C cut it to about
-// sqrt(D*C + D^2/C). 64 is the head size of every GPT-2 preset, whose instruction stream stays what it was
-// (one chunk, nothing spilled); larger heads pay one load and add of the score tile per chunk, 1/64 of their
-// score FMAs (Tiles/avx512/.../D:128: 33.8 ms before, 33.5 ms after). Accuracy figures: "Accuracy" in
-// attention.hpp.
+// sqrt(D*C + D^2/C). 64 is the head size of every GPT-2 preset, which so takes one chunk and spills nothing;
+// larger heads pay one load and add of the score tile per chunk, 1/64 of their score FMAs
+// (Tiles/avx512/.../D:128: 33.5 ms against 33.8 with one accumulator). Accuracy figures: docs/accuracy.md.
 inline constexpr int kScoreChunk = 64;
 
 // Half-width of the registered causal band (kernels/attention.hpp): a tile crossing the diagonal reads bias entries
@@ -48,11 +46,8 @@ inline constexpr int kCausalBandCenter = 256;
 
 // The tiled core prefetches the next key tile's K and V into L2 while it computes on this one when the K and V a
 // query tile reads exceed this many bytes: below, they stay in L2 from one query tile to the next and the
-// prefetches only cost issue slots. Measured (Core, one thread, 3 alternated rounds): at T = 8192 gpt2-small
-// 0.63 -> 0.66 of peak, gpt2-xl 0.54 -> 0.58; at T = 1024 (512 KiB of K and V per head) prefetching cost 0.01-0.03.
-// (Both measured when the engine still took its items tile-major, so that no head's K and V stayed in L2 between its
-// query tiles; with items head by head, prefetching at every length measured no different at T = 1024 either, in a
-// one-thread harness over 12 heads, 2026-11-26.)
+// prefetches only cost issue slots. Measured with Core/gpt2-xl/T:8192/threads:1: 0.54 -> 0.58 of peak; at T = 1024
+// (512 KiB of K and V per head) prefetching gained nothing (docs/perf-log.md).
 inline constexpr int64_t kCorePrefetchMinBytes = int64_t{1} << 20;
 // Past the same size, a call takes its query tiles in groups of this many, each key tile in turn for every tile of
 // the group (TiledAttention::group), and the engine gives a call that many tiles at once: a key tile then comes from
@@ -90,10 +85,8 @@ constexpr int linear_panel_group(int lanes) { return lanes >= 16 ? 3 : 1; }
 inline constexpr int kLinearKChunk = 256;
 // The engine splits each projection into about this many runs of whole panel groups per thread, dynamically
 // scheduled (engine/serving.cpp, panel_items). One: a run's kernel prefetches each chunk's successor, so only a
-// run's first chunk starts cold. A scratch harness timing both settings call by call (gpt2-small, M = 16, 2 threads,
-// weights cold) measured one run a thread at 0.94-0.95x the time of four for the QKV projection and 0.86-0.88x for
-// the output one (two a thread: 0.96x and 0.91x); interleaved decode tables (bench/decode_table.py, B = 16) then
-// gave 4 K/V heads 2.46-2.49x the f32 MHA step against 2.41-2.48x. 4 and 8 had measured the same.
+// run's first chunk starts cold. The output projection of a gpt2-small B = 16 step (weights cold, 2 threads) took
+// 0.86-0.88x the time of four runs a thread, timed call by call (docs/perf-log.md).
 inline constexpr int kLinearItemsPerThread = 1;
 
 // The decode kernel scores at most this many keys of a block at once (one head's run): it bounds the kernel's
@@ -101,10 +94,9 @@ inline constexpr int kLinearItemsPerThread = 1;
 inline constexpr int kDecodeMaxScoreKeys = 256;
 
 // The decode kernel streams K and V with software prefetch this many bytes ahead (16 f32 rows at D = 64), into L2,
-// following the sequence's block table across blocks (DecodeAttention::Ahead): at gpt2-small B=16 T=1024 the first
-// prefetch took a step from 3.4 to 2.0 ms; 8 and 16 KiB measured 2.1-2.3 ms. In bytes, not rows, so a bf16 or int8
-// cache keeps as many lines in flight as an f32 one; with L2 prefetches and huge pages, 2, 8 and 16 KiB were
-// again slower than 4 for every cache dtype (one thread streaming 600 MB of T=1024 sequences, 2026-11-25).
+// following the sequence's block table across blocks (DecodeAttention::Ahead): it takes a cold gpt2-small B=16
+// T=1024 step (gpt2attn bench --mode decode --cache cold) from 3.4 to 2.0 ms; 2, 8 and 16 KiB ahead were slower
+// than 4 for every cache dtype. In bytes, not rows, so a bf16 or int8 cache keeps as many lines in flight as f32.
 inline constexpr size_t kDecodePrefetchBytes = 4096;
 
 }  // namespace gpt2attn::kernels::tiles
