@@ -274,7 +274,7 @@ void bm_core(benchmark::State& state, int64_t H, int64_t D, int64_t T, int threa
     benchmark::ClobberMemory();
   }
   report(state, core_flops(static_cast<double>(c.E), static_cast<double>(T)), span, threads, isa, compute);
-  state.SetLabel(std::string(c.kernel->isa) + " " + ga::to_string(compute));
+  state.SetLabel(std::string(ga::to_string(c.kernel->isa)) + " " + ga::to_string(compute));
 }
 
 // ---- the layer's projections alone -----------------------------------------------------------------------
@@ -450,7 +450,7 @@ void bm_peak_frac_core(benchmark::State& state, int64_t H, int64_t D, int64_t T,
   c.run(threads);
   peak_frac_adjacent(state, core_flops(static_cast<double>(c.E), static_cast<double>(T)), threads,
                      [&] { c.run(threads); });
-  state.SetLabel(c.kernel->isa);
+  state.SetLabel(ga::to_string(c.kernel->isa));
 }
 
 void bm_peak_frac_layer(benchmark::State& state, const std::string& preset, int64_t T, int threads) {

@@ -1,32 +1,30 @@
 // engine/dispatch.hpp: the one place that chooses kernels. An ordered table of kernel sets, keyed by
-// (instruction set, compute dtype, K/V storage dtype), best first and scalar last (oneDNN's impl_list idea);
-// each row says why it exists. A layer looks its row up once, at construction, and reports its name.
-// Adding a dtype or a K/V format adds rows here and kernel instantiations in kernels/, nothing else.
+// (instruction set, compute dtype, K/V storage dtype), best first and scalar last (oneDNN's impl_list idea): the
+// rows of kernels/kernel_list.def, each level's compiled with its flags (kernels/kernel_sets_<level>.cpp) and
+// concatenated here in the order CMake lists the levels. A layer looks its row up once, at construction, and reports
+// its name. Adding a dtype or a K/V format adds lines to kernel_list.def, nothing here.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "gpt2attn/dtype.hpp"
 #include "gpt2attn/isa.hpp"
-#include "kernels/attention.hpp"
-#include "kernels/decode_attention.hpp"
-#include "kernels/linear.hpp"
+#include "kernels/kernel_sets.hpp"
 
 namespace gpt2attn::detail {
 
-struct KernelSet {
-  const char* name;  // reported by implementation(), e.g. "f32/avx512"
-  Isa isa;           // the level its kernels are compiled for (the CPU must run it)
-  DType compute;     // Q, K, V and the products
-  DType kv;          // K/V as the cache stores them
-  const char* why;   // one line: what this row is for
-  const kernels::AttentionKernel* prefill;      // tiled online-softmax core (forward, extend)
-  const kernels::DecodeKernel* decode;          // one-query split-KV core (decode)
-  const kernels::LinearKernel* few_row_linear;  // decode's projections
+struct KernelSet : kernels::KernelRow {
+  std::string name;  // reported by implementation(): "<compute>/<isa>", or "<compute>-kv<kv>/<isa>" when they differ
 };
 
-// Every row, best first.
+// Every row this CPU runs, best first: a level it lacks is left out whole (its kernels cannot run, and even building
+// its rows would run code compiled with its flags).
 const std::vector<KernelSet>& kernel_table();
+
+// What level `isa` (a compiled level this CPU runs) compiled: its rows and the probes of its vector helpers, for the
+// tests. Throws invalid_argument for a level this CPU lacks or the library does not hold.
+const kernels::IsaKernels& isa_kernels(Isa isa);
 
 // Resolves `requested` (best -> the strongest supported; GPT2ATTN_ISA overrides best). Asking for a level this
 // CPU lacks is an invalid_argument error naming it.

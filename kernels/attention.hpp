@@ -3,7 +3,7 @@
 // strides: no allocation, no threads, no oneDNN. The engine plans the work and hands each call a scratch slice.
 // The algorithm is written once (kernels/attention_impl.hpp), generic over the instruction set, the K/V element
 // type and where K/V come from; the micro-kernels (score and P.V tiles) are the only arithmetic a new compute type
-// replaces. Each (compute dtype, K/V dtype, ISA) is a one-line instantiation file, attention_<dtypes>_<isa>.cpp.
+// replaces. Each row of kernels/kernel_list.def instantiates it for its (instruction set, compute type, K/V type).
 //
 // Layouts (one head h of one sequence b; all pointers already offset to that slice):
 //   q   (T, D)  row stride ldq    out (T, D)  row stride ldo    (each row's D values contiguous)
@@ -36,18 +36,8 @@
 // +-FLT_MAX / log2(e) instead would keep one path but merge distinct huge values (finfo.min and -2.4e38 would
 // weigh alike; torch gives the first exp(-1e38) = 0 of the second's weight).
 //
-// Accuracy (measured against the double reference, d_model 512, 2 heads, D = 256, weights U(-0.5, 0.5),
-// inputs N(0, 1), T = 128-256: scores reach ~200, so the softmax turns a score error into an output error
-// ~|s| times larger). Each stage alone in fp32, the rest in double, max output error: the Q/K/V projections
-// (oneDNN, one accumulator over the 512 inputs) 1.6-3.5e-3, torch's (MKL) 1.4-2.3e-3; this kernel 2.2-5.2e-3,
-// torch's bmm/softmax/bmm 1.3-3.4e-3. Inside the kernel, almost all of it came from the score dot product
-// over D = 256 in one fp32 accumulator (score error 1.1-1.3e-4, torch's bmm the same 1.0-1.4e-4); the exp2
-// polynomial, the rounding of q * scale * log2(e), the online rescaling and P.V in fp32 changed nothing
-// measurable (softmax and P.V redone in double: the same error). Summing it in chunks (tiles::kScoreChunk)
-// took the score error to 4-6e-5 and the kernel's share to 0.8-1.2e-3. The whole layer then errs 2.9e-3
-// on average over 64 seeds at T = 256 (4.1e-3 before, torch fp32 3.2e-3), worst 4.3e-3 (7.1e-3 before, torch
-// 5.2e-3); what still exceeds torch on some seeds is the projections: oneDNN split over two halves of K
-// matches MKL's Q error (1.4e-5 against 2.5-3.6e-5), a change for engine/linear.cpp, not this kernel.
+// Accuracy: the score dot product over D is summed in chunks (tiles::kScoreChunk), which halves the kernel's share of
+// the error at D = 256; the figures, stage by stage against the double reference and torch, are in docs/accuracy.md.
 //
 // Causal work is skipped by index arithmetic: query i sees keys j <= i + causal_offset, so key tiles past
 // the last query's horizon are never touched, and only tiles crossing the diagonal read the layer's
@@ -60,6 +50,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gpt2attn/dtype.hpp"
+#include "gpt2attn/isa.hpp"
 #include "kernels/kv_source.hpp"
 #include "kernels/tiles.hpp"
 
@@ -114,9 +106,13 @@ inline void fill_causal_band(float* row) {  // row holds 2 * causal_band_center(
   for (int64_t i = 0; i < 2 * center; ++i) row[i] = i - center >= 0 ? 0.0f : -INFINITY;
 }
 
-// One implementation per (compute dtype, K/V dtype, instruction set), chosen once by the engine.
+// One implementation per (compute dtype, K/V dtype, instruction set), chosen once by the engine. Its identity comes
+// from the template arguments it was instantiated with (kernels/kernel_sets_impl.hpp), so the tests can check a
+// dispatch row against it.
 struct AttentionKernel {
-  const char* isa;
+  Isa isa;        // the level whose flags compiled it
+  DType compute;  // queries and output
+  DType kv;       // K/V elements read
   TileShape tiles;
   // Floats of scratch one call needs for head size D; the engine allocates threads x this, once.
   size_t (*scratch_floats)(int64_t D);
@@ -139,33 +135,5 @@ struct QueryItems {
   int64_t row_begin(int64_t i) const { return std::max<int64_t>(0, tiles - (i + 1) * G) * BQ; }
   int64_t row_end(int64_t i) const { return std::min(T, (tiles - i * G) * BQ); }
 };
-
-// Defined in the per-ISA translation units (attention_f32_<isa>.cpp: f32 compute, f32 K/V). The avx2/avx512 ones
-// must only be called on CPUs that support them; the engine checks before choosing.
-const AttentionKernel& attention_f32_scalar();
-const AttentionKernel& attention_f32_avx2();
-const AttentionKernel& attention_f32_avx512();
-// f32 compute over K/V stored bf16 (attention_f32_kvbf16_<isa>.cpp): the paged K/V of a bf16 KV cache.
-const AttentionKernel& attention_f32_kvbf16_scalar();
-const AttentionKernel& attention_f32_kvbf16_avx2();
-const AttentionKernel& attention_f32_kvbf16_avx512();
-// f32 compute over K/V stored int8 with row scales (attention_f32_kvi8_<isa>.cpp): the paged K/V of an int8 cache.
-const AttentionKernel& attention_f32_kvi8_scalar();
-const AttentionKernel& attention_f32_kvi8_avx2();
-const AttentionKernel& attention_f32_kvi8_avx512();
-// bf16 compute: bf16 queries and output (attention_bf16_<isa>.cpp). On avx512_bf16 the products run on vdpbf16ps
-// (MicroBf16Dot in attention_impl.hpp); the scalar row runs the same pair algorithm on its one-lane twin; avx2 and
-// avx512 widen bf16 to f32 and reuse the f32 arithmetic. K/V stored bf16, or f32 / int8 (a KV cache of another
-// dtype; widened).
-const AttentionKernel& attention_bf16_avx512_bf16();
-const AttentionKernel& attention_bf16_avx512();
-const AttentionKernel& attention_bf16_kvf32_avx512();
-const AttentionKernel& attention_bf16_kvi8_avx512();
-const AttentionKernel& attention_bf16_avx2();
-const AttentionKernel& attention_bf16_kvf32_avx2();
-const AttentionKernel& attention_bf16_kvi8_avx2();
-const AttentionKernel& attention_bf16_scalar();
-const AttentionKernel& attention_bf16_kvf32_scalar();
-const AttentionKernel& attention_bf16_kvi8_scalar();
 
 }  // namespace gpt2attn::kernels

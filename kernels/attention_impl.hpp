@@ -15,6 +15,7 @@
 #include "kernels/attention.hpp"
 #include "kernels/bf16_dot.hpp"
 #include "kernels/dropout.hpp"
+#include "kernels/element.hpp"
 #include "kernels/tiles.hpp"
 #include "kernels/vec.hpp"
 
@@ -666,25 +667,27 @@ struct TiledAttention {
   }
 };
 
-// The kernel over micro-kernel M for instruction set Arch.
-template <class Arch, class M>
-const AttentionKernel& make_attention_kernel_with(const char* isa) {
+// The kernel over micro-kernel M for instruction set Arch (compiled at level Level), reading queries of type QT and
+// K/V of type KvT.
+template <Isa Level, class Arch, class M, class QT, class KvT>
+const AttentionKernel& make_attention_kernel_with() {
   using K = TiledAttention<Arch, M>;
-  static const AttentionKernel kernel{isa, {K::BQ, K::BK}, &K::scratch_floats, &K::tiles_per_call, &K::run};
+  static const AttentionKernel kernel{Level,    dtype_of<QT>(), dtype_of<KvT>(),       {K::BQ, K::BK},
+                                      &K::scratch_floats, &K::tiles_per_call, &K::run};
   return kernel;
 }
 
 // The kernel of f32 arithmetic on queries of type QT (the compute type) and K/V stored as KvT, with register
 // blocking Bl, for instruction set Arch.
-template <class Arch, tiles::Blocking Bl, class KvT, class QT = float>
-const AttentionKernel& make_attention_kernel(const char* isa) {
-  return make_attention_kernel_with<Arch, MicroF32<Arch, Bl.query_vectors, Bl.row_block, KvT, QT>>(isa);
+template <Isa Level, class Arch, tiles::Blocking Bl, class KvT, class QT = float>
+const AttentionKernel& make_attention_kernel() {
+  return make_attention_kernel_with<Level, Arch, MicroF32<Arch, Bl.query_vectors, Bl.row_block, KvT, QT>, QT, KvT>();
 }
 
 // The kernel of bf16 compute on the bf16 dot product (bf16 queries and K/V), with register blocking Bl.
-template <class Arch, tiles::Blocking Bl>
-const AttentionKernel& make_attention_kernel_bf16dot(const char* isa) {
-  return make_attention_kernel_with<Arch, MicroBf16Dot<Arch, Bl.query_vectors, Bl.row_block>>(isa);
+template <Isa Level, class Arch, tiles::Blocking Bl>
+const AttentionKernel& make_attention_kernel_bf16dot() {
+  return make_attention_kernel_with<Level, Arch, MicroBf16Dot<Arch, Bl.query_vectors, Bl.row_block>, bf16, bf16>();
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
 // kernels/decode_attention.hpp: attention of ONE new token (a decode step) against a range of a sequence's keys in
 // the paged KV cache, for every head, producing that range's partial softmax states; and the exact merge of partial
 // states (split-KV / flash-decoding). Pure compute on pointers: no allocation, threads or oneDNN. Written once
-// (decode_attention_impl.hpp), generic over the instruction set and the K/V element type; instantiated per
-// (compute dtype, K/V dtype, ISA) in decode_attention_<dtypes>_<isa>.cpp.
+// (decode_attention_impl.hpp), generic over the instruction set and the K/V element type; instantiated by each row of
+// kernels/kernel_list.def.
 //
 // For each query head h, reading K/V head g = h / (H / H_kv), and keys j in [j_begin, j_end), with
 // s_j = q_h . k_gj * scale * log2(e):
@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gpt2attn/isa.hpp"
 #include "kernels/kv_layout.hpp"
 
 namespace gpt2attn::kernels {
@@ -40,7 +41,8 @@ struct DecodeArgs {
 
 // One implementation per (compute dtype, K/V dtype, instruction set), chosen once by the engine.
 struct DecodeKernel {
-  const char* isa;
+  Isa isa;   // the level whose flags compiled it
+  DType kv;  // K/V elements read (queries, scores and partial states are f32 whatever the compute type)
   // Floats of scratch one call needs: the scaled queries and the scores of one run of keys (at most one block
   // of block_tokens, and at most tiles::kDecodeMaxScoreKeys).
   size_t (*scratch_floats)(int64_t H, int64_t D, int64_t block_tokens);
@@ -48,34 +50,16 @@ struct DecodeKernel {
   void (*run)(const DecodeArgs& args, int64_t j_begin, int64_t j_end, float* scratch, float* m, float* l, float* acc);
 };
 
-const DecodeKernel& decode_attention_f32_scalar();
-const DecodeKernel& decode_attention_f32_avx2();
-const DecodeKernel& decode_attention_f32_avx512();
-// f32 compute over K/V stored bf16 (decode_attention_f32_kvbf16_<isa>.cpp).
-const DecodeKernel& decode_attention_f32_kvbf16_scalar();
-const DecodeKernel& decode_attention_f32_kvbf16_avx2();
-const DecodeKernel& decode_attention_f32_kvbf16_avx512();
-// f32 compute over K/V stored int8 with row scales (decode_attention_f32_kvi8_<isa>.cpp).
-const DecodeKernel& decode_attention_f32_kvi8_scalar();
-const DecodeKernel& decode_attention_f32_kvi8_avx2();
-const DecodeKernel& decode_attention_f32_kvi8_avx512();
-// ... and at avx512_bf16, whose CPUs all have AVX512-VNNI: the integer scores on vpdpwssd.
-const DecodeKernel& decode_attention_f32_kvi8_avx512_bf16();
-
 // The integer dot products of an int8 cache's scores (kernels/int_dot.hpp): out[r] = sum_{d < n} q[d] * k[r * ldk + d]
 // for r < keys <= IntDot<Arch>::kKeys, exact in int32 for n <= kIntDotMaxLen (the kernel sums longer rows in
-// chunks). One instantiation per instruction set (int_dot_<isa>.cpp), for the tests that pin each to the scalar twin.
+// chunks). One instantiation per instruction set (IsaKernels::int_dot), for the tests that pin each to the scalar twin.
 inline constexpr int64_t kIntDotMaxLen = 512;
 struct IntDotKernel {
-  const char* isa;
+  Isa isa;
   int keys;  // IntDot<Arch>::kKeys
   void (*dots)(const int16_t* q, const int8_t* k, int64_t ldk, int64_t n, int keys, int32_t* out);
   float (*quantize)(const float* x, float c, int64_t n, int16_t* q);  // quantize_query_i16<Arch>, for the tests
 };
-const IntDotKernel& int_dot_scalar();
-const IntDotKernel& int_dot_avx2();
-const IntDotKernel& int_dot_avx512();
-const IntDotKernel& int_dot_avx512_bf16();
 
 // Merges `parts` partial states into out (D), as in the header comment: part s has m[s * stride], l[s * stride]
 // and acc + s * acc_stride.

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "kernels/decode_attention.hpp"
+#include "kernels/element.hpp"
 #include "kernels/int_dot.hpp"
 #include "kernels/tiles.hpp"
 #include "kernels/vec.hpp"
@@ -417,10 +418,10 @@ struct DecodeAttention {
   }
 };
 
-template <class Arch, class KvT>
-const DecodeKernel& make_decode_kernel(const char* isa) {
+template <Isa Level, class Arch, class KvT>
+const DecodeKernel& make_decode_kernel() {
   using K = DecodeAttention<Arch, KvT>;
-  static const DecodeKernel kernel{isa, &K::scratch_floats, &K::run};
+  static const DecodeKernel kernel{Level, dtype_of<KvT>(), &K::scratch_floats, &K::run};
   return kernel;
 }
 

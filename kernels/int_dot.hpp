@@ -246,10 +246,10 @@ struct IntDot {
 };
 #endif
 
-// The dot products of instruction set Arch as the tests see them (int_dot_<isa>.cpp), named isa.
-template <class Arch>
-const IntDotKernel& make_int_dot_kernel(const char* isa) {
-  static const IntDotKernel kernel{isa, IntDot<Arch>::kKeys, &IntDot<Arch>::dots, &quantize_query_i16<Arch>};
+// The dot products of instruction set Arch as the tests see them (IsaKernels::int_dot).
+template <Isa Level, class Arch>
+const IntDotKernel& make_int_dot_kernel() {
+  static const IntDotKernel kernel{Level, IntDot<Arch>::kKeys, &IntDot<Arch>::dots, &quantize_query_i16<Arch>};
   return kernel;
 }
 

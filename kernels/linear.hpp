@@ -16,6 +16,8 @@
 
 #include <cstdint>
 
+#include "gpt2attn/dtype.hpp"
+#include "gpt2attn/isa.hpp"
 #include "kernels/bf16.hpp"
 
 namespace gpt2attn::kernels {
@@ -51,20 +53,11 @@ struct LinearArgs {
 };
 
 struct LinearKernel {
-  const char* isa;
-  int64_t weight_bytes;  // of one packed weight: 4 (f32) or 2 (bf16)
+  Isa isa;        // the level whose flags compiled it
+  DType weights;  // the packed weights' type, f32 or bf16: the layer's compute type
   int64_t panel_group;  // panels computed together: a range split at multiples of it keeps whole groups
   // Computes y's columns of panels [panel_begin, panel_end) for all M rows.
   void (*run)(const LinearArgs& args, int64_t panel_begin, int64_t panel_end);
 };
-
-// f32 weights
-const LinearKernel& linear_f32_scalar();
-const LinearKernel& linear_f32_avx2();
-const LinearKernel& linear_f32_avx512();
-// bf16 weights, widened on load
-const LinearKernel& linear_bf16_scalar();
-const LinearKernel& linear_bf16_avx2();
-const LinearKernel& linear_bf16_avx512();
 
 }  // namespace gpt2attn::kernels

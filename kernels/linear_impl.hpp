@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "kernels/element.hpp"
 #include "kernels/linear.hpp"
 #include "kernels/tiles.hpp"
 #include "kernels/vec.hpp"
@@ -130,9 +131,9 @@ struct Linear {
   }
 };
 
-template <class Arch, class WT>
-const LinearKernel& make_linear_kernel(const char* isa) {
-  static const LinearKernel kernel{isa, sizeof(WT), Linear<Arch, WT>::PG, &Linear<Arch, WT>::run};
+template <Isa Level, class Arch, class WT>
+const LinearKernel& make_linear_kernel() {
+  static const LinearKernel kernel{Level, dtype_of<WT>(), Linear<Arch, WT>::PG, &Linear<Arch, WT>::run};
   return kernel;
 }
 

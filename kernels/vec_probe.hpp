@@ -5,10 +5,12 @@
 
 #include <cstdint>
 
+#include "gpt2attn/isa.hpp"
+
 namespace gpt2attn::kernels {
 
 struct VecProbe {
-  const char* isa;
+  Isa isa;
   int lanes;  // Vec<Arch>::W
   // y[i] = Vec<Arch>::exp2(x[i]) for i < n (n a multiple of lanes).
   void (*exp2)(const float* x, int64_t n, float* y);
@@ -16,9 +18,5 @@ struct VecProbe {
   // vscalefps); null where exp2 is that construction.
   void (*exp2_bits)(const float* x, int64_t n, float* y);
 };
-
-const VecProbe& vec_probe_scalar();
-const VecProbe& vec_probe_avx2();
-const VecProbe& vec_probe_avx512();
 
 }  // namespace gpt2attn::kernels

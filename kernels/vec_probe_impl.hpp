@@ -1,5 +1,5 @@
 // kernels/vec_probe_impl.hpp: the VecProbe of one instruction set (kernels/vec_probe.hpp), written once over
-// Vec<Arch>. Included only by the per-ISA vec_probe_<isa>.cpp (internal linkage, like the kernels' _impl headers).
+// Vec<Arch>. Included only by the per-level kernels/kernel_sets_<level>.cpp (internal linkage, like the kernels' _impl headers).
 #pragma once
 
 #include "kernels/vec.hpp"
@@ -20,11 +20,11 @@ void exp2_bits_all(const float* x, int64_t n, float* y) {
   for (int64_t i = 0; i < n; i += V::W) V::store(y + i, V::exp2_bits(V::load(x + i)));
 }
 
-template <class Arch>
-const VecProbe& make_vec_probe(const char* isa) {
+template <Isa Level, class Arch>
+const VecProbe& make_vec_probe() {
   void (*bits)(const float*, int64_t, float*) = nullptr;
   if constexpr (Vec<Arch>::kExp2Scalef) bits = &exp2_bits_all<Arch>;
-  static const VecProbe probe{isa, Vec<Arch>::W, &exp2_all<Arch>, bits};
+  static const VecProbe probe{Level, Vec<Arch>::W, &exp2_all<Arch>, bits};
   return probe;
 }
 

@@ -77,13 +77,13 @@ TEST(KernelTable, OrderedBestFirstWithAScalarRowForEveryDtypePair) {
     EXPECT_TRUE(row.prefill && row.decode && row.few_row_linear) << row.name;
     EXPECT_GT(std::string(row.why).size(), 10u) << row.name << " says why it exists";
     // The layer packs decode's weights in its compute type: the row's projection kernel must read that type.
-    EXPECT_EQ(row.few_row_linear->weight_bytes, static_cast<int64_t>(size_of(row.compute))) << row.name;
+    EXPECT_EQ(row.few_row_linear->weights, row.compute) << row.name;
     const auto& fallback = detail::kernels_for(Isa::scalar, row.compute, row.kv);
     EXPECT_EQ(fallback.isa, Isa::scalar) << "no scalar twin for " << row.name;
   }
   for (Isa isa : order) {
     const bool has_row = std::any_of(table.begin(), table.end(), [&](const auto& row) { return row.isa == isa; });
-    EXPECT_TRUE(has_row) << "no kernel row at compiled level " << to_string(isa);
+    EXPECT_EQ(has_row, isa_supported(isa)) << "rows at compiled level " << to_string(isa);
     if (!isa_supported(isa)) continue;
     // A level falls through to the strongest row at or below it: avx512_bf16 has no f32/f32 row, so f32 at
     // avx512_bf16 is the avx512 row, and bf16 at avx512 is the widening one.
@@ -102,6 +102,45 @@ TEST(KernelTable, OrderedBestFirstWithAScalarRowForEveryDtypePair) {
     EXPECT_EQ(detail::kernels_for(Isa::avx512_bf16, DType::f32, DType::f32).isa, Isa::avx512);
   }
   EXPECT_THROW(detail::kernels_for(Isa::scalar, DType::f16, DType::i8), Error);
+}
+
+// The table is generated from kernels/kernel_list.def: every kernel of a row was instantiated at the row's level for
+// the row's types (each records them from its template arguments), the name says the same, no (level, compute, K/V)
+// appears twice, and each level's own list holds exactly the table's rows of that level, with its probes.
+TEST(KernelTable, EveryRowsKernelsAreOfItsLevelAndTypes) {
+  const auto& table = detail::kernel_table();
+  for (const auto& row : table) {
+    EXPECT_EQ(row.prefill->isa, row.isa) << row.name;
+    EXPECT_EQ(row.prefill->compute, row.compute) << row.name;
+    EXPECT_EQ(row.prefill->kv, row.kv) << row.name;
+    EXPECT_EQ(row.decode->isa, row.isa) << row.name;
+    EXPECT_EQ(row.decode->kv, row.kv) << row.name;
+    EXPECT_EQ(row.few_row_linear->isa, row.isa) << row.name;
+    const std::string kv = row.kv == row.compute ? "" : std::string("-kv") + to_string(row.kv);
+    EXPECT_EQ(row.name, to_string(row.compute) + kv + "/" + to_string(row.isa));
+    const auto same = std::count_if(table.begin(), table.end(), [&](const auto& other) {
+      return other.isa == row.isa && other.compute == row.compute && other.kv == row.kv;
+    });
+    EXPECT_EQ(same, 1) << row.name << " appears more than once";
+  }
+  size_t rows = 0;
+  for (Isa isa : compiled_isas()) {
+    if (!isa_supported(isa)) {
+      EXPECT_THROW(detail::isa_kernels(isa), Error) << to_string(isa) << ": this CPU cannot run its code";
+      continue;
+    }
+    const kernels::IsaKernels& level = detail::isa_kernels(isa);
+    EXPECT_EQ(level.int_dot->isa, isa);
+    EXPECT_EQ(level.vec->isa, isa);
+    for (size_t i = 0; i < level.count; ++i) {
+      EXPECT_EQ(level.rows[i].isa, isa);
+      ASSERT_LT(rows, table.size());
+      EXPECT_EQ(level.rows[i].prefill, table[rows].prefill) << table[rows].name << ": the table keeps the list's order";
+      ++rows;
+    }
+  }
+  EXPECT_EQ(rows, table.size());
+  EXPECT_THROW(detail::isa_kernels(Isa::best), Error);
 }
 
 }  // namespace

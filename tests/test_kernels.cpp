@@ -512,7 +512,7 @@ MaskData make_mask(const AttnCase& c, std::mt19937_64& rng) {
   run_all(c.one_call);
 
   std::ostringstream ctx;
-  ctx << "[isa=" << kern.isa << " BQ=" << BQ << " BK=" << BK << "] " << c.name();
+  ctx << "[isa=" << to_string(kern.isa) << " BQ=" << BQ << " BK=" << BK << "] " << c.name();
   const std::vector<float> got = unstrided(out_mem, T, D, c.ldo());
   const std::vector<double> want = naive_attention(q, k, v, T, Tk, D, bias, a.scale, drop);
   ::testing::AssertionResult r =
@@ -551,15 +551,15 @@ class KernelAttention : public KernelTest {};
 
 TEST_P(KernelAttention, ContiguousMatchesNaive) {
   const kernels::AttentionKernel& kern = detail::attention_kernel(isa());
-  ASSERT_STREQ(kern.isa, to_string(isa()));
-  expect_all_cases(kern.isa, attention_cases(kern.tiles, false),
+  ASSERT_EQ(kern.isa, isa());
+  expect_all_cases(to_string(kern.isa), attention_cases(kern.tiles, false),
                    [&](const AttnCase& c) { return check_attention(kern, c); });
 }
 
 TEST_P(KernelAttention, PagedMatchesNaive) {
   const kernels::AttentionKernel& kern = detail::attention_kernel(isa());
-  ASSERT_STREQ(kern.isa, to_string(isa()));
-  expect_all_cases(kern.isa, attention_cases(kern.tiles, true),
+  ASSERT_EQ(kern.isa, isa());
+  expect_all_cases(to_string(kern.isa), attention_cases(kern.tiles, true),
                    [&](const AttnCase& c) { return check_attention(kern, c); });
 }
 
@@ -567,16 +567,16 @@ TEST_P(KernelAttention, PagedMatchesNaive) {
 // rounded values, so the f32 tolerance applies: only the kernel's own arithmetic is under test).
 TEST_P(KernelAttention, PagedBf16KvMatchesNaive) {
   const kernels::AttentionKernel& kern = detail::attention_kernel(isa(), DType::bf16);
-  ASSERT_STREQ(kern.isa, to_string(isa()));
-  expect_all_cases(kern.isa, attention_cases(kern.tiles, true, DType::bf16),
+  ASSERT_EQ(kern.isa, isa());
+  expect_all_cases(to_string(kern.isa), attention_cases(kern.tiles, true, DType::bf16),
                    [&](const AttnCase& c) { return check_attention(kern, c); });
 }
 // The kernel for an int8 KV cache: integer rows widened, scores and probabilities scaled per key, on K/V quantised
 // by the cache's codec (the naive loops read the same dequantised values, so the f32 tolerance applies).
 TEST_P(KernelAttention, PagedInt8KvMatchesNaive) {
   const kernels::AttentionKernel& kern = detail::attention_kernel(isa(), DType::i8);
-  ASSERT_STREQ(kern.isa, to_string(isa()));
-  expect_all_cases(kern.isa, attention_cases(kern.tiles, true, DType::i8),
+  ASSERT_EQ(kern.isa, isa());
+  expect_all_cases(to_string(kern.isa), attention_cases(kern.tiles, true, DType::i8),
                    [&](const AttnCase& c) { return check_attention(kern, c); });
 }
 // Output rows aligned to whole vectors, spanning more than tiles::kStreamOutputMinBytes, take the streaming stores
@@ -625,9 +625,9 @@ TEST_P(KernelAttention, AlignedOutputRowsMatchUnalignedBitForBit) {
       }
       for (int64_t d = sh.D; d < ld_odd; ++d) outside += odd[i * ld_odd + d] != kSentinel;
     }
-    EXPECT_EQ(differ, 0) << kern.isa << " T=" << sh.T << " D=" << sh.D << ": elements that differ between the rows";
-    EXPECT_EQ(outside, 0) << kern.isa << " T=" << sh.T << " D=" << sh.D << ": writes past a row's D values";
-    EXPECT_TRUE(guard_intact(scratch, kern.scratch_floats(sh.D))) << kern.isa << " wrote past its scratch";
+    EXPECT_EQ(differ, 0) << to_string(kern.isa) << " T=" << sh.T << " D=" << sh.D << ": elements that differ between the rows";
+    EXPECT_EQ(outside, 0) << to_string(kern.isa) << " T=" << sh.T << " D=" << sh.D << ": writes past a row's D values";
+    EXPECT_TRUE(guard_intact(scratch, kern.scratch_floats(sh.D))) << to_string(kern.isa) << " wrote past its scratch";
   }
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelAttention);
@@ -688,8 +688,8 @@ TEST_P(KernelAttentionAnyKv, Bf16CoreGroupedCallsMatchCallsPerTile) {
     a.out = per_tile.data();
     run_tile_by_tile(kern, a, sh.T, scratch.data());
     EXPECT_EQ(std::memcmp(one.data(), per_tile.data(), one.size() * sizeof(kernels::bf16)), 0)
-        << kern.isa << " T=" << sh.T << " Tk=" << sh.Tk << " D=" << sh.D << " causal=" << sh.causal;
-    EXPECT_TRUE(guard_intact(scratch, kern.scratch_floats(sh.D))) << kern.isa << " wrote past its scratch";
+        << to_string(kern.isa) << " T=" << sh.T << " Tk=" << sh.Tk << " D=" << sh.D << " causal=" << sh.causal;
+    EXPECT_TRUE(guard_intact(scratch, kern.scratch_floats(sh.D))) << to_string(kern.isa) << " wrote past its scratch";
   }
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelAttentionAnyKv);
@@ -804,7 +804,7 @@ DecodeData random_decode_data(const DecodeCase& c, std::mt19937_64& rng) {
     want.insert(want.end(), o.begin(), o.end());
   }
   std::ostringstream ctx;
-  ctx << "[isa=" << kern.isa << "] decode " << c.name();
+  ctx << "[isa=" << to_string(kern.isa) << "] decode " << c.name();
   ::testing::AssertionResult r =
       all_close_over_cache(got, want, c.kv, D, reduction_for_head(D, n), ctx.str() + " | index h*D+d");
   if (!r) return r;
@@ -825,8 +825,8 @@ class KernelDecode : public KernelTest {
 TEST_P(KernelDecode, MergedSplitsMatchNaive) {
   if (!own_row(DType::f32)) GTEST_SKIP() << to_string(isa()) << " uses a lower level's f32 decode kernel";
   const kernels::DecodeKernel& kern = detail::decode_kernel(isa());
-  ASSERT_STREQ(kern.isa, to_string(isa()));
-  expect_all_cases(kern.isa, decode_cases(), [&](const DecodeCase& c) { return check_decode(kern, c); });
+  ASSERT_EQ(kern.isa, isa());
+  expect_all_cases(to_string(kern.isa), decode_cases(), [&](const DecodeCase& c) { return check_decode(kern, c); });
 }
 
 // The decode kernel of a bf16 KV cache (Vec::load(const bf16*) in the vector loops, widen in the tails), on
@@ -834,16 +834,16 @@ TEST_P(KernelDecode, MergedSplitsMatchNaive) {
 TEST_P(KernelDecode, Bf16KvMatchesNaive) {
   if (!own_row(DType::bf16)) GTEST_SKIP() << to_string(isa()) << " uses a lower level's bf16 K/V decode kernel";
   const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::bf16);
-  ASSERT_STREQ(kern.isa, to_string(isa()));
-  expect_all_cases(kern.isa, decode_cases(DType::bf16), [&](const DecodeCase& c) { return check_decode(kern, c); });
+  ASSERT_EQ(kern.isa, isa());
+  expect_all_cases(to_string(kern.isa), decode_cases(DType::bf16), [&](const DecodeCase& c) { return check_decode(kern, c); });
 }
 // The decode kernel of an int8 KV cache (integer scores over an int16 query, kernels/int_dot.hpp; values widened by
 // Vec::load(const int8_t*); scales per key), every shape and grouping.
 TEST_P(KernelDecode, Int8KvMatchesNaive) {
   if (!own_row(DType::i8)) GTEST_SKIP() << to_string(isa()) << " uses a lower level's int8 K/V decode kernel";
   const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::i8);
-  ASSERT_STREQ(kern.isa, to_string(isa()));
-  expect_all_cases(kern.isa, decode_cases(DType::i8), [&](const DecodeCase& c) { return check_decode(kern, c); });
+  ASSERT_EQ(kern.isa, isa());
+  expect_all_cases(to_string(kern.isa), decode_cases(DType::i8), [&](const DecodeCase& c) { return check_decode(kern, c); });
 }
 
 // Scores that rise or fall along the sequence, so that the decode kernel's running max (which moves only when a
@@ -918,7 +918,7 @@ TEST_P(KernelDecode, NonFiniteQueryHeadGivesNaNOnlyThere) {
         kernels::merge_softmax_partials(m.data() + h, l.data() + h, H, acc.data() + h * D, H * D, 1, D,
                                         out.data() + h * D);
       }
-      const std::string what = "[isa=" + std::string(kern.isa) + "] " + to_string(kv) + " query " +
+      const std::string what = "[isa=" + std::string(to_string(kern.isa)) + "] " + to_string(kv) + " query " +
                                std::to_string(bad);
       for (int64_t d = 0; d < D; ++d) EXPECT_TRUE(std::isnan(out[d])) << what << " head 0, d=" << d;
       EXPECT_TRUE(all_close_over_cache(std::vector<float>(out.begin() + D, out.end()), want1, kv, D,
@@ -932,39 +932,19 @@ GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelDecode);
 // (kKeys keys, the transpose-add) and ragged ones, lengths that are not a multiple of the vector step, up to
 // kIntDotMaxLen, with extreme values (|q| = 32767, k = -128 and 127) where an overflow would show; D = 600 through
 // the decode kernel's chunks; a zero query row scores 0.
-const kernels::IntDotKernel& int_dot_kernel(Isa isa) {
-  switch (isa) {
-    case Isa::avx512_bf16:
-      return kernels::int_dot_avx512_bf16();
-    case Isa::avx512:
-      return kernels::int_dot_avx512();
-    case Isa::avx2:
-      return kernels::int_dot_avx2();
-    default:
-      return kernels::int_dot_scalar();
-  }
-}
+const kernels::IntDotKernel& int_dot_kernel(Isa isa) { return *detail::isa_kernels(isa).int_dot; }
 
 // Vec::exp2, the softmax's exponential (kernels/vec.hpp), on every instruction set: within 2e-7 relative of 2^x
 // wherever that is a normal float (x in [-126, 126], every 1/1024, so every integer and half-integer where the
 // range reduction turns), exactly 2^n at integers (the polynomial is 1 at 0), 0 below -126 and for -inf (a masked
 // score), NaN for NaN (bad input must not pass for a masked row).
-const kernels::VecProbe& vec_probe(Isa isa) {
-  switch (isa) {
-    case Isa::avx512:
-      return kernels::vec_probe_avx512();
-    case Isa::avx2:
-      return kernels::vec_probe_avx2();
-    default:
-      return kernels::vec_probe_scalar();
-  }
-}
+const kernels::VecProbe& vec_probe(Isa isa) { return *detail::isa_kernels(isa).vec; }
 
 class KernelVecExp2 : public KernelTest {};
 
 TEST_P(KernelVecExp2, WithinItsBoundAndExactWhereItMustBe) {
   const kernels::VecProbe& probe = vec_probe(isa());
-  ASSERT_STREQ(probe.isa, to_string(isa()));
+  ASSERT_EQ(probe.isa, isa());
   std::vector<float> x;
   for (int64_t i = -130 * 1024; i <= 126 * 1024; ++i) x.push_back(static_cast<float>(i) / 1024.0f);
   const size_t specials = x.size();
@@ -975,16 +955,16 @@ TEST_P(KernelVecExp2, WithinItsBoundAndExactWhereItMustBe) {
   double worst = 0.0;
   for (size_t i = 0; i < specials; ++i) {
     if (x[i] < -126.0f) {
-      ASSERT_EQ(y[i], 0.0f) << "[isa=" << probe.isa << "] exp2(" << x[i] << ")";
+      ASSERT_EQ(y[i], 0.0f) << "[isa=" << to_string(probe.isa) << "] exp2(" << x[i] << ")";
       continue;
     }
     const double want = std::exp2(static_cast<double>(x[i]));
     worst = std::max(worst, std::fabs(y[i] / want - 1.0));
     if (x[i] == std::round(x[i])) {
-      ASSERT_EQ(y[i], static_cast<float>(want)) << "[isa=" << probe.isa << "] exp2 of the integer " << x[i];
+      ASSERT_EQ(y[i], static_cast<float>(want)) << "[isa=" << to_string(probe.isa) << "] exp2 of the integer " << x[i];
     }
   }
-  EXPECT_LE(worst, 2e-7) << "[isa=" << probe.isa << "]";
+  EXPECT_LE(worst, 2e-7) << "[isa=" << to_string(probe.isa) << "]";
   EXPECT_EQ(y[specials], 0.0f) << "exp2(-inf)";
   EXPECT_TRUE(std::isnan(y[specials + 1])) << "exp2(NaN) = " << y[specials + 1];
   EXPECT_EQ(y[specials + 2], 1.0f) << "exp2(-0)";
@@ -997,7 +977,7 @@ TEST_P(KernelVecExp2, WithinItsBoundAndExactWhereItMustBe) {
 // softmax's domain: a score minus the running max), the subnormal edge and the specials.
 TEST_P(KernelVecExp2, ScalefMatchesExponentBitsBitForBit) {
   const kernels::VecProbe& probe = vec_probe(isa());
-  if (probe.exp2_bits == nullptr) GTEST_SKIP() << "[isa=" << probe.isa << "] exp2 is the exponent-bits construction";
+  if (probe.exp2_bits == nullptr) GTEST_SKIP() << "[isa=" << to_string(probe.isa) << "] exp2 is the exponent-bits construction";
   std::vector<float> x;
   for (int64_t i = -130 * 4096; i <= 8 * 4096; ++i) x.push_back(static_cast<float>(i) / 4096.0f);
   std::mt19937_64 rng(5);
@@ -1013,13 +993,13 @@ TEST_P(KernelVecExp2, ScalefMatchesExponentBitsBitForBit) {
   probe.exp2_bits(x.data(), static_cast<int64_t>(x.size()), b.data());
   for (size_t i = 0; i < x.size(); ++i) {
     if (std::isnan(x[i])) {
-      ASSERT_TRUE(std::isnan(a[i]) && std::isnan(b[i])) << "[isa=" << probe.isa << "] exp2(NaN)";
+      ASSERT_TRUE(std::isnan(a[i]) && std::isnan(b[i])) << "[isa=" << to_string(probe.isa) << "] exp2(NaN)";
       continue;
     }
     uint32_t ua, ub;
     std::memcpy(&ua, &a[i], 4);
     std::memcpy(&ub, &b[i], 4);
-    ASSERT_EQ(ua, ub) << "[isa=" << probe.isa << "] exp2(" << x[i] << "): " << a[i] << " against " << b[i];
+    ASSERT_EQ(ua, ub) << "[isa=" << to_string(probe.isa) << "] exp2(" << x[i] << "): " << a[i] << " against " << b[i];
   }
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelVecExp2);
@@ -1032,8 +1012,8 @@ class KernelIntDot : public KernelTest {
 
 TEST_P(KernelIntDot, MatchesScalarTwinExactly) {
   const kernels::IntDotKernel& kern = int_dot_kernel(isa());
-  const kernels::IntDotKernel& twin = kernels::int_dot_scalar();
-  ASSERT_STREQ(kern.isa, to_string(isa()));
+  const kernels::IntDotKernel& twin = int_dot_kernel(Isa::scalar);
+  ASSERT_EQ(kern.isa, isa());
   std::mt19937_64 rng(21);
   std::uniform_int_distribution<int> qd(-32767, 32767), kd(-128, 127);
   for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{31}, int64_t{33},
@@ -1051,7 +1031,7 @@ TEST_P(KernelIntDot, MatchesScalarTwinExactly) {
         kern.dots(q.data(), k.data(), ldk, n, keys, got.data());
         twin.dots(q.data(), k.data(), ldk, n, keys, want.data());
         for (int r = 0; r < kern.keys; ++r) {
-          EXPECT_EQ(got[r], want[r]) << "[isa=" << kern.isa << "] n=" << n << " keys=" << keys << " fill=" << fill
+          EXPECT_EQ(got[r], want[r]) << "[isa=" << to_string(kern.isa) << "] n=" << n << " keys=" << keys << " fill=" << fill
                                      << " key " << r;
           if (fill == 2 && r < keys) {
             EXPECT_EQ(got[r], 0);
@@ -1077,14 +1057,14 @@ TEST_P(KernelIntDot, QueryQuantiserKeepsTinyRowsWithinHalfAStep) {
       x[5] = 0.0f;
       std::vector<int16_t> q(x.size());
       const float scale = kern.quantize(x.data(), c, static_cast<int64_t>(x.size()), q.data());
-      ASSERT_GT(scale, 0.0f) << "[isa=" << kern.isa << "] top=" << top;
-      EXPECT_EQ(q[20], -32767) << "[isa=" << kern.isa << "] the largest magnitude maps to the end of the range";
-      EXPECT_EQ(q[5], 0) << "[isa=" << kern.isa << "] top=" << top;
+      ASSERT_GT(scale, 0.0f) << "[isa=" << to_string(kern.isa) << "] top=" << top;
+      EXPECT_EQ(q[20], -32767) << "[isa=" << to_string(kern.isa) << "] the largest magnitude maps to the end of the range";
+      EXPECT_EQ(q[5], 0) << "[isa=" << to_string(kern.isa) << "] top=" << top;
       // Half a step, plus the rounding of a denormal scale to a multiple of 2^-149 (|q| times half of that).
       const double bound = top * c / 65534.0 * 1.01 + 32767.0 * std::ldexp(1.0, -150);
       for (size_t d = 0; d < x.size(); ++d) {
         EXPECT_LE(std::fabs(q[d] * static_cast<double>(scale) - x[d] * static_cast<double>(c)), bound)
-            << "[isa=" << kern.isa << "] c=" << c << " top=" << top << " d=" << d << " q=" << q[d];
+            << "[isa=" << to_string(kern.isa) << "] c=" << c << " top=" << top << " d=" << d << " q=" << q[d];
       }
     }
   }
@@ -1120,7 +1100,7 @@ TEST_P(KernelIntDot, DecodeInt8HeadSizesAndZeroQuery) {
     }
     EXPECT_EQ(m[0], 0.0f) << "a zero query row scores exactly 0";
     EXPECT_TRUE(all_close_over_cache(out, want, DType::i8, D, reduction_for_head(D, n),
-                                     "[isa=" + std::string(kern.isa) + "] int8 D=" + std::to_string(D)));
+                                     "[isa=" + std::string(to_string(kern.isa)) + "] int8 D=" + std::to_string(D)));
   }
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelIntDot);
@@ -1166,8 +1146,8 @@ template <class WT>
   const std::vector<float> x = random_uniform(M * K, rng);
   std::vector<float> w = random_uniform(N * K, rng);
   const std::vector<float> b = c.bias ? random_uniform(N, rng) : std::vector<float>{};
-  if (static_cast<int64_t>(sizeof(WT)) != kern.weight_bytes) {
-    return ::testing::AssertionFailure() << "kernel reads " << kern.weight_bytes << "-byte weights, test packs "
+  if (sizeof(WT) != size_of(kern.weights)) {
+    return ::testing::AssertionFailure() << "kernel reads " << size_of(kern.weights) << "-byte weights, test packs "
                                          << sizeof(WT);
   }
   // NaN-filled first, so an element the packing skips poisons the result.
@@ -1184,7 +1164,7 @@ template <class WT>
   a.y = y_mem.data(), a.ldy = c.ldy();
   a.M = M, a.N = N, a.K = K;
   std::ostringstream ctx;
-  ctx << "[isa=" << kern.isa << "] linear " << c.name();
+  ctx << "[isa=" << to_string(kern.isa) << "] linear " << c.name();
   // Threads run neighbouring panel ranges at once, so a call must write only its own panels' columns: before
   // each call, those of the panels not run yet still hold their NaN.
   const int64_t panels = kernels::linear_panels(N), half = panels / 2;
@@ -1214,15 +1194,15 @@ class KernelLinear : public KernelTest {};
 
 TEST_P(KernelLinear, AllPanelsMatchNaive) {
   const kernels::LinearKernel& kern = detail::linear_kernel(isa());
-  ASSERT_STREQ(kern.isa, to_string(isa()));
-  expect_all_cases(kern.isa, linear_cases(), [&](const LinearCase& c) { return check_linear<float>(kern, c); });
+  ASSERT_EQ(kern.isa, isa());
+  expect_all_cases(to_string(kern.isa), linear_cases(), [&](const LinearCase& c) { return check_linear<float>(kern, c); });
 }
 
 // The bf16-compute rows' kernel: half the weight bytes, widened as they are loaded.
 TEST_P(KernelLinear, Bf16WeightsMatchNaive) {
   const kernels::LinearKernel& kern = *detail::kernels_for(isa(), DType::bf16, DType::bf16).few_row_linear;
-  ASSERT_STREQ(kern.isa, to_string(isa()));
-  expect_all_cases(kern.isa, linear_cases(),
+  ASSERT_EQ(kern.isa, isa());
+  expect_all_cases(to_string(kern.isa), linear_cases(),
                    [&](const LinearCase& c) { return check_linear<kernels::bf16>(kern, c); });
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelLinear);

@@ -1,7 +1,0 @@
-// kernels/decode_attention_f32_kvbf16_avx2.cpp:
-// the AVX2+FMA instantiation of the one-query decode kernel: f32 compute, K/V stored bf16.
-#include "kernels/decode_attention_impl.hpp"
-
-namespace gpt2attn::kernels {
-const DecodeKernel& decode_attention_f32_kvbf16_avx2() { return make_decode_kernel<xsimd::fma3<xsimd::avx2>, bf16>("avx2"); }
-}  // namespace gpt2attn::kernels

@@ -1,8 +1,0 @@
-// kernels/decode_attention_f32_kvbf16_scalar.cpp:
-// the portable scalar instantiation of the one-query decode kernel: f32 compute, K/V stored bf16.
-#define GPT2ATTN_SCALAR_ONLY 1
-#include "kernels/decode_attention_impl.hpp"
-
-namespace gpt2attn::kernels {
-const DecodeKernel& decode_attention_f32_kvbf16_scalar() { return make_decode_kernel<ScalarArch, bf16>("scalar"); }
-}  // namespace gpt2attn::kernels
