@@ -1,6 +1,7 @@
 // engine/dispatch.cpp: the ordered table of kernel sets (engine/dispatch.hpp) and the lookup into it.
 #include "engine/dispatch.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -55,6 +56,20 @@ const kernels::IsaKernels& isa_kernels(Isa isa) {
       break;
   }
   invalid(std::string("instruction set ") + to_string(isa) + " is not compiled into this library");
+}
+
+bool is_kv_format(DType t) {
+  const auto& table = kernel_table();
+  return std::any_of(table.begin(), table.end(), [&](const KernelSet& row) { return row.kv == t; });
+}
+
+std::string kv_format_names() {
+  std::string names;
+  for (size_t i = 0; i < kNumDTypes; ++i) {
+    const DType t = static_cast<DType>(i);
+    if (is_kv_format(t)) names += (names.empty() ? "" : ", ") + std::string(to_string(t));
+  }
+  return names;
 }
 
 Isa resolve_isa(Isa requested) {

@@ -26,6 +26,11 @@ const std::vector<KernelSet>& kernel_table();
 // tests. Throws invalid_argument for a level this CPU lacks or the library does not hold.
 const kernels::IsaKernels& isa_kernels(Isa isa);
 
+// The K/V storage formats: every K/V type of the kernel list (each has a scalar row, so every CPU runs it), and
+// their names in DType's order ("f32, bf16, i8, fp8"), for error messages.
+bool is_kv_format(DType t);
+std::string kv_format_names();
+
 // Resolves `requested` (best -> the strongest supported; GPT2ATTN_ISA overrides best). Asking for a level this
 // CPU lacks is an invalid_argument error naming it.
 Isa resolve_isa(Isa requested);

@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "engine/dispatch.hpp"
 #include "engine/util.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/kv_codec.hpp"
@@ -29,9 +30,9 @@ KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
             std::to_string(o.capacity_bytes) + ")");
   }
   if (o.capacity_tokens < 0) invalid("KvCacheOptions.capacity_tokens must be >= 0, got " + str(o.capacity_tokens));
-  if (o.dtype != DType::f32 && o.dtype != DType::bf16 && o.dtype != DType::i8) {
-    invalid(std::string("KvCacheOptions.dtype: ") + to_string(o.dtype) +
-            " is not a K/V storage format (f32, bf16, i8)");
+  if (!detail::is_kv_format(o.dtype)) {
+    invalid(std::string("KvCacheOptions.dtype: ") + to_string(o.dtype) + " is not a K/V storage format (" +
+            detail::kv_format_names() + ")");
   }
   layout.dtype = o.dtype;
   layout.heads = cfg.kv_heads();

@@ -30,6 +30,22 @@ class IsaTest : public ::testing::TestWithParam<Isa> {
 // or the next level down where `forced` has no rows of that type (avx512_bf16 has no f32/f32 row).
 inline Isa kernel_level(Isa forced, DType compute) { return detail::kernels_for(forced, compute, compute).isa; }
 
+// Every K/V storage format of the kernel list (kernels/kernel_list.def), in DType's order (f32, bf16, i8, fp8): the
+// tests that cover "every K/V format" loop over this, so a format added to the list is tested without a test edit.
+inline std::vector<DType> kv_formats() {
+  std::vector<DType> out;
+  for (size_t i = 0; i < kNumDTypes; ++i) {
+    if (detail::is_kv_format(static_cast<DType>(i))) out.push_back(static_cast<DType>(i));
+  }
+  return out;
+}
+// The same without f32: the formats that round what they store.
+inline std::vector<DType> stored_kv_formats() {
+  std::vector<DType> out = kv_formats();
+  out.erase(std::remove(out.begin(), out.end(), DType::f32), out.end());
+  return out;
+}
+
 // Where `isa` stands among the levels this CPU runs: {its index k, their count n}, for the long suites that split
 // N cases or operations between the levels (their share k: [k N / n, (k + 1) N / n)).
 inline std::pair<int64_t, int64_t> runnable_isa_index(Isa isa) {

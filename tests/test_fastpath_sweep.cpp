@@ -278,8 +278,7 @@ ServingPlan draw_serving(Rng& r) {
   c.causal = true;
   c.context_length = 2048;
   p.compute = r.chance(0.25) ? DType::bf16 : DType::f32;
-  constexpr DType kCacheTypes[] = {DType::f32, DType::bf16, DType::i8};
-  p.kv = r.pick(kCacheTypes);
+  p.kv = r.pick(test::kv_formats());
   constexpr int64_t kBlockTokens[] = {1, 3, 7, 16, 64};
   p.block_tokens = r.pick(kBlockTokens);
   p.threads = r.chance(0.5) ? 2 : 1;
@@ -672,9 +671,7 @@ TEST(FastPathSweepCoverage, EveryFeatureIsDrawn) {
     if (p.kind == Kind::serving) {
       const ServingPlan& v = p.s;
       count("serving", true);
-      count("serving kv f32", v.kv == DType::f32);
-      count("serving kv bf16", v.kv == DType::bf16);
-      count("serving kv i8", v.kv == DType::i8);
+      for (DType kv : test::kv_formats()) count(std::string("serving kv ") + to_string(kv), v.kv == kv);
       count("serving compute bf16", v.compute == DType::bf16);
       count("serving grouped K/V heads", v.cfg.kv_heads() < v.cfg.num_heads);
       count("serving block_tokens 1", v.block_tokens == 1);

@@ -563,22 +563,6 @@ TEST_P(KernelAttention, PagedMatchesNaive) {
                    [&](const AttnCase& c) { return check_attention(kern, c); });
 }
 
-// The kernel for a bf16 KV cache over the same paged cases, on bf16-rounded K/V (the naive loops read the same
-// rounded values, so the f32 tolerance applies: only the kernel's own arithmetic is under test).
-TEST_P(KernelAttention, PagedBf16KvMatchesNaive) {
-  const kernels::AttentionKernel& kern = detail::attention_kernel(isa(), DType::bf16);
-  ASSERT_EQ(kern.isa, isa());
-  expect_all_cases(to_string(kern.isa), attention_cases(kern.tiles, true, DType::bf16),
-                   [&](const AttnCase& c) { return check_attention(kern, c); });
-}
-// The kernel for an int8 KV cache: integer rows widened, scores and probabilities scaled per key, on K/V quantised
-// by the cache's codec (the naive loops read the same dequantised values, so the f32 tolerance applies).
-TEST_P(KernelAttention, PagedInt8KvMatchesNaive) {
-  const kernels::AttentionKernel& kern = detail::attention_kernel(isa(), DType::i8);
-  ASSERT_EQ(kern.isa, isa());
-  expect_all_cases(to_string(kern.isa), attention_cases(kern.tiles, true, DType::i8),
-                   [&](const AttnCase& c) { return check_attention(kern, c); });
-}
 // Output rows aligned to whole vectors, spanning more than tiles::kStreamOutputMinBytes, take the streaming stores
 // (Vec::stream, where a vector is a cache line) and the others ordinary ones: both give the same bits, write nothing
 // outside the rows' D values, and read back right after the call (the kernel fences its streamed lines). Ragged
@@ -638,10 +622,25 @@ class KernelAttentionAnyKv : public KernelTest {
   KernelAttentionAnyKv() : KernelTest(std::nullopt) {}
 };
 
+// The kernel for each stored K/V format (bf16, int8 with its scales per key, fp8, ...) over the same paged cases, on
+// K/V rounded by the cache's codec (the naive loops read the same rounded values, so the f32 tolerance applies: only
+// the kernel's own arithmetic is under test). A level runs the formats it has rows of its own for.
+TEST_P(KernelAttentionAnyKv, PagedStoredKvMatchesNaive) {
+  for (DType kv : test::stored_kv_formats()) {
+    if (!own_row(kv)) continue;
+    SCOPED_TRACE(std::string("K/V ") + to_string(kv));
+    const kernels::AttentionKernel& kern = detail::attention_kernel(isa(), kv);
+    ASSERT_EQ(kern.isa, isa());
+    ASSERT_EQ(kern.kv, kv);
+    expect_all_cases(to_string(kern.isa), attention_cases(kern.tiles, true, kv),
+                     [&](const AttnCase& c) { return check_attention(kern, c); });
+  }
+}
+
 // The engine gives a call one query tile where one head's K and V fit tiles::kCorePrefetchMinBytes, and a group of
 // tiles::kQueryTileGroup past it (run_query_tiles); every kernel says so for its own K/V element size.
 TEST_P(KernelAttentionAnyKv, TilesPerCallGroupPastTheL2Threshold) {
-  for (DType kv : {DType::f32, DType::bf16, DType::i8}) {
+  for (DType kv : test::kv_formats()) {
     const kernels::AttentionKernel& kern = detail::attention_kernel(isa(), kv);
     const int64_t D = 64, row = D * static_cast<int64_t>(size_of(kv));
     const int64_t fits = kernels::tiles::kCorePrefetchMinBytes / (2 * row);  // K and V of `fits` rows: the threshold
@@ -829,21 +828,18 @@ TEST_P(KernelDecode, MergedSplitsMatchNaive) {
   expect_all_cases(to_string(kern.isa), decode_cases(), [&](const DecodeCase& c) { return check_decode(kern, c); });
 }
 
-// The decode kernel of a bf16 KV cache (Vec::load(const bf16*) in the vector loops, widen in the tails), on
-// bf16-rounded K/V, every shape and grouping of the f32 cases.
-TEST_P(KernelDecode, Bf16KvMatchesNaive) {
-  if (!own_row(DType::bf16)) GTEST_SKIP() << to_string(isa()) << " uses a lower level's bf16 K/V decode kernel";
-  const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::bf16);
-  ASSERT_EQ(kern.isa, isa());
-  expect_all_cases(to_string(kern.isa), decode_cases(DType::bf16), [&](const DecodeCase& c) { return check_decode(kern, c); });
-}
-// The decode kernel of an int8 KV cache (integer scores over an int16 query, kernels/int_dot.hpp; values widened by
-// Vec::load(const int8_t*); scales per key), every shape and grouping.
-TEST_P(KernelDecode, Int8KvMatchesNaive) {
-  if (!own_row(DType::i8)) GTEST_SKIP() << to_string(isa()) << " uses a lower level's int8 K/V decode kernel";
-  const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), DType::i8);
-  ASSERT_EQ(kern.isa, isa());
-  expect_all_cases(to_string(kern.isa), decode_cases(DType::i8), [&](const DecodeCase& c) { return check_decode(kern, c); });
+// The decode kernel of each stored K/V format (Vec::load of its element in the vector loops, widen in the tails;
+// int8: integer scores over an int16 query, kernels/int_dot.hpp, and scales per key), on K/V rounded by the cache's
+// codec, every shape and grouping of the f32 cases.
+TEST_P(KernelDecode, StoredKvMatchesNaive) {
+  for (DType kv : test::stored_kv_formats()) {
+    if (!own_row(kv)) continue;
+    SCOPED_TRACE(std::string("K/V ") + to_string(kv));
+    const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), kv);
+    ASSERT_EQ(kern.isa, isa());
+    ASSERT_EQ(kern.kv, kv);
+    expect_all_cases(to_string(kern.isa), decode_cases(kv), [&](const DecodeCase& c) { return check_decode(kern, c); });
+  }
 }
 
 // Scores that rise or fall along the sequence, so that the decode kernel's running max (which moves only when a
@@ -856,7 +852,7 @@ TEST_P(KernelDecode, Int8KvMatchesNaive) {
 // 3. (Steeper slopes reach scores of several hundred, where the f32 score's own rounding exceeds the tolerance
 // policy's bound with or without the lazy max.)
 TEST_P(KernelDecode, RisingAndFallingScoresMatchNaive) {
-  for (DType kv : {DType::f32, DType::bf16, DType::i8}) {
+  for (DType kv : test::kv_formats()) {
     if (!own_row(kv)) continue;
     const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), kv);
     for (const auto& [slope, jump] : {std::pair{0.02, 0.0}, std::pair{0.1, 0.0}, std::pair{0.2, 0.0}, std::pair{-0.2, 0.0},
@@ -894,7 +890,7 @@ TEST_P(KernelDecode, RisingAndFallingScoresMatchNaive) {
 // numbers, and leaves the other heads exact.
 TEST_P(KernelDecode, NonFiniteQueryHeadGivesNaNOnlyThere) {
   const int64_t H = 2, D = 64, bt = 16, n = 40;
-  for (DType kv : {DType::f32, DType::bf16, DType::i8}) {
+  for (DType kv : test::kv_formats()) {
     if (!own_row(kv)) continue;
     for (float bad : {kNaN, INFINITY}) {
       const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), kv);

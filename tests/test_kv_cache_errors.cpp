@@ -164,11 +164,11 @@ TEST_P(KvCacheErrors, PoolExhaustedInDecodeIsAllOrNothing) {
   for (SequenceId id : h->live()) EXPECT_TRUE(h->matches_reference(id, "after exhaustion in decode"));
 }
 
-// For every storage dtype (f32, bf16, int8): a decode batch whose third sequence finds the pool empty is refused
+// For every storage dtype (f32, bf16, int8, fp8: test::kv_formats()): a decode batch whose third sequence finds the pool empty is refused
 // whole; every sequence's length and cached K/V (for int8: values and scales, read back through them) stay
 // bit-identical, `out` untouched, and after a release the same batch succeeds.
 TEST_P(KvCacheErrors, PoolExhaustedMidBatchLeavesEveryDtypeUntouched) {
-  for (DType dtype : {DType::f32, DType::bf16, DType::i8}) {
+  for (DType dtype : test::kv_formats()) {
     const std::string ctx = h->ctx(std::string("cache dtype ") + to_string(dtype));
     KvCacheOptions o = pool(4, 16);  // 4 blocks of 4 tokens
     o.dtype = dtype;

@@ -181,7 +181,7 @@ void bf16_serving_matches_reference(Isa isa, const Config& c, uint64_t seed, int
   std::vector<double>& ref = ref_cache[what];
   if (ref.empty()) ref = reference_sequence(cc, w, x);
   const RunOptions run{.threads = threads};
-  for (DType kv : {DType::f32, DType::bf16, DType::i8}) {
+  for (DType kv : test::kv_formats()) {
     KvCacheOptions opts = pool(block_tokens, N + block_tokens);
     opts.dtype = kv;
     KvCache cache(cc, opts);

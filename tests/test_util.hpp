@@ -263,6 +263,10 @@ class Rng {
   T pick(const T (&a)[N]) {
     return a[between(0, N - 1)];
   }
+  template <class T>
+  T pick(const std::vector<T>& a) {
+    return a[static_cast<size_t>(between(0, static_cast<int64_t>(a.size()) - 1))];
+  }
   std::mt19937_64 g;
 };
 
