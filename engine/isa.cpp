@@ -33,6 +33,7 @@ struct Feature {
 };
 constexpr Feature kFeatures[] = {
     {"fma", 1, 0, 2, 12, 0x6},          {"avx2", 7, 0, 1, 5, 0x6},          {"bmi2", 7, 0, 1, 8, 0},
+    {"f16c", 1, 0, 2, 29, 0x6},
     {"avx512f", 7, 0, 1, 16, 0xe6},     {"avx512dq", 7, 0, 1, 17, 0xe6},    {"avx512bw", 7, 0, 1, 30, 0xe6},
     {"avx512vl", 7, 0, 1, 31, 0xe6},    {"avx512vnni", 7, 0, 2, 11, 0xe6},  {"avx512bf16", 7, 1, 0, 5, 0xe6},
 };

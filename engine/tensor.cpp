@@ -73,7 +73,7 @@ TensorView torch_mask_view(TensorView m, int64_t B, int64_t H) {
 MaskKind torch_mask_kind(DType mask_dtype) { return mask_dtype == DType::f32 ? MaskKind::additive : MaskKind::block; }
 
 namespace {
-constexpr DType kDTypes[] = {DType::f32, DType::bf16, DType::f16, DType::i8, DType::u8};
+constexpr DType kDTypes[] = {DType::f32, DType::bf16, DType::f16, DType::i8, DType::u8, DType::fp8};
 }
 
 const char* to_string(DType t) {
@@ -83,6 +83,7 @@ const char* to_string(DType t) {
     case DType::f16: return "f16";
     case DType::i8: return "i8";
     case DType::u8: return "u8";
+    case DType::fp8: return "fp8";
   }
   return "?";
 }

@@ -1,5 +1,5 @@
 // kernels/kv_codec.hpp: the one conversion between f32 K/V rows and a block's stored format (kernels/kv_layout.hpp):
-// f32 copies, bf16 rounds to nearest even, int8 quantises symmetrically with one scale per (token, head). Used by
+// f32 copies, bf16 and fp8 round to nearest even (fp8 saturating at +-448), int8 quantises symmetrically with one scale per (token, head). Used by
 // the cache's writer and reader (KvCache::Impl::store_row / load_row) and by the kernel tests that build blocks by
 // hand, so both see exactly what a cache holds. Scalar and pure: runs once per appended row (in decode, B * H_kv * 2
 // rows a step), never per key read.
@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "kernels/bf16.hpp"
+#include "kernels/fp8.hpp"
 #include "kernels/kv_layout.hpp"
 
 namespace gpt2attn::kernels {
@@ -29,6 +30,11 @@ inline void store_kv_row(const KvLayout& layout, std::byte* block, KvPart part, 
     case DType::bf16: {
       bf16* dst = layout.row<bf16>(block, part, h, slot);
       for (int64_t d = 0; d < D; ++d) dst[d] = to_bf16(src[d]);
+      return;
+    }
+    case DType::fp8: {
+      fp8_e4m3* dst = layout.row<fp8_e4m3>(block, part, h, slot);
+      for (int64_t d = 0; d < D; ++d) dst[d] = to_fp8_e4m3(src[d]);
       return;
     }
     case DType::i8: {
@@ -74,6 +80,11 @@ inline void load_kv_row(const KvLayout& layout, const std::byte* block, KvPart p
   switch (layout.dtype) {
     case DType::bf16: {
       const bf16* src = layout.row<bf16>(block, part, h, slot);
+      for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]);
+      return;
+    }
+    case DType::fp8: {
+      const fp8_e4m3* src = layout.row<fp8_e4m3>(block, part, h, slot);
       for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]);
       return;
     }

@@ -39,12 +39,12 @@ struct KvLayout {
   int64_t tile_bytes() const { return block_tokens * row_bytes(); }  // one head's K (or V) tile
   // int8 rows are symmetric-quantised: value = q * scale, one f32 scale per (token, head) for K and for V.
   bool scaled() const { return dtype == DType::i8; }
-  // The scales start 4-byte aligned after the tiles; a block's size is a multiple of 4, so in a pool of blocks
-  // every block's scales stay aligned.
+  // The scales start 4-byte aligned after the tiles; a block's size is a multiple of 4 (fp8 tiles of odd sizes are
+  // padded), so in a pool of blocks every block and its scales stay aligned.
   int64_t scales_offset() const { return (2 * heads * tile_bytes() + 3) / 4 * 4; }
   int64_t block_bytes() const {
     return scaled() ? scales_offset() + 2 * heads * block_tokens * static_cast<int64_t>(sizeof(float))
-                    : 2 * heads * tile_bytes();
+                    : scales_offset();
   }
 
   // Byte offset of head h's K or V tile inside a block, and of token `slot` (0 <= slot < block_tokens) in it.

@@ -164,7 +164,8 @@ ga::DType kv_dtype_of(const std::string& s) {
   if (s == "f32" || s == "float32") return ga::DType::f32;
   if (s == "bf16" || s == "bfloat16") return ga::DType::bf16;
   if (s == "int8" || s == "i8") return ga::DType::i8;
-  invalid("KvCache dtype '" + s + "' (supported: f32, bf16, int8)");
+  if (s == "fp8") return ga::DType::fp8;
+  invalid("KvCache dtype '" + s + "' (supported: f32, bf16, int8, fp8)");
 }
 
 std::vector<float> vec_of(const py::object& obj, const char* name) {

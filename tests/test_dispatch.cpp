@@ -18,6 +18,7 @@ bool compiler_says(const std::string& f) {
   if (f == "fma") return __builtin_cpu_supports("fma");
   if (f == "avx2") return __builtin_cpu_supports("avx2");
   if (f == "bmi2") return __builtin_cpu_supports("bmi2");
+  if (f == "f16c") return __builtin_cpu_supports("f16c");
   if (f == "avx512f") return __builtin_cpu_supports("avx512f");
   if (f == "avx512dq") return __builtin_cpu_supports("avx512dq");
   if (f == "avx512bw") return __builtin_cpu_supports("avx512bw");
@@ -49,17 +50,18 @@ TEST(Isa, LevelsAreBestFirstAndAgreeWithTheCompilersCpuCheck) {
 }
 
 TEST(DTypes, NamesRoundTripAndSizes) {
-  for (DType t : {DType::f32, DType::bf16, DType::f16, DType::i8, DType::u8}) {
+  for (DType t : {DType::f32, DType::bf16, DType::f16, DType::i8, DType::u8, DType::fp8}) {
     EXPECT_EQ(dtype_from_string(to_string(t)), t);
   }
   EXPECT_EQ(size_of(DType::f32), 4u);
   EXPECT_EQ(size_of(DType::bf16), 2u);
   EXPECT_EQ(size_of(DType::i8), 1u);
+  EXPECT_EQ(size_of(DType::fp8), 1u);
   EXPECT_EQ(unit_roundoff(DType::bf16), 0x1p-8);  // 8 significant bits
   EXPECT_EQ(unit_roundoff(DType::f32), 0x1p-24);
   try {
-    dtype_from_string("fp8");
-    ADD_FAILURE() << "accepted fp8";
+    dtype_from_string("e5m2");
+    ADD_FAILURE() << "accepted e5m2";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("bf16"), std::string::npos) << e.what();
   }

@@ -77,7 +77,7 @@ std::vector<double> attention_over_cache(const KvCache& cache, SequenceId id, co
   return out;
 }
 
-constexpr DType kStorageTypes[] = {DType::bf16, DType::i8};
+const std::vector<DType> kStorageTypes = test::stored_kv_formats();
 
 // A stored row read back, stored again and read back: a value the format holds comes back unchanged.
 std::vector<float> restored(const std::vector<float>& row, DType dtype) {
@@ -139,9 +139,9 @@ TEST_P(KvCacheStorage, OutputsAreAttentionOverTheStoredKv) {
       EXPECT_TRUE(test::all_close_over_cache(out, attention_over_cache(cache, id, c, w, x, done, done + 1), dtype,
                                              c.head_dim(), N, what + " | decode token " + std::to_string(done)));
     }
-    // What was stored is the f32 projection rounded once: bf16 within one ulp of each value (2^-7 relative: a
-    // value whose f32 and double projections straddle a rounding boundary may land on the neighbouring bf16); int8
-    // within half a step (max|row| / 254) plus the f32 projection's own error. And a stored row is a fixed point
+    // What was stored is the f32 projection rounded once: bf16 and fp8 within one ulp of each value (2u relative: a
+    // value whose f32 and double projections straddle a rounding boundary may land on the neighbouring one; fp8's
+    // subnormals within one step, 2^-9); int8 within half a step (max|row| / 254) plus the f32 projection's own error. And a stored row is a fixed point
     // of the format: storing what was read back changes nothing.
     for (int64_t t = 0; t < done; t += 7) {
       for (int64_t g = 0; g < c.kv_heads(); ++g) {
@@ -159,7 +159,9 @@ TEST_P(KvCacheStorage, OutputsAreAttentionOverTheStoredKv) {
           double amax = 0.0;
           for (double e : *want) amax = std::max(amax, std::fabs(e));
           for (int64_t d = 0; d < c.head_dim(); ++d) {
-            const double allowed = dtype == DType::bf16 ? 0x1p-7 * std::fabs((*want)[d]) + 1e-6 : amax / 254.0 + 1e-5;
+            const double allowed = dtype == DType::i8 ? amax / 254.0 + 1e-5
+                                   : 2.0 * unit_roundoff(dtype) * std::fabs((*want)[d]) +
+                                         (dtype == DType::fp8 ? 0x1p-9 : 0.0) + 1e-6;
             EXPECT_LE(std::fabs((*got)[d] - (*want)[d]), allowed) << what << " " << name << " t=" << t << " d=" << d;
           }
           EXPECT_EQ(*got, restored(*got, dtype)) << what << ": a stored " << name << " is not a " << to_string(dtype)
@@ -172,7 +174,7 @@ TEST_P(KvCacheStorage, OutputsAreAttentionOverTheStoredKv) {
   }
 }
 
-// A fork shares a partly filled bf16 or int8 block; the child's first append copies it (int8: with its scales),
+// A fork shares a partly filled stored (bf16, int8, fp8) block; the child's first append copies it (int8: with its scales),
 // and both then decode against their own histories.
 TEST_P(KvCacheStorage, ForkCopiesStoredBlocks) {
   for (DType dtype : kStorageTypes) {

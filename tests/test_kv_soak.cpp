@@ -115,6 +115,7 @@ std::vector<PoolConfig> pool_configs() {
       {"f32 cache, 2 heads", mha, DType::f32, DType::f32, 4, 16, 1},
       {"bf16 cache, grouped 4/2 heads, 3-token blocks", gqa, DType::f32, DType::bf16, 3, 20, 1},
       {"int8 cache, multi-query 4/1 heads, bf16 compute", mqa, DType::bf16, DType::i8, 8, 10, 1},
+      {"fp8 cache, grouped 4/2 heads, 5-token blocks", gqa, DType::f32, DType::fp8, 5, 20, 1},
       {"f32 cache, context 512, 16-token blocks", longer, DType::f32, DType::f32, 16, 64, 1},
   };
 }

@@ -16,9 +16,10 @@ enum class DType : uint8_t {
   f16,   // IEEE binary16
   i8,    // signed 8-bit integer (quantised storage)
   u8,    // unsigned 8-bit integer; carries bool masks (0 / nonzero)
+  fp8,   // 8-bit float e4m3 (torch.float8_e4m3fn's encoding; quantised K/V storage, saturating at +-448)
 };
 
-inline constexpr size_t kNumDTypes = static_cast<size_t>(DType::u8) + 1;  // tables indexed by DType
+inline constexpr size_t kNumDTypes = static_cast<size_t>(DType::fp8) + 1;  // tables indexed by DType
 
 constexpr size_t size_of(DType t) {
   switch (t) {
@@ -26,12 +27,13 @@ constexpr size_t size_of(DType t) {
     case DType::bf16:
     case DType::f16: return 2;
     case DType::i8:
-    case DType::u8: return 1;
+    case DType::u8:
+    case DType::fp8: return 1;
   }
   return 0;
 }
 
-GPT2ATTN_API const char* to_string(DType t);  // "f32", "bf16", "f16", "i8", "u8"
+GPT2ATTN_API const char* to_string(DType t);  // "f32", "bf16", "f16", "i8", "u8", "fp8"
 // The inverse; throws invalid_argument naming the known ones.
 GPT2ATTN_API DType dtype_from_string(const std::string& s);
 

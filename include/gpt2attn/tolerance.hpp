@@ -9,10 +9,14 @@
 
 namespace gpt2attn {
 
-// The unit roundoff u = 2^-p of a compute type with p significant bits, round to nearest: f32 p = 24, bf16 p = 8,
-// f16 p = 11. Integer types are not compute types (0).
+// The unit roundoff u = 2^-p of a float type with p significant bits, round to nearest: f32 p = 24, bf16 p = 8,
+// f16 p = 11, fp8 (e4m3) p = 4. Integer types have none (0).
 constexpr double unit_roundoff(DType t) {
-  return t == DType::f32 ? 0x1p-24 : t == DType::bf16 ? 0x1p-8 : t == DType::f16 ? 0x1p-11 : 0.0;
+  return t == DType::f32    ? 0x1p-24
+         : t == DType::bf16 ? 0x1p-8
+         : t == DType::f16  ? 0x1p-11
+         : t == DType::fp8  ? 0x1p-4
+                            : 0.0;
 }
 
 // accumulated_tolerance: allowed |got - expected| is atol + rtol * |expected| for values produced by chained
@@ -63,6 +67,9 @@ inline Tolerance bf16_unrounded_tolerance(int64_t reduction_length, double max_a
 
 // The relative error one stored K/V value carries in a cache of dtype `kv` with head size D:
 //   f32: none.  bf16: one rounding to nearest, u = 2^-8 of the value itself.
+//   fp8 (e4m3, no scale): one rounding to nearest, u = 2^-4 of the value itself for |x| >= 2^-6; below, subnormal
+//     steps of 2^-9 (an absolute error of at most 2^-10, under the bounds' absolute floor). Eight times int8's
+//     typical figure at D = 64 below: three mantissa bits against a row scale's seven.
 //   i8 (symmetric, one scale per (token, head) row of D values): half a step, max|row| / 254, relative to the row's
 //     largest value rather than to each value. Against a typical value of the row (its rms) that is
 //     (max|row| / rms) / 254; for rows of D roughly Gaussian values the ratio max/rms is about sqrt(2 ln 2D) (3.1 at
@@ -71,7 +78,7 @@ inline Tolerance bf16_unrounded_tolerance(int64_t reduction_length, double max_a
 //     the scale is per row. The context length does not enter: an output row is a convex combination of value
 //     rows, so value errors average rather than add, and a key's error moves only its own probability.
 inline double kv_storage_roundoff(DType kv, int64_t head_dim) {
-  if (kv == DType::bf16) return unit_roundoff(DType::bf16);
+  if (kv == DType::bf16 || kv == DType::fp8) return unit_roundoff(kv);
   if (kv == DType::i8) {
     const double d = static_cast<double>(head_dim < 1 ? 1 : head_dim);
     return std::sqrt(2.0 * std::log(2.0 * d)) / 254.0;
@@ -80,7 +87,7 @@ inline double kv_storage_roundoff(DType kv, int64_t head_dim) {
 }
 
 // The relative error the decode kernel adds to the query to read keys a cache stores as `kv` (head size D):
-//   f32, bf16: none (f32 FMAs).
+//   f32, bf16, fp8: none (f32 FMAs on the widened keys).
 //   i8: the scores are integer dot products (kernels/int_dot.hpp) against the pre-scaled query rounded once per call
 //     to int16, symmetric, one scale per (call, head): half a step, max|q| / 65534 (about 2^-16 of the row's largest
 //     value), the same shape of error as an int8 key's max|row| / 254 on the other side of the dot product, so it
@@ -116,12 +123,13 @@ inline Tolerance kv_storage_tolerance(DType kv, int64_t head_dim, int64_t reduct
 
 // A whole layer computing in `compute` over a cache of `kv`, against the reference over the plain f32 inputs and
 // weights (what `gpt2attn bench --check` compares with). bf16 compute already counts the rounding of K and V
-// among its own, so a bf16 cache adds nothing to it; an int8 cache adds its storage term as above.
+// among its own, so a bf16 cache adds nothing to it; an int8 or fp8 cache adds its storage term as above.
 inline Tolerance layer_tolerance(DType compute, DType kv, int64_t head_dim, int64_t reduction_length,
                                  double max_abs_reference) {
   if (compute != DType::bf16) return kv_storage_tolerance(kv, head_dim, reduction_length, max_abs_reference);
   const Tolerance b = bf16_unrounded_tolerance(reduction_length, max_abs_reference);
-  const double s = kv == DType::i8 ? 16.0 * (kv_storage_roundoff(kv, head_dim) + kv_query_roundoff(kv, head_dim)) : 0.0;
+  const double s =
+      kv == DType::bf16 ? 0.0 : 16.0 * (kv_storage_roundoff(kv, head_dim) + kv_query_roundoff(kv, head_dim));
   return {b.rtol + s, b.atol + s * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
 }
 

@@ -830,8 +830,8 @@ TEST_F(ShardedServing, GroupedKvHeads) {
                {.block_tokens = 8, .capacity_tokens = 512}, 73);
 }
 
-TEST_F(ShardedServing, Bf16AndInt8Caches) {
-  for (const DType kv : {DType::bf16, DType::i8}) {
+TEST_F(ShardedServing, StoredKvCaches) {
+  for (const DType kv : {DType::bf16, DType::i8, DType::fp8}) {
     serve_script(make_config({.E = 64, .H = 8, .context = 96, .causal = true}),
                  {.block_tokens = 16, .capacity_tokens = 512, .dtype = kv}, 76);
   }
