@@ -356,4 +356,6 @@ void write_f32(const std::string& path, const float* data, const std::vector<int
   });
 }
 
+void check_write_target(const std::string& path) { (void)io::resolve_write_target(path); }
+
 }  // namespace gpt2attn::npy
