@@ -9,8 +9,8 @@
 #include <limits>
 #include <string_view>
 
-#include "engine/io/file_io.hpp"
 #include "gpt2attn/error.hpp"
+#include "tools/file_io.hpp"
 
 namespace gpt2attn::npy {
 namespace {
