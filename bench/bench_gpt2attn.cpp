@@ -27,8 +27,8 @@
 //   Decode/<preset>/B:<B>/T:<T>/threads:2  one decode step, gpt2-small, B in {1, 4, 16, 64} x T cached tokens
 //                                          in {128, 1024, 4096}
 //
-// FLOPs, causal work counted once:  layer  2*T*E*3E + 2*T*E*E + 4*E*T(T+1)/2,  core  4*E*T(T+1)/2,
-// projections  2*T*E*3E + 2*T*E*E.
+// FLOPs (bench/harness.hpp, as `gpt2attn bench` counts them), causal work counted once:
+//   layer  2*T*E*3E + 2*T*E*E + 4*E*T(T+1)/2,  core  4*E*T(T+1)/2,  projections  2*T*E*3E + 2*T*E*E.
 // Bytes of a decode step: weights 4*E*E*4 + K/V read 2*B*T*E*4 (what the step must read; see decode below).
 #include <benchmark/benchmark.h>
 #include <omp.h>
@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "bench/fma_peak.hpp"
+#include "bench/harness.hpp"
 #include "bench/stream_triad.hpp"
 #include "engine/buffer.hpp"
 #include "engine/dispatch.hpp"
@@ -63,6 +64,7 @@
 namespace {
 
 namespace ga = gpt2attn;
+namespace gb = gpt2attn::bench;
 namespace gk = gpt2attn::kernels;
 using Clock = std::chrono::steady_clock;
 
@@ -78,9 +80,12 @@ std::map<std::pair<ga::Isa, int>, double> g_isa_peak;
 // Measured once at start-up: threads -> STREAM-style triad GB/s (bench/stream_triad.hpp), bw_frac's denominator.
 std::map<int, double> g_triad_gbps;
 
-double core_flops(double E, double T) { return 4 * E * T * (T + 1) / 2; }
-double projection_flops(double E, double T) { return 2 * T * E * 3 * E + 2 * T * E * E; }
-double layer_flops(double E, double T) { return projection_flops(E, T) + core_flops(E, T); }
+// The attention core's flops (bench/harness.hpp counts them for every mode, from a config; the core has only E).
+double core_flops(int64_t E, int64_t T) {
+  ga::Config c;
+  c.d_model = E;
+  return gb::causal_attention_flops(c, 1, T);
+}
 
 // GFLOP/s of the benchmark's iterations, `flops` each, in `seconds` of wall time in all.
 double gflops_of(const benchmark::State& state, double flops, double seconds) {
@@ -123,11 +128,8 @@ void report(benchmark::State& state, double flops, const Span& span, int threads
 }
 
 std::vector<float> random_floats(size_t n, uint32_t seed) {
-  std::vector<float> v(n);
   std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (float& f : v) f = nd(rng);
-  return v;
+  return gb::random_normal(n, rng);
 }
 
 // n floats from the engine's own allocator (engine/buffer.hpp: 64-byte aligned, on huge pages when large), so the
@@ -189,8 +191,7 @@ void bm_layer(benchmark::State& state, const std::string& preset, int64_t T, int
     f.layer->forward(f.x.data(), 1, T, f.y.data(), run);
     benchmark::ClobberMemory();
   }
-  report(state, layer_flops(static_cast<double>(f.cfg.d_model), static_cast<double>(T)), span, threads,
-         ga::Isa::best, compute);
+  report(state, gb::causal_layer_flops(f.cfg, 1, T), span, threads, ga::Isa::best, compute);
   state.SetLabel(f.layer->layer().implementation());
 }
 
@@ -273,7 +274,7 @@ void bm_core(benchmark::State& state, int64_t H, int64_t D, int64_t T, int threa
     c.run(threads);
     benchmark::ClobberMemory();
   }
-  report(state, core_flops(static_cast<double>(c.E), static_cast<double>(T)), span, threads, isa, compute);
+  report(state, core_flops(c.E, T), span, threads, isa, compute);
   state.SetLabel(std::string(ga::to_string(c.kernel->isa)) + " " + ga::to_string(compute));
 }
 
@@ -331,7 +332,7 @@ void bm_projections(benchmark::State& state, const std::string& preset, int64_t 
     pr.run(threads);
     benchmark::ClobberMemory();
   }
-  report(state, projection_flops(static_cast<double>(pr.E), static_cast<double>(T)), span, threads);
+  report(state, gb::projection_flops(ga::preset(pr.preset), 1, T), span, threads);
   state.SetLabel("onednn-matmul/" + pr.out->implementation());
 }
 
@@ -376,7 +377,7 @@ void scaling(benchmark::State& state, double flops, RunWith&& run_with) {
 void bm_scaling_layer(benchmark::State& state, const std::string& preset, int64_t T) {
   LayerFixture& f = layer_for(preset, T, ga::Isa::best, 1);
   layer_for(preset, T, ga::Isa::best, 2);
-  scaling(state, layer_flops(static_cast<double>(f.cfg.d_model), static_cast<double>(T)), [&](int threads) {
+  scaling(state, gb::causal_layer_flops(f.cfg, 1, T), [&](int threads) {
     ga::RunOptions run;
     run.threads = threads;
     f.layer->forward(f.x.data(), 1, T, f.y.data(), run);
@@ -385,7 +386,7 @@ void bm_scaling_layer(benchmark::State& state, const std::string& preset, int64_
 
 void bm_scaling_core(benchmark::State& state, int64_t H, int64_t D, int64_t T) {
   Core& c = core_for(H, D, T, ga::Isa::best);
-  scaling(state, core_flops(static_cast<double>(c.E), static_cast<double>(T)), [&](int threads) { c.run(threads); });
+  scaling(state, core_flops(c.E, T), [&](int threads) { c.run(threads); });
 }
 
 // ---- AVX2 against AVX-512: the two cores alternate inside each iteration, so both see the same clock ---------
@@ -401,7 +402,7 @@ void bm_isa_ratio(benchmark::State& state, int64_t H, int64_t D, int64_t T, int 
   const Alternated t = alternate(state, [&] { wide.run(threads); }, [&] { narrow.run(threads); });
   const double t512 = t.wall_a, t2 = t.wall_b;
   const double n = static_cast<double>(state.iterations());
-  const double flops = core_flops(static_cast<double>(wide.E), static_cast<double>(T));
+  const double flops = core_flops(wide.E, T);
   state.counters["ms_avx512"] = t512 / n * 1e3;
   state.counters["ms_avx2"] = t2 / n * 1e3;
   state.counters["ratio"] = t2 / t512;
@@ -448,8 +449,7 @@ void peak_frac_adjacent(benchmark::State& state, double flops, int threads, Run&
 void bm_peak_frac_core(benchmark::State& state, int64_t H, int64_t D, int64_t T, int threads) {
   Core& c = core_for(H, D, T, ga::Isa::best);
   c.run(threads);
-  peak_frac_adjacent(state, core_flops(static_cast<double>(c.E), static_cast<double>(T)), threads,
-                     [&] { c.run(threads); });
+  peak_frac_adjacent(state, core_flops(c.E, T), threads, [&] { c.run(threads); });
   state.SetLabel(ga::to_string(c.kernel->isa));
 }
 
@@ -457,7 +457,7 @@ void bm_peak_frac_layer(benchmark::State& state, const std::string& preset, int6
   LayerFixture& f = layer_for(preset, T, ga::Isa::best, threads);
   ga::RunOptions run;
   run.threads = threads;
-  peak_frac_adjacent(state, layer_flops(static_cast<double>(f.cfg.d_model), static_cast<double>(T)), threads,
+  peak_frac_adjacent(state, gb::causal_layer_flops(f.cfg, 1, T), threads,
                      [&] { f.layer->forward(f.x.data(), 1, T, f.y.data(), run); });
   state.SetLabel(f.layer->layer().implementation());
 }
@@ -474,19 +474,6 @@ const std::vector<int64_t> kDecodeBatches = {1, 4, 16, 64};
 const std::vector<int64_t> kDecodeSeqs = {128, 1024, 4096};
 constexpr int64_t kDecodeMaxBatch = 64;
 constexpr int64_t kDecodeMaxSeq = 4096;
-
-// Bytes a decode step must read (writes of the new K/V and of the output are a few KB and not counted, as
-// the triad does not count write-allocate traffic): every projection weight once (biases ignored) and the
-// cached K and V of every sequence. Caches are not modelled: a step whose K/V fit in the last-level cache
-// (B * T small) can report more than the DRAM bandwidth.
-double decode_weight_bytes(const ga::Config& c) {
-  const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
-  return (3 * E * d_in + E * E) * sizeof(float);
-}
-double decode_kv_bytes(const ga::Config& c, int64_t B, int64_t T) {
-  return 2.0 * static_cast<double>(B) * static_cast<double>(T) * static_cast<double>(c.d_model) * sizeof(float);
-}
-double decode_flops(double E, double B, double T) { return 2 * B * E * 3 * E + 2 * B * E * E + 4 * E * B * (T + 1); }
 
 struct DecodeFixture {
   std::string preset;
@@ -541,6 +528,10 @@ DecodeFixture& decode_for(const std::string& preset, int64_t B, int64_t T, int t
   return f;
 }
 
+// Bytes a decode step must read (bench/harness.hpp: writes of the new K/V and of the output are a few KB and not
+// counted, as the triad does not count write-allocate traffic): every projection weight once (biases ignored) and
+// the cached K and V of every sequence. Caches are not modelled: a step whose K/V fit in the last-level cache
+// (B * T small) can report more than the DRAM bandwidth.
 void bm_decode(benchmark::State& state, const std::string& preset, int64_t B, int64_t T, int threads) {
   DecodeFixture& f = decode_for(preset, B, T, threads);
   ga::RunOptions run;
@@ -565,9 +556,10 @@ void bm_decode(benchmark::State& state, const std::string& preset, int64_t B, in
     state.SetIterationTime(s);
   }
   const double n = static_cast<double>(state.iterations());
-  const double kv = decode_kv_bytes(f.cfg, B, T), bytes = decode_weight_bytes(f.cfg) + kv;
+  const double kv = gb::decode_kv_bytes(f.cfg, B, T, ga::DType::f32);
+  const double bytes = gb::decode_weight_bytes(f.cfg, ga::DType::f32) + kv;
   state.counters["cpu_util"] = cpu / (wall * threads);
-  const double flops = decode_flops(static_cast<double>(f.cfg.d_model), static_cast<double>(B), static_cast<double>(T));
+  const double flops = gb::decode_step_flops(f.cfg, B, T);
   state.counters["GFLOP/s"] = gflops_of(state, flops, wall);
   state.counters["tokens_per_s"] = static_cast<double>(B) * n / wall;
   state.counters["kv_bytes_per_s"] = kv * n / wall;

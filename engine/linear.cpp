@@ -311,3 +311,9 @@ void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* 
 }
 
 }  // namespace gpt2attn::detail
+
+namespace gpt2attn {
+
+void limit_gemm_isa(Isa isa) { detail::cap_onednn(isa); }
+
+}  // namespace gpt2attn

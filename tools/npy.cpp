@@ -9,8 +9,8 @@
 #include <limits>
 #include <string_view>
 
-#include "engine/io/file_io.hpp"
 #include "gpt2attn/error.hpp"
+#include "tools/file_io.hpp"
 
 namespace gpt2attn::npy {
 namespace {
@@ -355,5 +355,7 @@ void write_f32(const std::string& path, const float* data, const std::vector<int
     if (numel > 0) out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(numel * 4));
   });
 }
+
+void check_write_target(const std::string& path) { (void)io::resolve_write_target(path); }
 
 }  // namespace gpt2attn::npy

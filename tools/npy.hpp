@@ -31,5 +31,9 @@ Array parse(const std::string& path, const uint8_t* bytes, size_t size);
 
 // Writes a little-endian float32 C-order array. Throws Error(bad_file) if the file cannot be written.
 void write_f32(const std::string& path, const float* data, const std::vector<int64_t>& shape);
+// Whether write_f32 may write to `path` (links followed; an existing path that is not a regular file, a link to a
+// missing file, or a missing directory refused with Error(bad_file), as write_f32 would): for a check before any
+// work is done. write_f32 checks again.
+void check_write_target(const std::string& path);
 
 }  // namespace gpt2attn::npy

@@ -23,4 +23,11 @@ GPT2ATTN_API std::vector<Isa> compiled_isas();           // every level built in
 // The CPU features a level needs ("avx512f", "fma", ...), as its kernels are compiled with them.
 GPT2ATTN_API std::vector<std::string> isa_features(Isa isa);
 
+// Caps oneDNN's GEMMs (the projections) at `isa` for the whole process, as EngineOptions::isa caps gpt2attn's own
+// kernels: avx512_bf16 is oneDNN's avx512_core_bf16 (so no AMX), avx512 avx512_core, avx2 avx2, scalar sse41; best
+// caps nothing, and neither does an environment that sets ONEDNN_MAX_CPU_ISA or DNNL_MAX_CPU_ISA (that cap is
+// kept). oneDNN fixes its cap at its first dispatch: for a program that owns its process (the CLI), call it before
+// any layer exists; later it fails with Error(internal). Writes no environment.
+GPT2ATTN_API void limit_gemm_isa(Isa isa);
+
 }  // namespace gpt2attn

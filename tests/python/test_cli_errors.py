@@ -225,7 +225,7 @@ def main():
     err("bench_kv_heads_not_dividing_heads", bench + ["--kv-heads", "5"],
         [r"--kv-heads 5 does not divide gpt2-small's 12 heads"], with_output=False)
     err("bench_kv_dtype_unknown", bench + ["--mode", "decode", "--kv-dtype", "f16"],
-        [r"--kv-dtype f16 is not supported \(supported: f32, bf16, int8\)"], with_output=False)
+        [r"--kv-dtype f16 is not supported \(supported: f32, bf16, int8, fp8\)"], with_output=False)
     err("bench_kv_dtype_without_decode", bench + ["--kv-dtype", "bf16"],
         [r"--kv-dtype applies to --mode decode only"], with_output=False)
     err("bench_kv_dtype_twice", bench + ["--mode", "decode", "--kv-dtype", "bf16", "--kv-dtype", "bf16"],

@@ -1,0 +1,324 @@
+// tools/cli/bench.cpp: `gpt2attn bench`: the options expanded into cases (presets x --kv-heads x --kv-dtype x
+// --dtype), each run by the bench harness (bench/harness.hpp), and the report: a table or JSON rows on stdout,
+// progress on stderr.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bench/harness.hpp"
+#include "tools/cli/commands.hpp"
+
+namespace gpt2attn::cli {
+
+namespace {
+
+const char* kAbout = R"(bench    times the whole layer (QKV projection, causal attention, output projection) on random weights for
+         each preset (default: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b; gpt3-175b at
+         min(T, 128) unless --preset names it); the median of --repeats runs (default 5). --dtype (f32 or
+         bf16, default f32) is the compute type; given more than once, every preset runs in each, in the
+         order given, and each row says which. --kv-heads N gives
+         every preset N K/V heads (grouped-query attention; N must divide its heads; default: as many as heads);
+         given more than once, every case runs with each (the kvh column).
+         --mode prefill (default): B sequences of T tokens through forward(). GFLOP/s counts causal
+         attention once (the lower triangle): 2*B*T*d_in*(E+2KW) + 2*B*T*E*E + 4*E*B*T*(T+1)/2, where KW = E
+         unless --kv-heads groups K/V heads (KW = N*D). --check (default
+         in the table, off with --json) compares the first rows of batch 0 with the naive reference.
+         --mode decode: B sequences in a KV cache, each prefilled with T tokens by extend(); one timed step
+         is decode() of one new token for each of the B sequences (QKV projection, attention over the cache,
+         output projection); every step appends, so the cache grows by 2 + repeats tokens per sequence
+         (context length raised to fit). GFLOP/s: 2*B*d_in*(E+2KW) + 2*B*E*E + 4*E*B*(T+1); tokens/s = B / step;
+         bytes per step = weights ((E+2KW)*d_in + E*E)*(4 or 2 by --dtype) + K/V read B*T*2*KW*(4, 2 or 1 by
+         --kv-dtype), plus for int8 B*T*2*N*4 of scales (N K/V heads); GB/s = bytes per step / step.
+         --kv-dtype bf16 stores the cache's K/V in bf16 (half the K/V bytes); int8 in symmetric int8 with one
+         f32 scale per token and K/V head (about a quarter); fp8 in e4m3, rounded to nearest even and saturating
+         at +-448, no scale (a quarter); default f32. Given more than once (like
+         --dtype), every case runs with each cache, so one run compares them. --interleave (with --cache
+         cold) sets every case up first and then takes one step of each case in turn, so that all of them
+         meet the same minutes of a shared machine; each row then also carries x_first, the median over the
+         timed steps of the first case's step time over this case's (the first case's is 1).
+         A sweep of several presets reports each finished case on stderr (one line rewritten in place on a
+         terminal) when its rows go to --json or to a pipe; stdout carries the rows alone.
+         --check compares sequence 0's output of the first timed step with the last row of the naive
+         reference run causally over that sequence's whole token history (with a bf16, int8 or fp8 cache,
+         within the bound of gpt2attn/tolerance.hpp's kv_storage_tolerance). --cache warm (default) runs the
+         steps back to back, so a small case's weights and K/V stay in the CPU caches; --cache cold streams
+         256 MiB (or twice the reported last-level cache, if more) through the caches before each timed step,
+         as a model's other layers would (GPT-2 small's 12 layers move about 190 MB per step), so every byte
+         comes from memory. A case whose weights and activations (and KV cache) need more bytes than the
+         machine's physical memory is refused before anything is allocated. --json rows carry peak_rss_mb,
+         the process's peak resident memory so far (getrusage): for a run of one case, that case's.
+)";
+
+// The options, checked.
+struct Request {
+  std::vector<DType> computes;
+  std::string mode, cache;
+  bool decode = false, interleave = false, json = false, check = false;
+  std::vector<std::string> kv_names;  // as given: "int8" is reported as such
+  int64_t B = 1, T = 1024;
+  int threads = 0, repeats = 5;
+  Isa isa = Isa::best;
+  std::vector<int64_t> kv_heads;  // 0: as many as the preset's heads
+  std::vector<std::string> presets;
+  bool explicit_presets = false;
+};
+
+// One case: a preset with one --kv-heads value, in one --kv-dtype, in one --dtype.
+struct Case {
+  DType compute;
+  std::string kv_name, preset;
+  Config cfg;  // the preset with this case's --kv-heads
+  int64_t T;
+};
+
+// A preset with a --kv-heads value applied; a count that does not divide its heads is refused naming the flag.
+Config config_for(const std::string& name, int64_t kv_heads) {
+  Config c = preset(name);
+  if (kv_heads > 0 && c.num_heads % kv_heads != 0) {
+    throw UsageError("--kv-heads " + std::to_string(kv_heads) + " does not divide " + name + "'s " +
+                     std::to_string(c.num_heads) + " heads");
+  }
+  c.num_kv_heads = kv_heads;
+  return c;
+}
+
+Request read_request(const Args& a) {
+  Request r;
+  r.computes = compute_dtypes(a);
+  r.mode = choice("mode", a.get("mode", "prefill"), {"prefill", "decode"});
+  r.decode = r.mode == "decode";
+  r.cache = a.get("cache", "warm");
+  if (r.cache != "warm" && r.cache != "cold") throw UsageError("--cache must be warm or cold, got " + r.cache);
+  if (a.has("cache") && !r.decode) throw UsageError("--cache applies to --mode decode only");
+  if (a.has("kv-dtype") && !r.decode) throw UsageError("--kv-dtype applies to --mode decode only");
+  r.interleave = a.flag("interleave");
+  if (r.interleave && (!r.decode || r.cache != "cold")) {
+    throw UsageError("--interleave applies to --mode decode --cache cold only (warm cases would evict each other)");
+  }
+  if (r.interleave && world().parallel()) throw UsageError("--interleave is not supported under mpirun");
+  // --kv-dtype, like --dtype, may repeat: every case runs with each cache, so one run compares them.
+  r.kv_names = a.distinct<std::string>(
+      "kv-dtype", [](const std::string& n) { return choice("kv-dtype", n, {"f32", "bf16", "int8", "fp8"}); });
+  if (r.kv_names.empty()) r.kv_names = {"f32"};
+  r.B = a.integer<int64_t>("batch", 1, 1), r.T = a.integer<int64_t>("seq", 1024, 1);
+  r.threads = threads_option(a);
+  r.repeats = a.integer<int>("repeats", 5, 1);
+  r.json = a.flag("json");
+  if (a.flag("check") && a.flag("no-check")) throw UsageError("--check and --no-check contradict each other");
+  r.check = a.flag("check") || (!r.json && !a.flag("no-check"));
+  r.isa = isa_option(a);
+  // --kv-heads may repeat too.
+  r.kv_heads = a.integers<int64_t>("kv-heads", 1);
+  if (r.kv_heads.empty()) r.kv_heads = {0};
+  r.explicit_presets = a.has("preset");
+  if (r.explicit_presets) {
+    r.presets = a.distinct<std::string>("preset", [](const std::string& p) { return p; });
+    // Unknown names and bad --kv-heads fail before any timing.
+    for (const auto& p : r.presets) {
+      for (const int64_t h : r.kv_heads) (void)config_for(p, h);
+    }
+  } else {
+    r.presets = {"gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b"};
+  }
+  return r;
+}
+
+// Every preset with each --kv-heads, in each --kv-dtype, in each --dtype, in the order given. gpt3-175b's weights
+// are 2.4 GB and its layer ~100x gpt2-small's: by default it runs at a small T.
+std::vector<Case> expand(const Request& r) {
+  std::vector<Case> cases;
+  for (const DType compute : r.computes) {
+    for (const std::string& kv : r.kv_names) {
+      for (const int64_t h : r.kv_heads) {
+        for (const auto& name : r.presets) {
+          const int64_t T = (!r.explicit_presets && name == "gpt3-175b") ? std::min<int64_t>(r.T, 128) : r.T;
+          cases.push_back({compute, kv, name, config_for(name, h), T});
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+// Every case is sized before any runs: one this machine cannot hold is refused up front, naming the bytes, rather
+// than failing (or swapping) partway through the table. --interleave holds every case at once: their sum is
+// checked too.
+void check_memory(const Request& r, const std::vector<Case>& cases) {
+  const int64_t physical = bench::physical_memory_bytes();
+  int64_t all_cases = 0;
+  for (const Case& c : cases) {
+    const int64_t need = bench::bench_sizes(c.preset, c.cfg, r.B, c.T, r.decode, r.repeats).bytes;
+    if (need > physical) {
+      invalid(c.preset + " at --batch " + std::to_string(r.B) + " --seq " + std::to_string(c.T) +
+              ": needs at least " + std::to_string(need) + " bytes for weights, activations" +
+              (r.decode ? " and KV cache" : "") + ", more than the " + std::to_string(physical) +
+              " bytes of physical memory");
+    }
+    all_cases = bench::checked_add(all_cases, need, "--interleave: bytes");
+  }
+  if (r.interleave && all_cases > physical) {
+    invalid("--interleave: the cases together need at least " + std::to_string(all_cases) +
+            " bytes, more than the " + std::to_string(physical) + " bytes of physical memory");
+  }
+}
+
+DType kv_dtype_of(const std::string& name) { return dtype_from_string(name); }
+
+bench::BenchResult run_case(const Request& r, const Case& c) {
+  const bool cold = r.cache == "cold";
+#ifdef GPT2ATTN_HAVE_MPI
+  if (world().parallel()) {
+    return r.decode ? bench::bench_decode_sharded(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa, r.repeats,
+                                                  r.check, cold, kv_dtype_of(c.kv_name))
+                    : bench::bench_prefill_sharded(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa,
+                                                   r.repeats, r.check);
+  }
+#endif
+  return r.decode ? bench::bench_decode(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa, r.repeats, r.check,
+                                        cold, kv_dtype_of(c.kv_name))
+                  : bench::bench_prefill(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa, r.repeats, r.check);
+}
+
+// The rows, on rank 0: a table or JSON lines on stdout, and progress on stderr, never on stdout: a line per
+// finished case, or one line rewritten in place when stderr is a terminal; only for a sweep of several cases whose
+// rows are not already appearing on that terminal.
+class Report {
+ public:
+  Report(const Request& r, size_t n_cases)
+      : r_(r), n_cases_(n_cases), progress_(n_cases > 1 && (r.json || isatty(STDOUT_FILENO) == 0)),
+        bar_(progress_ && isatty(STDERR_FILENO) != 0) {}
+
+  void header() const {
+    if (r_.json || !world().prints()) return;
+    std::printf("%-12s %-8s %-5s %3s %3s %6s %7s %10s %9s ", "preset", "mode", "dtype", "kvh", "B", "T", "threads",
+                "median_ms", "GFLOP/s");
+    if (r_.decode) std::printf("%-4s %10s %9s %7s ", "kv", "tokens/s", "MB/step", "GB/s");
+    if (r_.interleave) std::printf("%7s ", "x_first");
+    std::printf("%-11s %s\n", "ISA", r_.check ? "max_err (allowed)" : "");
+  }
+
+  void row(const Case& c, const bench::BenchResult& res) {
+    if (!world().prints()) return;
+    const char* dtype = to_string(c.compute);
+    const bool ok = !res.checked || res.allowed >= 0;
+    all_ok_ = all_ok_ && ok;
+    if (r_.json) {
+      nlohmann::json j = {{"preset", res.preset}, {"mode", r_.mode}, {"dtype", dtype}, {"kv_heads", c.cfg.kv_heads()},
+                          {"batch", res.B}, {"seq", res.T},
+                          {"threads", res.threads}, {"median_ms", res.median_ms}, {"gflops", res.gflops},
+                          {"isa", res.isa}, {"implementation", res.impl}, {"peak_rss_mb", bench::peak_rss_mb()}};
+      if (world().parallel()) {
+        j["ranks"] = res.ranks;
+        j["allreduce_ms"] = res.allreduce_ms;
+      }
+      if (r_.decode) {
+        j["cache"] = r_.cache;
+        j["kv_dtype"] = c.kv_name;
+        j["tokens_per_s"] = res.tokens_per_s;
+        j["bytes_per_step"] = res.bytes_per_step;
+        j["gb_per_s"] = res.gb_per_s;
+        if (r_.interleave) j["x_first"] = res.x_first;
+      }
+      if (res.checked) {
+        j["max_abs_err"] = res.max_abs_err;
+        j["mean_abs_err"] = res.mean_abs_err;
+        j["check"] = ok ? "ok" : "FAIL";
+      }
+      std::printf("%s\n", j.dump().c_str());
+    } else {
+      char err[64] = "";
+      if (res.checked) std::snprintf(err, sizeof err, "%.2e %s", res.max_abs_err, ok ? "ok" : "FAIL");
+      std::printf("%-12s %-8s %-5s %3ld %3ld %6ld %7d %10.3f %9.1f ", res.preset.c_str(), r_.mode.c_str(), dtype,
+                  static_cast<long>(c.cfg.kv_heads()), static_cast<long>(res.B), static_cast<long>(res.T), res.threads,
+                  res.median_ms, res.gflops);
+      if (r_.decode) {
+        std::printf("%-4s %10.0f %9.1f %7.1f ", c.kv_name.c_str(), res.tokens_per_s, res.bytes_per_step * 1e-6,
+                    res.gb_per_s);
+        if (r_.interleave) std::printf("%7.2f ", res.x_first);
+      }
+      std::printf("%-11s %s\n", res.isa.c_str(), err);
+    }
+    std::fflush(stdout);
+    if (progress_) {
+      std::fprintf(stderr, "%sgpt2attn bench: [%zu/%zu] %s %s B=%ld T=%ld: %.3f ms%s", bar_ ? "\r\033[K" : "",
+                   ++done_, n_cases_, res.preset.c_str(), r_.mode.c_str(), static_cast<long>(res.B),
+                   static_cast<long>(res.T), res.median_ms, bar_ ? "" : "\n");
+      if (bar_ && done_ == n_cases_) std::fputc('\n', stderr);
+      std::fflush(stderr);
+    }
+  }
+
+  // The table ends with the implementation each compute type runs on.
+  void footer() const {
+    if (r_.json || !world().prints()) return;
+    for (const DType compute : r_.computes) {
+      const bench::BenchResult res =
+          bench::bench_prefill("gpt2-small", preset("gpt2-small"), 1, 1, compute, r_.threads, r_.isa, 1, false);
+      std::printf("implementation (%s): %s\n", to_string(compute), res.impl.c_str());
+    }
+  }
+
+  bool all_ok() const { return all_ok_; }
+
+ private:
+  const Request& r_;
+  size_t n_cases_;
+  bool progress_, bar_;
+  size_t done_ = 0;
+  bool all_ok_ = true;
+};
+
+int run_bench(const Args& a) {
+  const Request r = read_request(a);
+  limit_gemm_isa(r.isa);  // as forward does: the whole layer at --isa, GEMMs included
+  const std::vector<Case> cases = expand(r);
+  check_memory(r, cases);
+  Report report(r, cases.size());
+  report.header();
+  if (r.interleave) {
+    std::vector<bench::DecodeSpec> specs;
+    for (const Case& c : cases) specs.push_back({c.preset, c.cfg, c.T, c.compute, kv_dtype_of(c.kv_name)});
+    const std::vector<bench::BenchResult> results =
+        bench::bench_decode_interleaved(specs, r.B, r.threads, r.isa, r.repeats, r.check, true);
+    for (size_t i = 0; i < cases.size(); ++i) report.row(cases[i], results[i]);
+  } else {
+    for (const Case& c : cases) report.row(c, run_case(r, c));
+  }
+  report.footer();
+  if (!report.all_ok()) {
+    std::fprintf(stderr, "gpt2attn: bench: check against the naive reference FAILED\n");
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+const Command kBench{
+    "bench",
+    "times the whole layer over the presets (see below).",
+    {
+        values("preset", "NAME", "a preset (gpt2attn presets); default: the GPT-2 sizes and gpt3-175b."),
+        value("batch", "B", "sequences; default 1."),
+        value("seq", "T", "tokens per sequence (decode: cached tokens); default 1024."),
+        value("mode", "prefill|decode", "what is timed; default prefill."),
+        values("dtype", "f32|bf16", "the compute type; default f32."),
+        values("kv-heads", "N", "K/V heads of every preset (grouped-query attention); default: as many as heads."),
+        values("kv-dtype", "f32|bf16|int8|fp8", "decode: the KV cache's storage type; default f32."),
+        flag("interleave", "decode --cache cold: one step of each case in turn (the x_first column)."),
+        value("threads", "N", "threads; default every core OpenMP offers."),
+        value("isa", "best|avx512_bf16|avx512|avx2|scalar", "the instruction set cap (see below); default best."),
+        value("repeats", "N", "timed runs, of which the median is reported; default 5."),
+        value("cache", "warm|cold", "decode: whether the CPU caches are flushed before each step; default warm."),
+        flag("check", "compare with the naive reference (default in the table)."),
+        flag("no-check", "do not compare (default with --json)."),
+        flag("json", "one JSON row per case instead of the table."),
+    },
+    kAbout,
+    run_bench};
+
+}  // namespace gpt2attn::cli

@@ -1,0 +1,21 @@
+// tools/cli/commands.hpp: the commands main() dispatches on (one file each), and the MPI world they run in.
+#pragma once
+
+#include "tools/cli/options.hpp"
+
+namespace gpt2attn::cli {
+
+// The MPI world. Under mpirun with more than one rank, forward and bench run tensor parallel (gpt2attn/parallel.hpp):
+// every rank computes its heads, rank 0 alone writes files and prints. Without mpirun MPI is never initialised.
+struct World {
+  int rank = 0, ranks = 1;
+  bool parallel() const { return ranks > 1; }
+  bool prints() const { return rank == 0; }
+};
+const World& world();  // set once by main() before any command runs
+
+extern const Command kForward;  // tools/cli/forward.cpp
+extern const Command kBench;    // tools/cli/bench.cpp
+extern const Command kPresets;  // tools/cli/presets.cpp
+
+}  // namespace gpt2attn::cli

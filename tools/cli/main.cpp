@@ -1,0 +1,113 @@
+// tools/cli/main.cpp: the command-line tool `gpt2attn`: dispatch on the command (forward, bench, presets; one file
+// each), its errors turned into the exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error. Only
+// main() exits.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+#include <string>
+
+#include "gpt2attn/gpt2attn.h"
+#include "tools/cli/commands.hpp"
+#ifdef GPT2ATTN_HAVE_MPI
+#include <mpi.h>
+#endif
+
+namespace gpt2attn::cli {
+
+namespace {
+
+World g_world;
+
+// The rules every command shares, printed after the commands' tables.
+const char* kNotes = R"(--isa caps the instruction set of the whole layer: gpt2attn's kernels, and oneDNN's GEMMs (avx512_bf16: oneDNN's
+avx512_core_bf16, so no AMX; avx512: avx512_core; avx2: avx2; scalar: sse41), unless ONEDNN_MAX_CPU_ISA or
+DNNL_MAX_CPU_ISA is set in the environment, which is then kept; best caps neither. Below avx512 oneDNN has no
+bf16 GEMM, and --dtype bf16 projections multiply the bf16-rounded values in f32 GEMMs.
+--threads N is 1 to 1024 (default: every core OpenMP offers); --repeats N is 1 to 2147483647; --heads,
+--kv-heads, --context-length, --batch and --seq are 1 or more. A value out of range is refused, never narrowed.
+An option that takes one value (all but bench's --preset, --dtype, --kv-dtype and --kv-heads) given twice is refused;
+so is a value given twice to one of those four.
+
+exit status: 0 success, 2 bad input or usage, 1 internal error.
+)";
+
+const std::vector<const Command*>& commands() {
+  static const std::vector<const Command*> all = {&kForward, &kBench, &kPresets};
+  return all;
+}
+
+void print_help() {
+  if (g_world.prints()) std::fputs(render_help(commands(), kNotes).c_str(), stdout);
+}
+
+// The command, with its errors turned into the exit status and one line on stderr (printed by rank 0 alone under
+// mpirun: every rank of a tensor-parallel call gets the same error).
+int run(int argc, char** argv) {
+  const std::string name = argc > 1 ? argv[1] : "";
+  auto say = [](const char* fmt, const char* what) {
+    if (g_world.prints()) std::fprintf(stderr, fmt, what);
+  };
+  try {
+    for (const Command* c : commands()) {
+      if (name != c->name) continue;
+      // A command without options (presets) takes none and, as it always has, ignores what follows it.
+      return c->run(c->options.empty() ? Args{} : Args::parse(*c, argc, argv, 2));
+    }
+    if (name == "--help" || name == "-h" || name == "help") {
+      print_help();
+      return 0;
+    }
+    if (name == "--version") {
+      if (g_world.prints()) std::printf("gpt2attn %s\n", gpt2attn_version());
+      return 0;
+    }
+    throw UsageError(name.empty() ? "missing command (forward, bench or presets)" : "unknown command '" + name + "'");
+  } catch (const HelpRequested&) {
+    print_help();
+    return 0;
+  } catch (const UsageError& e) {
+    say("gpt2attn: %s (see gpt2attn --help)\n", e.what());
+    return 2;
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    std::replace(msg.begin(), msg.end(), '\n', ' ');
+    say("gpt2attn: %s\n", msg.c_str());
+    return e.code() == ErrorCode::internal ? 1 : 2;
+  } catch (const std::bad_alloc&) {
+    say("gpt2attn: %s\n", "out of memory");
+    return 2;
+  } catch (const std::exception& e) {
+    say("gpt2attn: internal error: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace
+
+const World& world() { return g_world; }
+
+}  // namespace gpt2attn::cli
+
+int main(int argc, char** argv) {
+  using gpt2attn::cli::g_world;
+  // MPI only when mpirun (or another PMI launcher) started this process: a plain run never initialises it.
+  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
+  if (!launched) return gpt2attn::cli::run(argc, argv);
+#ifdef GPT2ATTN_HAVE_MPI
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  MPI_Comm_rank(MPI_COMM_WORLD, &g_world.rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &g_world.ranks);
+  const int status = gpt2attn::cli::run(argc, argv);
+  MPI_Finalize();
+  return status;
+#else
+  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  if (size && std::atoi(size) > 1) {
+    std::fprintf(stderr, "gpt2attn: started by mpirun with %s ranks, but this build has no MPI support\n", size);
+    return 2;
+  }
+  return gpt2attn::cli::run(argc, argv);
+#endif
+}

@@ -1,0 +1,168 @@
+// tools/cli/options.cpp: parsing a command's options against its table, and rendering the tables as --help.
+#include "tools/cli/options.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+namespace gpt2attn::cli {
+
+namespace {
+
+const Option* find(const Command& cmd, const std::string& name) {
+  for (const Option& o : cmd.options) {
+    if (name == o.name) return &o;
+  }
+  return nullptr;
+}
+
+// Words of `text` filled into lines of at most `width` columns, each line after the first indented by `indent`.
+std::string fill(const std::string& text, size_t first_col, size_t indent, size_t width = 118) {
+  std::istringstream words(text);
+  std::string word, out;
+  size_t col = first_col;
+  bool first = true;
+  while (words >> word) {
+    if (!first && col + 1 + word.size() > width) {
+      out += '\n';
+      out.append(indent, ' ');
+      col = indent;
+    } else if (!first) {
+      out += ' ';
+      ++col;
+    }
+    out += word;
+    col += word.size();
+    first = false;
+  }
+  return out;
+}
+
+}  // namespace
+
+Args Args::parse(const Command& cmd, int argc, char** argv, int first) {
+  Args a;
+  for (int i = first; i < argc; ++i) {
+    std::string s = argv[i];
+    if (s == "--help" || s == "-h") throw HelpRequested{};
+    if (s.rfind("--", 0) != 0) throw UsageError("unexpected argument '" + s + "'");
+    s = s.substr(2);
+    const Option* o = find(cmd, s);
+    if (o == nullptr) throw UsageError("unknown option --" + s);
+    if (o->value == nullptr) {
+      a.flags_.push_back(s);
+      continue;
+    }
+    if (i + 1 >= argc) throw UsageError("option --" + s + " needs a value");
+    // `--output --causal` would otherwise write a file named "--causal" and compute without the mask.
+    const std::string value = argv[i + 1];
+    if (value == "--help" || (value.rfind("--", 0) == 0 && find(cmd, value.substr(2)) != nullptr)) {
+      throw UsageError("option --" + s + " needs a value, got the option " + value);
+    }
+    std::vector<std::string>& given = a.values_[s];
+    // A second value of a single-valued option is refused rather than the last one silently taken.
+    if (!o->repeatable && !given.empty()) throw UsageError("--" + s + " given more than once");
+    given.push_back(argv[++i]);
+  }
+  return a;
+}
+
+bool Args::flag(const std::string& f) const { return std::find(flags_.begin(), flags_.end(), f) != flags_.end(); }
+
+std::string Args::get(const std::string& k, const std::string& def) const {
+  auto it = values_.find(k);
+  if (it == values_.end()) return def;
+  if (it->second.size() > 1) throw UsageError("--" + k + " given more than once");
+  return it->second.front();
+}
+
+std::string Args::required(const std::string& k) const {
+  if (!has(k)) throw UsageError("missing required option --" + k);
+  return get(k);
+}
+
+long long Args::integer_in(const std::string& k, const std::string& s, long long min_value, long long max_value) {
+  const size_t digits = !s.empty() && (s[0] == '+' || s[0] == '-') ? 1 : 0;  // one optional sign
+  if (s.size() == digits || s.find_first_not_of("0123456789", digits) != std::string::npos) {
+    throw UsageError("--" + k + ": expected an integer, got '" + s + "'");
+  }
+  const std::string range =
+      "must be in [" + std::to_string(min_value) + ", " + std::to_string(max_value) + "], got " + s;
+  long long v = 0;
+  try {
+    v = std::stoll(s);
+  } catch (const std::out_of_range&) {  // beyond int64, so beyond every I
+    throw UsageError("--" + k + ": " + range + " (out of the 64-bit range)");
+  }
+  if (v < min_value || v > max_value) throw UsageError("--" + k + ": " + range);
+  return v;
+}
+
+std::string choice(const std::string& k, const std::string& s, const std::vector<std::string>& allowed) {
+  if (std::find(allowed.begin(), allowed.end(), s) != allowed.end()) return s;
+  std::string list;
+  for (const std::string& name : allowed) list += (list.empty() ? "" : ", ") + name;
+  throw UsageError("--" + k + " " + s + " is not supported (supported: " + list + ")");
+}
+
+Isa isa_option(const Args& a) {
+  try {
+    return isa_from_string(a.get("isa", "best"));
+  } catch (const Error& e) {
+    throw UsageError(std::string("--isa: ") + e.what());
+  }
+}
+
+std::vector<DType> compute_dtypes(const Args& a) {
+  if (!a.has("dtype")) return {DType::f32};
+  return a.distinct<DType>("dtype", [](const std::string& dt) {
+    return dtype_from_string(choice("dtype", dt, {"f32", "bf16"}));
+  });
+}
+
+int threads_option(const Args& a) { return a.integer<int>("threads", 0, 1, max_threads()); }
+
+std::string render_help(const std::vector<const Command*>& commands, const char* notes) {
+  std::string out = "usage:\n  gpt2attn --version | --help\n";
+  // The synopsis: required options bare, the others in brackets, a repeatable one followed by "...".
+  for (const Command* c : commands) {
+    std::string line = std::string("gpt2attn ") + c->name;
+    const size_t indent = 2 + line.size() + 1;
+    std::string words;
+    for (const Option& o : c->options) {
+      std::string w = std::string("--") + o.name + (o.value ? std::string(" ") + o.value : "");
+      if (o.repeatable) w += " ...";
+      if (!o.required) w = "[" + w + "]";
+      // One option is one unbreakable word of the fill: non-breaking until filled, then spaces again.
+      std::replace(w.begin(), w.end(), ' ', '\x1f');
+      words += " " + w;
+    }
+    std::string filled = fill(line + words, 2, indent);
+    std::replace(filled.begin(), filled.end(), '\x1f', ' ');
+    out += "  " + filled + "\n";
+  }
+  for (const Command* c : commands) {
+    out += std::string("\n") + c->name + ": " + c->summary + "\n";
+    size_t width = 0;
+    for (const Option& o : c->options) {
+      width = std::max(width, std::string(o.name).size() + (o.value ? std::string(o.value).size() + 1 : 0));
+    }
+    const size_t col = 2 + 2 + width + 2;
+    for (const Option& o : c->options) {
+      std::string head = std::string("--") + o.name + (o.value ? std::string(" ") + o.value : "");
+      head.resize(2 + width + 2, ' ');
+      std::string help = o.help;
+      if (o.repeatable) help += " Repeatable, each value once.";
+      if (o.required) help += " Required.";
+      out += "  " + head + fill(help, col, col) + "\n";
+    }
+    if (c->about && *c->about) {
+      out += '\n';
+      out += c->about;
+    }
+  }
+  out += "\n";
+  out += notes;
+  return out;
+}
+
+}  // namespace gpt2attn::cli
