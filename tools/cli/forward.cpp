@@ -28,7 +28,8 @@ const char* kAbout = R"(forward  runs one multi-head attention layer (torch.nn.M
          --heads or --kv-heads that disagrees is refused, and so are weights whose widths or biases differ
          from what it says. A mask without --mask-kind is read as torch reads it: bool or
          uint8 blocks where nonzero (block), float is added to the scores (additive); --mask-kind keep
-         gives seeds 002/003's reading (nonzero may attend). Mask shapes: (T, Tk), (B, T, Tk), (B, H, T,
+         reads it as scores.masked_fill(mask == 0, -inf) does (nonzero may attend). Mask shapes: (T, Tk),
+         (B, T, Tk), (B, H, T,
          Tk), torch's (B*H, T, Tk), and size-1 B or H axes, which broadcast. --kv-heads N (grouped-query
          attention: N K/V heads, dividing H) must match the file's K/V width; without it the K/V heads are
          read from that width. --context-length defaults to max(1024, T, Tk). --output is written
