@@ -1,5 +1,6 @@
 // kernels/decode_attention_impl.hpp: the one-query attention of decode_attention.hpp, written once over
-// Vec<Arch>. Included only by the per-ISA instantiation files (internal linkage, like attention_f32_impl.hpp).
+// Vec<Arch>. Included only by kernels/kernel_sets_impl.hpp, in each level's file (internal linkage, like
+// attention_impl.hpp).
 #pragma once
 
 #include <algorithm>

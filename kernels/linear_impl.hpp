@@ -1,6 +1,6 @@
 // kernels/linear_impl.hpp: the few-row linear layer of linear.hpp, written once over Vec<Arch> and the packed
 // weight type WT (f32, or bf16 widened by Vec::load).
-// Included only by the per-ISA instantiation files (internal linkage, like attention_f32_impl.hpp).
+// Included only by kernels/kernel_sets_impl.hpp, in each level's file (internal linkage, like attention_impl.hpp).
 #pragma once
 
 #include <algorithm>
