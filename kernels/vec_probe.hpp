@@ -17,6 +17,8 @@ struct VecProbe {
   // The same with 2^n built in the exponent bits (Vec<Arch>::exp2_bits), where exp2 builds it another way (AVX-512:
   // vscalefps); null where exp2 is that construction.
   void (*exp2_bits)(const float* x, int64_t n, float* y);
+  // y[i] = Vec<Arch>::load(codes + i)[...] for i < n (n a multiple of lanes): the fp8 (e4m3) widening load.
+  void (*widen_fp8)(const uint8_t* codes, int64_t n, float* y);
 };
 
 }  // namespace gpt2attn::kernels

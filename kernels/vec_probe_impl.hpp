@@ -20,11 +20,17 @@ void exp2_bits_all(const float* x, int64_t n, float* y) {
   for (int64_t i = 0; i < n; i += V::W) V::store(y + i, V::exp2_bits(V::load(x + i)));
 }
 
+template <class Arch>
+void widen_fp8_all(const uint8_t* codes, int64_t n, float* y) {
+  using V = Vec<Arch>;
+  for (int64_t i = 0; i < n; i += V::W) V::store(y + i, V::load(reinterpret_cast<const fp8_e4m3*>(codes + i)));
+}
+
 template <Isa Level, class Arch>
 const VecProbe& make_vec_probe() {
   void (*bits)(const float*, int64_t, float*) = nullptr;
   if constexpr (Vec<Arch>::kExp2Scalef) bits = &exp2_bits_all<Arch>;
-  static const VecProbe probe{Level, Vec<Arch>::W, &exp2_all<Arch>, bits};
+  static const VecProbe probe{Level, Vec<Arch>::W, &exp2_all<Arch>, bits, &widen_fp8_all<Arch>};
   return probe;
 }
 

@@ -936,6 +936,81 @@ const kernels::IntDotKernel& int_dot_kernel(Isa isa) { return *detail::isa_kerne
 // score), NaN for NaN (bad input must not pass for a masked row).
 const kernels::VecProbe& vec_probe(Isa isa) { return *detail::isa_kernels(isa).vec; }
 
+// The fp8 (e4m3) widening load (Vec::load(const fp8_e4m3*), through binary16) on every instruction set gives every
+// one of the 256 codes exactly as its scalar twin's table does, its value as the format defines it ((1 + m/8) 2^(e-7),
+// subnormals m 2^-9), -0 for 0x80, and NaN for both NaN codes (0x7f, 0xff), never the 480 the shift alone would make.
+class KernelVecFp8 : public KernelTest {};
+
+TEST_P(KernelVecFp8, EveryCodeWidensExactly) {
+  const kernels::VecProbe& probe = vec_probe(isa());
+  ASSERT_EQ(probe.isa, isa());
+  std::vector<uint8_t> codes(256 * 3);
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>((i * 7 + i / 256) % 256);  // each 3 times, shuffled
+  std::vector<float> y(codes.size(), -1.0f);
+  probe.widen_fp8(codes.data(), static_cast<int64_t>(codes.size()), y.data());
+  int64_t bad = 0;
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const int c = codes[i] & 0x7f, e = c >> 3, m = c & 7;
+    const double mag = e == 0 ? m * std::ldexp(1.0, -9) : std::ldexp(1.0 + m / 8.0, e - 7);
+    const double want = (codes[i] & 0x80) ? -mag : mag;
+    const float twin = kernels::widen(kernels::fp8_e4m3{codes[i]});
+    const bool ok = c == 0x7f ? std::isnan(y[i]) && std::isnan(twin)
+                              : y[i] == static_cast<float>(want) && twin == y[i] &&
+                                    std::signbit(y[i]) == static_cast<bool>(codes[i] & 0x80);
+    if (!ok && bad++ < 8) {
+      ADD_FAILURE() << "[isa=" << to_string(isa()) << "] code 0x" << std::hex << int{codes[i]} << std::dec << ": load "
+                    << y[i] << ", twin " << twin << ", format " << want;
+    }
+  }
+  EXPECT_EQ(bad, 0);
+}
+GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelVecFp8);
+
+// The fp8 codec's narrowing (kernels/fp8.hpp to_fp8_e4m3, what the cache stores): every code's value maps back to its
+// code; a value between two neighbours goes to the nearer, a tie to the even code; past 448 and +-inf saturate to
+// +-448; below 2^-10 is zero of its sign; NaN stays NaN. Checked against the format's sorted values, 200k draws over
+// 2^-14..2^10 and the midpoints themselves.
+TEST(KernelFp8, NarrowingRoundsToNearestEvenAndSaturates) {
+  using kernels::fp8_e4m3;
+  std::vector<std::pair<float, int>> pos;  // (value, code) of the finite non-negative codes, ascending
+  for (int c = 0; c < 0x7f; ++c) pos.push_back({kernels::widen(fp8_e4m3{static_cast<uint8_t>(c)}), c});
+  for (size_t i = 1; i < pos.size(); ++i) ASSERT_LT(pos[i - 1].first, pos[i].first) << "codes " << i - 1 << ", " << i;
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) == 0x7f) continue;
+    EXPECT_EQ(kernels::to_fp8_e4m3(kernels::widen(fp8_e4m3{static_cast<uint8_t>(c)})).bits, c) << "code " << c;
+  }
+  auto nearest = [&](float x) {  // the code torch's round-to-nearest-even would give, saturated
+    const float a = std::fabs(x);
+    int code = 0x7e;
+    if (a <= 448.0f) {
+      const auto hi = std::lower_bound(pos.begin(), pos.end(), std::pair{a, -1});
+      const auto lo = hi == pos.begin() ? hi : hi - 1;
+      const double dl = a - double{lo->first}, dh = double{hi->first} - a;
+      code = dl < dh ? lo->second : dh < dl ? hi->second : (lo->second % 2 == 0 ? lo->second : hi->second);
+    }
+    return std::signbit(x) ? code | 0x80 : code;
+  };
+  std::mt19937_64 rng(88);
+  std::uniform_real_distribution<float> frac(0.0f, 1.0f);
+  std::uniform_int_distribution<int> expo(-14, 10);
+  for (int i = 0; i < 200000; ++i) {
+    float x = std::ldexp(frac(rng), expo(rng));
+    if (i % 2) x = -x;
+    ASSERT_EQ(kernels::to_fp8_e4m3(x).bits, nearest(x)) << "x = " << x;
+  }
+  for (size_t i = 1; i < pos.size(); ++i) {
+    const float mid = 0.5f * (pos[i - 1].first + pos[i].first);
+    ASSERT_EQ(kernels::to_fp8_e4m3(mid).bits, nearest(mid)) << "midpoint " << mid;
+  }
+  for (float big : {448.0f, 449.0f, 464.0f, 480.0f, 1e9f, INFINITY}) {
+    EXPECT_EQ(kernels::to_fp8_e4m3(big).bits, 0x7e) << big;
+    EXPECT_EQ(kernels::to_fp8_e4m3(-big).bits, 0xfe) << -big;
+  }
+  EXPECT_EQ(kernels::to_fp8_e4m3(0x1p-11f).bits, 0x00);
+  EXPECT_EQ(kernels::to_fp8_e4m3(-0x1p-11f).bits, 0x80);
+  EXPECT_TRUE(std::isnan(kernels::widen(kernels::to_fp8_e4m3(kNaN))));
+}
+
 class KernelVecExp2 : public KernelTest {};
 
 TEST_P(KernelVecExp2, WithinItsBoundAndExactWhereItMustBe) {
