@@ -20,7 +20,7 @@
 //                                        {1024, 4096}, 1 and 2 threads: ratio = avx2 ms / avx512 ms
 //   ThreadScaling/<layer|core>/...       1 and 2 threads timed alternately inside one benchmark (gpt2-small
 //                                        T = 1024; the core also at T = 4096 for gpt2-small and gpt2-xl)
-//   PeakFrac/<core|layer>/...            issue 12's floors, each run's GFLOP/s over an FMA probe run right after it
+//   PeakFrac/<core|layer>/...            peak-fraction floors: each run's GFLOP/s over an FMA probe run after it
 //                                        (core: gpt2-small and gpt2-xl at T = 1024 and 4096; layer: gpt2-small at
 //                                        T = 1024 and 8192), medians over the runs
 //   Tiles/<isa>/BQ:../BK:../D:<D>/...    the compiled tile shape at D = 64 and 128 (tiles.hpp cites this)
@@ -391,7 +391,7 @@ void bm_scaling_core(benchmark::State& state, int64_t H, int64_t D, int64_t T) {
 
 // ---- AVX2 against AVX-512: the two cores alternate inside each iteration, so both see the same clock ---------
 
-// Counters ms_avx512, ms_avx2 and ratio = ms_avx2 / ms_avx512 (issue 12's floor: within 2.1x, half the lanes), and
+// Counters ms_avx512, ms_avx2 and ratio = ms_avx2 / ms_avx512 (the floor: within 2.1x, for half the lanes), and
 // each side's fraction of its own ISA's FMA peak. Two Core fixtures of the same shape, one per kernel.
 void bm_isa_ratio(benchmark::State& state, int64_t H, int64_t D, int64_t T, int threads) {
   const int max_threads = std::max(omp_get_num_procs(), 2);
@@ -410,7 +410,7 @@ void bm_isa_ratio(benchmark::State& state, int64_t H, int64_t D, int64_t T, int 
   state.counters["isa_peak_frac_avx2"] = gflops_of(state, flops, t2) / g_isa_peak.at({ga::Isa::avx2, threads});
 }
 
-// ---- issue 12's floors against a probe beside every run ---------------------------------------------------
+// ---- the peak-fraction floors against a probe beside every run --------------------------------------------
 
 // On a shared VM the FMA probe's rate moves by a quarter from one minute to the next (bench/README, "Reading the
 // numbers"), so a fraction of a peak measured minutes away mixes two machines. Each iteration here times one run
@@ -593,7 +593,7 @@ void register_all() {
             ("Core/" + p + "/T:" + ts(T) + "/threads:" + ts(n)).c_str(),
             [H, D, T, n](benchmark::State& s) { bm_core(s, H, D, T, n, ga::Isa::best); }));
   }
-  // Long context (issue 12): the core alone at T = 4096 to 32768 for the smallest and largest head counts; past
+  // Long context: the core alone at T = 4096 to 32768 for the smallest and largest head counts; past
   // 8192 on 2 threads only (gpt2-xl at T = 32768 is 3.4 TFLOP a run).
   for (const char* p : {"gpt2-small", "gpt2-xl"}) {
     const ga::Config c = ga::preset(p);
@@ -606,7 +606,7 @@ void register_all() {
               [H, D, T, n](benchmark::State& s) { bm_core(s, H, D, T, n, ga::Isa::best); }));
   }
 
-  // The layer's GEMMs alone, beside Layer and Core at the lengths issue 12's floors name.
+  // The layer's GEMMs alone, beside Layer and Core at the lengths the peak-fraction floors name.
   for (const char* p : {"gpt2-small", "gpt2-xl"})
     for (int64_t T : {1024, 8192})
       for (int n : kThreads)
@@ -675,7 +675,7 @@ void register_all() {
                                         [](benchmark::State& s) { bm_scaling_layer(s, "gpt2-small", 1024); }));
   standard(benchmark::RegisterBenchmark("ThreadScaling/core/gpt2-small/T:1024",
                                         [=](benchmark::State& s) { bm_scaling_core(s, sH, sD, 1024); }));
-  // Issue 12's scaling floor (2 threads >= 1.9x one at T = 4096), each pair of runs side by side in time.
+  // The scaling floor (2 threads >= 1.9x one at T = 4096), each pair of runs side by side in time.
   for (const char* p : {"gpt2-small", "gpt2-xl"}) {
     const ga::Config c = ga::preset(p);
     const int64_t H = c.num_heads, D = c.head_dim();
@@ -683,7 +683,7 @@ void register_all() {
                                           [=](benchmark::State& s) { bm_scaling_core(s, H, D, 4096); }));
   }
 
-  // Issue 12's peak-fraction floors, each run beside its own probe (the core: gpt2-small and gpt2-xl at T = 1024 and
+  // The peak-fraction floors, each run beside its own probe (the core: gpt2-small and gpt2-xl at T = 1024 and
   // 4096; the layer: gpt2-small at T = 1024 and 8192). A fixed count of iterations: the probes dominate short runs.
   if (g_machine_peak.at(2) > 0) {
     for (const char* p : {"gpt2-small", "gpt2-xl"}) {

@@ -38,7 +38,7 @@ dt dnnl_type(DType t) {
 
 // oneDNN 2.6's AMX bf16 matmul (`brg:avx512_core_amx_bf16`) executes an illegal instruction for some GEMMs whose K is
 // not a multiple of 32, the bf16 elements of a 64-byte tile row, killing the process with SIGILL: 200x63 times 63x2 on
-// one thread, 33x63 times 63x17 on two (an Intel Xeon with AMX, 2026-11-26; uxlfoundation/oneDNN#1661 reports the
+// one thread, 33x63 times 63x17 on two (on an Intel Xeon with AMX; uxlfoundation/oneDNN#1661 reports the
 // same in 2.7.3, and #5717 rows mixed by the K remainder in a 3.x AMX kernel). Such a GEMM takes oneDNN's next
 // implementation without AMX (its AVX512-BF16 kernel there). Where K is a multiple of 32 AMX stays: no multiple of 32
 // up to 4096 crashed in a scan over M, N and 1-2 threads (bench/README, "oneDNN 2.6 on AMX").
