@@ -1,6 +1,6 @@
 // kernels/element.hpp: the element types the kernels read and write, and the DType each one is. The compute types are
-// float and bf16; the K/V cache also stores int8_t (with row scales, kernels/kv_layout.hpp) and fp8_e4m3. dtype_of is how a kernel
-// set's row (kernels/kernel_list.def) gets its dtypes from the types its kernels were instantiated with.
+// float and bf16; the K/V cache also stores int8_t (with row scales, kernels/kv_layout.hpp) and fp8_e4m3. dtype_of is
+// how a kernel set's row (kernels/kernel_list.def) gets its dtypes from the types its kernels were instantiated with.
 #pragma once
 
 #include <cstdint>

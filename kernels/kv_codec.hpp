@@ -1,8 +1,8 @@
 // kernels/kv_codec.hpp: the one conversion between f32 K/V rows and a block's stored format (kernels/kv_layout.hpp):
-// f32 copies, bf16 and fp8 round to nearest even (fp8 saturating at +-448), int8 quantises symmetrically with one scale per (token, head). Used by
-// the cache's writer and reader (KvCache::Impl::store_row / load_row) and by the kernel tests that build blocks by
-// hand, so both see exactly what a cache holds. Scalar and pure: runs once per appended row (in decode, B * H_kv * 2
-// rows a step), never per key read.
+// f32 copies, bf16 and fp8 round to nearest even (fp8 saturating at +-448), int8 quantises symmetrically with one
+// scale per (token, head). Used by the cache's writer and reader (KvCache::Impl::store_row / load_row) and by the
+// kernel tests that build blocks by hand, so both see exactly what a cache holds. Scalar and pure: runs once per
+// appended row (in decode, B * H_kv * 2 rows a step), never per key read.
 #pragma once
 
 #include <cmath>

@@ -1,5 +1,6 @@
 // kernels/vec_probe_impl.hpp: the VecProbe of one instruction set (kernels/vec_probe.hpp), written once over
-// Vec<Arch>. Included only by the per-level kernels/kernel_sets_<level>.cpp (internal linkage, like the kernels' _impl headers).
+// Vec<Arch>. Included only by kernels/kernel_sets_impl.hpp, in each level's file (internal linkage, like the kernels'
+// _impl headers).
 #pragma once
 
 #include "kernels/vec.hpp"
