@@ -8,8 +8,9 @@
 #include <cstring>
 #include <type_traits>
 
-#include "gpt2attn/attention.hpp"
+#include "gpt2attn/config.hpp"
 #include "gpt2attn/kv_cache.hpp"
+#include "gpt2attn/options.hpp"
 
 namespace gpt2attn::detail {
 

@@ -1,4 +1,4 @@
-// engine/workspace.hpp: what a Workspace holds (include/gpt2attn/attention.hpp): one 64-byte aligned buffer of
+// engine/workspace.hpp: what a Workspace holds (include/gpt2attn/options.hpp): one 64-byte aligned buffer of
 // bytes that grows only when a call needs more, and the oneDNN execution state of every GEMM run with it; and the
 // plan that cuts a call's buffer into typed regions.
 #pragma once
@@ -12,7 +12,7 @@
 #include "engine/buffer.hpp"
 #include "engine/linear.hpp"
 #include "engine/util.hpp"
-#include "gpt2attn/attention.hpp"
+#include "gpt2attn/options.hpp"
 
 namespace gpt2attn {
 

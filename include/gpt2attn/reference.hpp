@@ -4,8 +4,10 @@
 
 #include <vector>
 
-#include "gpt2attn/attention.hpp"
+#include "gpt2attn/config.hpp"
 #include "gpt2attn/export.h"
+#include "gpt2attn/options.hpp"
+#include "gpt2attn/weights.hpp"
 
 namespace gpt2attn {
 
