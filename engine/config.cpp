@@ -9,9 +9,9 @@
 #include <set>
 #include <string_view>
 
-#include "engine/io/file_io.hpp"
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/error.hpp"
+#include "support/file_io.hpp"
 
 namespace gpt2attn {
 namespace detail {

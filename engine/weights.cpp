@@ -5,7 +5,6 @@
 #include <cstring>
 #include <type_traits>
 
-#include "engine/io/file_io.hpp"
 #include "engine/util.hpp"
 #include "engine/validate.hpp"
 #include "engine/weights_copy.hpp"
@@ -13,6 +12,7 @@
 #include "gpt2attn/weights.hpp"
 #include "kernels/bf16.hpp"
 #include "kernels/dropout.hpp"
+#include "support/file_io.hpp"
 
 namespace gpt2attn {
 

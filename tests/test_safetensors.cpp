@@ -13,11 +13,11 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "engine/io/file_io.hpp"
 #include "engine/io/safetensors.hpp"
 #include "gpt2attn/attention.hpp"
 #include "gpt2attn/weights.hpp"
 #include "kernels/bf16.hpp"
+#include "support/file_io.hpp"
 #include "tests/file_test_util.hpp"
 
 namespace gpt2attn {

@@ -10,7 +10,7 @@
 #include <string_view>
 
 #include "gpt2attn/error.hpp"
-#include "tools/file_io.hpp"
+#include "support/file_io.hpp"
 
 namespace gpt2attn::npy {
 namespace {
@@ -182,7 +182,7 @@ Dtype parse_descr(const std::string& descr, const std::string& path) {
   if (descr.size() == 3) {
     const char order = descr[0];
     const std::string type = descr.substr(1);
-    // '=' is native order, which static_assert in file_io.hpp pins to little-endian.
+    // '=' is native order, which static_assert in support/file_io.hpp pins to little-endian.
     const bool little = order == '<' || order == '=';
     if (little && type == "f2") return {Kind::f32, 2, "float16"};
     if (little && type == "f4") return {Kind::f32, 4, "float32"};

@@ -14,10 +14,10 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/io/file_io.hpp"
 #include "engine/util.hpp"
 #include "engine/weights_copy.hpp"
 #include "gpt2attn/error.hpp"
+#include "support/file_io.hpp"
 
 namespace gpt2attn::safetensors {
 namespace {

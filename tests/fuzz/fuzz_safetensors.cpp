@@ -2,8 +2,8 @@
 // every tensor, checking that what parse() accepted is self-consistent. The layer loader has its own target.
 #include <bit>
 
-#include "engine/io/file_io.hpp"
 #include "engine/io/safetensors.hpp"
+#include "support/file_io.hpp"
 #include "tests/fuzz/fuzz_targets.hpp"
 
 namespace gpt2attn::fuzz {

@@ -1,4 +1,5 @@
-// engine/io/file_io.hpp: small pieces shared by the npy and safetensors readers and writers: bad_file errors,
+// support/file_io.hpp. support/: header-only pieces with no library state, used by the library and its tools alike.
+// What the library's safetensors and config readers and the CLI's .npy reader and writer share: bad_file errors,
 // checked file sizes and reads, atomic writes (and where they may land), f16/bf16 widening. No format knowledge.
 #pragma once
 
