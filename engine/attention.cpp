@@ -10,9 +10,10 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "engine/convert.hpp"
 #include "engine/dispatch.hpp"
 #include "engine/layer.hpp"
-#include "engine/weights_copy.hpp"
+#include "engine/weights_check.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/bf16.hpp"
 
@@ -23,59 +24,6 @@ using detail::AttnShape;
 using detail::Rows;
 using detail::as_rows;
 using detail::needs_packing;
-
-namespace {
-
-// One element converted: copied, or f32 <-> bf16 (rounded to nearest even once).
-template <class Dst, class Src>
-Dst convert(Src x) {
-  if constexpr (std::is_same_v<Dst, Src>) {
-    return x;
-  } else {
-    return kernels::narrow<Dst>(kernels::widen(x));
-  }
-}
-
-// x (B, N, W) through its strides -> dst (B*N, W) contiguous, across the team.
-template <class Dst, class Src>
-void pack_rows(const TensorView& x, Dst* dst, int threads) {
-  const int64_t B = x.shape[0], N = x.shape[1], W = x.shape[2];
-  const int64_t sb = x.strides[0], sn = x.strides[1], sw = x.strides[2];
-  const auto* p = static_cast<const Src*>(x.data);
-#pragma omp parallel for num_threads(threads) collapse(2) if (B * N * W > 65536)
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t w = 0; w < W; ++w) dst[(b * N + n) * W + w] = convert<Dst>(p[b * sb + n * sn + w * sw]);
-}
-
-}  // namespace
-
-namespace detail {
-
-bool needs_packing(const TensorView& x, DType compute) {
-  const int64_t N = x.shape[1], W = x.shape[2];
-  return x.dtype != compute ||
-         !(x.strides[2] == 1 && x.strides[1] >= W && (x.shape[0] == 1 || x.strides[0] == N * x.strides[1]));
-}
-
-// A (B, N, W) view of the compute type whose rows are evenly spaced with unit element stride is read in place as a
-// 2-D (B*N, W) matrix; anything else (other strides, or an f32 view into a bf16 layer and the reverse) is packed
-// contiguously into `scratch` in the compute type first (O(B*N*W), once per call, across the team).
-Rows as_rows(const TensorView& x, DType compute, std::byte* scratch, int threads) {
-  if (!needs_packing(x, compute)) return {x.data, x.strides[1], compute};
-  const bool from_bf16 = x.dtype == DType::bf16;
-  if (compute == DType::f32) {
-    auto* dst = reinterpret_cast<float*>(scratch);
-    from_bf16 ? pack_rows<float, kernels::bf16>(x, dst, threads) : pack_rows<float, float>(x, dst, threads);
-  } else {
-    auto* dst = reinterpret_cast<kernels::bf16*>(scratch);
-    from_bf16 ? pack_rows<kernels::bf16, kernels::bf16>(x, dst, threads)
-              : pack_rows<kernels::bf16, float>(x, dst, threads);
-  }
-  return {scratch, x.shape[2], compute};
-}
-
-}  // namespace detail
 
 namespace {
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "engine/buffer.hpp"
+#include "engine/convert.hpp"
 #include "engine/dispatch.hpp"
 #include "engine/linear.hpp"
 #include "engine/query_tiles.hpp"
@@ -23,20 +24,6 @@
 #include "kernels/linear.hpp"
 
 namespace gpt2attn {
-
-namespace detail {
-// A (rows, width) matrix as oneDNN reads it: base pointer (elements of the compute type) and row stride.
-struct Rows {
-  const void* data;
-  int64_t ld;
-  DType dtype;
-  const void* row(int64_t i) const { return static_cast<const std::byte*>(data) + i * ld * size_of(dtype); }
-};
-// Whether as_rows must copy the (B, N, W) view x for a layer computing in `compute` (attention.cpp).
-bool needs_packing(const TensorView& x, DType compute);
-// x (B, N, W) as a (B*N, W) matrix of the compute type: in place, or packed and converted into `scratch`.
-Rows as_rows(const TensorView& x, DType compute, std::byte* scratch, int threads);
-}  // namespace detail
 
 // Workspace layout of forward (each region 64-byte aligned), in this order; the activations q, k, v, ctx and the
 // packed inputs are of the compute type (f32 or bf16):

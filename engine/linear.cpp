@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/weights_copy.hpp"
+#include "engine/convert.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/bf16.hpp"
 
@@ -144,10 +144,10 @@ Linear::Linear(const TensorView& w, const float* bias, DType compute)
       user_desc = memory::desc({K, N}, dnnl_type(w.dtype), memory::dims{w.strides[1], w.strides[0]});
     } else {
       staged.resize(static_cast<size_t>(N * K) * size_of(compute));
-      copy_rows(w, 0, N, compute, staged.data());
+      convert(w, compute, staged.data());
       if (gemm_ != compute_) {  // the bf16 values, widened (exactly) for the f32 GEMM
         std::vector<std::byte> wide(static_cast<size_t>(N * K) * sizeof(float));
-        copy_rows(TensorView::contiguous(staged.data(), DType::bf16, {N, K}), 0, N, DType::f32, wide.data());
+        convert(TensorView::contiguous(staged.data(), DType::bf16, {N, K}), DType::f32, wide.data());
         staged = std::move(wide);
       }
       user_desc = memory::desc({K, N}, dnnl_type(gemm_), tag::ba);
@@ -288,8 +288,7 @@ void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* 
   ExecContext::Wide* wide = nullptr;
   ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst, /*pin=*/false, &wide);
   if (wide) {  // bf16 x widened (exactly) into the slot's f32 copy
-    copy_rows(TensorView::contiguous(x, DType::bf16, {M, K_}).with_strides({lda, 1}), 0, M, DType::f32,
-              wide->src.data());
+    convert(TensorView::contiguous(x, DType::bf16, {M, K_}).with_strides({lda, 1}), DType::f32, wide->src.data());
     e.src.set_data_handle(wide->src.data());
   } else {
     e.src.set_data_handle(const_cast<void*>(x));

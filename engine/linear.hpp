@@ -98,7 +98,7 @@ class ExecContext {
 class Linear {
  public:
   // w: an (N, K) view (torch layout) of f32, bf16 or f16 with any strides, bias: (N) f32 or null. Both are copied,
-  // the weights converted to `compute` (f32 or bf16: rounded to nearest even once, or exact; see copy_rows).
+  // the weights converted to `compute` (f32 or bf16: rounded to nearest even once, or exact; see convert).
   Linear(const TensorView& w, const float* bias, DType compute = DType::f32);
   Linear(Linear&&) noexcept;
   Linear& operator=(Linear&&) noexcept;

@@ -4,9 +4,10 @@
 
 #include <string>
 
+#include "engine/convert.hpp"
 #include "engine/layer.hpp"
 #include "engine/util.hpp"
-#include "engine/weights_copy.hpp"
+#include "engine/weights_random.hpp"
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn::detail {

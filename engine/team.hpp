@@ -1,9 +1,8 @@
 // engine/team.hpp: the OpenMP teams that the engine's loops run on, as three small helpers. bench/, tools/ and tests/
 // start their teams through them too (to time, probe and flush caches on the threads the layer uses, or to play a
 // server's own parallel region), so that `#pragma omp` stays in engine/; kernels/ are single-threaded. The engine's
-// other regions keep their pragma beside the code they split: loops with a reduction or a collapsed nest
-// (validate.cpp, attention.cpp's packing, reference.cpp), and the decode step's one region of three stages
-// (serving.cpp).
+// other regions keep their pragma beside the code they split: loops with a reduction or a size threshold
+// (validate.cpp, convert.cpp, reference.cpp), and the decode step's one region of three stages (serving.cpp).
 #pragma once
 
 #include <omp.h>

@@ -1,65 +1,25 @@
-// engine/weights.cpp: Weights and WeightsView checks against a Config, reproducible random initialisation, and
-// the typed, strided reads a layer packs its weights from. File loading lives in io/weights_io.cpp.
-#include <algorithm>
+// engine/weights.cpp: Weights and WeightsView checks against a Config (engine/weights_check.hpp) and reproducible
+// random initialisation (engine/weights_random.hpp). File loading lives in io/weights_io.cpp; reading a view's
+// elements, in convert.cpp.
 #include <cmath>
-#include <cstring>
-#include <type_traits>
+#include <string>
+#include <utility>
 
+#include "engine/convert.hpp"
 #include "engine/util.hpp"
 #include "engine/validate.hpp"
-#include "engine/weights_copy.hpp"
+#include "engine/weights_check.hpp"
+#include "engine/weights_random.hpp"
 #include "gpt2attn/error.hpp"
 #include "gpt2attn/weights.hpp"
-#include "kernels/bf16.hpp"
 #include "kernels/dropout.hpp"
-#include "support/file_io.hpp"
 
 namespace gpt2attn {
 
 namespace detail {
 namespace {
 
-// Element i of type S at p, as f32 (exact for all three), read with memcpy: a file's tensor may be unaligned.
-template <DType S>
-float load(const std::byte* p) {
-  if constexpr (S == DType::f32) {
-    float f;
-    std::memcpy(&f, p, sizeof f);
-    return f;
-  } else {
-    uint16_t h;
-    std::memcpy(&h, p, sizeof h);
-    return S == DType::bf16 ? kernels::widen(kernels::bf16{h}) : io::f16_to_f32(h);
-  }
-}
-
-template <DType S, class Dst>
-void copy_rows_as(const TensorView& w, int64_t r0, int64_t n, Dst* dst) {
-  const int64_t cols = w.shape[1], stride_r = w.strides[0], stride_c = w.strides[1];
-  const auto* base = static_cast<const std::byte*>(w.data);
-  constexpr int64_t bytes = static_cast<int64_t>(size_of(S)), tile = 64;
-  for (int64_t rt = 0; rt < n; rt += tile) {
-    for (int64_t ct = 0; ct < cols; ct += tile) {
-      for (int64_t r = rt; r < std::min(n, rt + tile); ++r) {
-        for (int64_t c = ct; c < std::min(cols, ct + tile); ++c) {
-          dst[r * cols + c] = kernels::narrow<Dst>(load<S>(base + ((r0 + r) * stride_r + c * stride_c) * bytes));
-        }
-      }
-    }
-  }
-}
-
-template <class Dst>
-void copy_rows_to(const TensorView& w, int64_t r0, int64_t n, Dst* dst) {
-  switch (w.dtype) {
-    case DType::f32: return copy_rows_as<DType::f32>(w, r0, n, dst);
-    case DType::bf16: return copy_rows_as<DType::bf16>(w, r0, n, dst);
-    case DType::f16: return copy_rows_as<DType::f16>(w, r0, n, dst);
-    default: fail(ErrorCode::internal, std::string("weights: cannot read ") + to_string(w.dtype) + " weights");
-  }
-}
-
-// A rank-1 view (N) as the (1, N) matrix copy_rows reads.
+// A rank-1 view (N) as a (1, N) matrix.
 TensorView as_matrix(const TensorView& v) {
   if (v.rank == 2) return v;
   TensorView m = v;
@@ -78,8 +38,9 @@ void check_finite_as(const TensorView& m, const char* name, bool vector) {
   for (int64_t r = 0; r < m.shape[0]; ++r) {
     const std::byte* row = base + r * m.strides[0] * bytes;
     if (!any_nonfinite<S>(row, 0, m.shape[1], m.strides[1])) continue;
+    const std::vector<float> values = f32_values(slice(m, 0, r, 1));
     for (int64_t c = 0; c < m.shape[1]; ++c) {
-      const float x = load<S>(row + c * m.strides[1] * bytes);
+      const float x = values[static_cast<size_t>(c)];
       if (std::isfinite(x)) continue;
       std::string msg = std::string("weights: ") + name + " contains ";
       msg += std::isnan(x) ? "NaN" : x > 0 ? "+Inf" : "-Inf";
@@ -93,33 +54,6 @@ void check_finite_as(const TensorView& m, const char* name, bool vector) {
 }
 
 }  // namespace
-
-TensorView slice(const TensorView& v, int dim, int64_t i0, int64_t n) {
-  if (v.empty()) return v;
-  TensorView s = v;
-  s.data = static_cast<const std::byte*>(v.data) + i0 * v.strides[dim] * static_cast<int64_t>(size_of(v.dtype));
-  s.shape[dim] = n;
-  return s;
-}
-
-void copy_rows(const TensorView& w, int64_t r0, int64_t n, DType to, void* dst) {
-  if (to == DType::bf16) {
-    copy_rows_to(w, r0, n, static_cast<kernels::bf16*>(dst));
-  } else if (to == DType::f32) {
-    copy_rows_to(w, r0, n, static_cast<float*>(dst));
-  } else {
-    fail(ErrorCode::internal, std::string("weights: no layer keeps weights in ") + to_string(to));
-  }
-}
-
-std::vector<float> f32_values(const TensorView& v) {
-  std::vector<float> out;
-  if (v.empty()) return out;
-  const TensorView m = as_matrix(v);
-  out.resize(static_cast<size_t>(m.shape[0] * m.shape[1]));
-  copy_rows(m, 0, m.shape[0], DType::f32, out.data());
-  return out;
-}
 
 }  // namespace detail
 

@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "engine/convert.hpp"
 #include "engine/layer.hpp"
 #include "engine/shard.hpp"
-#include "engine/weights_copy.hpp"
 #include "gpt2attn/error.hpp"
 #include "tests/file_test_util.hpp"
 #include "tests/test_util.hpp"

@@ -14,8 +14,8 @@
 #include <tuple>
 #include <vector>
 
+#include "engine/convert.hpp"
 #include "engine/util.hpp"
-#include "engine/weights_copy.hpp"
 #include "gpt2attn/error.hpp"
 #include "support/file_io.hpp"
 

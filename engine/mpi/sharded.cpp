@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/convert.hpp"
 #include "engine/io/safetensors.hpp"
 #include "engine/io/weights_io.hpp"
 #include "engine/kv_cache.hpp"
@@ -21,7 +22,7 @@
 #include "engine/shard.hpp"
 #include "engine/util.hpp"
 #include "engine/validate.hpp"
-#include "engine/weights_copy.hpp"
+#include "engine/weights_check.hpp"
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn {

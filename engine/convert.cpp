@@ -1,0 +1,159 @@
+// engine/convert.cpp: the one strided-view converter (convert.hpp) and what is built on it.
+#include "engine/convert.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "engine/util.hpp"
+#include "gpt2attn/error.hpp"
+#include "kernels/bf16.hpp"
+#include "support/file_io.hpp"
+
+namespace gpt2attn::detail {
+namespace {
+
+// Element of type S at p as f32 (exact for all three), read with memcpy: a file's tensor may be unaligned.
+template <DType S>
+float load(const std::byte* p) {
+  if constexpr (S == DType::f32) {
+    float f;
+    std::memcpy(&f, p, sizeof f);
+    return f;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, p, sizeof h);
+    return S == DType::bf16 ? kernels::widen(kernels::bf16{h}) : io::f16_to_f32(h);
+  }
+}
+
+template <class Dst>
+constexpr DType dtype_of_dst = std::is_same_v<Dst, float> ? DType::f32 : DType::bf16;
+
+// Element of type S at p as Dst: its bits where the types agree (a NaN's payload too), else rounded once.
+template <DType S, class Dst>
+Dst element(const std::byte* p) {
+  if constexpr (S == dtype_of_dst<Dst>) {
+    Dst x{};
+    std::memcpy(&x, p, sizeof x);
+    return x;
+  } else {
+    return kernels::narrow<Dst>(load<S>(p));
+  }
+}
+
+// A view of rank 1 to 3 as (B, N, W) with its strides in elements: the rank-1 (W) and rank-2 (N, W) views as one B.
+struct Shape3 {
+  int64_t B, N, W, sb, sn, sw;
+};
+Shape3 shape3(const TensorView& v) {
+  switch (v.rank) {
+    case 1: return {1, 1, v.shape[0], 0, 0, v.strides[0]};
+    case 2: return {1, v.shape[0], v.shape[1], 0, v.strides[0], v.strides[1]};
+    case 3: return {v.shape[0], v.shape[1], v.shape[2], v.strides[0], v.strides[1], v.strides[2]};
+    default: fail(ErrorCode::internal, "convert: a view of rank " + std::to_string(v.rank) + " (expected 1 to 3)");
+  }
+}
+
+// Rows of adjacent elements are converted whole, each row an item; others kTile rows at a time, kTile columns by
+// kTile columns, so that a transposed view (adjacent elements down a column) reads each cache line once.
+constexpr int64_t kTile = 64;
+// Below this many elements a team costs more than it saves.
+constexpr int64_t kParallelElements = 65536;
+
+template <DType S, class Dst>
+void convert_as(const TensorView& v, Dst* dst, int threads) {
+  const Shape3 s = shape3(v);
+  const auto* base = static_cast<const std::byte*>(v.data);
+  constexpr int64_t bytes = static_cast<int64_t>(size_of(S));
+  constexpr bool same = S == dtype_of_dst<Dst>;
+  const bool adjacent = s.sw == 1;
+  const int64_t rows = adjacent ? 1 : kTile, cols = kTile;
+  const int64_t per_b = ceil_div(s.N, rows), items = s.B * per_b;
+  const auto convert_item = [&](int64_t item) {
+    const int64_t b = item / per_b, n0 = item % per_b * rows, n1 = std::min(s.N, n0 + rows);
+    const std::byte* in = base + b * s.sb * bytes;
+    Dst* out = dst + b * s.N * s.W;
+    if (adjacent) {  // row n0, its elements read at a stride the compiler knows
+      const std::byte* row = in + n0 * s.sn * bytes;
+      Dst* o = out + n0 * s.W;
+      if constexpr (same) {
+        std::memcpy(o, row, static_cast<size_t>(s.W * bytes));
+      } else {
+        for (int64_t c = 0; c < s.W; ++c) o[c] = kernels::narrow<Dst>(load<S>(row + c * bytes));
+      }
+      return;
+    }
+    for (int64_t c0 = 0; c0 < s.W; c0 += cols) {
+      const int64_t c1 = std::min(s.W, c0 + cols);
+      for (int64_t n = n0; n < n1; ++n) {
+        const std::byte* row = in + n * s.sn * bytes;
+        for (int64_t c = c0; c < c1; ++c) out[n * s.W + c] = element<S, Dst>(row + c * s.sw * bytes);
+      }
+    }
+  };
+  // No region at all below the threshold, rather than a region whose `if` is false: libgomp allocates a team even
+  // for that, and a bf16 Linear on f32 GEMMs converts its input on every call, which must not allocate.
+  if (threads > 1 && s.B * s.N * s.W > kParallelElements) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < items; ++item) convert_item(item);
+  } else {
+    for (int64_t item = 0; item < items; ++item) convert_item(item);
+  }
+}
+
+template <class Dst>
+void convert_to(const TensorView& v, Dst* dst, int threads) {
+  switch (v.dtype) {
+    case DType::f32: return convert_as<DType::f32>(v, dst, threads);
+    case DType::bf16: return convert_as<DType::bf16>(v, dst, threads);
+    case DType::f16: return convert_as<DType::f16>(v, dst, threads);
+    default: fail(ErrorCode::internal, std::string("convert: cannot read ") + to_string(v.dtype) + " elements");
+  }
+}
+
+}  // namespace
+
+void convert(const TensorView& v, DType to, void* dst, int threads) {
+  if (to == DType::bf16) {
+    convert_to(v, static_cast<kernels::bf16*>(dst), threads);
+  } else if (to == DType::f32) {
+    convert_to(v, static_cast<float*>(dst), threads);
+  } else {
+    fail(ErrorCode::internal, std::string("convert: no layer computes in ") + to_string(to));
+  }
+}
+
+TensorView slice(const TensorView& v, int dim, int64_t i0, int64_t n) {
+  if (v.empty()) return v;
+  TensorView s = v;
+  s.data = static_cast<const std::byte*>(v.data) + i0 * v.strides[dim] * static_cast<int64_t>(size_of(v.dtype));
+  s.shape[dim] = n;
+  return s;
+}
+
+std::vector<float> f32_values(const TensorView& v) {
+  std::vector<float> out;
+  if (v.empty()) return out;
+  out.resize(static_cast<size_t>(v.numel()));
+  convert(v, DType::f32, out.data());
+  return out;
+}
+
+bool needs_packing(const TensorView& x, DType compute) {
+  const int64_t N = x.shape[1], W = x.shape[2];
+  return x.dtype != compute ||
+         !(x.strides[2] == 1 && x.strides[1] >= W && (x.shape[0] == 1 || x.strides[0] == N * x.strides[1]));
+}
+
+// A (B, N, W) view of the compute type whose rows are evenly spaced with unit element stride is read in place as a
+// 2-D (B*N, W) matrix; anything else (other strides, or an f32 view into a bf16 layer and the reverse) is converted
+// contiguously into `scratch` first (O(B*N*W), once per call, across the team).
+Rows as_rows(const TensorView& x, DType compute, std::byte* scratch, int threads) {
+  if (!needs_packing(x, compute)) return {x.data, x.strides[1], compute};
+  convert(x, compute, scratch, threads);
+  return {scratch, x.shape[2], compute};
+}
+
+}  // namespace gpt2attn::detail

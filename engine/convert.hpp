@@ -1,0 +1,46 @@
+// engine/convert.hpp: strided views read into the contiguous rows the layer computes on. One converter serves the
+// weights (once, at construction: into oneDNN's reorder and decode's packed panels), the activations oneDNN cannot
+// read in place (per call: as_rows), and a bf16 Linear on f32 GEMMs (per call: its input, widened).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "gpt2attn/dtype.hpp"
+#include "gpt2attn/tensor.hpp"
+
+namespace gpt2attn::detail {
+
+// The view v (rank 1 to 3; f32, bf16 or f16; any strides, data of any alignment: a file's tensor may be unaligned)
+// as contiguous elements of `to` (f32 or bf16) at dst, in row-major order of its shape. Exact where `to` holds every
+// value of v's type (f32 <- bf16/f16; a type into itself, bit for bit); rounded to nearest even once where it does not
+// (bf16 <- f32/f16: f16 widens exactly, so the one rounding is the f16 value's). A NaN stays a NaN. Rows whose
+// elements are not adjacent (a transposed view: a Conv1D weight) are read in 64 x 64 tiles, so each cache line is
+// read once, not once per row. A view of more than 65536 elements is split across a team of `threads`.
+void convert(const TensorView& v, DType to, void* dst, int threads = 1);
+
+// Indices [i0, i0 + n) of dimension `dim` of view v, as a view of the same memory (an empty view stays empty).
+TensorView slice(const TensorView& v, int dim, int64_t i0, int64_t n);
+
+// Rows [r0, r0 + n) of the rank-2 view w (R, C) as a contiguous (n, C) block of `to` at dst, as convert() reads them.
+inline void copy_rows(const TensorView& w, int64_t r0, int64_t n, DType to, void* dst) {
+  convert(slice(w, 0, r0, n), to, dst);
+}
+
+// A rank-1 or rank-2 view as f32 values in row-major order of its shape, exactly; empty for an empty view.
+std::vector<float> f32_values(const TensorView& v);
+
+// A (rows, width) matrix as oneDNN reads it: base pointer (elements of the compute type) and row stride.
+struct Rows {
+  const void* data;
+  int64_t ld;
+  DType dtype;
+  const void* row(int64_t i) const { return static_cast<const std::byte*>(data) + i * ld * size_of(dtype); }
+};
+// Whether as_rows must copy the (B, N, W) view x for a layer computing in `compute`.
+bool needs_packing(const TensorView& x, DType compute);
+// x (B, N, W) as a (B*N, W) matrix of the compute type: in place, or converted into `scratch` across the team.
+Rows as_rows(const TensorView& x, DType compute, std::byte* scratch, int threads);
+
+}  // namespace gpt2attn::detail
