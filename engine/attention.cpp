@@ -15,7 +15,6 @@
 #include "engine/layer.hpp"
 #include "engine/weights_check.hpp"
 #include "gpt2attn/error.hpp"
-#include "kernels/bf16.hpp"
 
 namespace gpt2attn {
 
@@ -26,27 +25,6 @@ using detail::as_rows;
 using detail::needs_packing;
 
 namespace {
-
-// Decode's panel-packed copy (kernels/linear.hpp) in the compute type t of the (N, K) matrix whose rows [n0, n0 + n)
-// rows(n0, n, dst) writes contiguously in t: one panel of rows at a time, so no (N, K) copy is ever made.
-template <class Rows>
-detail::Buffer pack_linear(int64_t N, int64_t K, DType t, Rows&& rows, const char* what) {
-  const int64_t P = kernels::kLinearPanel, bytes = static_cast<int64_t>(size_of(t));
-  detail::Buffer out = detail::allocate_buffer(static_cast<size_t>(kernels::linear_packed_elements(N, K) * bytes), what);
-  std::vector<std::byte> panel(static_cast<size_t>(P * K * bytes));
-  for (int64_t p = 0; p < kernels::linear_panels(N); ++p) {
-    const int64_t n0 = p * P, n = std::min(P, N - n0);
-    rows(n0, n, panel.data());
-    std::byte* dst = out.get() + p * K * P * bytes;
-    if (t == DType::bf16) {
-      kernels::pack_linear_weights(reinterpret_cast<const kernels::bf16*>(panel.data()), n, K,
-                                   reinterpret_cast<kernels::bf16*>(dst));
-    } else {
-      kernels::pack_linear_weights(reinterpret_cast<const float*>(panel.data()), n, K, reinterpret_cast<float*>(dst));
-    }
-  }
-  return out;
-}
 
 // Element i of an activation buffer of type t.
 std::byte* elem(std::byte* base, DType t, int64_t i) { return base + i * static_cast<int64_t>(size_of(t)); }
@@ -66,6 +44,24 @@ kernels::MaskRef mask_ref(const TensorView& m, MaskKind kind) {
 const void* advance(const void* p, DType dt, int64_t elems) {
   return dt == DType::u8 ? static_cast<const void*>(static_cast<const uint8_t*>(p) + elems)
                          : static_cast<const void*>(static_cast<const float*>(p) + elems);
+}
+
+// The (T, Tk) plane that batch b, head h reads of the mask r over m: (T, Tk), (B, T, Tk) or (B, H, T, Tk).
+kernels::MaskRef mask_plane(const kernels::MaskRef& r, const TensorView& m, int64_t b, int64_t h) {
+  int64_t off = 0;
+  if (m.rank >= 3) off += b * m.strides[0];
+  if (m.rank == 4) off += h * m.strides[1];
+  kernels::MaskRef p = r;
+  p.data = advance(r.data, m.dtype, off);
+  return p;
+}
+
+// Row b of the key-padding mask r over kp (B, Tk).
+kernels::MaskRef padding_row(const kernels::MaskRef& r, const TensorView& kp, int64_t b) {
+  kernels::MaskRef p = r;
+  p.data = advance(r.data, kp.dtype, b * kp.strides[0]);
+  p.stride_j = kp.strides[1];
+  return p;
 }
 
 }  // namespace
@@ -92,42 +88,9 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
   per_head(proj_k, cfg.kv_heads(), w.w_k, w.b_k);
   per_head(proj_v, cfg.kv_heads(), w.w_v, w.b_v);
 
-  // Every K/V storage dtype the table serves in this compute type at this level (a layer serves caches of any).
-  for (const detail::KernelSet& row : detail::kernel_table()) {
-    if (row.compute == compute && !serving_sets[static_cast<size_t>(row.kv)]) {
-      serving_sets[static_cast<size_t>(row.kv)] = &detail::kernels_for(isa, compute, row.kv);
-    }
-  }
-
   // The band of the registered causal mask a diagonal tile reaches (see causal_row in layer.hpp).
   causal_row.resize(static_cast<size_t>(2 * kernels::causal_band_center()));
   kernels::fill_causal_band(causal_row.data());
-}
-
-void MultiHeadAttention::Impl::pack_decode_weights(const WeightsView& w) {
-  const int64_t E = cfg.d_model, KW = cfg.kv_width();
-  const int64_t d_in = cfg.query_width(), N = E + 2 * KW;  // [q | k | v] per token
-  const int64_t row_bytes = d_in * static_cast<int64_t>(size_of(compute));
-  // Rows [n0, n0 + n) of the fused W_qkv (N, d_in), each read from whichever of W_q, W_k, W_v holds it.
-  qkv_packed = pack_linear(N, d_in, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
-    for (int64_t r = n0; r < n0 + n;) {
-      const auto [view, first] = r < E ? std::pair{&w.w_q, r} : r < E + KW ? std::pair{&w.w_k, r - E}
-                                                                            : std::pair{&w.w_v, r - E - KW};
-      const int64_t take = std::min(n0 + n - r, view->shape[0] - first);
-      detail::copy_rows(*view, first, take, compute, dst + (r - n0) * row_bytes);
-      r += take;
-    }
-  }, "decode's packed W_qkv");
-  if (cfg.qkv_bias) {
-    for (const TensorView* b : {&w.b_q, &w.b_k, &w.b_v}) {
-      const std::vector<float> v = detail::f32_values(*b);
-      qkv_bias.insert(qkv_bias.end(), v.begin(), v.end());
-    }
-  }
-  out_packed = pack_linear(out_width, E, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
-    detail::copy_rows(w.w_o, n0, n, compute, dst);
-  }, "decode's packed W_o");
-  if (cfg.out_bias) out_bias = detail::f32_values(w.b_o);
 }
 
 int64_t MultiHeadAttention::Impl::scratch_stride(const kernels::AttentionKernel& k) const {
@@ -214,7 +177,6 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, void* out_data
   kernels::MaskRef mask, padding;
   if (!in.attn_mask.empty()) mask = mask_ref(in.attn_mask, in.mask_kind);
   if (!in.key_padding.empty()) padding = mask_ref(in.key_padding, MaskKind::block);
-  const TensorView& m = in.attn_mask;
   std::byte *qp = r.q.in(w), *kp = r.k.in(w), *vp = r.v.in(w), *ctx = r.ctx.in(w);
   const DType t = compute;
   const int64_t H_kv = s.H_kv;
@@ -226,18 +188,8 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, void* out_data
     a.kv.v = elem(vp, t, kv_slice * Tk * D);
     a.kv.ldk = a.kv.ldv = D;
     a.out = elem(ctx, t, b * T * E + h * D);
-    if (mask.data) {
-      a.mask = mask;
-      int64_t off = 0;
-      if (m.rank >= 3) off += b * m.strides[0];
-      if (m.rank == 4) off += h * m.strides[1];
-      a.mask.data = advance(mask.data, m.dtype, off);
-    }
-    if (padding.data) {
-      a.key_padding = padding;
-      a.key_padding.data = advance(padding.data, in.key_padding.dtype, b * in.key_padding.strides[0]);
-      a.key_padding.stride_j = in.key_padding.strides[1];
-    }
+    if (mask.data) a.mask = mask_plane(mask, in.attn_mask, b, h);
+    if (padding.data) a.key_padding = padding_row(padding, in.key_padding, b);
     a.dropout_base = static_cast<uint64_t>((b * total_heads + first_head + h) * T * Tk);
   });
   out.run(ws.exec, ctx, s.B * T, E, out_data, out_width, threads, 0, out_dtype);
@@ -341,21 +293,29 @@ std::string MultiHeadAttention::implementation() const {
   const std::string row = impl_->kset.name;
   std::string s = "kernels " + row + " (prefill: tiled-online-softmax + onednn-matmul/" +
                   impl_->proj_q.front().implementation();
-  if (impl_->qkv_packed) {
+  if (impl_->serving) {
     s += std::string("; decode: split-kv-one-query + few-row-linear/") + to_string(impl_->compute) + " weights";
   }
   s += ")";
   return s;
 }
 
+namespace {
+// The config a CausalSelfAttention computes: the caller's, made causal.
+Config causal_config(Config c) {
+  c.causal = true;
+  return c;
+}
+}  // namespace
+
 CausalSelfAttention::CausalSelfAttention(Config config, const Weights& weights, const EngineOptions& options)
-    : CausalSelfAttention(config, checked_view((config.causal = true, config), weights), options) {}
+    : CausalSelfAttention(config, checked_view(causal_config(config), weights), options) {}
 
 CausalSelfAttention::CausalSelfAttention(Config config, const WeightsView& weights, const EngineOptions& options)
-    : mha_((config.causal = true, config), weights, options) {
+    : mha_(causal_config(config), weights, options) {
   if (!mha_.config().same_input_widths()) invalid("CausalSelfAttention: kdim and vdim must equal d_in");
   detail::translate_bad_alloc("CausalSelfAttention: packing the decode weights",
-                              [&] { mha_.impl_->pack_decode_weights(weights); });
+                              [&] { mha_.impl_->add_serving(weights); });
 }
 
 void CausalSelfAttention::forward(const float* x, int64_t B, int64_t T, float* out, const RunOptions& run,

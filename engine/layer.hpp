@@ -1,6 +1,6 @@
-// engine/layer.hpp: MultiHeadAttention's state, shared by the batch forward (engine/attention.cpp) and the
-// KV-cache serving calls (engine/serving.cpp). Everything here is immutable after construction except the
-// layer's own Workspace, guarded by `mu`.
+// engine/layer.hpp: MultiHeadAttention's state (Impl), built and run by the batch forward (engine/attention.cpp),
+// and what serving a KV cache adds to it (ServingState, engine/serving.cpp). Everything here is immutable after
+// construction except the layer's own Workspace, guarded by `mu`.
 #pragma once
 
 #include <array>
@@ -38,6 +38,23 @@ struct ForwardPlan {
   int64_t bytes = 0;
 };
 
+namespace detail {
+// What a layer that serves a KV cache holds beyond a plain MultiHeadAttention (serving.cpp builds and reads it).
+struct ServingState {
+  // The row serving a KV cache of each storage dtype (indexed by DType; null where the table has none), looked up
+  // once here so that extend and decode pick theirs by the cache's dtype without searching the table.
+  std::array<const KernelSet*, kNumDTypes> sets{};
+  // Decode's projections have M = B rows: they stream the weights, and run on our few-row kernel
+  // (kernels/linear.hpp) over panel-packed copies: the fused (E + 2 H_kv D, d_in) QKV, so one pass over the B new
+  // tokens reads the QKV weights once, and the (E, E) output projection. In the compute type (pack_linear_weights;
+  // bf16 halves the bytes a step streams); the biases stay f32. A plain MultiHeadAttention has none of this, so it
+  // holds one copy of its weights, not two.
+  Buffer qkv_packed;                      // W_qkv (E + 2 H_kv D, d_in)
+  Buffer out_packed;                      // W_o (out_width, E)
+  std::vector<float> qkv_bias, out_bias;  // (E + 2 H_kv D) and (out_width), or empty
+};
+}  // namespace detail
+
 struct MultiHeadAttention::Impl {
   // What this layer computes: a whole layer, or one tensor-parallel shard of a wider one (engine/shard.hpp), whose
   // cfg then holds the shard's heads and width E_r = H_r D and whose output is its partial sum.
@@ -48,9 +65,9 @@ struct MultiHeadAttention::Impl {
   Isa isa;
   DType compute;                  // f32 or bf16 (EngineOptions::compute): the projections' and the core's type
   const detail::KernelSet& kset;  // the dispatch table's row for (isa, compute, compute): forward
-  // The row serving a KV cache of each storage dtype (indexed by DType; null where the table has none), looked up
-  // once here so that extend and decode pick theirs by the cache's dtype without searching the table.
-  std::array<const detail::KernelSet*, kNumDTypes> serving_sets{};
+  // What serving a KV cache needs beyond this: built by add_serving for a CausalSelfAttention (and a causal shard of
+  // one), null in a plain MultiHeadAttention.
+  std::unique_ptr<detail::ServingState> serving;
   int default_threads;
 
   // One (D, width) projection per head: H for Q, H_kv each for K and V, so that each GEMM writes its head's (T, D)
@@ -59,15 +76,6 @@ struct MultiHeadAttention::Impl {
   // key, value.
   std::vector<detail::Linear> proj_q, proj_k, proj_v;
   detail::Linear out;
-  // Decode's projections have M = B rows: they stream the weights, and run on our few-row kernel
-  // (kernels/linear.hpp) over panel-packed copies: the fused (E + 2 H_kv D, d_in) QKV, so one pass over the B new
-  // tokens reads the QKV weights once, and the (E, E) output projection. Built by pack_decode_weights for a
-  // CausalSelfAttention (the only layer that serves a KV cache), empty in a plain MultiHeadAttention, which so
-  // holds one copy of its weights, not two. In the compute type (pack_linear_weights; bf16 halves the bytes a
-  // step streams); the biases stay f32. Null in a plain MultiHeadAttention.
-  detail::Buffer qkv_packed;               // W_qkv (E + 2 H_kv D, d_in)
-  detail::Buffer out_packed;               // W_o (out_width, E)
-  std::vector<float> qkv_bias, out_bias;   // (E + 2 H_kv D) and (out_width), or empty
 
   // The registered causal mask. The seeds' triangular (context x context) buffer is Toeplitz, so one row
   // holds every entry: causal_row[center + c] = 0 if c = i + offset - j >= 0 else -inf. The kernel skips
@@ -84,8 +92,8 @@ struct MultiHeadAttention::Impl {
   // Validates and builds a layer (the public constructors' work): config, weights (w_o (out_width, E)), options.
   static std::unique_ptr<Impl> create(const Config& c, const WeightsView& w, const EngineOptions& o,
                                       const detail::HeadShard* shard = nullptr);
-  // Fills qkv_packed, out_packed and their biases from w (a causal layer whose K, V and query widths agree).
-  void pack_decode_weights(const WeightsView& w);
+  // Builds `serving` from w, the weights this layer was built from (a causal layer whose K, V and query widths agree).
+  void add_serving(const WeightsView& w);
 
   int threads_for(const RunOptions& run) const { return run.threads > 0 ? run.threads : default_threads; }
 
@@ -108,8 +116,6 @@ struct MultiHeadAttention::Impl {
   }
   // Floats of the tiled kernel's scratch per thread (forward and extend).
   int64_t scratch_stride(const kernels::AttentionKernel& k) const;
-  // The kernels for a cache storing K/V as `kv`; invalid_argument naming `call` when no row serves it.
-  const detail::KernelSet& serving_kernels(DType kv, const char* call) const;
   kernels::AttentionArgs base_args(int64_t T, int64_t Tk) const;
 
   // The batch forward (attention.cpp).
@@ -118,7 +124,9 @@ struct MultiHeadAttention::Impl {
   void check_output_dtype(DType out_dtype) const;
   ForwardPlan forward_plan(const detail::AttnShape& s, bool pack_q, bool pack_k, bool pack_v, int threads) const;
 
-  // Serving with a KV cache (serving.cpp).
+  // Serving with a KV cache (serving.cpp), on a layer with `serving` (an internal error on one without).
+  // The kernels for a cache storing K/V as `kv`; invalid_argument naming `call` when no row serves it.
+  const detail::KernelSet& serving_kernels(DType kv, const char* call) const;
   void extend(KvCache& cache, SequenceId seq, const float* x, int64_t T, float* out, const RunOptions& run,
               Workspace::Impl& ws);
   void decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out, const RunOptions& run,

@@ -1,19 +1,25 @@
-// engine/serving.cpp: CausalSelfAttention with a paged KV cache: extend() (prefill or chunked prefill of one
-// sequence, K/V projected straight into the cache's blocks) and decode() (one token for each of B sequences:
-// one fused QKV GEMM, K/V rows stored into the blocks, split-KV attention, the output GEMM). Validation and
-// the pool reservation come first, so a failed call leaves the cache and `out` as they were.
+// engine/serving.cpp: CausalSelfAttention with a paged KV cache: what serving adds to a layer (ServingState: the
+// kernels for each cache format, decode's packed weights), extend() (prefill or chunked prefill of one sequence, K/V
+// projected straight into the cache's blocks) and decode() (one token for each of B sequences: one fused QKV GEMM,
+// K/V rows stored into the blocks, split-KV attention, the output GEMM). Validation and the pool reservation come
+// first, so a failed call leaves the cache and `out` as they were.
 #include <omp.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "engine/buffer.hpp"
+#include "engine/convert.hpp"
+#include "engine/dispatch.hpp"
 #include "engine/kv_cache.hpp"
 #include "engine/layer.hpp"
 #include "engine/split_kv.hpp"
 #include "gpt2attn/error.hpp"
+#include "kernels/bf16.hpp"
 #include "kernels/tiles.hpp"
 
 namespace gpt2attn {
@@ -27,6 +33,27 @@ using kernels::KvPart;
 
 int64_t max_length(const Config& layer, const KvCache& cache) {
   return std::min(layer.context_length, cache.config().context_length);
+}
+
+// Decode's panel-packed copy (kernels/linear.hpp) in the compute type t of the (N, K) matrix whose rows [n0, n0 + n)
+// rows(n0, n, dst) writes contiguously in t: one panel of rows at a time, so no (N, K) copy is ever made.
+template <class Rows>
+detail::Buffer pack_linear(int64_t N, int64_t K, DType t, Rows&& rows, const char* what) {
+  const int64_t P = kernels::kLinearPanel, bytes = static_cast<int64_t>(size_of(t));
+  detail::Buffer out = detail::allocate_buffer(static_cast<size_t>(kernels::linear_packed_elements(N, K) * bytes), what);
+  std::vector<std::byte> panel(static_cast<size_t>(P * K * bytes));
+  for (int64_t p = 0; p < kernels::linear_panels(N); ++p) {
+    const int64_t n0 = p * P, n = std::min(P, N - n0);
+    rows(n0, n, panel.data());
+    std::byte* dst = out.get() + p * K * P * bytes;
+    if (t == DType::bf16) {
+      kernels::pack_linear_weights(reinterpret_cast<const kernels::bf16*>(panel.data()), n, K,
+                                   reinterpret_cast<kernels::bf16*>(dst));
+    } else {
+      kernels::pack_linear_weights(reinterpret_cast<const float*>(panel.data()), n, K, reinterpret_cast<float*>(dst));
+    }
+  }
+  return out;
 }
 
 // A decode projection's panels as work items: contiguous runs of whole panel groups (the kernel's unit), about
@@ -123,14 +150,128 @@ DecodePlan decode_plan(const AttnShape& s, int threads, int64_t table_entries, i
   return r;
 }
 
+// Decode's split-KV plan (engine/split_kv.hpp): a work item is one sequence's key range, for every head. Sequence
+// b's n_b = lengths[b] + 1 keys go in decode_splits(n_b) items, its share of a target that is a multiple of the
+// thread count; there are at most decode_max_items(B, threads) (the bound decode_plan sizes). Fills item_base
+// (B + 1: the first item of each sequence, then the total) and pending (B: each sequence's splits not yet
+// computed) and returns the number of items.
+int64_t plan_splits(const int64_t* lengths, int64_t B, int threads, int64_t* item_base, int64_t* pending) {
+  int64_t total_keys = 0;
+  for (int64_t b = 0; b < B; ++b) total_keys += lengths[b] + 1;
+  const int64_t target = detail::decode_item_target(total_keys, threads);
+  item_base[0] = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    item_base[b + 1] = item_base[b] + detail::decode_splits(lengths[b] + 1, total_keys, target);
+  }
+  for (int64_t b = 0; b < B; ++b) pending[b] = item_base[b + 1] - item_base[b];
+  return item_base[B];
+}
+
+// The few-row kernel's arguments for y (M, N) = x (M, K) W^T + b, W one of decode's panel-packed matrices.
+kernels::LinearArgs few_row_args(const float* x, int64_t ldx, const detail::Buffer& w, const std::vector<float>& bias,
+                                 float* y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+  kernels::LinearArgs a;
+  a.x = x, a.ldx = ldx, a.w_packed = w.get();
+  a.bias = bias.empty() ? nullptr : bias.data();
+  a.y = y, a.ldy = ldy, a.M = M, a.N = N, a.K = K;
+  return a;
+}
+
+// Decode's attention stage: split-KV item `it` of the step, run by any thread of the step's region. Everything it
+// reads or writes lies in the workspace and the cache, set up before the region.
+struct DecodeAttention {
+  KvCache::Impl& kv;
+  std::byte** tables;        // (B, stride): each sequence's block table
+  int64_t stride;
+  const int64_t* lengths;    // (B): tokens cached before this step
+  const int64_t* item_base;  // (B + 1): plan_splits'
+  int64_t* pending;          // (B): splits of each sequence not yet computed
+  int64_t B, E, H, H_kv, D;
+  const float* stage;        // (B, E + 2 H_kv D): [q | k | v] of each new token
+  float* ctx;                // (B, E): the attention output
+  float *m, *l, *acc;        // partial softmax states: (items, H), (items, H), (items, H, D)
+  const kernels::DecodeKernel* kern;
+  float scale;
+
+  void run(int64_t it, float* scratch) const {
+    const int64_t b = std::upper_bound(item_base, item_base + B + 1, it) - item_base - 1;
+    const int64_t n = lengths[b] + 1, splits = item_base[b + 1] - item_base[b];
+    const auto [j0, j1] = detail::decode_split_range(n, splits, it - item_base[b]);
+    if (j1 == n) store_new_rows(b);  // key n - 1, the new token, is read by this split alone
+    kernels::DecodeArgs a;
+    a.q = row(b), a.ldq = D;
+    a.blocks = tables + b * stride, a.layout = kv.layout;
+    a.H = H, a.D = D, a.scale = scale;
+    kern->run(a, j0, j1, scratch, m + it * H, l + it * H, acc + it * H * D);
+    // The last of the sequence's splits to finish merges them; acq_rel makes every other split's m, l and acc
+    // visible to it.
+    if (std::atomic_ref<int64_t>(pending[b]).fetch_sub(1, std::memory_order_acq_rel) == 1) merge(b, splits);
+  }
+
+ private:
+  const float* row(int64_t b) const { return stage + b * (E + 2 * H_kv * D); }
+  // The new token's K and V rows, to position lengths[b] of each K/V head's tile in its block.
+  void store_new_rows(int64_t b) const {
+    const int64_t t = lengths[b], bt = kv.block_tokens, KW = H_kv * D;
+    std::byte* block = tables[b * stride + t / bt];
+    for (int64_t h = 0; h < H_kv; ++h) {
+      kv.store_row(block, KvPart::key, h, t % bt, row(b) + E + h * D);
+      kv.store_row(block, KvPart::value, h, t % bt, row(b) + E + KW + h * D);
+    }
+  }
+  // Sequence b's partial softmax states, of its splits items, into its ctx row.
+  void merge(int64_t b, int64_t splits) const {
+    const int64_t first = item_base[b];
+    for (int64_t h = 0; h < H; ++h) {
+      kernels::merge_softmax_partials(m + first * H + h, l + first * H + h, H, acc + (first * H + h) * D, H * D,
+                                      splits, D, ctx + b * E + h * D);
+    }
+  }
+};
+
 }  // namespace
+
+void MultiHeadAttention::Impl::add_serving(const WeightsView& w) {
+  auto st = std::make_unique<detail::ServingState>();
+  // Every K/V storage dtype the table serves in this compute type at this level (a layer serves caches of any).
+  for (const detail::KernelSet& row : detail::kernel_table()) {
+    if (row.compute == compute && !st->sets[static_cast<size_t>(row.kv)]) {
+      st->sets[static_cast<size_t>(row.kv)] = &detail::kernels_for(isa, compute, row.kv);
+    }
+  }
+  const int64_t E = cfg.d_model, KW = cfg.kv_width();
+  const int64_t d_in = cfg.query_width(), N = E + 2 * KW;  // [q | k | v] per token
+  const int64_t row_bytes = d_in * static_cast<int64_t>(size_of(compute));
+  // Rows [n0, n0 + n) of the fused W_qkv (N, d_in), each read from whichever of W_q, W_k, W_v holds it.
+  st->qkv_packed = pack_linear(N, d_in, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
+    for (int64_t r = n0; r < n0 + n;) {
+      const auto [view, first] = r < E ? std::pair{&w.w_q, r} : r < E + KW ? std::pair{&w.w_k, r - E}
+                                                                            : std::pair{&w.w_v, r - E - KW};
+      const int64_t take = std::min(n0 + n - r, view->shape[0] - first);
+      detail::copy_rows(*view, first, take, compute, dst + (r - n0) * row_bytes);
+      r += take;
+    }
+  }, "decode's packed W_qkv");
+  if (cfg.qkv_bias) {
+    for (const TensorView* b : {&w.b_q, &w.b_k, &w.b_v}) {
+      const std::vector<float> v = detail::f32_values(*b);
+      st->qkv_bias.insert(st->qkv_bias.end(), v.begin(), v.end());
+    }
+  }
+  st->out_packed = pack_linear(out_width, E, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
+    detail::copy_rows(w.w_o, n0, n, compute, dst);
+  }, "decode's packed W_o");
+  if (cfg.out_bias) st->out_bias = detail::f32_values(w.b_o);
+  serving = std::move(st);
+}
 
 int64_t MultiHeadAttention::Impl::decode_scratch_stride(const kernels::DecodeKernel& k, int64_t block_tokens) const {
   return detail::round_up(static_cast<int64_t>(k.scratch_floats(cfg.num_heads, cfg.head_dim(), block_tokens)), 16);
 }
 
 const detail::KernelSet& MultiHeadAttention::Impl::serving_kernels(DType kv, const char* call) const {
-  const detail::KernelSet* row = serving_sets[static_cast<size_t>(kv)];
+  if (!serving) fail(ErrorCode::internal, std::string(call) + ": the layer serves no KV cache");
+  const detail::KernelSet* row = serving->sets[static_cast<size_t>(kv)];
   if (!row) {
     invalid(std::string(call) + ": no kernels serve a KV cache of dtype " + to_string(kv) + " at instruction set " +
             to_string(isa));
@@ -146,7 +287,8 @@ int64_t MultiHeadAttention::Impl::serving_bytes(int64_t max_extend_tokens, int64
   const int64_t C = cfg.context_length;
   AttnShape s = detail::shape_of(cfg);
   int64_t bytes = 0;
-  for (const detail::KernelSet* row : serving_sets) {
+  if (!serving) fail(ErrorCode::internal, "serving_bytes: the layer serves no KV cache");
+  for (const detail::KernelSet* row : serving->sets) {
     if (!row) continue;
     if (max_extend_tokens) {
       s.B = 1, s.T = max_extend_tokens;
@@ -233,6 +375,7 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   const int64_t d_in = s.d_in, E = s.E, H = s.H, H_kv = s.H_kv, D = s.D;
   KvCache::Impl& kv = cache.impl();
 
+  // Plan: the workspace's regions, the sequences' blocks reserved for one more token each, the split-KV items.
   const detail::KernelSet& ks = serving_kernels(kv.layout.dtype, "decode");
   const int64_t limit = max_length(cfg, cache), stride = ceil_div(limit, kv.block_tokens);  // table entries
   const int64_t sstride = decode_scratch_stride(*ks.decode, kv.block_tokens);
@@ -242,40 +385,26 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   int64_t* lengths = r.lengths.in(w);  // tokens cached before this step
   kv.begin_append(seqs, B, 1, limit, tables, stride, lengths);
   AppendLease lease(kv, seqs, B, 1);
+  int64_t* item_base = r.item_base.in(w);
+  int64_t* pending = r.pending.in(w);
+  const int64_t items = plan_splits(lengths, B, threads, item_base, pending);
 
   float* stage = r.stage.in(w);
   float* ctx = r.ctx.in(w);
   const int64_t KW = H_kv * D, ldstage = E + 2 * KW;
-  kernels::LinearArgs proj_in;  // stage (B, E + 2 KW) = [q | k | v] per row = x (B, d_in) W_qkv^T + b_qkv
-  proj_in.x = x, proj_in.ldx = d_in, proj_in.w_packed = qkv_packed.get();
-  proj_in.bias = qkv_bias.empty() ? nullptr : qkv_bias.data();
-  proj_in.y = stage, proj_in.ldy = ldstage, proj_in.M = B, proj_in.N = ldstage, proj_in.K = d_in;
-  kernels::LinearArgs proj_out;  // out (B, out_width) = ctx (B, E) W_o^T + b_o
-  proj_out.x = ctx, proj_out.ldx = E, proj_out.w_packed = out_packed.get();
-  proj_out.bias = out_bias.empty() ? nullptr : out_bias.data();
-  proj_out.y = out_data, proj_out.ldy = out_width, proj_out.M = B, proj_out.N = out_width, proj_out.K = E;
-
-  // Split-KV plan (engine/split_kv.hpp): a work item is one sequence's key range, for every head. Sequence b's
-  // n_b = lengths[b] + 1 keys go in decode_splits(n_b) items, its share of a target that is a multiple of the thread
-  // count; there are at most decode_max_items(B, threads) (the bound decode_plan sizes).
-  int64_t total_keys = 0;
-  for (int64_t b = 0; b < B; ++b) total_keys += lengths[b] + 1;
-  const int64_t target = detail::decode_item_target(total_keys, threads);
-  int64_t* item_base = r.item_base.in(w);  // first item of sequence b
-  item_base[0] = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    item_base[b + 1] = item_base[b] + detail::decode_splits(lengths[b] + 1, total_keys, target);
-  }
-  const int64_t items = item_base[B];
-  int64_t* pending = r.pending.in(w);  // splits of sequence b not yet computed
-  for (int64_t b = 0; b < B; ++b) pending[b] = item_base[b + 1] - item_base[b];
-
-  const int64_t bt = kv.block_tokens;
-  float *pm = r.m.in(w), *pl = r.l.in(w), *pacc = r.acc.in(w);
-  const kernels::DecodeKernel* kern = ks.decode;
+  const detail::ServingState& sv = *serving;
+  // stage (B, E + 2 KW) = [q | k | v] per row = x (B, d_in) W_qkv^T + b_qkv; out (B, out_width) = ctx W_o^T + b_o.
+  const kernels::LinearArgs qkv =
+      few_row_args(x, d_in, sv.qkv_packed, sv.qkv_bias, stage, ldstage, B, ldstage, d_in);
+  const kernels::LinearArgs proj =
+      few_row_args(ctx, E, sv.out_packed, sv.out_bias, out_data, out_width, B, out_width, E);
   const kernels::LinearKernel* lin = ks.few_row_linear;
-  const PanelItems in_items = panel_items(*lin, ldstage, threads), out_items = panel_items(*lin, out_width, threads);
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const PanelItems qkv_items = panel_items(*lin, ldstage, threads), out_items = panel_items(*lin, out_width, threads);
+  const DecodeAttention attention{.kv = kv, .tables = tables, .stride = stride, .lengths = lengths,
+                                  .item_base = item_base, .pending = pending, .B = B, .E = E, .H = H, .H_kv = H_kv,
+                                  .D = D, .stage = stage, .ctx = ctx, .m = r.m.in(w), .l = r.l.in(w),
+                                  .acc = r.acc.in(w), .kern = ks.decode,
+                                  .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)))};
   float* scratch_base = r.scratch.in(w);
   // One parallel region for the whole step, three stages, each `omp for` ending in the barrier that orders them:
   // the QKV projection, attention (which also stores the new K/V rows and merges the splits), the output
@@ -286,40 +415,12 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   {
     // The QKV projection of the B new tokens, split by weight panels: each thread streams its share of W once.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < in_items.count(); ++it) lin->run(proj_in, in_items.begin(it), in_items.end(it));
+    for (int64_t it = 0; it < qkv_items.count(); ++it) lin->run(qkv, qkv_items.begin(it), qkv_items.end(it));
     float* scratch = scratch_base + omp_get_thread_num() * sstride;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
-      const int64_t b = std::upper_bound(item_base, item_base + B + 1, it) - item_base - 1;
-      const int64_t n = lengths[b] + 1, splits = item_base[b + 1] - item_base[b];
-      const auto [j0, j1] = detail::decode_split_range(n, splits, it - item_base[b]);
-      if (j1 == n) {
-        // Key n - 1 is the new token: its K and V rows go to position lengths[b] of each K/V head's tile in its
-        // block, read by this split alone.
-        const int64_t t = lengths[b];
-        std::byte* block = tables[b * stride + t / bt];
-        for (int64_t h = 0; h < H_kv; ++h) {
-          kv.store_row(block, KvPart::key, h, t % bt, stage + b * ldstage + E + h * D);
-          kv.store_row(block, KvPart::value, h, t % bt, stage + b * ldstage + E + KW + h * D);
-        }
-      }
-      kernels::DecodeArgs a;
-      a.q = stage + b * ldstage, a.ldq = D;
-      a.blocks = tables + b * stride, a.layout = kv.layout;
-      a.H = H, a.D = D, a.scale = scale;
-      kern->run(a, j0, j1, scratch, pm + it * H, pl + it * H, pacc + it * H * D);
-      // The last of the sequence's splits to finish merges them into its ctx row; acq_rel makes every other
-      // split's m, l and acc visible to it.
-      if (std::atomic_ref<int64_t>(pending[b]).fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        const int64_t first = item_base[b];
-        for (int64_t h = 0; h < H; ++h) {
-          kernels::merge_softmax_partials(pm + first * H + h, pl + first * H + h, H, pacc + (first * H + h) * D,
-                                          H * D, splits, D, ctx + b * E + h * D);
-        }
-      }
-    }
+    for (int64_t it = 0; it < items; ++it) attention.run(it, scratch);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < out_items.count(); ++it) lin->run(proj_out, out_items.begin(it), out_items.end(it));
+    for (int64_t it = 0; it < out_items.count(); ++it) lin->run(proj, out_items.begin(it), out_items.end(it));
   }
   lease.commit();
 }

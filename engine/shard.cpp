@@ -75,7 +75,7 @@ std::unique_ptr<MultiHeadAttention::Impl> make_shard_layer(const HeadShard& s, c
   std::unique_ptr<MultiHeadAttention::Impl> layer = MultiHeadAttention::Impl::create(s.local, w, options, &s);
   if (s.local.causal && s.local.same_input_widths()) {
     ScopedOmpThreads scope(options.threads);
-    translate_bad_alloc("tensor parallel: packing the decode weights", [&] { layer->pack_decode_weights(w); });
+    translate_bad_alloc("tensor parallel: packing the decode weights", [&] { layer->add_serving(w); });
   }
   return layer;
 }
