@@ -202,8 +202,7 @@ const gk::AttentionKernel& kernel_for(ga::Isa isa, ga::DType compute = ga::DType
 }
 
 // Q, K, V as the engine's projections leave them: one buffer of 3 T E elements, head-major (3, H, T, D), each head's
-// rows D apart; the output (T, E) with heads concatenated. The causal bias row is built
-// the same way as MultiHeadAttention::Impl builds `causal_row` (kernels::fill_causal_band).
+// rows D apart; the output (T, E) with heads concatenated.
 // Q, K, V and the output are of the compute type (bf16: the random values rounded, as the projections leave them).
 struct Core {
   int64_t H, D, E, T;
@@ -211,7 +210,6 @@ struct Core {
   const gk::AttentionKernel* kernel;
   ga::detail::Buffer qkv, ctx, scratch;  // qkv and ctx hold compute-type elements (float-sized buffers, bf16 uses half)
   int64_t scratch_stride;
-  std::vector<float> causal_row;
 
   Core(int64_t H_, int64_t D_, int64_t T_, ga::Isa isa, int max_threads, ga::DType compute_)
       : H(H_), D(D_), E(H_ * D_), T(T_), compute(compute_), kernel(&kernel_for(isa, compute_)) {
@@ -226,8 +224,6 @@ struct Core {
     ctx = aligned_floats(static_cast<size_t>(T * E));
     scratch_stride = (static_cast<int64_t>(kernel->scratch_floats(D)) + 15) / 16 * 16;
     scratch = aligned_floats(static_cast<size_t>(max_threads * scratch_stride));
-    causal_row.resize(static_cast<size_t>(2 * gk::causal_band_center()));
-    gk::fill_causal_band(causal_row.data());
   }
 
   // engine/attention.cpp's forward() core for B = 1, causal, no mask, no dropout, through the engine's own
@@ -241,7 +237,6 @@ struct Core {
     base.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
     base.causal = true;
     base.causal_offset = 0;
-    base.causal_bias = causal_row.data() + gk::causal_band_center();
     const auto* qp = reinterpret_cast<const std::byte*>(qkv.get());
     auto* out = reinterpret_cast<std::byte*>(ctx.get());
     const int64_t es = static_cast<int64_t>(ga::size_of(compute));  // bytes per element

@@ -87,10 +87,6 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
   per_head(proj_q, cfg.num_heads, w.w_q, w.b_q);
   per_head(proj_k, cfg.kv_heads(), w.w_k, w.b_k);
   per_head(proj_v, cfg.kv_heads(), w.w_v, w.b_v);
-
-  // The band of the registered causal mask a diagonal tile reaches (see causal_row in layer.hpp).
-  causal_row.resize(static_cast<size_t>(2 * kernels::causal_band_center()));
-  kernels::fill_causal_band(causal_row.data());
 }
 
 int64_t MultiHeadAttention::Impl::scratch_stride(const kernels::AttentionKernel& k) const {
@@ -106,7 +102,6 @@ kernels::AttentionArgs MultiHeadAttention::Impl::base_args(int64_t T, int64_t Tk
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   a.causal = cfg.causal;
   a.causal_offset = Tk - T;
-  a.causal_bias = causal_row.data() + kernels::causal_band_center();
   return a;
 }
 

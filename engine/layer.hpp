@@ -77,13 +77,6 @@ struct MultiHeadAttention::Impl {
   std::vector<detail::Linear> proj_q, proj_k, proj_v;
   detail::Linear out;
 
-  // The registered causal mask. The seeds' triangular (context x context) buffer is Toeplitz, so one row
-  // holds every entry: causal_row[center + c] = 0 if c = i + offset - j >= 0 else -inf. The kernel skips
-  // every tile that lies wholly on one side of the diagonal, so it reads only the band a diagonal tile
-  // reaches, |c| < query_tile + key_tile (kernels/attention.hpp): a band of fixed width covering every kernel's
-  // tiles (kernels::causal_band_center()) is what is registered, 2 KiB whatever the context length.
-  std::vector<float> causal_row;
-
   Workspace own_ws;  // for calls that bring no Workspace; serialised by mu
   std::mutex mu;
 

@@ -39,10 +39,10 @@
 // Accuracy: the score dot product over D is summed in chunks (tiles::kScoreChunk), which halves the kernel's share of
 // the error at D = 256; the figures, stage by stage against the double reference and torch, are in docs/accuracy.md.
 //
-// Causal work is skipped by index arithmetic: query i sees keys j <= i + causal_offset, so key tiles past
-// the last query's horizon are never touched, and only tiles crossing the diagonal read the layer's
-// registered causal bias row (0 where visible, -inf where not). Inside such a tile the micro-kernels also leave
-// out the products of key blocks and query vectors the diagonal masks whole (Visible, attention_impl.hpp).
+// The causal mask is index arithmetic: query i sees keys j <= i + causal_offset, so key tiles past the last
+// query's horizon are never touched, tiles below the diagonal are not masked at all, and only tiles crossing it
+// compare indices. Inside such a tile the micro-kernels also leave out the products of key blocks and query
+// vectors the diagonal masks whole (Visible, attention_impl.hpp).
 #pragma once
 
 #include <algorithm>
@@ -77,10 +77,7 @@ struct AttentionArgs {
   float scale = 1.0f;  // 1 / sqrt(D)
 
   bool causal = false;
-  int64_t causal_offset = 0;           // Tk - T: bottom-right alignment
-  const float* causal_bias = nullptr;  // the registered band's center (see causal_band_center()):
-                                       // causal_bias[c] = (c >= 0 ? 0 : -inf) for c = i + offset - j, read only on
-                                       // tiles crossing the diagonal, where -(BQ + BK) < c < BQ + BK
+  int64_t causal_offset = 0;  // Tk - T: bottom-right alignment
 
   MaskRef mask;         // (T, Tk) user mask
   MaskRef key_padding;  // (1, Tk): stride_i unused; nonzero = padding (mode block)
@@ -95,16 +92,6 @@ struct TileShape {
   int64_t query_tile;  // BQ: query rows per tile (lanes x query vectors of the micro-kernel)
   int64_t key_tile;    // BK: keys per tile
 };
-
-// The registered causal band: row[center + c] = (c >= 0 ? 0 : -inf) for -center <= c < center, and
-// causal_bias = row + center. Its size is fixed (tiles::kCausalBandCenter), not derived from one kernel's tiles:
-// every kernel's BQ + BK must fit in it (checked where each kernel is instantiated), so one registered buffer
-// serves whichever kernel dispatch picks.
-constexpr int64_t causal_band_center() { return tiles::kCausalBandCenter; }
-inline void fill_causal_band(float* row) {  // row holds 2 * causal_band_center() floats
-  const int64_t center = causal_band_center();
-  for (int64_t i = 0; i < 2 * center; ++i) row[i] = i - center >= 0 ? 0.0f : -INFINITY;
-}
 
 // One implementation per (compute dtype, K/V dtype, instruction set), chosen once by the engine. Its identity comes
 // from the template arguments it was instantiated with (kernels/kernel_sets_impl.hpp), so the tests can check a

@@ -439,7 +439,6 @@ struct TiledAttention {
   static constexpr int QV = M::BQ / W;
   static constexpr int BQ = M::BQ;
   static constexpr int BK = tiles::kKeyTile;
-  static_assert(BQ + BK <= tiles::kCausalBandCenter, "the registered causal band must cover this kernel's tiles");
 
   // A call takes its query tiles in groups of up to kGroup (tiles::kQueryTileGroup): for each key tile, every tile
   // of the group in turn, so a key tile read from L3 or memory serves the whole group from L1/L2. Each tile keeps
@@ -601,10 +600,15 @@ struct TiledAttention {
     bool masked = false;  // any mask changes scores after mx was taken: recompute it then
 
     if (diagonal) {
+      // Query i0 + v W + k sees key j0 + j iff v W + k >= j + vis.c: vector v hides its first j + vis.c - v W lanes.
       masked = true;
       for (int64_t j = 0; j < nk; ++j) {
-        const float* bias = a.causal_bias + (i0 + a.causal_offset - (j0 + j));
-        for (int v = 0; v < QV; ++v) V::store(s + j * BQ + v * W, V::load(s + j * BQ + v * W) + V::load(bias + v * W));
+        for (int v = 0; v < QV; ++v) {
+          const int64_t hidden = j + vis.c - int64_t{v} * W;
+          if (hidden <= 0) break;
+          float* sv = s + j * BQ + v * W;
+          V::store(sv, hidden >= W ? V::set1(-INFINITY) : V::mask_lanes_below(V::load(sv), hidden));
+        }
       }
     }
     if (a.key_padding.data) {

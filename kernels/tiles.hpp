@@ -38,12 +38,6 @@ inline constexpr int kKeyTile = 64;
 // (Tiles/avx512/.../D:128: 33.5 ms against 33.8 with one accumulator). Accuracy figures: docs/accuracy.md.
 inline constexpr int kScoreChunk = 64;
 
-// Half-width of the registered causal band (kernels/attention.hpp): a tile crossing the diagonal reads bias entries
-// |c| < BQ + BK, 128 for the largest tiles above. 256 leaves room for a retuned or wider kernel (a bf16 micro-kernel
-// with twice the keys per tile) without re-registering anything; 2 KiB in all. Each kernel instantiation checks that
-// its BQ + BK fits (make_attention_kernel).
-inline constexpr int kCausalBandCenter = 256;
-
 // The tiled core prefetches the next key tile's K and V into L2 while it computes on this one when the K and V a
 // query tile reads exceed this many bytes: below, they stay in L2 from one query tile to the next and the
 // prefetches only cost issue slots. Measured with Core/gpt2-xl/T:8192/threads:1: 0.54 -> 0.58 of peak; at T = 1024

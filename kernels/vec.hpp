@@ -260,6 +260,12 @@ struct Vec {
   }
   // Where m == -inf (every key masked so far) substitute 0, so exp(s - m) stays 0 instead of NaN.
   static B finite_or_zero(B m) { return xsimd::select(m == B(-INFINITY), B(0.0f), m); }
+  // x with lanes k < n (0 < n < W) set to -inf: the causal diagonal crossing one vector of queries.
+  static B mask_lanes_below(B x, int64_t n) {
+    static constexpr float kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    static_assert(W <= 16);
+    return xsimd::select(B::load_unaligned(kIota) < B(static_cast<float>(n)), B(-INFINITY), x);
+  }
 };
 #endif
 
@@ -288,6 +294,7 @@ struct Vec<ScalarArch> {
   static constexpr bool kExp2Scalef = false;
   static B exp2(B x) { return x < -126.0f ? 0.0f : std::exp2(x); }
   static B finite_or_zero(B m) { return m == -INFINITY ? 0.0f : m; }
+  static B mask_lanes_below(B x, int64_t n) { return n > 0 ? -INFINITY : x; }
 };
 
 }  // namespace gpt2attn::kernels

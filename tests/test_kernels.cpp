@@ -483,13 +483,8 @@ MaskData make_mask(const AttnCase& c, std::mt19937_64& rng) {
   std::vector<float> out_mem = output_buffer(T, D, c.ldo());
   a.out = out_mem.data(), a.ldo = c.ldo();
 
-  // The causal band as the engine registers it (kernels::fill_causal_band).
-  const int64_t center = kernels::causal_band_center();
-  std::vector<float> band(static_cast<size_t>(2 * center));
-  kernels::fill_causal_band(band.data());
   a.causal = c.causal;
   a.causal_offset = Tk - T;
-  a.causal_bias = band.data() + center;
   a.mask = mk.mask;
   a.key_padding = mk.padding;
   NaiveDropout drop;
@@ -571,9 +566,6 @@ TEST_P(KernelAttention, AlignedOutputRowsMatchUnalignedBitForBit) {
   const kernels::AttentionKernel& kern = detail::attention_kernel(isa());
   const int64_t BQ = kern.tiles.query_tile;
   std::mt19937_64 rng(515);
-  const int64_t center = kernels::causal_band_center();
-  std::vector<float> band(static_cast<size_t>(2 * center));
-  kernels::fill_causal_band(band.data());
   struct Shape { int64_t T, D; bool causal; };
   for (const Shape sh : {Shape{2 * BQ + 5, 64, true}, Shape{BQ, 16, false}, Shape{33, 128, true}, Shape{7, 65, true},
                          Shape{BQ + 1, 48, false}}) {
@@ -584,7 +576,7 @@ TEST_P(KernelAttention, AlignedOutputRowsMatchUnalignedBitForBit) {
     a.kv.k = k.data(), a.kv.v = v.data(), a.kv.ldk = a.kv.ldv = sh.D;
     a.T = a.Tk = sh.T, a.D = sh.D;
     a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sh.D)));
-    a.causal = sh.causal, a.causal_bias = band.data() + center;
+    a.causal = sh.causal;
     std::vector<float> scratch = scratch_slice(kern.scratch_floats(sh.D));
     // Rows of ldo floats from a 64-byte boundary (ldo a multiple of 16, wide enough that the T rows pass the
     // streaming threshold) and from one float past it (ldo odd, rows far below it).
@@ -660,9 +652,6 @@ TEST_P(KernelAttentionAnyKv, Bf16CoreGroupedCallsMatchCallsPerTile) {
   const kernels::AttentionKernel& kern = *row.prefill;
   const int64_t BQ = kern.tiles.query_tile;
   std::mt19937_64 rng(4242);
-  const int64_t center = kernels::causal_band_center();
-  std::vector<float> band(static_cast<size_t>(2 * center));
-  kernels::fill_causal_band(band.data());
   struct Shape { int64_t T, Tk, D; bool causal; };
   for (const Shape sh : {Shape{9 * BQ + 7, 9 * BQ + 7, 64, true}, Shape{5 * BQ + 1, 5 * BQ + 1, 7, true},
                          Shape{6 * BQ, 6 * BQ + 33, 33, true}, Shape{4 * BQ + 3, 130, 48, false}}) {
@@ -679,7 +668,7 @@ TEST_P(KernelAttentionAnyKv, Bf16CoreGroupedCallsMatchCallsPerTile) {
     a.kv.k = k.data(), a.kv.v = v.data(), a.kv.ldk = a.kv.ldv = sh.D;
     a.T = sh.T, a.Tk = sh.Tk, a.D = sh.D, a.ldo = sh.D;
     a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sh.D)));
-    a.causal = sh.causal, a.causal_offset = sh.Tk - sh.T, a.causal_bias = band.data() + center;
+    a.causal = sh.causal, a.causal_offset = sh.Tk - sh.T;
     std::vector<float> scratch = scratch_slice(kern.scratch_floats(sh.D));
     std::vector<kernels::bf16> one(static_cast<size_t>(sh.T * sh.D)), per_tile(one.size());
     a.out = one.data();

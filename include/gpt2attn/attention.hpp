@@ -27,7 +27,8 @@ namespace gpt2attn {
 class GPT2ATTN_API MultiHeadAttention {
  public:
   // Validates config and weights (throws Error naming the problem), repacks weights for oneDNN,
-  // registers the causal mask for config.context_length, and picks the kernel ISA once.
+  // registers the causal mask for config.context_length (a rule on indices, tril(ones(C, C)) evaluated where a
+  // tile crosses the diagonal; no C x C buffer), and picks the kernel ISA once.
   MultiHeadAttention(const Config& config, const Weights& weights, const EngineOptions& options = {});
   // The same from views of weights in f32, bf16 or f16 (gpt2attn/weights.hpp), e.g. a safetensors file's bytes.
   MultiHeadAttention(const Config& config, const WeightsView& weights, const EngineOptions& options = {});

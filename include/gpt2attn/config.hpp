@@ -11,7 +11,7 @@
 namespace gpt2attn {
 
 // Upper bounds Config::validate() enforces on every size a file, a flag or a C struct can set. They keep every
-// element and byte count the library derives from a config (weights, the registered causal mask, workspaces,
+// element and byte count the library derives from a config (weights, workspaces,
 // KV blocks) far inside int64, and they are beyond any model that exists: GPT-3 175B is 12288 wide, 96 heads.
 inline constexpr int64_t kMaxWidth = int64_t{1} << 20;          // d_model, d_in, kdim, vdim (and so num_heads)
 inline constexpr int64_t kMaxContextLength = int64_t{1} << 24;  // 16,777,216 tokens
