@@ -86,10 +86,14 @@ double decode_weight_bytes(const Config& c, DType compute) {
 }
 
 double decode_kv_bytes(const Config& c, int64_t B, int64_t T, DType kv_dtype) {
-  const double KW = static_cast<double>(c.kv_width());
-  // Per token: K and V rows of every K/V head, plus int8's two f32 scales per K/V head.
-  const double scales = kv_dtype == DType::i8 ? 2.0 * static_cast<double>(c.kv_heads()) * sizeof(float) : 0.0;
-  return static_cast<double>(B) * static_cast<double>(T) * (2.0 * KW * size_of(kv_dtype) + scales);
+  // Per token, what a cache of this format stores: K and V rows of every K/V head, and the row scales of the
+  // formats that carry them; read off a one-block pool, so that every format's layout counts as it is.
+  KvCacheOptions o;
+  o.dtype = kv_dtype;
+  o.capacity_tokens = 1;
+  const KvCache one(c, o);
+  const double per_token = static_cast<double>(one.block_bytes()) / static_cast<double>(one.block_tokens());
+  return static_cast<double>(B) * static_cast<double>(T) * per_token;
 }
 
 double decode_step_bytes(const Config& c, int64_t B, int64_t T, DType compute, DType kv_dtype) {

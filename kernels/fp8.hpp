@@ -1,11 +1,13 @@
 // kernels/fp8.hpp: the fp8 e4m3 storage element (K/V blocks) and its scalar conversions. e4m3 as vLLM's fp8 cache and
 // torch.float8_e4m3fn store it: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities; S.1111.111 is NaN;
 // the largest finite value is 448, the smallest normal 2^-6, subnormals step by 2^-9. A storage type only: the
-// kernels widen it to f32 on load (kernels/vec.hpp) and never compute in it. No per-row scale: its exponent already
-// gives every value the same relative precision, 2^-4 (kernels/kv_codec.hpp).
+// kernels widen it to f32 on load (kernels/vec.hpp) and never compute in it. A cache row carries a power-of-two
+// scale (kernels/kv_codec.hpp), which costs no precision and lifts the format's range: rows of any finite size keep
+// the relative precision 2^-4, and the widening load needs no multiply.
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -28,15 +30,35 @@ constexpr float fp8_e4m3_value(uint8_t b) {
   if (c == 0x7f) mag = std::numeric_limits<float>::quiet_NaN();
   return (b & 0x80) ? -mag : mag;
 }
-inline constexpr std::array<float, 256> kFp8E4m3Values = [] {
+
+// What the kernels read a code as: its bits shifted into binary16's fields (sign; exponent, whose bias is 15 instead
+// of 7; mantissa), which is the code's value times 2^-8, exactly, subnormals included; a row's scale carries the 2^8
+// (kernels/kv_codec.hpp). The NaN codes read as +-1.875 that way; the cache never stores them (a row holding NaN
+// stores a NaN scale instead).
+inline constexpr float kFp8Unit = 0x1p-8f;
+inline constexpr std::array<float, 256> kFp8Widened = [] {
   std::array<float, 256> t{};
-  for (int b = 0; b < 256; ++b) t[static_cast<size_t>(b)] = fp8_e4m3_value(static_cast<uint8_t>(b));
+  for (int b = 0; b < 256; ++b) {
+    const float mag = (b & 0x7f) == 0x7f ? 1.875f : fp8_e4m3_value(static_cast<uint8_t>(b & 0x7f)) * kFp8Unit;
+    t[static_cast<size_t>(b)] = (b & 0x80) ? -mag : mag;
+  }
   return t;
 }();
 
-// x as f32: one load from the 1 KiB table above, branch-free (the prefill kernel widens each key element it
-// broadcasts this way). The vector loads are in kernels/vec.hpp.
-inline float widen(fp8_e4m3 x) { return kFp8E4m3Values[x.bits]; }
+// x as the kernels read it (kFp8Widened): one load from a 1 KiB table, branch-free (the prefill kernel widens each
+// key element it broadcasts this way). The vector loads are in kernels/vec.hpp.
+inline float widen(fp8_e4m3 x) { return kFp8Widened[x.bits]; }
+
+// The scale of a cache row whose largest magnitude is amax (finite, > 0): the power of two 2^k that puts amax /
+// 2^(k-8) in (224, 448], e4m3's top binade, so the row's values keep e4m3's relative precision and none saturates;
+// a power of two, so scaling adds no rounding. value = widen(code) * scale. Rows past 1.75 * 2^127 take 2^127, and
+// their few values over 448 * 2^119 saturate there.
+inline float fp8_row_scale(float amax) {
+  int e = 0;
+  const float f = std::frexp(amax, &e);  // amax = f 2^e, f in [0.5, 1)
+  const int k = e - 1 + (f > 0.875f ? 1 : 0);
+  return std::ldexp(1.0f, k > 127 ? 127 : k);
+}
 
 // x rounded to the nearest e4m3, ties to even. A finite value beyond the range saturates to +-448, and so does an
 // infinity (the format has none; vLLM's cache writer saturates the same way); NaN stays NaN. Magnitudes below 2^-6

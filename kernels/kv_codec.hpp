@@ -1,6 +1,6 @@
 // kernels/kv_codec.hpp: the one conversion between f32 K/V rows and a block's stored format (kernels/kv_layout.hpp):
-// f32 copies, bf16 and fp8 round to nearest even (fp8 saturating at +-448), int8 quantises symmetrically with one
-// scale per (token, head). Used by the cache's writer and reader (KvCache::Impl::store_row / load_row) and by the
+// f32 copies, bf16 rounds to nearest even, int8 quantises symmetrically and fp8 rounds to nearest even after a
+// power-of-two scale, each of those two with one scale per (token, head). Used by the cache's writer and reader (KvCache::Impl::store_row / load_row) and by the
 // kernel tests that build blocks by hand, so both see exactly what a cache holds. Scalar and pure: runs once per
 // appended row (in decode, B * H_kv * 2 rows a step), never per key read.
 #pragma once
@@ -23,6 +23,20 @@ namespace gpt2attn::kernels {
 inline constexpr float kInt8Levels = 127.0f;
 inline constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
 
+// The largest |x| of a row, NaN when it holds one. Plain comparisons, not std::fmax: with the engine's baseline
+// flags that is a library call per element, and decode stores B * H_kv * 2 rows every step (measured for int8 at
+// D = 64: 322 ns a row with the calls, 92 without; 384 rows a gpt2-small B=16 step).
+inline float row_amax(const float* src, int64_t D) {
+  float amax = 0.0f;
+  bool nan = false;
+  for (int64_t d = 0; d < D; ++d) {
+    const float a = std::fabs(src[d]);
+    nan = nan || a != a;
+    amax = a > amax ? a : amax;
+  }
+  return nan ? NAN : amax;
+}
+
 inline void store_kv_row(const KvLayout& layout, std::byte* block, KvPart part, int64_t h, int64_t slot,
                          const float* src) {
   const int64_t D = layout.D;
@@ -33,22 +47,21 @@ inline void store_kv_row(const KvLayout& layout, std::byte* block, KvPart part, 
       return;
     }
     case DType::fp8: {
+      // Rows of zeros, and rows holding inf or NaN, store zeros and scale 0, inf or NaN, as int8 does below. The
+      // scale is a power of two (fp8_row_scale), so x * (256 / scale) is exact and the one rounding is e4m3's. In
+      // double: 256 / scale exceeds float's range for the smallest scales.
+      const float amax = row_amax(src, D);
+      const bool finite = std::isfinite(amax) && amax > 0.0f;
+      const float scale = finite ? fp8_row_scale(amax) : amax;
       fp8_e4m3* dst = layout.row<fp8_e4m3>(block, part, h, slot);
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_fp8_e4m3(src[d]);
+      const double inv = finite ? 1.0 / (static_cast<double>(scale) * kFp8Unit) : 0.0;
+      for (int64_t d = 0; d < D; ++d) dst[d] = finite ? to_fp8_e4m3(static_cast<float>(src[d] * inv)) : fp8_e4m3{0};
+      *layout.scales(block, part, h, slot) = scale;
       return;
     }
     case DType::i8: {
-      // Plain comparisons and the rounding below, not std::fmax / std::nearbyint: with the engine's baseline
-      // flags those are library calls per element, and decode stores B * H_kv * 2 rows every step (measured at
-      // D = 64: 322 ns a row with the calls, 92 without; 384 rows a gpt2-small B=16 step).
-      float amax = 0.0f;
-      bool nan = false;
-      for (int64_t d = 0; d < D; ++d) {
-        const float a = std::fabs(src[d]);
-        nan = nan || a != a;
-        amax = a > amax ? a : amax;
-      }
-      if (nan) amax = NAN;
+      // Plain comparisons and the rounding below, not std::nearbyint (a library call per element, row_amax).
+      const float amax = row_amax(src, D);
       const float scale = amax / kInt8Levels;
       int8_t* dst = layout.row<int8_t>(block, part, h, slot);
       const float inv = kInt8Levels / amax;
@@ -85,7 +98,8 @@ inline void load_kv_row(const KvLayout& layout, const std::byte* block, KvPart p
     }
     case DType::fp8: {
       const fp8_e4m3* src = layout.row<fp8_e4m3>(block, part, h, slot);
-      for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]);
+      const float scale = *layout.scales(block, part, h, slot);
+      for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]) * scale;
       return;
     }
     case DType::i8: {

@@ -4,7 +4,7 @@
 // kernels/decode_attention_impl.hpp). Pure arithmetic on sizes: no allocation, no element conversion.
 //
 // A block holds block_tokens consecutive tokens of one sequence, for every K/V head, in bytes:
-//   K [heads][block_tokens][D] | V [heads][block_tokens][D] | (int8 only) K scales [heads][block_tokens] f32,
+//   K [heads][block_tokens][D] | V [heads][block_tokens][D] | (int8, fp8) K scales [heads][block_tokens] f32,
 //                                                                          V scales [heads][block_tokens] f32
 // elements of type `dtype`; one head's keys inside a block are one contiguous (block_tokens, D) tile, each token's
 // D values contiguous, so the kernels read a run of keys as a plain (n, D) matrix with row stride D, and a run's
@@ -17,15 +17,16 @@
 #include <type_traits>
 
 #include "gpt2attn/dtype.hpp"
+#include "kernels/fp8.hpp"
 
 namespace gpt2attn::kernels {
 
 enum class KvPart : uint8_t { key, value };
 
-// Whether stored rows of element type T carry a scale (int8: value = q * scale): the kernels multiply scores by the
-// key's scale and probabilities by the value's, once per key rather than once per element.
+// Whether stored rows of element type T carry a scale (value = widen(code) * scale: int8, fp8): the kernels multiply
+// scores by the key's scale and probabilities by the value's, once per key rather than once per element.
 template <class T>
-inline constexpr bool kRowScaled = std::is_same_v<T, int8_t>;
+inline constexpr bool kRowScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, fp8_e4m3>;
 
 struct KvLayout {
   DType dtype = DType::f32;  // element type of the stored K and V rows
@@ -37,8 +38,8 @@ struct KvLayout {
   // below is smaller, so none of these can overflow afterwards.
   int64_t row_bytes() const { return D * static_cast<int64_t>(size_of(dtype)); }
   int64_t tile_bytes() const { return block_tokens * row_bytes(); }  // one head's K (or V) tile
-  // int8 rows are symmetric-quantised: value = q * scale, one f32 scale per (token, head) for K and for V.
-  bool scaled() const { return dtype == DType::i8; }
+  // int8 and fp8 rows carry one f32 scale per (token, head) for K and for V: value = widen(code) * scale.
+  bool scaled() const { return dtype == DType::i8 || dtype == DType::fp8; }
   // The scales start 4-byte aligned after the tiles; a block's size is a multiple of 4 (fp8 tiles of odd sizes are
   // padded), so in a pool of blocks every block and its scales stay aligned.
   int64_t scales_offset() const { return (2 * heads * tile_bytes() + 3) / 4 * 4; }

@@ -8,6 +8,7 @@
 // copy quantised blocks with their scales, the int8 codec's edge cases, and only f32, bf16 and i8 are accepted.
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -299,6 +300,60 @@ TEST(KvCacheStoragePool, Int8QuantisesPerRow) {
     EXPECT_LE(std::fabs(tiny_back[d] - tiny[d]), 2e-38 / 254.0 * 1.01) << d << ": " << tiny_back[d];
   }
   EXPECT_EQ(tiny_back[1], 0.0f);
+  for (float bad : {NAN, INFINITY, -INFINITY}) {  // a bad value turns the row into NaN, never into numbers
+    for (float e : round_trip({1.0f, bad, 2.0f, 3.0f})) EXPECT_TRUE(std::isnan(e)) << bad;
+  }
+}
+
+// The fp8 codec: a power-of-two scale per row puts the row's largest magnitude in e4m3's top binade, so every value
+// of rows of any size, from denormal to FLT_MAX, comes back within one e4m3 rounding (2^-4 of itself, or a subnormal
+// step of the row's scale below 2^-14 of its largest value); a stored row is a fixed point; zeros, inf and NaN rows
+// as int8's; scales of rows of odd sizes 4-byte aligned inside a block.
+TEST(KvCacheStoragePool, Fp8ScalesEachRowByAPowerOfTwo) {
+  for (int64_t D : {1, 3, 7, 64, 129}) {
+    const kernels::KvLayout layout{DType::fp8, 3, 5, D};
+    ASSERT_EQ(layout.block_bytes() % 4, 0) << "D=" << D;
+    std::vector<std::byte> block(static_cast<size_t>(layout.block_bytes()));
+    std::mt19937_64 rng(static_cast<uint64_t>(D) + 7);
+    for (float amax : {1e-40f, 3e-30f, 1.0f, 448.0f, 449.0f, 7e5f, 2e30f, 3.0e38f, FLT_MAX}) {
+      std::vector<float> row = random_uniform(static_cast<size_t>(D), rng, -1.0f, 1.0f), back(row.size());
+      for (float& x : row) x *= amax;
+      row[static_cast<size_t>(D / 2)] = -amax;
+      kernels::store_kv_row(layout, block.data(), kernels::KvPart::value, 2, 4, row.data());
+      const float* scale = layout.scales(block.data(), kernels::KvPart::value, 2, 4);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(scale) % 4, 0u);
+      int e = 0;
+      EXPECT_EQ(std::frexp(*scale, &e), 0.5f) << "not a power of two: " << *scale;
+      const double top = amax / (*scale * 0x1p-8);  // the largest magnitude in e4m3 units
+      const bool unsaturated = amax < 1.75f * 0x1p127f;
+      if (unsaturated) {
+        EXPECT_TRUE(top > 224.0 && top <= 448.0) << amax << ": " << top;
+      }
+      kernels::load_kv_row(layout, block.data(), kernels::KvPart::value, 2, 4, back.data());
+      // Half a subnormal step (2^-10 e4m3 units), or of f32's own where a denormal row's value reads back as one.
+      const double floor = std::max(*scale * 0x1p-18, 0x1p-150);
+      for (int64_t d = 0; d < D; ++d) {
+        const double err = std::fabs(double{back[d]} - row[d]), allowed = 0x1p-4 * std::fabs(row[d]) + floor;
+        if (unsaturated) {
+          EXPECT_LE(err, allowed) << "amax " << amax << " d " << d;
+        }
+        EXPECT_TRUE(std::isfinite(back[d])) << "amax " << amax << " d " << d;
+      }
+      EXPECT_EQ(back, restored(back, DType::fp8)) << "amax " << amax;
+    }
+  }
+  const kernels::KvLayout one{DType::fp8, 1, 1, 4};
+  std::vector<std::byte> block(static_cast<size_t>(one.block_bytes()));
+  std::vector<float> back(4);
+  auto round_trip = [&](std::vector<float> row) {
+    kernels::store_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, row.data());
+    kernels::load_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, back.data());
+    return back;
+  };
+  EXPECT_EQ(round_trip({0, 0, 0, 0}), std::vector<float>(4, 0.0f));
+  EXPECT_EQ(round_trip({1.0f, -0.5f, 448.0f, 3.0f}), (std::vector<float>{1.0f, -0.5f, 448.0f, 3.0f}));  // e4m3 values
+  // FLT_MAX itself, over 1.75 * 2^127, saturates at 448 * 2^119 = 1.75 * 2^127: large and finite, never inf.
+  EXPECT_EQ(round_trip({FLT_MAX, 1.0f, 0.0f, -FLT_MAX})[0], 1.75f * 0x1p127f);
   for (float bad : {NAN, INFINITY, -INFINITY}) {  // a bad value turns the row into NaN, never into numbers
     for (float e : round_trip({1.0f, bad, 2.0f, 3.0f})) EXPECT_TRUE(std::isnan(e)) << bad;
   }

@@ -16,7 +16,7 @@ enum class DType : uint8_t {
   f16,   // IEEE binary16
   i8,    // signed 8-bit integer (quantised storage)
   u8,    // unsigned 8-bit integer; carries bool masks (0 / nonzero)
-  fp8,   // 8-bit float e4m3 (torch.float8_e4m3fn's encoding; quantised K/V storage, saturating at +-448)
+  fp8,   // 8-bit float e4m3 (torch.float8_e4m3fn's encoding; K/V storage, with a power-of-two scale per row)
 };
 
 inline constexpr size_t kNumDTypes = static_cast<size_t>(DType::fp8) + 1;  // tables indexed by DType

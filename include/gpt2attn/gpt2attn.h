@@ -96,7 +96,7 @@ typedef struct gpt2attn_config {
 /* Pool options. Exactly one of capacity_tokens (rounded up to whole blocks) and capacity_bytes (rounded down) is
  * nonzero. kv_dtype: "f32" (NULL means f32), "bf16" (half the bytes, each K/V value rounded to nearest even once),
  * "i8" (also "int8": symmetric int8 with one f32 scale per token, K/V head and K or V: a quarter of the bytes plus
- * the scales) or "fp8" (e4m3, no scale, rounded to nearest even, saturating at +-448: a quarter of the bytes); each
+ * the scales) or "fp8" (e4m3 rounded to nearest even after a power-of-two scale per row: the same bytes); each
  * value is converted once, when appended; attention still computes in f32. Set struct_size as for
  * gpt2attn_config_t (gpt2attn_kv_cache_options_init()). */
 typedef struct gpt2attn_kv_cache_options {

@@ -30,7 +30,7 @@ struct KvCacheOptions {
 
 // Block layout, the "KV-friendly layout" the kernels read with no copy (kernels/kv_layout.hpp):
 //   K [H_kv][block_tokens][D], then V [H_kv][block_tokens][D], elements of options.dtype (H_kv = config.kv_heads()),
-//   then for i8 the scales: K [H_kv][block_tokens], V [H_kv][block_tokens] f32
+//   then for i8 and fp8 the scales: K [H_kv][block_tokens], V [H_kv][block_tokens] f32
 // so one head's keys inside a block are one contiguous (block_tokens, D) tile, each token's D values
 // contiguous, and a block carries its own scales. A block's address never changes, so block tables hold plain
 // pointers.
@@ -69,7 +69,7 @@ class GPT2ATTN_API KvCache {
   int64_t total_blocks() const;
   int64_t free_blocks() const;
   int64_t num_sequences() const;
-  size_t block_bytes() const;     // 2 * H_kv * block_tokens * D * size_of(dtype()) (rounded up to 4), plus for i8
+  size_t block_bytes() const;     // 2 * H_kv * block_tokens * D * size_of(dtype()) (rounded up to 4), plus for i8, fp8
                                   // the scales, 2 * H_kv * block_tokens * 4
   DType dtype() const;            // the storage type of K and V
   size_t capacity_bytes() const;  // total_blocks() * block_bytes()

@@ -67,9 +67,10 @@ inline Tolerance bf16_unrounded_tolerance(int64_t reduction_length, double max_a
 
 // The relative error one stored K/V value carries in a cache of dtype `kv` with head size D:
 //   f32: none.  bf16: one rounding to nearest, u = 2^-8 of the value itself.
-//   fp8 (e4m3, no scale): one rounding to nearest, u = 2^-4 of the value itself for |x| >= 2^-6; below, subnormal
-//     steps of 2^-9 (an absolute error of at most 2^-10, under the bounds' absolute floor). Eight times int8's
-//     typical figure at D = 64 below: three mantissa bits against a row scale's seven.
+//   fp8 (e4m3 after a power-of-two scale per row): one rounding to nearest, u = 2^-4 of the value itself for values
+//     over 2^-14 of the row's largest; below, subnormal steps (an absolute error of at most 2^-17.8 of the row's
+//     largest, under the bounds' absolute floor). Eight times int8's typical figure at D = 64 below: three
+//     mantissa bits against a row scale's seven.
 //   i8 (symmetric, one scale per (token, head) row of D values): half a step, max|row| / 254, relative to the row's
 //     largest value rather than to each value. Against a typical value of the row (its rms) that is
 //     (max|row| / rms) / 254; for rows of D roughly Gaussian values the ratio max/rms is about sqrt(2 ln 2D) (3.1 at

@@ -32,10 +32,10 @@ const char* kAbout = R"(bench    times the whole layer (QKV projection, causal a
          output projection); every step appends, so the cache grows by 2 + repeats tokens per sequence
          (context length raised to fit). GFLOP/s: 2*B*d_in*(E+2KW) + 2*B*E*E + 4*E*B*(T+1); tokens/s = B / step;
          bytes per step = weights ((E+2KW)*d_in + E*E)*(4 or 2 by --dtype) + K/V read B*T*2*KW*(4, 2 or 1 by
-         --kv-dtype), plus for int8 B*T*2*N*4 of scales (N K/V heads); GB/s = bytes per step / step.
+         --kv-dtype), plus for int8 and fp8 B*T*2*N*4 of scales (N K/V heads); GB/s = bytes per step / step.
          --kv-dtype bf16 stores the cache's K/V in bf16 (half the K/V bytes); int8 in symmetric int8 with one
-         f32 scale per token and K/V head (about a quarter); fp8 in e4m3, rounded to nearest even and saturating
-         at +-448, no scale (a quarter); default f32. Given more than once (like
+         f32 scale per token and K/V head (about a quarter); fp8 in e4m3, rounded to nearest even after a
+         power-of-two scale per token and K/V head (about a quarter); default f32. Given more than once (like
          --dtype), every case runs with each cache, so one run compares them. --interleave (with --cache
          cold) sets every case up first and then takes one step of each case in turn, so that all of them
          meet the same minutes of a shared machine; each row then also carries x_first, the median over the
