@@ -151,18 +151,14 @@ void flush_caches(int threads) {
     return b;
   }();
   const int64_t lines = static_cast<int64_t>(buffer.size() / 8);
-  // The library's own team (the same OpenMP runtime), every thread released together by a barrier; each reads its
-  // schedule(static) share of the lines. The engine's team_run is internal, so the region is spelled out here.
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), team = omp_get_num_threads();
-#pragma omp barrier
+  // The library's own team, every thread released together; each reads its schedule(static) share of the lines.
+  run_on_threads(threads, [&](int t, int team) {
     const int64_t q = lines / team, rem = lines % team;
     const int64_t begin = t * q + (t < rem ? t : rem), end = begin + q + (t < rem ? 1 : 0);
     uint64_t sum = 0;
     for (int64_t i = begin; i < end; ++i) sum += buffer[static_cast<size_t>(i) * 8];
     asm volatile("" : : "r"(sum));  // keep the reads
-  }
+  });
 }
 
 EngineOptions engine_options(DType compute, int threads, Isa isa) {

@@ -244,5 +244,36 @@ TEST(Limits, ThreadCountsAreBounded) {
   EXPECT_NO_THROW(CausalSelfAttention(c, w, EngineOptions{.threads = max_threads()}));
 }
 
+// run_on_threads: f runs once on each thread of the team OpenMP grants, by index, and the team's size comes back;
+// counts outside 1..max_threads() are refused before anything runs; f's exception reaches the caller.
+TEST(Limits, RunOnThreadsRunsOncePerThreadOfTheTeam) {
+  const int asked = std::min(4, max_threads());
+  std::vector<int> runs(static_cast<size_t>(asked), 0);
+  std::vector<int> teams(static_cast<size_t>(asked), -1);
+  const int granted = run_on_threads(asked, [&](int t, int team) {
+    ++runs[static_cast<size_t>(t)];
+    teams[static_cast<size_t>(t)] = team;
+  });
+  ASSERT_GE(granted, 1);
+  ASSERT_LE(granted, asked);
+  for (int t = 0; t < asked; ++t) {
+    EXPECT_EQ(runs[static_cast<size_t>(t)], t < granted ? 1 : 0) << t;
+    if (t < granted) {
+      EXPECT_EQ(teams[static_cast<size_t>(t)], granted) << t;
+    }
+  }
+  bool ran = false;
+  for (int threads : {0, -1, max_threads() + 1}) {
+    EXPECT_TRUE(refused([&] { run_on_threads(threads, [&](int, int) { ran = true; }); },
+                        ErrorCode::invalid_argument, {"run_on_threads", "threads"}))
+        << threads;
+  }
+  EXPECT_FALSE(ran);
+  EXPECT_THROW(run_on_threads(asked, [](int t, int) {
+                 if (t == 0) throw Error(ErrorCode::internal, "thread 0");
+               }),
+               Error);
+}
+
 }  // namespace
 }  // namespace gpt2attn

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "gpt2attn/dtype.hpp"
@@ -20,6 +21,13 @@ namespace gpt2attn {
 // omp_get_max_threads() (OMP_NUM_THREADS) is clamped to it.
 inline constexpr int kMaxThreads = 1024;
 GPT2ATTN_API int max_threads();
+
+// Runs f(thread, team) once on each thread of a team of `threads` (1 <= threads <= max_threads(), else
+// invalid_argument), the OpenMP team the library's calls run on, every thread released together by a barrier. For
+// per-thread work a program wants on the threads its calls will use (pinning, first touch, a timed share: the
+// benchmarks' cache flush). team is the size OpenMP granted (OMP_THREAD_LIMIT may grant fewer), which a share must
+// be cut by; it is also returned. The first exception f throws is rethrown once every thread has returned.
+GPT2ATTN_API int run_on_threads(int threads, const std::function<void(int thread, int team)>& f);
 
 struct EngineOptions {
   int threads = 0;        // default thread count for forward(); 0 = omp_get_max_threads() at construction
