@@ -160,12 +160,16 @@ ga::EngineOptions engine_options(int threads, const std::string& isa, const std:
   return o;
 }
 
+// A K/V storage type by name: the library's list (kv_cache_dtypes), by its names, "int8" for i8 and numpy's
+// "float32" and "bfloat16".
 ga::DType kv_dtype_of(const std::string& s) {
-  if (s == "f32" || s == "float32") return ga::DType::f32;
-  if (s == "bf16" || s == "bfloat16") return ga::DType::bf16;
-  if (s == "int8" || s == "i8") return ga::DType::i8;
-  if (s == "fp8") return ga::DType::fp8;
-  invalid("KvCache dtype '" + s + "' (supported: f32, bf16, int8, fp8)");
+  const std::string name = s == "float32" ? "f32" : s == "bfloat16" ? "bf16" : s == "int8" ? "i8" : s;
+  std::string supported;
+  for (ga::DType t : ga::kv_cache_dtypes()) {
+    if (name == ga::to_string(t)) return t;
+    supported += (supported.empty() ? "" : ", ") + std::string(t == ga::DType::i8 ? "int8" : ga::to_string(t));
+  }
+  invalid("KvCache dtype '" + s + "' (supported: " + supported + ")");
 }
 
 std::vector<float> vec_of(const py::object& obj, const char* name) {

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/dtype.hpp"
@@ -16,6 +17,10 @@ namespace gpt2attn {
 
 // A sequence's handle. Ids are never reused within one KvCache, so a released id stays invalid.
 using SequenceId = int64_t;
+
+// The storage types KvCacheOptions::dtype accepts, in DType order: every K/V format the kernels serve (f32, bf16,
+// i8, fp8), so a program can offer them without restating the list.
+GPT2ATTN_API std::vector<DType> kv_cache_dtypes();
 
 struct KvCacheOptions {
   int64_t block_tokens = 0;     // tokens per block; 0 = min(64, context_length). 64 is the kernels' key tile

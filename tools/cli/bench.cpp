@@ -101,9 +101,7 @@ Request read_request(const Args& a) {
   }
   if (r.interleave && world().parallel()) throw UsageError("--interleave is not supported under mpirun");
   // --kv-dtype, like --dtype, may repeat: every case runs with each cache, so one run compares them.
-  r.kv_names = a.distinct<std::string>(
-      "kv-dtype", [](const std::string& n) { return choice("kv-dtype", n, {"f32", "bf16", "int8", "fp8"}); });
-  if (r.kv_names.empty()) r.kv_names = {"f32"};
+  r.kv_names = kv_dtype_names(a);
   r.B = a.integer<int64_t>("batch", 1, 1), r.T = a.integer<int64_t>("seq", 1024, 1);
   r.threads = threads_option(a);
   r.repeats = a.integer<int>("repeats", 5, 1);
@@ -298,27 +296,30 @@ int run_bench(const Args& a) {
 
 }  // namespace
 
-const Command kBench{
-    "bench",
-    "times the whole layer over the presets (see below).",
-    {
-        values("preset", "NAME", "a preset (gpt2attn presets); default: the GPT-2 sizes and gpt3-175b."),
-        value("batch", "B", "sequences; default 1."),
-        value("seq", "T", "tokens per sequence (decode: cached tokens); default 1024."),
-        value("mode", "prefill|decode", "what is timed; default prefill."),
-        values("dtype", "f32|bf16", "the compute type; default f32."),
-        values("kv-heads", "N", "K/V heads of every preset (grouped-query attention); default: as many as heads."),
-        values("kv-dtype", "f32|bf16|int8|fp8", "decode: the KV cache's storage type; default f32."),
-        flag("interleave", "decode --cache cold: one step of each case in turn (the x_first column)."),
-        value("threads", "N", "threads; default every core OpenMP offers."),
-        value("isa", "best|avx512_bf16|avx512|avx2|scalar", "the instruction set cap (see below); default best."),
-        value("repeats", "N", "timed runs, of which the median is reported; default 5."),
-        value("cache", "warm|cold", "decode: whether the CPU caches are flushed before each step; default warm."),
-        flag("check", "compare with the naive reference (default in the table)."),
-        flag("no-check", "do not compare (default with --json)."),
-        flag("json", "one JSON row per case instead of the table."),
-    },
-    kAbout,
-    run_bench};
+const Command& bench_command() {
+  static const Command c{
+      "bench",
+      "times the whole layer over the presets (see below).",
+      {
+          values("preset", "NAME", "a preset (gpt2attn presets); default: the GPT-2 sizes and gpt3-175b."),
+          value("batch", "B", "sequences; default 1."),
+          value("seq", "T", "tokens per sequence (decode: cached tokens); default 1024."),
+          value("mode", "prefill|decode", "what is timed; default prefill."),
+          compute_row(true),
+          values("kv-heads", "N", "K/V heads of every preset (grouped-query attention); default: as many as heads."),
+          kv_dtype_row(),
+          flag("interleave", "decode --cache cold: one step of each case in turn (the x_first column)."),
+          threads_row(),
+          isa_row(),
+          value("repeats", "N", "timed runs, of which the median is reported; default 5."),
+          value("cache", "warm|cold", "decode: whether the CPU caches are flushed before each step; default warm."),
+          flag("check", "compare with the naive reference (default in the table)."),
+          flag("no-check", "do not compare (default with --json)."),
+          flag("json", "one JSON row per case instead of the table."),
+      },
+      kAbout,
+      run_bench};
+  return c;
+}
 
 }  // namespace gpt2attn::cli

@@ -14,8 +14,9 @@ struct World {
 };
 const World& world();  // set once by main() before any command runs
 
-extern const Command kForward;  // tools/cli/forward.cpp
-extern const Command kBench;    // tools/cli/bench.cpp
-extern const Command kPresets;  // tools/cli/presets.cpp
+// Built on first use (their tables read the library's lists), never during static initialisation.
+const Command& forward_command();  // tools/cli/forward.cpp
+const Command& bench_command();    // tools/cli/bench.cpp
+const Command& presets_command();  // tools/cli/presets.cpp
 
 }  // namespace gpt2attn::cli

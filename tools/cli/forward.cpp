@@ -319,29 +319,32 @@ int run_forward(const Args& a) {
 
 }  // namespace
 
-const Command kForward{
-    "forward",
-    "one attention layer on .npy inputs, written to --output.",
-    {
-        required("weights", "W.safetensors", "the layer's weights (torch or Hugging Face GPT-2 naming)."),
-        value("prefix", "P", "the layer's tensor-name prefix in the weights file."),
-        value("heads", "H", "attention heads; required unless --config gives them."),
-        value("config", "config.json", "a Hugging Face GPT-2 config.json or one of configs/*.json (see below)."),
-        value("kv-heads", "N", "K/V heads (grouped-query attention), dividing H; default: from the weights."),
-        required("query", "q.npy", "the query (B, T, d_in), or (T, d_in) unbatched."),
-        value("key", "k.npy", "the key; with --value (without both: self-attention)."),
-        value("value", "v.npy", "the value; with --key."),
-        value("mask", "m.npy", "an attention mask (see below for its shapes)."),
-        value("mask-kind", "keep|block|additive", "how --mask is read; default: by its dtype, as torch reads it."),
-        value("key-padding", "kp.npy", "a key padding mask (B, Tk), bool or uint8, nonzero = padding."),
-        flag("causal", "causal attention (also when --config says so)."),
-        value("context-length", "N", "the layer's context length; default max(1024, T, Tk) or --config's."),
-        value("dtype", "f32|bf16", "the compute type; default f32."),
-        value("threads", "N", "threads; default every core OpenMP offers."),
-        value("isa", "best|avx512_bf16|avx512|avx2|scalar", "the instruction set cap (see below); default best."),
-        required("output", "y.npy", "the float32 output, written atomically."),
-    },
-    kAbout,
-    run_forward};
+const Command& forward_command() {
+  static const Command c{
+      "forward",
+      "one attention layer on .npy inputs, written to --output.",
+      {
+          required("weights", "W.safetensors", "the layer's weights (torch or Hugging Face GPT-2 naming)."),
+          value("prefix", "P", "the layer's tensor-name prefix in the weights file."),
+          value("heads", "H", "attention heads; required unless --config gives them."),
+          value("config", "config.json", "a Hugging Face GPT-2 config.json or one of configs/*.json (see below)."),
+          value("kv-heads", "N", "K/V heads (grouped-query attention), dividing H; default: from the weights."),
+          required("query", "q.npy", "the query (B, T, d_in), or (T, d_in) unbatched."),
+          value("key", "k.npy", "the key; with --value (without both: self-attention)."),
+          value("value", "v.npy", "the value; with --key."),
+          value("mask", "m.npy", "an attention mask (see below for its shapes)."),
+          value("mask-kind", "keep|block|additive", "how --mask is read; default: by its dtype, as torch reads it."),
+          value("key-padding", "kp.npy", "a key padding mask (B, Tk), bool or uint8, nonzero = padding."),
+          flag("causal", "causal attention (also when --config says so)."),
+          value("context-length", "N", "the layer's context length; default max(1024, T, Tk) or --config's."),
+          compute_row(false),
+          threads_row(),
+          isa_row(),
+          required("output", "y.npy", "the float32 output, written atomically."),
+      },
+      kAbout,
+      run_forward};
+  return c;
+}
 
 }  // namespace gpt2attn::cli

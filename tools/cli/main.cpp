@@ -33,7 +33,7 @@ exit status: 0 success, 2 bad input or usage, 1 internal error.
 )";
 
 const std::vector<const Command*>& commands() {
-  static const std::vector<const Command*> all = {&kForward, &kBench, &kPresets};
+  static const std::vector<const Command*> all = {&forward_command(), &bench_command(), &presets_command()};
   return all;
 }
 

@@ -48,7 +48,7 @@ Args Args::parse(const Command& cmd, int argc, char** argv, int first) {
     s = s.substr(2);
     const Option* o = find(cmd, s);
     if (o == nullptr) throw UsageError("unknown option --" + s);
-    if (o->value == nullptr) {
+    if (o->is_flag()) {
       a.flags_.push_back(s);
       continue;
     }
@@ -121,6 +121,48 @@ std::vector<DType> compute_dtypes(const Args& a) {
 
 int threads_option(const Args& a) { return a.integer<int>("threads", 0, 1, max_threads()); }
 
+namespace {
+// The CLI's name of a K/V format: the library's, but "int8" for i8 (the name --kv-dtype has always taken).
+std::string kv_name(DType t) { return t == DType::i8 ? "int8" : to_string(t); }
+std::string joined(const std::vector<std::string>& names, const char* sep) {
+  std::string s;
+  for (const std::string& n : names) s += (s.empty() ? "" : sep) + n;
+  return s;
+}
+std::vector<std::string> kv_names() {
+  std::vector<std::string> names;
+  for (DType t : kv_cache_dtypes()) names.push_back(kv_name(t));
+  return names;
+}
+}  // namespace
+
+std::vector<std::string> kv_dtype_names(const Args& a) {
+  std::vector<std::string> given = a.distinct<std::string>("kv-dtype", [](const std::string& n) {
+    choice("kv-dtype", n == "i8" ? "int8" : n, kv_names());
+    return n;
+  });
+  if (given.empty()) given = {"f32"};
+  return given;
+}
+
+Option threads_row() { return value("threads", "N", "threads; default every core OpenMP offers."); }
+
+Option isa_row() {
+  std::vector<std::string> names = {"best"};
+  for (Isa isa : compiled_isas()) names.push_back(to_string(isa));
+  return value("isa", joined(names, "|"), "the instruction set cap (see below); default best.");
+}
+
+Option compute_row(bool repeatable) {
+  Option o = value("dtype", "f32|bf16", "the compute type; default f32.");
+  o.repeatable = repeatable;
+  return o;
+}
+
+Option kv_dtype_row() {
+  return values("kv-dtype", joined(kv_names(), "|"), "decode: the KV cache's storage type; default f32.");
+}
+
 std::string render_help(const std::vector<const Command*>& commands, const char* notes) {
   std::string out = "usage:\n  gpt2attn --version | --help\n";
   // The synopsis: required options bare, the others in brackets, a repeatable one followed by "...".
@@ -129,7 +171,7 @@ std::string render_help(const std::vector<const Command*>& commands, const char*
     const size_t indent = 2 + line.size() + 1;
     std::string words;
     for (const Option& o : c->options) {
-      std::string w = std::string("--") + o.name + (o.value ? std::string(" ") + o.value : "");
+      std::string w = "--" + o.name + (o.is_flag() ? "" : " " + o.value);
       if (o.repeatable) w += " ...";
       if (!o.required) w = "[" + w + "]";
       // One option is one unbreakable word of the fill: non-breaking until filled, then spaces again.
@@ -144,11 +186,11 @@ std::string render_help(const std::vector<const Command*>& commands, const char*
     out += std::string("\n") + c->name + ": " + c->summary + "\n";
     size_t width = 0;
     for (const Option& o : c->options) {
-      width = std::max(width, std::string(o.name).size() + (o.value ? std::string(o.value).size() + 1 : 0));
+      width = std::max(width, o.name.size() + (o.is_flag() ? 0 : o.value.size() + 1));
     }
     const size_t col = 2 + 2 + width + 2;
     for (const Option& o : c->options) {
-      std::string head = std::string("--") + o.name + (o.value ? std::string(" ") + o.value : "");
+      std::string head = "--" + o.name + (o.is_flag() ? "" : " " + o.value);
       head.resize(2 + width + 2, ' ');
       std::string help = o.help;
       if (o.repeatable) help += " Repeatable, each value once.";

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "gpt2attn/gpt2attn.hpp"
@@ -23,23 +24,30 @@ struct UsageError : std::runtime_error {
 struct HelpRequested {};
 
 struct Option {
-  const char* name;   // without the leading --
-  const char* value;  // the value's placeholder in --help ("N", "f32|bf16"); nullptr for a flag, which takes none
+  std::string name;   // without the leading --
+  std::string value;  // the value's placeholder in --help ("N", "f32|bf16"); empty for a flag, which takes none
   bool repeatable;    // may be given more than once (each value once); the others are refused the second time
   bool required;      // shown bare in the synopsis; the command checks it
-  const char* help;   // a line or two for --help
+  std::string help;   // a line or two for --help
+  bool is_flag() const { return value.empty(); }
 };
 // The table's rows: a flag, a single-valued option, a repeatable one, a required one.
-constexpr Option flag(const char* name, const char* help) { return {name, nullptr, false, false, help}; }
-constexpr Option value(const char* name, const char* placeholder, const char* help) {
-  return {name, placeholder, false, false, help};
+inline Option flag(const char* name, const char* help) { return {name, "", false, false, help}; }
+inline Option value(const char* name, std::string placeholder, const char* help) {
+  return {name, std::move(placeholder), false, false, help};
 }
-constexpr Option values(const char* name, const char* placeholder, const char* help) {
-  return {name, placeholder, true, false, help};
+inline Option values(const char* name, std::string placeholder, const char* help) {
+  return {name, std::move(placeholder), true, false, help};
 }
-constexpr Option required(const char* name, const char* placeholder, const char* help) {
-  return {name, placeholder, false, true, help};
+inline Option required(const char* name, std::string placeholder, const char* help) {
+  return {name, std::move(placeholder), false, true, help};
 }
+// The rows several commands share. Their value lists are the library's (compiled_isas(), kv_cache_dtypes()), so a
+// new instruction set or K/V format reaches --help and the parsers without an edit here.
+Option threads_row();
+Option isa_row();
+Option compute_row(bool repeatable);  // --dtype
+Option kv_dtype_row();                // --kv-dtype, repeatable
 
 class Args;
 struct Command {
@@ -108,6 +116,9 @@ std::string choice(const std::string& k, const std::string& s, const std::vector
 Isa isa_option(const Args& a);
 // The compute types --dtype asks for (f32 or bf16), in the order given; f32 when absent.
 std::vector<DType> compute_dtypes(const Args& a);
+// The K/V storage types --kv-dtype asks for, by the names given ("int8" or "i8" as given), in order; {"f32"} when
+// absent. A name that is not a K/V format of the library is a usage error listing those.
+std::vector<std::string> kv_dtype_names(const Args& a);
 // --threads: 1 to the library's max_threads() limit; 0 (every core OpenMP offers) when absent.
 int threads_option(const Args& a);
 

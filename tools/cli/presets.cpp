@@ -19,6 +19,9 @@ int run_presets(const Args&) {
 
 }  // namespace
 
-const Command kPresets{"presets", "lists the compiled-in presets.", {}, "", run_presets};
+const Command& presets_command() {
+  static const Command c{"presets", "lists the compiled-in presets.", {}, "", run_presets};
+  return c;
+}
 
 }  // namespace gpt2attn::cli
