@@ -7,7 +7,6 @@
 #pragma once
 
 #include <array>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -48,17 +47,6 @@ inline constexpr std::array<float, 256> kFp8Widened = [] {
 // x as the kernels read it (kFp8Widened): one load from a 1 KiB table, branch-free (the prefill kernel widens each
 // key element it broadcasts this way). The vector loads are in kernels/vec.hpp.
 inline float widen(fp8_e4m3 x) { return kFp8Widened[x.bits]; }
-
-// The scale of a cache row whose largest magnitude is amax (finite, > 0): the power of two 2^k that puts amax /
-// 2^(k-8) in (224, 448], e4m3's top binade, so the row's values keep e4m3's relative precision and none saturates;
-// a power of two, so scaling adds no rounding. value = widen(code) * scale. Rows past 1.75 * 2^127 take 2^127, and
-// their few values over 448 * 2^119 saturate there.
-inline float fp8_row_scale(float amax) {
-  int e = 0;
-  const float f = std::frexp(amax, &e);  // amax = f 2^e, f in [0.5, 1)
-  const int k = e - 1 + (f > 0.875f ? 1 : 0);
-  return std::ldexp(1.0f, k > 127 ? 127 : k);
-}
 
 // x rounded to the nearest e4m3, ties to even. A finite value beyond the range saturates to +-448, and so does an
 // infinity (the format has none; vLLM's cache writer saturates the same way); NaN stays NaN. Magnitudes below 2^-6

@@ -1,10 +1,14 @@
 // kernels/kv_codec.hpp: the one conversion between f32 K/V rows and a block's stored format (kernels/kv_layout.hpp):
 // f32 copies, bf16 rounds to nearest even, int8 quantises symmetrically and fp8 rounds to nearest even after a
-// power-of-two scale, each of those two with one scale per (token, head). Used by the cache's writer and reader (KvCache::Impl::store_row / load_row) and by the
-// kernel tests that build blocks by hand, so both see exactly what a cache holds. Scalar and pure: runs once per
-// appended row (in decode, B * H_kv * 2 rows a step), never per key read.
+// power-of-two scale, each of those two with one scale per (token, head). A finite value past what a format holds
+// saturates to its largest finite value of that sign (bf16's past 0x1.fep127; int8 and fp8 hold all of f32's range),
+// as vLLM's fp8 cache saturates: a cache never turns a finite value into inf; inf and NaN stay non-finite. Used by
+// the cache's writer and reader (KvCache::Impl::store_row / load_row) and by the kernel tests that build blocks by
+// hand, so both see exactly what a cache holds. Scalar and pure: runs once per appended row (in decode, B * H_kv * 2
+// rows a step), never per key read.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -37,13 +41,31 @@ inline float row_amax(const float* src, int64_t D) {
   return nan ? NAN : amax;
 }
 
+// The scale of a cache row whose largest magnitude is amax (finite, > 0): the power of two 2^k that puts amax /
+// 2^(k-8) in (224, 448], e4m3's top binade, so the row's values keep e4m3's relative precision and none saturates;
+// a power of two, so scaling adds no rounding. value = widen(code) * scale. A row past 1.75 * 2^127 would need 2^128:
+// it takes amax / 1.75 instead (one rounding of the scale, 2^-24), so FLT_MAX itself is held, not saturated.
+inline float fp8_row_scale(float amax) {
+  int e = 0;
+  const float f = std::frexp(amax, &e);  // amax = f 2^e, f in [0.5, 1)
+  const int k = e - 1 + (f > 0.875f ? 1 : 0);
+  if (k <= 127) return std::ldexp(1.0f, k);
+  const float s = amax / 1.75f;
+  return std::isfinite(1.75f * s) ? s : std::nextafter(s, 0.0f);  // 448 * 2^-8 * s, the largest read back, finite
+}
+
 inline void store_kv_row(const KvLayout& layout, std::byte* block, KvPart part, int64_t h, int64_t slot,
                          const float* src) {
   const int64_t D = layout.D;
   switch (layout.dtype) {
     case DType::bf16: {
       bf16* dst = layout.row<bf16>(block, part, h, slot);
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_bf16(src[d]);
+      for (int64_t d = 0; d < D; ++d) {
+        bf16 b = to_bf16(src[d]);
+        // Rounding carried a finite value past bf16's largest, 0x7f7f, into inf's code 0x7f80: step back to it.
+        if ((b.bits & 0x7fff) == 0x7f80 && std::fabs(src[d]) <= FLT_MAX) b.bits = static_cast<uint16_t>(b.bits - 1);
+        dst[d] = b;
+      }
       return;
     }
     case DType::fp8: {
@@ -62,7 +84,9 @@ inline void store_kv_row(const KvLayout& layout, std::byte* block, KvPart part, 
     case DType::i8: {
       // Plain comparisons and the rounding below, not std::nearbyint (a library call per element, row_amax).
       const float amax = row_amax(src, D);
-      const float scale = amax / kInt8Levels;
+      float scale = amax / kInt8Levels;
+      // Near FLT_MAX the quotient can round up so far that 127 * scale, the largest value read back, is inf.
+      if (std::isfinite(amax) && !std::isfinite(kInt8Levels * scale)) scale = std::nextafter(scale, 0.0f);
       int8_t* dst = layout.row<int8_t>(block, part, h, slot);
       const float inv = kInt8Levels / amax;
       if (std::isfinite(scale) && scale > 0.0f && std::isfinite(inv)) {

@@ -8,6 +8,7 @@
 // copy quantised blocks with their scales, the int8 codec's edge cases, and only f32, bf16 and i8 are accepted.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -208,6 +209,64 @@ TEST_P(KvCacheStorage, ForkCopiesStoredBlocks) {
   EXPECT_EQ(cache.impl().audit(), "");
   }
 }
+// K/V values at the top of f32's range, finite, stay finite in every format: a value past what the format holds
+// (bf16's largest, 0x1.fep127) saturates to its largest finite value of that sign (kernels/kv_codec.hpp). V = b_v (W_v = 0) holds +-FLT_MAX and
+// its neighbours; one cached token, so attention returns its V row exactly, and W_o = 2^-8 I keeps the output
+// finite: the output is the stored row times 2^-8, and the stored row is the format's largest value where x was past
+// it, the value itself where it was not.
+TEST_P(KvCacheStorage, ValuesPastAFormatsRangeSaturate) {
+  const Config c = serving_config(16, 2, 0, 64);
+  const int64_t E = c.d_model;
+  Weights w = Weights::random(c, 99);
+  std::fill(w.w_v.begin(), w.w_v.end(), 0.0f);
+  const std::vector<float> top = {FLT_MAX, -FLT_MAX, 3.39e38f, -3.39e38f, 3.0e38f, 2.9e38f, 1.0f, -0.5f};
+  for (int64_t e = 0; e < E; ++e) w.b_v[static_cast<size_t>(e)] = top[static_cast<size_t>(e) % top.size()];
+  std::fill(w.w_o.begin(), w.w_o.end(), 0.0f);
+  for (int64_t e = 0; e < E; ++e) w.w_o[static_cast<size_t>(e * E + e)] = 0x1p-8f;
+  std::fill(w.b_o.begin(), w.b_o.end(), 0.0f);
+  CausalSelfAttention block = test::make_block(c, w, isa(), 2);
+  std::mt19937_64 rng(5);
+  const std::vector<float> x = random_uniform(static_cast<size_t>(c.query_width()), rng, -1.0f, 1.0f);
+  for (DType dtype : test::kv_formats()) {
+    const std::string what = std::string(to_string(dtype)) + " [isa=" + to_string(isa()) + "]";
+    KvCacheOptions o = test::pool(4, 8);
+    o.dtype = dtype;
+    KvCache cache(c, o);
+    const SequenceId id = cache.create();
+    std::vector<float> out(static_cast<size_t>(E), test::kNaN);
+    block.extend(cache, id, x.data(), 1, out.data());
+    for (int64_t g = 0; g < c.kv_heads(); ++g) {
+      const std::vector<float> v = cached_value(cache, id, g, 0);
+      for (int64_t d = 0; d < c.head_dim(); ++d) {
+        const int64_t e = g * c.head_dim() + d;
+        const float want = top[static_cast<size_t>(e) % top.size()], got = v[static_cast<size_t>(d)];
+        ASSERT_TRUE(std::isfinite(got)) << what << ": V[" << e << "] = " << want << " stored as " << got;
+        if (got != 0.0f) {  // int8 stores -0.5 beside FLT_MAX as 0
+          EXPECT_EQ(std::signbit(got), std::signbit(want)) << what << " e=" << e;
+        }
+        const double cap = dtype == DType::bf16 ? 0x1.fep127 : FLT_MAX;  // the format's largest finite value
+        const double held = std::clamp(static_cast<double>(want), -cap, cap);
+        EXPECT_LE(std::fabs(got - held), 0x1p-4 * std::fabs(held) + 1.0) << what << " e=" << e;
+        EXPECT_EQ(out[static_cast<size_t>(e)], got * 0x1p-8f) << what << " e=" << e;
+      }
+    }
+  }
+  // The largest finite value of each format, exactly, where FLT_MAX was stored.
+  const auto stored = [](DType dtype, float x) {
+    std::vector<float> row = {x, 1.0f}, back(2);
+    const kernels::KvLayout one{dtype, 1, 1, 2};
+    std::vector<std::byte> block(static_cast<size_t>(one.block_bytes()));
+    kernels::store_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, row.data());
+    kernels::load_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, back.data());
+    return back[0];
+  };
+  EXPECT_EQ(stored(DType::bf16, FLT_MAX), 0x1.fep127f);
+  EXPECT_EQ(stored(DType::bf16, -FLT_MAX), -0x1.fep127f);
+  EXPECT_GE(stored(DType::fp8, FLT_MAX), FLT_MAX * (1.0f - 0x1p-20f));
+  EXPECT_TRUE(std::isfinite(stored(DType::i8, FLT_MAX)));
+  EXPECT_GE(stored(DType::i8, FLT_MAX), FLT_MAX * (1.0f - 0x1p-8f));
+  for (DType dtype : {DType::bf16, DType::i8, DType::fp8}) EXPECT_FALSE(std::isfinite(stored(dtype, INFINITY)));
+}
 GPT2ATTN_INSTANTIATE_ISAS(KvCache, KvCacheStorage);
 
 // A pool of a fixed byte size: bf16 blocks are half the bytes, so it holds twice the tokens; int8 blocks are a
@@ -306,9 +365,9 @@ TEST(KvCacheStoragePool, Int8QuantisesPerRow) {
 }
 
 // The fp8 codec: a power-of-two scale per row puts the row's largest magnitude in e4m3's top binade, so every value
-// of rows of any size, from denormal to FLT_MAX, comes back within one e4m3 rounding (2^-4 of itself, or a subnormal
-// step of the row's scale below 2^-14 of its largest value); a stored row is a fixed point; zeros, inf and NaN rows
-// as int8's; scales of rows of odd sizes 4-byte aligned inside a block.
+// of rows of any size, from denormal to FLT_MAX (whose rows take amax / 1.75), comes back within one e4m3 rounding
+// (2^-4 of itself, or a subnormal step of the row's scale below 2^-14 of its largest value); a stored row is a fixed
+// point; zeros, inf and NaN rows as int8's; scales of rows of odd sizes 4-byte aligned inside a block.
 TEST(KvCacheStoragePool, Fp8ScalesEachRowByAPowerOfTwo) {
   for (int64_t D : {1, 3, 7, 64, 129}) {
     const kernels::KvLayout layout{DType::fp8, 3, 5, D};
@@ -323,20 +382,18 @@ TEST(KvCacheStoragePool, Fp8ScalesEachRowByAPowerOfTwo) {
       const float* scale = layout.scales(block.data(), kernels::KvPart::value, 2, 4);
       EXPECT_EQ(reinterpret_cast<uintptr_t>(scale) % 4, 0u);
       int e = 0;
-      EXPECT_EQ(std::frexp(*scale, &e), 0.5f) << "not a power of two: " << *scale;
-      const double top = amax / (*scale * 0x1p-8);  // the largest magnitude in e4m3 units
-      const bool unsaturated = amax < 1.75f * 0x1p127f;
-      if (unsaturated) {
-        EXPECT_TRUE(top > 224.0 && top <= 448.0) << amax << ": " << top;
+      const bool power_of_two = amax <= 1.75f * 0x1p127f;  // past it, amax / 1.75
+      if (power_of_two) {
+        EXPECT_EQ(std::frexp(*scale, &e), 0.5f) << "not a power of two: " << *scale;
       }
+      const double top = amax / (*scale * 0x1p-8);  // the largest magnitude in e4m3 units
+      EXPECT_TRUE(top > 224.0 && top <= 448.0 * (1 + 0x1p-23)) << amax << ": " << top;
       kernels::load_kv_row(layout, block.data(), kernels::KvPart::value, 2, 4, back.data());
       // Half a subnormal step (2^-10 e4m3 units), or of f32's own where a denormal row's value reads back as one.
       const double floor = std::max(*scale * 0x1p-18, 0x1p-150);
       for (int64_t d = 0; d < D; ++d) {
-        const double err = std::fabs(double{back[d]} - row[d]), allowed = 0x1p-4 * std::fabs(row[d]) + floor;
-        if (unsaturated) {
-          EXPECT_LE(err, allowed) << "amax " << amax << " d " << d;
-        }
+        const double err = std::fabs(double{back[d]} - row[d]);
+        EXPECT_LE(err, 0x1p-4 * (1 + 0x1p-22) * std::fabs(row[d]) + floor) << "amax " << amax << " d " << d;
         EXPECT_TRUE(std::isfinite(back[d])) << "amax " << amax << " d " << d;
       }
       EXPECT_EQ(back, restored(back, DType::fp8)) << "amax " << amax;
@@ -352,8 +409,11 @@ TEST(KvCacheStoragePool, Fp8ScalesEachRowByAPowerOfTwo) {
   };
   EXPECT_EQ(round_trip({0, 0, 0, 0}), std::vector<float>(4, 0.0f));
   EXPECT_EQ(round_trip({1.0f, -0.5f, 448.0f, 3.0f}), (std::vector<float>{1.0f, -0.5f, 448.0f, 3.0f}));  // e4m3 values
-  // FLT_MAX itself, over 1.75 * 2^127, saturates at 448 * 2^119 = 1.75 * 2^127: large and finite, never inf.
-  EXPECT_EQ(round_trip({FLT_MAX, 1.0f, 0.0f, -FLT_MAX})[0], 1.75f * 0x1p127f);
+  // FLT_MAX itself is held (its row's scale is amax / 1.75), finite, never inf.
+  const std::vector<float> top = round_trip({FLT_MAX, 1.0f, 0.0f, -FLT_MAX});
+  EXPECT_TRUE(std::isfinite(top[0]) && std::isfinite(top[3])) << top[0] << " " << top[3];
+  EXPECT_GE(top[0], FLT_MAX * (1.0f - 0x1p-20f));
+  EXPECT_EQ(top[3], -top[0]);
   for (float bad : {NAN, INFINITY, -INFINITY}) {  // a bad value turns the row into NaN, never into numbers
     for (float e : round_trip({1.0f, bad, 2.0f, 3.0f})) EXPECT_TRUE(std::isnan(e)) << bad;
   }
