@@ -96,14 +96,15 @@ class Fingerprint {
   uint64_t h_ = 0xcbf29ce484222325ULL;
 };
 
-// A layer's weights as ranks compare them at construction: every tensor's dtype and shape, and the values of up to
-// kSampleRows rows of each matrix spread over it (all of a bias). Ranks that build one layer from weights each holds
-// (or maps) must hold the same weights; a full hash would read every byte on every rank, where a rank otherwise reads
-// only its slices, and the sample already tells apart a different seed, file or scaled tensor.
-void sample_weights(Fingerprint& f, const WeightsView& w) {
+// A layer's weights as ranks compare them at construction: every tensor's dtype and shape, and its values: all of
+// them (WeightCheck::full), or up to kSampleRows rows of each matrix spread over it and all of a bias (sampled).
+// Ranks that build one layer from weights each holds (or maps) must hold the same weights: each rank uses its own
+// copy of its slices, so two files that differ where only one rank reads would give a sum of two layers.
+void fingerprint_weights(Fingerprint& f, const WeightsView& w, WeightCheck check) {
   constexpr int64_t kSampleRows = 64;
+  f.value(check);
   for (const TensorView* t : {&w.w_q, &w.w_k, &w.w_v, &w.w_o, &w.b_q, &w.b_k, &w.b_v, &w.b_o}) {
-    if (t->rank != 2 || t->shape[0] <= kSampleRows) {
+    if (check == WeightCheck::full || t->rank != 2 || t->shape[0] <= kSampleRows) {
       f.view(*t);
       continue;
     }
@@ -342,26 +343,27 @@ std::unique_ptr<ShardedAttention::Impl> build(const char* call, MPI_Comm comm, c
 ShardedAttention::ShardedAttention(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 ShardedAttention::ShardedAttention(const Config& config, const WeightsView& weights, MPI_Comm comm,
-                                   const EngineOptions& options)
+                                   const EngineOptions& options, WeightCheck check)
     : impl_(build("ShardedAttention", comm, options, [&](Impl& s, auto&& make, Fingerprint& f) {
         config.validate();
         weights.validate(config);
         s.full = config;
         s.shard = detail::shard_of(config, s.rank, s.ranks);
-        sample_weights(f, weights);
+        fingerprint_weights(f, weights, check);
         make(detail::shard_weights(weights, s.shard));
       })) {}
 
 ShardedAttention::ShardedAttention(const Config& config, const std::string& path, const std::string& prefix,
-                                   MPI_Comm comm, const EngineOptions& options)
+                                   MPI_Comm comm, const EngineOptions& options, WeightCheck check)
     : impl_(build("ShardedAttention", comm, options, [&](Impl& s, auto&& make, Fingerprint& f) {
-        // Mapped, not read: the rank's layer copies its slices, so only their pages (and the sample's) are read.
+        // Mapped, not read: the rank's layer copies its slices, so only their pages are read, and the hash's:
+        // WeightCheck::full reads every page once, sampled only the sample's.
         const StoredLayer file =
             detail::open_safetensors_layer(std::make_shared<const safetensors::File>(safetensors::map(path)), prefix);
         s.full = apply_loaded_shapes(config, file);
         detail::validate_weights(file.weights, s.full, s.full.d_model, /*values=*/false);  // the slices' when built
         s.shard = detail::shard_of(s.full, s.rank, s.ranks);
-        sample_weights(f, file.weights);
+        fingerprint_weights(f, file.weights, check);
         make(detail::shard_weights(file.weights, s.shard));
       })) {}
 

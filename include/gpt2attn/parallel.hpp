@@ -13,8 +13,9 @@
 // gives every rank the same Error ("call: rank r: " and the first failing rank's message, or the first rank whose
 // arguments differ from rank 0's), and no rank waits in a collective the others never reach. The constructors'
 // hash covers the config, the compute type (not the instruction set, which may differ from node to node), the
-// seed of random(), and the weights' dtypes, shapes and a sample of 64 rows of each matrix (all of each bias): a
-// full hash would read the whole layer on every rank. Only then is anything computed or written; forward, extend and decode end
+// seed of random(), and the weights' dtypes, shapes and every value of every tensor in logical order (WeightCheck:
+// ranks given weights that differ in any byte any rank uses are refused; each rank so reads the whole layer once,
+// at construction). Only then is anything computed or written; forward, extend and decode end
 // with one MPI_Allreduce of the (B, T, E) output, which also carries each rank's success, so an error while
 // computing (out of memory) is reported on every rank too. Calls on one ShardedAttention are serialised; MPI is
 // called only from the calling thread (MPI_THREAD_FUNNELED suffices when that is the thread that initialised MPI,
@@ -49,17 +50,26 @@ struct ShardedCallTimes {
   double compute_s = 0, allreduce_s = 0;
 };
 
+// What the constructors from weights compare across ranks, beside the config, dtypes and shapes.
+enum class WeightCheck : uint8_t {
+  full,     // every value of every tensor: weights that differ in any byte on any rank are refused (the default)
+  sampled,  // 64 rows of each matrix spread over it, and each bias: for callers who guarantee identical files and
+            // would rather each rank read only its own slices (a safetensors file's other pages stay unread)
+};
+
 class ShardedAttention {
  public:
   // (collective) From the whole layer's weights in each rank's memory: each rank copies its slices. Heads are split
   // by K/V head, as evenly as possible, the first ranks one more (gpt2-xl's 25 heads on 2 ranks: 13 + 12); a
   // communicator with more ranks than K/V heads is refused. A causal self-attention config also serves a KV cache.
-  ShardedAttention(const Config& config, const WeightsView& weights, MPI_Comm comm, const EngineOptions& options = {});
+  ShardedAttention(const Config& config, const WeightsView& weights, MPI_Comm comm, const EngineOptions& options = {},
+                   WeightCheck check = WeightCheck::full);
   // (collective) From one layer of a safetensors file (open_safetensors_layer's namings and dtypes) that every rank
-  // can read: each rank maps the file and reads only its slices' bytes (a rank of N holds about 1/N of the layer,
-  // never the whole file). `config` is completed from the file as apply_loaded_shapes does.
+  // can read: each rank maps the file and copies only its slices (a rank of N holds about 1/N of the layer, never
+  // the whole file); WeightCheck::full reads the layer's other pages once, to hash them. `config` is completed from
+  // the file as apply_loaded_shapes does.
   ShardedAttention(const Config& config, const std::string& safetensors_path, const std::string& prefix,
-                   MPI_Comm comm, const EngineOptions& options = {});
+                   MPI_Comm comm, const EngineOptions& options = {}, WeightCheck check = WeightCheck::full);
   // (collective) Weights::random(config, seed)'s values, each rank generating only its slices.
   static ShardedAttention random(const Config& config, uint64_t seed, MPI_Comm comm,
                                  const EngineOptions& options = {});

@@ -1009,6 +1009,33 @@ TEST_F(ShardedErrors, LayersThatDifferBetweenRanks) {
   EXPECT_NO_THROW(ShardedAttention(c, same.view(c), MPI_COMM_WORLD, EngineOptions{.threads = 1}));
 }
 
+// The default check reads every value: weights that differ in one element of a row no sample reads, in a head only
+// the last rank uses, are refused on every rank; WeightCheck::sampled, the opt-out for callers who guarantee
+// identical files, does not see it (which is why it is not the default).
+TEST_F(ShardedErrors, WeightsThatDifferAnywhereAreRefused) {
+  if (g_size < 2) GTEST_SKIP() << "needs 2 ranks or more";
+  const int odd = g_size - 1;
+  const Config c = make_config({.E = 256, .H = 8});
+  Weights w = Weights::random(c, 7);
+  // Row 5 of the last head's W_q rows: the last rank's slice only, and not one of the sample's rows i * 255 / 63.
+  const int64_t row = c.d_model - c.head_dim() + 5;
+  for (int64_t i = 0; i < 64; ++i) ASSERT_NE(i * (c.d_model - 1) / 63, row) << "the sample reads row " << row;
+  if (g_rank == odd) w.w_q[static_cast<size_t>(row * c.query_width() + 3)] += 0.5f;
+  AgreedError err;
+  EXPECT_TRUE(same_error_on_every_rank(
+      [&] { ShardedAttention(c, w.view(c), MPI_COMM_WORLD, EngineOptions{.threads = 1}); }, MPI_COMM_WORLD, &err));
+  if (g_rank == 0) std::printf("[ message  ] one unsampled value differs on rank %d: %s\n", odd, err.message.c_str());
+  EXPECT_NO_THROW(
+      ShardedAttention(c, w.view(c), MPI_COMM_WORLD, EngineOptions{.threads = 1}, WeightCheck::sampled));
+  // The two checks are an argument like the others: ranks that ask for different ones are refused.
+  EXPECT_TRUE(same_error_on_every_rank(
+      [&] {
+        ShardedAttention(c, Weights::random(c, 7).view(c), MPI_COMM_WORLD, EngineOptions{.threads = 1},
+                         g_rank == odd ? WeightCheck::sampled : WeightCheck::full);
+      },
+      MPI_COMM_WORLD, &err));
+}
+
 TEST_F(ShardedErrors, InputsThatDifferBetweenRanks) {
   if (g_size < 2) GTEST_SKIP() << "needs 2 ranks or more";
   const int odd = g_size - 1;
