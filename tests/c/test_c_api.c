@@ -491,17 +491,20 @@ static void test_bf16_cache(gpt2attn_layer_t* layer, const float* xa) {
   gpt2attn_kv_cache_destroy(q8_alias);
   o.kv_dtype = "i8";
   CHECK_OK(gpt2attn_kv_cache_create_with(layer, &o, &q8));
-  /* fp8 (e4m3): a quarter of the bytes, no scales */
+  /* fp8 (e4m3): a quarter of the bytes plus a scale per row, as int8 */
   gpt2attn_kv_cache_t* f8 = NULL;
   o.kv_dtype = "fp8";
   CHECK_OK(gpt2attn_kv_cache_create_with(layer, &o, &f8));
   if (f8) {
     uint64_t f32b = 0, f8b = 0;
     const char* f8t = NULL;
+    uint64_t q8b = 0;
     CHECK_OK(gpt2attn_kv_cache_bytes(f32, &f32b, NULL, NULL));
     CHECK_OK(gpt2attn_kv_cache_bytes(f8, &f8b, NULL, &f8t));
-    CHECK(4 * f8b == f32b && f8t && strcmp(f8t, "fp8") == 0, "fp8 blocks are a quarter of the bytes (%llu vs %llu), dtype %s",
-          (unsigned long long)f8b, (unsigned long long)f32b, f8t ? f8t : "(null)");
+    CHECK_OK(gpt2attn_kv_cache_bytes(q8, &q8b, NULL, NULL));
+    CHECK(f8b == q8b && 4 * f8b > f32b && 3 * f8b < f32b && f8t && strcmp(f8t, "fp8") == 0,
+          "fp8 blocks are int8's size, a quarter of f32's plus the scales (%llu vs %llu, int8 %llu), dtype %s",
+          (unsigned long long)f8b, (unsigned long long)f32b, (unsigned long long)q8b, f8t ? f8t : "(null)");
     gpt2attn_kv_cache_destroy(f8);
   }
   if (!f32 || !bf || !q8) return;
