@@ -34,14 +34,15 @@ void fail_out_of_memory(const char* what) {
 size_t buffer_capacity(size_t bytes) {
   const size_t align = bytes >= kHugePageBytes ? kHugePageBytes : 64;
   if (bytes > SIZE_MAX - align) {
-    fail(ErrorCode::out_of_memory, "buffer: " + std::to_string(bytes) + " bytes overflow size_t");
+    fail_size_overflow("buffer", std::to_string(bytes) + " bytes", "size_t once aligned");
   }
   return bytes == 0 ? 64 : (bytes + align - 1) / align * align;  // aligned_alloc(64, 0) may return null
 }
 
 Buffer allocate_buffer(size_t bytes, const char* what) {
   const size_t size = buffer_capacity(bytes);
-  check_fits_in_memory(size > static_cast<size_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(size), what);
+  if (size > static_cast<size_t>(INT64_MAX)) fail_size_overflow(what, std::to_string(size) + " bytes", "int64");
+  check_fits_in_memory(static_cast<int64_t>(size), what);
   const bool huge = size >= kHugePageBytes;
   Buffer p(static_cast<std::byte*>(std::aligned_alloc(huge ? kHugePageBytes : 64, size)));
   if (!p) fail(ErrorCode::out_of_memory, std::string(what) + ": cannot allocate " + std::to_string(size) + " bytes");

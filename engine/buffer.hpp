@@ -21,10 +21,12 @@ inline constexpr size_t kHugePageBytes = size_t{2} << 20;
 
 // At least `bytes` bytes (uninitialised), 64-byte aligned; from kHugePageBytes up, aligned to and rounded up to
 // kHugePageBytes, and advised onto huge pages (advice only: where the kernel has them off, they are plain pages).
-// Error(out_of_memory) naming `what` when the size exceeds physical memory or the allocation fails.
+// Error(invalid_argument) naming `what` when the size, once aligned, overflows int64 (no machine could hold it);
+// Error(out_of_memory) naming `what` when it exceeds physical memory or the allocation fails.
 Buffer allocate_buffer(size_t bytes, const char* what);
 
-// The bytes allocate_buffer(bytes) reserves: bytes rounded up to 64, or to kHugePageBytes from there up.
+// The bytes allocate_buffer(bytes) reserves: bytes rounded up to 64, or to kHugePageBytes from there up;
+// Error(invalid_argument) when that overflows size_t.
 size_t buffer_capacity(size_t bytes);
 
 }  // namespace gpt2attn::detail

@@ -16,19 +16,25 @@ namespace gpt2attn::detail {
 
 inline std::string str(int64_t v) { return std::to_string(v); }
 
-// a * b and a + b for sizes (non-negative), or Error(out_of_memory) naming `what` when the result does not fit
-// in int64: a size that large can never be allocated, so the caller's request is refused before anything is.
+// a * b and a + b for sizes (non-negative), or Error(invalid_argument) naming `what` and the size when the result
+// does not fit in int64. No machine could ever satisfy such a request, so it is the caller's mistake, not the
+// out_of_memory a server reads as "retry later"; that code is kept for sizes that are representable but more than
+// this machine has (check_fits_in_memory, a failed allocation). Every size-overflow refusal goes through
+// fail_size_overflow, so the rule lives here.
+[[noreturn]] inline void fail_size_overflow(const std::string& what, const std::string& size, const char* limit) {
+  invalid(what + ": size " + size + " overflows " + limit + " (no machine could hold it)");
+}
 inline int64_t checked_mul(int64_t a, int64_t b, const char* what) {
   int64_t r = 0;
   if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r)) {
-    fail(ErrorCode::out_of_memory, std::string(what) + ": size " + str(a) + " x " + str(b) + " overflows int64");
+    fail_size_overflow(what, str(a) + " x " + str(b), "int64");
   }
   return r;
 }
 inline int64_t checked_add(int64_t a, int64_t b, const char* what) {
   int64_t r = 0;
   if (a < 0 || b < 0 || __builtin_add_overflow(a, b, &r)) {
-    fail(ErrorCode::out_of_memory, std::string(what) + ": size " + str(a) + " + " + str(b) + " overflows int64");
+    fail_size_overflow(what, str(a) + " + " + str(b), "int64");
   }
   return r;
 }

@@ -69,7 +69,7 @@ TEST(Buffer, LargeBuffersSitOnHugePageBoundariesWithTheAdvice) {
 
 TEST(Buffer, RefusesSizesPastMemoryAndSizeT) {
   EXPECT_TRUE(testutil::ThrowsError([] { detail::allocate_buffer(SIZE_MAX - 3, "the test buffer"); },
-                                     ErrorCode::out_of_memory, "overflow"));
+                                     ErrorCode::invalid_argument, "overflow"));
   EXPECT_TRUE(testutil::ThrowsError([] { detail::allocate_buffer(size_t{1} << 62, "the test buffer"); },
                                      ErrorCode::out_of_memory, "the test buffer"));
 }

@@ -171,15 +171,19 @@ TEST(Limits, RandomWeightsRefuseAnInvalidConfigFirst) {
   EXPECT_TRUE(refused([&] { Weights::random(c, 1); }, ErrorCode::invalid_argument, {"num_kv_heads"}));
 }
 
-// Byte counts are computed with overflow checks: a request too large to exist is refused before any allocation.
+// Byte counts are computed with overflow checks: a request too large to exist is refused before any allocation,
+// as invalid_argument naming the size (no machine could satisfy it, so it is not the out_of_memory a server retries).
 TEST(Limits, HugeCallsAreRefusedNotWrapped) {
   const Config c = small();
   CausalSelfAttention layer(c, Weights::random(c, 3));
-  EXPECT_TRUE(refused([&] { layer.layer().workspace_bytes(kInt64Max / 4, 64, 64); }, ErrorCode::out_of_memory,
-                      {"overflows"}));
+  EXPECT_TRUE(refused([&] { layer.layer().workspace_bytes(kInt64Max / 4, 64, 64); }, ErrorCode::invalid_argument,
+                      {"overflows", "no machine could hold it"}));
   EXPECT_TRUE(refused([&] { layer.layer().reserve(int64_t{1} << 40, 64, 64); }, ErrorCode::out_of_memory, {}));
-  EXPECT_TRUE(refused([&] { layer.serving_workspace_bytes(0, kInt64Max / 2); }, ErrorCode::out_of_memory,
+  EXPECT_TRUE(refused([&] { layer.serving_workspace_bytes(0, kInt64Max / 2); }, ErrorCode::invalid_argument,
                       {"overflows"}));
+  EXPECT_TRUE(refused([&] { layer.serving_workspace_bytes(0, kInt64Max); }, ErrorCode::invalid_argument,
+                      {"overflows", std::to_string(kInt64Max).c_str()}));
+  EXPECT_TRUE(refused([&] { layer.reserve_serving(0, kInt64Max); }, ErrorCode::invalid_argument, {"overflows"}));
   EXPECT_TRUE(refused([&] { layer.serving_workspace_bytes(65, 1); }, ErrorCode::invalid_argument,
                       {"max_extend_tokens", "context_length=64"}));
   EXPECT_TRUE(refused([&] { layer.layer().workspace_bytes(1, 65, 64); }, ErrorCode::invalid_argument,
@@ -192,8 +196,11 @@ TEST(Limits, HugeCallsAreRefusedNotWrapped) {
   // was skipped, or read far past x); now it is refused before any element is read (x is never dereferenced).
   float x = 0.0f, y = 0.0f;
   for (const int64_t B : {int64_t{1} << 62, int64_t{1} << 60}) {
-    EXPECT_TRUE(refused([&] { layer.forward(&x, B, 4, &y); }, ErrorCode::out_of_memory, {"overflows"})) << B;
+    EXPECT_TRUE(refused([&] { layer.forward(&x, B, 4, &y); }, ErrorCode::invalid_argument, {"overflows"})) << B;
   }
+  EXPECT_TRUE(refused([&] { layer.forward(&x, kInt64Max, 4, &y); }, ErrorCode::invalid_argument,
+                      {"overflows", std::to_string(kInt64Max).c_str()}));
+  // Representable, but more than this machine has: out_of_memory, as before.
   EXPECT_TRUE(refused([&] { layer.forward(&x, int64_t{1} << 40, 4, &y); }, ErrorCode::out_of_memory,
                       {"the output (B, T, E)", "physical memory"}));
 }

@@ -14,7 +14,8 @@ namespace gpt2attn {
 enum class ErrorCode : int {
   invalid_argument = 1,  // a config field, shape, option or value the caller passed is wrong
   bad_file = 2,          // a weights/npy/json file is missing, truncated, corrupt or inconsistent
-  out_of_memory = 3,     // an allocation or the KV pool was exhausted; nothing was written
+  out_of_memory = 3,     // an allocation or the KV pool was exhausted; nothing was written (a size whose byte
+                         // count overflows int64 is invalid_argument: no machine could hold it)
   internal = 4,          // a bug or an unexpected failure inside a dependency (oneDNN)
 };
 

@@ -71,7 +71,8 @@ typedef enum gpt2attn_status {
   GPT2ATTN_ERR_INVALID_ARGUMENT = 1, /* a handle, pointer, id, shape or size the caller passed is wrong */
   GPT2ATTN_ERR_BAD_FILE = 2,         /* a weights file is missing, truncated, corrupt or inconsistent */
   GPT2ATTN_ERR_OUT_OF_MEMORY = 3,    /* an allocation failed or the KV pool has no free block now; nothing written
-                                        (a sequence larger than the whole pool is INVALID_ARGUMENT: it can never fit) */
+                                        (a sequence larger than the whole pool, or a size whose byte count
+                                        overflows int64, is INVALID_ARGUMENT: it can never fit) */
   GPT2ATTN_ERR_INTERNAL = 4          /* a bug or an unexpected failure inside a dependency */
 } gpt2attn_status_t;
 

@@ -273,6 +273,20 @@ static void test_argument_errors(gpt2attn_layer_t* layer, const float* xa) {
     CHECK_ERR(gpt2attn_layer_create_random(&huge, 1, &none), GPT2ATTN_ERR_INVALID_ARGUMENT, "context_length");
     CHECK(none == UNSET_LAYER, "a failed create left *out as it was");
   }
+  {
+    /* A size whose byte count overflows int64 can never be satisfied: INVALID_ARGUMENT naming the size, not the
+     * OUT_OF_MEMORY a server reads as "retry later". */
+    size_t bytes = 12345;
+    CHECK_ERR(gpt2attn_layer_forward(layer, xa, INT64_MAX, 2, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
+              "overflows");
+    CHECK_ERR(gpt2attn_layer_reserve_bytes(layer, 0, INT64_MAX, 0, &bytes), GPT2ATTN_ERR_INVALID_ARGUMENT,
+              "overflows");
+    CHECK(bytes == 12345, "a refused reserve_bytes left *out as it was");
+    CHECK_ERR(gpt2attn_layer_reserve(layer, 0, INT64_MAX, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "overflows");
+    CHECK_ERR(gpt2attn_layer_decode(layer, cache, &s, INT64_MAX, xa, y, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
+              "overflows");
+    CHECK(untouched(y, PROMPT_A * E), "outputs untouched by impossible sizes");
+  }
 
   /* Unknown and released sequence ids: refused, naming the id; the cache is unchanged. */
   const gpt2attn_seq_t unknown = 987654;
