@@ -50,9 +50,11 @@ static const std::vector<std::string> kKeys = {"d_model", "num_heads", "num_kv_h
 
 namespace {
 // A config file's text as a JSON object, or Error(bad_file) naming the file. Refused besides text that is not JSON:
-// a NUL byte (nlohmann would stop there as at the end of the input and accept "{...}\0garbage"), and a key given
-// twice in one object (nlohmann keeps the last one, so {"num_heads": 4, "num_heads": 2} would silently mean 2).
+// a NUL byte (nlohmann would stop there as at the end of the input and accept "{...}\0garbage"), a key given
+// twice in one object (nlohmann keeps the last one, so {"num_heads": 4, "num_heads": 2} would silently mean 2),
+// and a leading UTF-8 byte-order mark (nlohmann skips it; the safetensors reader's rule, io::refuse_byte_order_mark).
 nlohmann::json parse_object(const std::string& json_text, const std::string& origin) {
+  io::refuse_byte_order_mark(json_text, origin, "config");
   if (const size_t nul = json_text.find('\0'); nul != std::string::npos) {
     fail(ErrorCode::bad_file, origin + ": not valid JSON: NUL byte at offset " + std::to_string(nul));
   }

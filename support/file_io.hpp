@@ -35,6 +35,17 @@ static_assert(std::endian::native == std::endian::little, "gpt2attn's file reade
   fail(ErrorCode::bad_file, path + ": " + problem);
 }
 
+// Error(bad_file) when `text`, the JSON of `path` (what: "header", "config"), starts with a UTF-8 byte-order mark.
+// nlohmann skips one, but the safetensors format has none (its reference reader, serde_json, refuses one) and
+// neither does a config.json that Hugging Face or gpt2attn writes: every JSON reader here applies this one rule,
+// so a file is not accepted by one reader and refused by the other.
+inline void refuse_byte_order_mark(const std::string& text, const std::string& path, const std::string& what) {
+  if (text.rfind("\xEF\xBB\xBF", 0) == 0) {
+    file_error(path, what + " is not valid JSON: it starts with a UTF-8 byte-order mark (EF BB BF); save it as "
+                            "UTF-8 without one");
+  }
+}
+
 // What a path that is not a regular file is, for messages.
 inline const char* file_kind(mode_t mode) {
   if (S_ISDIR(mode)) return "a directory";

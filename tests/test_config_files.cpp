@@ -205,6 +205,20 @@ TEST_F(ConfigFiles, OutOfRangeNumbersAreReportedAsWritten) {
   EXPECT_LT(config_from_json(R"({"d_model": 8, "num_heads": 2, "dropout": 0.99999997})").dropout, 1.0f);
 }
 
+// config.json with a UTF-8 byte-order mark loaded (nlohmann skips one) while a safetensors header with one was
+// refused; one rule for every JSON reader now, refused with the same words (test_safetensors.cpp checks the header).
+TEST_F(ConfigFiles, ByteOrderMarkIsRefusedAsInSafetensors) {
+  const std::string ours = file("bom.json", "\xEF\xBB\xBF" R"({"d_model": 8, "num_heads": 2})");
+  const std::string hf = file("bom_hf.json", "\xEF\xBB\xBF" + hf_config());
+  for (const std::string& p : {ours, hf}) {
+    EXPECT_TRUE(ThrowsError([&] { load_any_config(p); }, ErrorCode::bad_file,
+                            p + ": config is not valid JSON: it starts with a UTF-8 byte-order mark"));
+  }
+  EXPECT_TRUE(ThrowsError([&] { load_config(ours); }, ErrorCode::bad_file, "starts with a UTF-8 byte-order mark"));
+  EXPECT_TRUE(ThrowsError([&] { hf_gpt2_config_from_json("\xEF\xBB\xBF" + hf_config(), "t"); }, ErrorCode::bad_file,
+                          "t: config is not valid JSON: it starts with a UTF-8 byte-order mark"));
+}
+
 // What must keep loading: configs/*.json (each as its preset), every preset, a Hugging Face GPT-2 config.json.
 TEST_F(ConfigFiles, ShippedConfigsPresetsAndHuggingFaceConfigsLoad) {
   int n = 0;

@@ -243,7 +243,7 @@ TEST_F(Safetensors, RejectsHeaderThatIsNotAJsonObject) {
                           "not an object"));
   // A UTF-8 byte-order mark before the JSON: nlohmann would skip it, the format has none.
   EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(st_raw("\xEF\xBB\xBF{}", ""))); }, ErrorCode::bad_file,
-                          "starts with a byte-order mark"));
+                          "header is not valid JSON: it starts with a UTF-8 byte-order mark"));
 }
 
 // One tensor "t" with the given header entry over 16 data bytes.

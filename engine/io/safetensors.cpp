@@ -152,11 +152,7 @@ json parse_header(const std::string& path, const std::string& text) {
     }
     return true;
   };
-  // nlohmann skips a UTF-8 byte-order mark; the format's header is JSON text with none (the reference reader,
-  // serde_json, refuses one), so a file starting with one was not written by a safetensors writer.
-  if (text.rfind("\xEF\xBB\xBF", 0) == 0) {
-    io::file_error(path, "header is not valid JSON: it starts with a byte-order mark");
-  }
+  io::refuse_byte_order_mark(text, path, "header");
   try {
     return json::parse(text, check_key);
   } catch (const json::exception& e) {
