@@ -239,9 +239,34 @@ Config hf_gpt2_config_from_json(const std::string& json_text, const std::string&
   return hf_gpt2_config_from_object(parse_object(json_text, origin), origin);
 }
 
+namespace {
+// The Hugging Face GPT-2 keys that size the attention (the ones hf_gpt2_config_from_object reads).
+constexpr const char* kHfSizeKeys[] = {"n_embd", "n_head", "n_positions", "n_ctx"};
+}  // namespace
+
 Config load_any_config(const std::string& path) {
   const nlohmann::json j = parse_object(read_config_file(path), path);
-  if (j.contains("n_embd")) return hf_gpt2_config_from_object(j, path);
+  // A file with keys of both kinds is refused: reading either kind alone would silently drop the other's sizes
+  // (a d_model next to n_embd, a context_length next to n_positions), and which one the writer meant is unknowable.
+  const char* hf_key = nullptr;
+  const std::string* native_key = nullptr;
+  for (const char* k : kHfSizeKeys) {
+    if (j.contains(k)) {
+      hf_key = k;
+      break;
+    }
+  }
+  for (const std::string& k : kKeys) {
+    if (j.contains(k)) {
+      native_key = &k;
+      break;
+    }
+  }
+  if (hf_key != nullptr && native_key != nullptr) {
+    fail(ErrorCode::bad_file, path + ": holds both Hugging Face GPT-2 keys ('" + hf_key + "') and gpt2attn keys ('" +
+                                  *native_key + "'); a config is one kind or the other, so remove one set");
+  }
+  if (hf_key != nullptr) return hf_gpt2_config_from_object(j, path);
   return config_from_object(j, path);
 }
 

@@ -205,6 +205,20 @@ TEST_F(ConfigFiles, OutOfRangeNumbersAreReportedAsWritten) {
   EXPECT_LT(config_from_json(R"({"d_model": 8, "num_heads": 2, "dropout": 0.99999997})").dropout, 1.0f);
 }
 
+// A file with Hugging Face keys and ours loaded as Hugging Face's, our d_model/context_length silently dropped
+// (or, without n_embd, as ours with an unknown-key error about n_head): the ambiguity is refused, naming a key of each.
+TEST_F(ConfigFiles, HuggingFaceAndNativeKeysTogetherAreRefused) {
+  const std::string both = file("both.json", hf_config(R"("d_model": 64, "context_length": 32,)"));
+  EXPECT_TRUE(ThrowsError([&] { load_any_config(both); }, ErrorCode::bad_file,
+                          both + ": holds both Hugging Face GPT-2 keys ('n_embd') and gpt2attn keys ('d_model')"));
+  const std::string no_embd = file("no_embd.json", R"({"n_head": 2, "d_model": 8, "num_heads": 2})");
+  EXPECT_TRUE(ThrowsError([&] { load_any_config(no_embd); }, ErrorCode::bad_file,
+                          "('n_head') and gpt2attn keys ('d_model')"));
+  const std::string ctx = file("ctx.json", R"({"d_model": 8, "num_heads": 2, "n_positions": 16})");
+  EXPECT_TRUE(ThrowsError([&] { load_any_config(ctx); }, ErrorCode::bad_file,
+                          "('n_positions') and gpt2attn keys ('d_model')"));
+}
+
 // config.json with a UTF-8 byte-order mark loaded (nlohmann skips one) while a safetensors header with one was
 // refused; one rule for every JSON reader now, refused with the same words (test_safetensors.cpp checks the header).
 TEST_F(ConfigFiles, ByteOrderMarkIsRefusedAsInSafetensors) {

@@ -56,9 +56,10 @@ GPT2ATTN_API std::vector<std::string> preset_names();
 GPT2ATTN_API Config preset(const std::string& name);  // throws invalid_argument listing the known names
 
 // Parses a config JSON object ({"d_model": 768, "num_heads": 12, ...}); unknown keys are an error. Both JSON readers
-// throw Error(bad_file) naming `origin` for text that is not one JSON object, holds a NUL byte (its offset is named),
-// or gives a key twice in one object (at any depth); for an integer past int64 (reported as written); and for a
-// dropout outside [0, 1) as written, or one below 1 that rounds to 1.0f.
+// throw Error(bad_file) naming `origin` for text that is not one JSON object, starts with a UTF-8 byte-order mark (as
+// a safetensors header may not), holds a NUL byte (its offset is named), or gives a key twice in one object (at any
+// depth); for an integer past int64 (reported as written); and for a dropout outside [0, 1) as written, or one
+// below 1 that rounds to 1.0f.
 GPT2ATTN_API Config config_from_json(const std::string& json_text, const std::string& origin = "<json>");
 // Reads only a regular file (or a link to one) of at most 1 MiB: a missing or unreadable file, a directory, FIFO or
 // device, or a larger file is Error(bad_file) naming the path, and nothing is read from a non-regular file.
@@ -68,8 +69,9 @@ GPT2ATTN_API Config load_config(const std::string& path);
 // boolean and at their default: scale_attn_weights (true), scale_attn_by_inverse_layer_idx (false),
 // add_cross_attention (false). Throws Error(bad_file) naming the file and the missing or bad key.
 GPT2ATTN_API Config hf_gpt2_config_from_json(const std::string& json_text, const std::string& origin = "<json>");
-// A config file in either format: a Hugging Face GPT-2 config.json (it has n_embd) or ours (configs/*.json). The
-// file is read as by load_config.
+// A config file in either format: a Hugging Face GPT-2 config.json (it has n_embd, n_head, n_positions or n_ctx)
+// or ours (configs/*.json). The file is read as by load_config. A file holding keys of both formats is refused
+// (Error(bad_file) naming one key of each), since reading either alone would silently drop the other's sizes.
 GPT2ATTN_API Config load_any_config(const std::string& path);
 GPT2ATTN_API std::string to_json(const Config& c);
 
