@@ -264,6 +264,7 @@ def main():
 
     # --- --output: links followed, special files refused and left as they were ---
     r.case("output_symlink_followed", output_symlink_followed, r, fx)
+    r.case("output_same_file_as_an_input_refused", output_same_file_as_an_input_refused, r, fx)
     r.case("output_fifo_refused", output_special_refused, r, fx, "fifo", False)
     r.case("output_symlink_to_fifo_refused", output_special_refused, r, fx, "fifo", True)
     r.case("output_char_device_refused", output_special_refused, r, fx, "chr", False)
@@ -378,6 +379,35 @@ def output_symlink_followed(r, fx):
     check(y.shape == (B, T, E) and y.dtype == np.float32, "target holds %s %s" % (y.shape, y.dtype))
     left = sorted(os.listdir(wd)) + sorted(os.listdir(os.path.join(wd, "real")))
     check(left == ["link.npy", "real", "y.npy"], "files left behind: %s" % left)
+    return None
+
+
+def output_same_file_as_an_input_refused(r, fx):
+    """--output naming an input file, by the same path, another spelling of it, a symbolic link or a hard link,
+    for every input option: refused before any work (exit 2, one line naming both options), the input unchanged."""
+    wd = r.workdir()
+    g = np.random.default_rng(1)
+    mask = fx.npy("mask.npy", np.zeros((T, T), dtype=bool))
+    padding = fx.npy("kp.npy", np.zeros((B, T), dtype=bool))
+    kv = fx.npy("kv_same.npy", g.standard_normal((B, 5, E)).astype(np.float32))
+    q_link = os.path.join(wd, "q_link.npy")
+    os.symlink(fx.q, q_link)
+    q_hard = os.path.join(wd, "q_hard.npy")
+    os.link(fx.q, q_hard)
+    q_spelled = os.path.join(fx.dir, ".", "sub", "..", os.path.basename(fx.q))
+    os.makedirs(os.path.join(fx.dir, "sub"), exist_ok=True)
+    cases = [("query", fx.q, []), ("query", q_link, []), ("query", q_hard, []), ("query", q_spelled, []),
+             ("weights", fx.weights, []), ("key", kv, ["--key", kv, "--value", fx.kv]),
+             ("value", kv, ["--key", fx.kv, "--value", kv]), ("mask", mask, ["--mask", mask]),
+             ("key-padding", padding, ["--key-padding", padding])]
+    for option, out, extra in cases:
+        path = out if option not in ("query", "weights") else (fx.q if option == "query" else fx.weights)
+        with open(path, "rb") as f:
+            before = f.read()
+        expect_error(r, fx.fwd(extra=extra), [r"--output .* is the same file as --%s " % re.escape(option)],
+                     output=out, output_exists=True)
+        with open(path, "rb") as f:
+            check(f.read() == before, "--output %s replaced --%s %s" % (out, option, path))
     return None
 
 

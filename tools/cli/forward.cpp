@@ -1,6 +1,8 @@
 // tools/cli/forward.cpp: `gpt2attn forward`, one multi-head attention layer on .npy inputs with the weights of a
 // safetensors file: read_request() -> make_layer() -> run -> write. A Runner makes and runs the layer: in this
 // process (LocalRunner), or tensor parallel over the ranks of mpirun (ShardedRunner).
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <memory>
 #include <optional>
@@ -199,6 +201,26 @@ struct Request {
   }
 };
 
+// --output naming an input (the same file through a symbolic link, a hard link or another spelling of its path)
+// would replace that input with the result, so it is refused before any work. Device and inode decide, as the
+// kernel sees the files; an output that does not exist yet cannot be an input (inputs must exist), and one that
+// cannot be stat'ed is left to the write, which reports it.
+void refuse_output_over_an_input(const Request& r) {
+  struct stat out {};
+  if (::stat(r.output.c_str(), &out) != 0) return;
+  const std::pair<const char*, const std::string*> inputs[] = {
+      {"weights", &r.weights}, {"config", &r.config_path}, {"query", &r.query}, {"key", &r.key},
+      {"value", &r.value},     {"mask", &r.mask},          {"key-padding", &r.key_padding}};
+  for (const auto& [option, path] : inputs) {
+    struct stat in {};
+    if (path->empty() || ::stat(path->c_str(), &in) != 0) continue;
+    if (in.st_dev == out.st_dev && in.st_ino == out.st_ino) {
+      throw UsageError("--output " + r.output + " is the same file as --" + option + " " + *path +
+                       ": writing the result would replace that input; choose another output path");
+    }
+  }
+}
+
 // The options, checked; no file is read yet.
 Request read_request(const Args& a) {
   Request r;
@@ -219,6 +241,7 @@ Request read_request(const Args& a) {
   r.key = a.get("key"), r.value = a.get("value");
   r.mask = a.get("mask"), r.mask_kind = a.get("mask-kind"), r.key_padding = a.get("key-padding");
   r.causal = a.flag("causal");
+  refuse_output_over_an_input(r);
   return r;
 }
 
