@@ -165,6 +165,47 @@ def test_hf_gpt2_block_matches_causal_torch_mha():
         gpt2attn.from_hf_gpt2_block(hf, "h.0.attn.")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hf_gpt2_block_widens_a_bf16_or_f16_state_dict(dtype):
+    """A bf16 state dict (model.to(torch.bfloat16).state_dict()) raised torch's raw TypeError from .numpy(); its
+    values widen to float32 exactly, so the layer is the one its float32 copy builds."""
+    module = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    hf = pc.hf_gpt2_layout(pc.state_dict_of(module), "h.0.attn.")
+    low = {k: v.to(dtype) for k, v in hf.items()}
+    widened = {k: v.float() for k, v in low.items()}
+    x = rand(np.random.default_rng(26), 2, 5, 32)
+    got = gpt2attn.from_hf_gpt2_block(low, "h.0.attn.", num_heads=4).forward(x)
+    np.testing.assert_array_equal(got, gpt2attn.from_hf_gpt2_block(widened, "h.0.attn.", num_heads=4).forward(x))
+    with pytest.raises(gpt2attn.InvalidArgument, match=r"'h\.0\.attn\.c_proj\.weight' is a torch\.bool tensor"):
+        gpt2attn.from_hf_gpt2_block(dict(hf, **{"h.0.attn.c_proj.weight": torch.ones(32, 32, dtype=torch.bool)}),
+                                    "h.0.attn.", num_heads=4)
+
+
+def test_hf_gpt2_block_reads_what_its_causal_buffer_says():
+    """The registered `bias` buffer was read as causal whatever it held (an all-ones one means a non-causal block),
+    and its last axis as the context (a (1, 1, 8192, 1) buffer gave context 1): now lower-triangular ones give the
+    causal layer with the buffer's side as its context, and anything else is refused, naming the buffer."""
+    module = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    hf = pc.hf_gpt2_layout(pc.state_dict_of(module), "h.0.attn.")
+    for tril in (torch.tril(torch.ones(1, 1, 40, 40, dtype=torch.bool)),
+                 torch.tril(torch.ones(40, 40)).to(torch.uint8), torch.tril(torch.ones(1, 1, 40, 40)).bfloat16()):
+        layer = gpt2attn.from_hf_gpt2_block(dict(hf, **{"h.0.attn.bias": tril}), "h.0.attn.", num_heads=4)
+        assert layer.config.context_length == 40 and layer.config.causal
+    refused = {
+        "all ones, a non-causal block": torch.ones(1, 1, 40, 40, dtype=torch.bool),
+        r"shape \(1, 1, 8192, 1\)": torch.ones(1, 1, 8192, 1, dtype=torch.bool),
+        r"shape \(2, 1, 4, 4\)": torch.tril(torch.ones(2, 1, 4, 4, dtype=torch.bool)),
+        "neither lower-triangular ones": torch.triu(torch.ones(1, 1, 8, 8, dtype=torch.bool)),
+    }
+    for words, buf in refused.items():
+        with pytest.raises(gpt2attn.InvalidArgument, match=r"'h\.0\.attn\.bias' .*" + words):
+            gpt2attn.from_hf_gpt2_block(dict(hf, **{"h.0.attn.bias": buf}), "h.0.attn.", num_heads=4)
+        # An explicit context_length does not make a non-causal or malformed buffer causal.
+        with pytest.raises(gpt2attn.InvalidArgument, match=r"'h\.0\.attn\.bias'"):
+            gpt2attn.from_hf_gpt2_block(dict(hf, **{"h.0.attn.bias": buf}), "h.0.attn.", num_heads=4,
+                                        context_length=64)
+
+
 def test_bf16_compute_is_as_accurate_as_torch_bf16():
     """compute="bf16" through from_hf_gpt2_block and from_torch: error against fp64 at most 1.5x that of the same
     torch module run in bfloat16 (the CLI's test_torch_bf16_parity.py covers the shapes; this covers the option)."""
