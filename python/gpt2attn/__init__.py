@@ -9,6 +9,11 @@ The C++ library itself (gpt2attn._gpt2attn), over float32 numpy arrays and CPU t
 
 Inputs must be float32 (float64 is refused with a message, not converted); out= arrays are written in place;
 errors are gpt2attn.Error subclasses (InvalidArgument is a ValueError) carrying the library's message.
+
+Compute calls release the GIL and read inputs (and write out=) where they lie, so while a call runs no other
+thread may free, shrink or move those arrays' memory. The call holds a reference to each, which stops a checked
+arr.resize(); arr.resize(..., refcheck=False), torch's resize_()/set_(), or closing the mmap an array views skip
+that protection by design and are a use-after-free: the caller's contract, which no reference can enforce.
 """
 from ._gpt2attn import (  # noqa: F401
     BadFile, CausalSelfAttention, Config, Error, InternalError, InvalidArgument, KvCache, MultiHeadAttention,

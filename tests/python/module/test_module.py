@@ -598,3 +598,20 @@ def test_reference_forward_agrees_with_the_layer():
     x = rand(rng, 2, 11, 48)
     got = gpt2attn.MultiHeadAttention(cfg, w).forward(x)
     pc.compare(got, gpt2attn.reference_forward(cfg, w, x), pc.reduction_length(48, 11))
+
+
+def test_resizing_an_input_during_a_call_is_documented_as_the_callers_contract():
+    """A call holds a reference to its arrays, which stops a checked arr.resize() but not
+    arr.resize(..., refcheck=False): that frees the buffer being read, a use-after-free no reference can prevent.
+    It can only be the caller's contract, so it must be written where callers read: the package docstring and
+    docs/python.md."""
+    a = np.zeros((2, 3), dtype=np.float32)
+    held = [a]  # what a running call holds
+    with pytest.raises(ValueError):
+        a.resize((4, 3))  # the checked resize is stopped by the reference
+    del held
+    doc_path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "python.md")
+    with open(doc_path, encoding="utf-8") as f:
+        docs = f.read()
+    for where, text in (("gpt2attn.__doc__", gpt2attn.__doc__), ("docs/python.md", docs)):
+        assert "refcheck=False" in text and "use-after-free" in text, where
