@@ -81,7 +81,8 @@ std::vector<double> attention_over_cache(const KvCache& cache, SequenceId id, co
 
 const std::vector<DType> kStorageTypes = test::stored_kv_formats();
 
-// A stored row read back, stored again and read back: a value the format holds comes back unchanged.
+// `row` stored in a one-row block of `dtype` and read back. Applied to a row read back from a cache, it tells whether
+// the format holds it: a stored row is a fixed point.
 std::vector<float> restored(const std::vector<float>& row, DType dtype) {
   const kernels::KvLayout one{dtype, 1, 1, static_cast<int64_t>(row.size())};
   std::vector<std::byte> block(static_cast<size_t>(one.block_bytes()));
@@ -252,14 +253,7 @@ TEST_P(KvCacheStorage, ValuesPastAFormatsRangeSaturate) {
     }
   }
   // The largest finite value of each format, exactly, where FLT_MAX was stored.
-  const auto stored = [](DType dtype, float x) {
-    std::vector<float> row = {x, 1.0f}, back(2);
-    const kernels::KvLayout one{dtype, 1, 1, 2};
-    std::vector<std::byte> block(static_cast<size_t>(one.block_bytes()));
-    kernels::store_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, row.data());
-    kernels::load_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, back.data());
-    return back[0];
-  };
+  const auto stored = [](DType dtype, float x) { return restored({x, 1.0f}, dtype)[0]; };
   EXPECT_EQ(stored(DType::bf16, FLT_MAX), 0x1.fep127f);
   EXPECT_EQ(stored(DType::bf16, -FLT_MAX), -0x1.fep127f);
   EXPECT_GE(stored(DType::fp8, FLT_MAX), FLT_MAX * (1.0f - 0x1p-20f));
@@ -342,14 +336,7 @@ TEST(KvCacheStoragePool, Int8QuantisesPerRow) {
     kernels::load_kv_row(layout, block.data(), kernels::KvPart::value, 2, 4, back.data());
     for (int64_t d = 0; d < D; ++d) EXPECT_LE(std::fabs(back[d] - row[d]), 4.0 / 254.0 * (1 + 1e-6)) << d;
   }
-  const kernels::KvLayout one{DType::i8, 1, 1, 4};
-  std::vector<std::byte> block(static_cast<size_t>(one.block_bytes()));
-  std::vector<float> back(4);
-  auto round_trip = [&](std::vector<float> row) {
-    kernels::store_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, row.data());
-    kernels::load_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, back.data());
-    return back;
-  };
+  auto round_trip = [](const std::vector<float>& row) { return restored(row, DType::i8); };
   EXPECT_EQ(round_trip({0, 0, 0, 0}), std::vector<float>(4, 0.0f));  // scale 0, no division by zero
   // A row below 127 / FLT_MAX: 127 / amax overflowed float, so zeros became 0 * inf = NaN (cast to int8: undefined)
   // and every other value +-127.
@@ -399,14 +386,7 @@ TEST(KvCacheStoragePool, Fp8ScalesEachRowByAPowerOfTwo) {
       EXPECT_EQ(back, restored(back, DType::fp8)) << "amax " << amax;
     }
   }
-  const kernels::KvLayout one{DType::fp8, 1, 1, 4};
-  std::vector<std::byte> block(static_cast<size_t>(one.block_bytes()));
-  std::vector<float> back(4);
-  auto round_trip = [&](std::vector<float> row) {
-    kernels::store_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, row.data());
-    kernels::load_kv_row(one, block.data(), kernels::KvPart::key, 0, 0, back.data());
-    return back;
-  };
+  auto round_trip = [](const std::vector<float>& row) { return restored(row, DType::fp8); };
   EXPECT_EQ(round_trip({0, 0, 0, 0}), std::vector<float>(4, 0.0f));
   EXPECT_EQ(round_trip({1.0f, -0.5f, 448.0f, 3.0f}), (std::vector<float>{1.0f, -0.5f, 448.0f, 3.0f}));  // e4m3 values
   // FLT_MAX itself is held (its row's scale is amax / 1.75), finite, never inf.
