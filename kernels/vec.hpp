@@ -87,9 +87,9 @@ struct Vec {
   }
   // W fp8 e4m3 codes as the kernels read them (widen(), kernels/fp8.hpp): each byte sign-extended to 16 bits and
   // shifted so that its exponent and mantissa land in binary16's fields, which vcvtph2ps widens exactly, denormals
-  // included; the row's scale carries the 2^8 the change of exponent bias leaves. Four operations for W codes, one
-  // more than int8's; the NaN handling and the multiply an unscaled format needed took a cold gpt2-small B=16 T=1024
-  // decode step from 3.56 to 4.07 ms on AVX2 (gpt2attn bench --mode decode --cache cold, 2 threads).
+  // included; the row's scale carries the 2^8 the change of exponent bias leaves, and a NaN (a NaN scale), so the
+  // load needs no multiply and no NaN handling: without them a cold gpt2-small B=16 T=1024 decode step on AVX2 takes
+  // 3.38 ms against 3.95 (bench/ab.py over gpt2attn bench --mode decode --cache cold, 2 threads).
   static B load(const fp8_e4m3* p) {
     if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
       const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
