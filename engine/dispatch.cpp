@@ -6,6 +6,7 @@
 #include <string>
 
 #include "gpt2attn/error.hpp"
+#include "gpt2attn/kv_cache.hpp"
 
 // The specialisations kernels/kernel_sets_<level>.cpp define, one per level CMake compiles.
 namespace gpt2attn::kernels {
@@ -65,12 +66,25 @@ bool is_kv_format(DType t) {
 
 std::string kv_format_names() {
   std::string names;
-  for (size_t i = 0; i < kNumDTypes; ++i) {
-    const DType t = static_cast<DType>(i);
-    if (is_kv_format(t)) names += (names.empty() ? "" : ", ") + std::string(to_string(t));
-  }
+  for (DType t : kv_cache_dtypes()) names += (names.empty() ? "" : ", ") + std::string(to_string(t));
   return names;
 }
+
+}  // namespace gpt2attn::detail
+
+namespace gpt2attn {
+
+std::vector<DType> kv_cache_dtypes() {
+  std::vector<DType> out;
+  for (size_t i = 0; i < kNumDTypes; ++i) {
+    if (detail::is_kv_format(static_cast<DType>(i))) out.push_back(static_cast<DType>(i));
+  }
+  return out;
+}
+
+}  // namespace gpt2attn
+
+namespace gpt2attn::detail {
 
 Isa resolve_isa(Isa requested) {
   if (requested == Isa::best) {

@@ -18,14 +18,6 @@ namespace gpt2attn {
 using detail::ceil_div;
 using detail::str;
 
-std::vector<DType> kv_cache_dtypes() {
-  std::vector<DType> out;
-  for (size_t i = 0; i < kNumDTypes; ++i) {
-    if (detail::is_kv_format(static_cast<DType>(i))) out.push_back(static_cast<DType>(i));
-  }
-  return out;
-}
-
 KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
   cfg.validate();
   block_tokens = o.block_tokens == 0 ? KvCache::default_block_tokens(cfg) : o.block_tokens;

@@ -13,6 +13,7 @@
 
 #include "engine/dispatch.hpp"
 #include "gpt2attn/isa.hpp"
+#include "gpt2attn/kv_cache.hpp"
 #include "tests/test_util.hpp"  // gpt2attn::PrintTo(Isa): gtest prints the parameter as "avx2", not raw bytes
 
 namespace gpt2attn::test {
@@ -32,13 +33,7 @@ inline Isa kernel_level(Isa forced, DType compute) { return detail::kernels_for(
 
 // Every K/V storage format of the kernel list (kernels/kernel_list.def), in DType's order (f32, bf16, i8, fp8): the
 // tests that cover "every K/V format" loop over this, so a format added to the list is tested without a test edit.
-inline std::vector<DType> kv_formats() {
-  std::vector<DType> out;
-  for (size_t i = 0; i < kNumDTypes; ++i) {
-    if (detail::is_kv_format(static_cast<DType>(i))) out.push_back(static_cast<DType>(i));
-  }
-  return out;
-}
+inline std::vector<DType> kv_formats() { return kv_cache_dtypes(); }
 // The same without f32: the formats that round what they store.
 inline std::vector<DType> stored_kv_formats() {
   std::vector<DType> out = kv_formats();

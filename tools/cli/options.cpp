@@ -97,11 +97,17 @@ long long Args::integer_in(const std::string& k, const std::string& s, long long
   return v;
 }
 
+namespace {
+std::string joined(const std::vector<std::string>& names, const char* sep) {
+  std::string s;
+  for (const std::string& n : names) s += (s.empty() ? "" : sep) + n;
+  return s;
+}
+}  // namespace
+
 std::string choice(const std::string& k, const std::string& s, const std::vector<std::string>& allowed) {
   if (std::find(allowed.begin(), allowed.end(), s) != allowed.end()) return s;
-  std::string list;
-  for (const std::string& name : allowed) list += (list.empty() ? "" : ", ") + name;
-  throw UsageError("--" + k + " " + s + " is not supported (supported: " + list + ")");
+  throw UsageError("--" + k + " " + s + " is not supported (supported: " + joined(allowed, ", ") + ")");
 }
 
 Isa isa_option(const Args& a) {
@@ -124,11 +130,6 @@ int threads_option(const Args& a) { return a.integer<int>("threads", 0, 1, max_t
 namespace {
 // The CLI's name of a K/V format: the library's, but "int8" for i8 (the name --kv-dtype has always taken).
 std::string kv_name(DType t) { return t == DType::i8 ? "int8" : to_string(t); }
-std::string joined(const std::vector<std::string>& names, const char* sep) {
-  std::string s;
-  for (const std::string& n : names) s += (s.empty() ? "" : sep) + n;
-  return s;
-}
 std::vector<std::string> kv_names() {
   std::vector<std::string> names;
   for (DType t : kv_cache_dtypes()) names.push_back(kv_name(t));
