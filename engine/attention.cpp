@@ -126,9 +126,10 @@ namespace {
 
 // Q (B, H, T, D), K and V (B, H_kv, Tk, D) from inputs read as (B*N, width) row matrices. The H + 2 H_kv
 // per-head GEMMs run in parallel, one thread each: they are independent, so this scales without oneDNN's
-// per-GEMM barriers.
+// per-GEMM barriers. `check`: each head's output is scanned for an overflow (detail::check_projection) while it is
+// still in cache.
 void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnShape& s, Rows xq, Rows xk, Rows xv,
-             std::byte* q, std::byte* k, std::byte* v, int threads) {
+             std::byte* q, std::byte* k, std::byte* v, bool check, int threads) {
   const int64_t D = s.D, B = s.B;
   const Linear* lin[3] = {L.proj_q.data(), L.proj_k.data(), L.proj_v.data()};
   const Rows x[3] = {xq, xk, xv};
@@ -139,8 +140,12 @@ void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnSh
     const int64_t which = item < s.H ? 0 : 1 + (item - s.H) / s.H_kv;
     const int64_t h = which == 0 ? item : (item - s.H) % s.H_kv;
     for (int64_t b = 0; b < B; ++b) {
-      lin[which][h].run(ctx, x[which].row(b * n[which]), n[which], x[which].ld,
-                        elem(dst[which], L.compute, (b * heads[which] + h) * n[which] * D), D, 1, thread, L.compute);
+      std::byte* y = elem(dst[which], L.compute, (b * heads[which] + h) * n[which] * D);
+      lin[which][h].run(ctx, x[which].row(b * n[which]), n[which], x[which].ld, y, D, 1, thread, L.compute);
+      if (check) {
+        static constexpr const char* kNames[3] = {"forward: the query", "forward: the key", "forward: the value"};
+        detail::check_projection(y, L.compute, n[which], D, D, kNames[which], h * D);
+      }
     }
   });
 }
@@ -162,7 +167,7 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, void* out_data
   const Rows xq = as_rows(in.query, compute, r.packed_q.in(w), threads);
   const Rows xk = s.self_attention ? xq : as_rows(in.key, compute, r.packed_k.in(w), threads);
   const Rows xv = s.self_attention ? xq : as_rows(in.value, compute, r.packed_v.in(w), threads);
-  project(*this, ws.exec, s, xq, xk, xv, r.q.in(w), r.k.in(w), r.v.in(w), threads);
+  project(*this, ws.exec, s, xq, xk, xv, r.q.in(w), r.k.in(w), r.v.in(w), run.check_finite, threads);
 
   // The attention core: (B, H, query tiles) split across threads.
   const int64_t H = s.H, D = s.D, T = s.T, Tk = s.Tk, E = s.E;
@@ -188,6 +193,9 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, void* out_data
     a.dropout_base = static_cast<uint64_t>((b * total_heads + first_head + h) * T * Tk);
   });
   out.run(ws.exec, ctx, s.B * T, E, out_data, out_width, threads, 0, out_dtype);
+  if (run.check_finite) {
+    detail::check_projection(out_data, out_dtype, s.B * T, out_width, out_width, "forward: the output", 0, threads);
+  }
 }
 
 void MultiHeadAttention::Impl::check_output_dtype(DType out_dtype) const {

@@ -74,6 +74,16 @@ PanelItems panel_items(const kernels::LinearKernel& lin, int64_t N, int threads)
   return {panels, per * lin.panel_group};
 }
 
+// Whether item `it`'s columns of y (M rows of stride ldy), the panels it computed, hold a non-finite value.
+bool columns_overflowed(const float* y, int64_t ldy, int64_t M, const PanelItems& items, int64_t it) {
+  const int64_t c0 = items.begin(it) * kernels::kLinearPanel;
+  const int64_t c1 = std::min(ldy, items.end(it) * kernels::kLinearPanel);
+  for (int64_t i = 0; i < M; ++i) {
+    if (detail::any_nonfinite<DType::f32>(y + i * ldy, c0, c1 - c0, 1)) return true;
+  }
+  return false;
+}
+
 // Ends the pool lease when the call leaves: committed only if the call got to the end.
 class AppendLease {
  public:
@@ -196,20 +206,27 @@ struct DecodeAttention {
   void run(int64_t it, float* scratch) const {
     const int64_t b = std::upper_bound(item_base, item_base + B + 1, it) - item_base - 1;
     const int64_t n = lengths[b] + 1, splits = item_base[b + 1] - item_base[b];
-    const auto [j0, j1] = detail::decode_split_range(n, splits, it - item_base[b]);
-    if (j1 == n) store_new_rows(b);  // key n - 1, the new token, is read by this split alone
-    kernels::DecodeArgs a;
-    a.q = row(b), a.ldq = D;
-    a.blocks = tables + b * stride, a.layout = kv.layout;
-    a.H = H, a.D = D, a.scale = scale;
-    kern->run(a, j0, j1, scratch, m + it * H, l + it * H, acc + it * H * D);
+    if (detail::decode_split_range(n, splits, it - item_base[b]).end == n) {
+      store_new_rows(b);  // key n - 1, the new token, is read by this split alone
+    }
+    run_split(b, it, 0.0f, scratch);
     // The last of the sequence's splits to finish merges them; acq_rel makes every other split's m, l and acc
     // visible to it.
-    if (std::atomic_ref<int64_t>(pending[b]).fetch_sub(1, std::memory_order_acq_rel) == 1) merge(b, splits);
+    if (std::atomic_ref<int64_t>(pending[b]).fetch_sub(1, std::memory_order_acq_rel) == 1) merge(b, splits, scratch);
   }
 
  private:
   const float* row(int64_t b) const { return stage + b * (E + 2 * H_kv * D); }
+  // Item it (of sequence b) into its partial states, every exponent lowered by `shift` (DecodeArgs::shift).
+  void run_split(int64_t b, int64_t it, float shift, float* scratch) const {
+    const int64_t n = lengths[b] + 1, splits = item_base[b + 1] - item_base[b];
+    const auto [j0, j1] = detail::decode_split_range(n, splits, it - item_base[b]);
+    kernels::DecodeArgs a;
+    a.q = row(b), a.ldq = D;
+    a.blocks = tables + b * stride, a.layout = kv.layout;
+    a.H = H, a.D = D, a.scale = scale, a.shift = shift;
+    kern->run(a, j0, j1, scratch, m + it * H, l + it * H, acc + it * H * D);
+  }
   // The new token's K and V rows, to position lengths[b] of each K/V head's tile in its block.
   void store_new_rows(int64_t b) const {
     const int64_t t = lengths[b], bt = kv.block_tokens, KW = H_kv * D;
@@ -219,12 +236,25 @@ struct DecodeAttention {
       kv.store_row(block, KvPart::value, h, t % bt, row(b) + E + KW + h * D);
     }
   }
-  // Sequence b's partial softmax states, of its splits items, into its ctx row.
-  void merge(int64_t b, int64_t splits) const {
+  // Sequence b's partial softmax states, of its splits items, into its ctx row (E floats from `out`).
+  void merge_into(int64_t b, int64_t splits, float* out) const {
     const int64_t first = item_base[b];
     for (int64_t h = 0; h < H; ++h) {
       kernels::merge_softmax_partials(m + first * H + h, l + first * H + h, H, acc + (first * H + h) * D, H * D,
-                                      splits, D, ctx + b * E + h * D);
+                                      splits, D, out + h * D);
+    }
+  }
+  // The merge, and where P.V overflowed (a non-finite output; kernels/attention.hpp, "Overflow"), the sequence's
+  // splits again with kRescueShift, whose merge replaces the non-finite values. Scratch is free by then: it serves
+  // the re-run, then holds its merged row (E floats; the decode kernel's scratch holds H padded rows of D).
+  void merge(int64_t b, int64_t splits, float* scratch) const {
+    float* out = ctx + b * E;
+    merge_into(b, splits, out);
+    if (!detail::any_nonfinite<DType::f32>(out, 0, E, 1)) return;
+    for (int64_t it = item_base[b]; it < item_base[b + 1]; ++it) run_split(b, it, kernels::kRescueShift, scratch);
+    merge_into(b, splits, scratch);
+    for (int64_t e = 0; e < E; ++e) {
+      if (!std::isfinite(out[e])) out[e] = scratch[e];
     }
   }
 };
@@ -339,6 +369,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   detail::team_for_round_robin(threads, H + 2 * H_kv * segments, [&](int64_t item, int thread) {
     if (item < H) {
       proj_q[item].run(ws.exec, xin.data, T, xin.ld, q + item * T * D * tsize, D, 1, thread, t);
+      if (run.check_finite) detail::check_projection(q + item * T * D * tsize, t, T, D, D, "extend: the query", item * D);
       return;
     }
     item -= H;
@@ -349,6 +380,10 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     void* dst = in_place ? static_cast<void*>(layout.row<std::byte>(tables[blk], part, h, (P + t0) % bt)) : staged;
     (part == KvPart::value ? proj_v : proj_k)[h].run(ws.exec, xin.row(t0), t1 - t0, xin.ld, dst, D, 1, thread,
                                                       in_place ? layout.dtype : DType::f32);
+    if (run.check_finite) {  // before the rows reach the cache's format; a refused call commits none of them
+      detail::check_projection(dst, in_place ? layout.dtype : DType::f32, t1 - t0, D, D,
+                               part == KvPart::value ? "extend: the value" : "extend: the key", h * D);
+    }
     if (!in_place) {
       for (int64_t i = t0; i < t1; ++i) kv.store_row(tables[blk], part, h, (P + i) % bt, staged + (i - t0) * D);
     }
@@ -365,6 +400,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     a.kv.head = s.kv_head(h);
   });
   out.run(ws.exec, ctx, T, E, out_data, out_width, threads, 0);
+  if (run.check_finite) detail::check_projection(out_data, DType::f32, T, out_width, out_width, "extend: the output", 0, threads);
   lease.commit();
 }
 
@@ -406,6 +442,10 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
                                   .acc = r.acc.in(w), .kern = ks.decode,
                                   .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)))};
   float* scratch_base = r.scratch.in(w);
+  // With check_finite, each QKV item scans the columns it wrote, and an overflow there skips the other stages: the
+  // cache is not written, and the error is named after the region (which no exception may leave).
+  const bool check = run.check_finite;
+  bool qkv_overflow = false;
   // One parallel region for the whole step, three stages, each `omp for` ending in the barrier that orders them:
   // the QKV projection, attention (which also stores the new K/V rows and merges the splits), the output
   // projection. Every barrier costs a descheduled thread's whole time slice on a busy machine, so none is spent on
@@ -415,12 +455,26 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   {
     // The QKV projection of the B new tokens, split by weight panels: each thread streams its share of W once.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < qkv_items.count(); ++it) lin->run(qkv, qkv_items.begin(it), qkv_items.end(it));
-    float* scratch = scratch_base + omp_get_thread_num() * sstride;
+    for (int64_t it = 0; it < qkv_items.count(); ++it) {
+      lin->run(qkv, qkv_items.begin(it), qkv_items.end(it));
+      if (check && columns_overflowed(stage, ldstage, B, qkv_items, it)) {
+        std::atomic_ref<bool>(qkv_overflow).store(true, std::memory_order_relaxed);
+      }
+    }
+    // Read after the barrier: every thread takes the same branch.
+    if (!std::atomic_ref<bool>(qkv_overflow).load(std::memory_order_relaxed)) {
+      float* scratch = scratch_base + omp_get_thread_num() * sstride;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) attention.run(it, scratch);
+      for (int64_t it = 0; it < items; ++it) attention.run(it, scratch);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < out_items.count(); ++it) lin->run(proj, out_items.begin(it), out_items.end(it));
+      for (int64_t it = 0; it < out_items.count(); ++it) lin->run(proj, out_items.begin(it), out_items.end(it));
+    }
+  }
+  if (check) {
+    detail::check_projection(stage, DType::f32, B, E, ldstage, "decode: the query");
+    detail::check_projection(stage + E, DType::f32, B, KW, ldstage, "decode: the key");
+    detail::check_projection(stage + E + KW, DType::f32, B, KW, ldstage, "decode: the value");
+    detail::check_projection(out_data, DType::f32, B, out_width, out_width, "decode: the output");
   }
   lease.commit();
 }

@@ -111,9 +111,15 @@ constexpr int64_t kParallelScanElements = int64_t{1} << 16;
 
 }  // namespace
 
-// Scans a rank-3 f32 or bf16 view through its strides, a row at a time; the message gives the first bad element's
-// (b, t, e).
-void check_finite(const TensorView& v, const char* name, const char* len_symbol, int threads) {
+namespace {
+
+// The first non-finite element of a rank-3 f32 or bf16 view, scanned through its strides a row at a time: its row
+// (b * T + t), column and value; row = B * T when there is none.
+struct NonFinite {
+  int64_t row = 0, column = 0;
+  float value = 0.0f;
+};
+NonFinite first_nonfinite(const TensorView& v, int threads) {
   const int64_t T = v.shape[1], n = v.shape[2];
   const int64_t rows = checked_mul(v.shape[0], T, "the input's rows (B x T)");  // refused, not wrapped
   const int64_t elements = checked_mul(rows, n, "the input's elements (B x T x width)");
@@ -136,17 +142,35 @@ void check_finite(const TensorView& v, const char* name, const char* len_symbol,
       if (row_bad(r)) first = r;
     }
   }
-  if (first == rows) return;
-  for (int64_t e = 0; e < n; ++e) {  // the row's first offender, named
+  if (first == rows) return {rows, 0, 0.0f};
+  for (int64_t e = 0;; ++e) {  // the row's first offender
     const int64_t at = offset(first) + e * sE;
     const float x = f32 ? static_cast<const float*>(v.data)[at]
                         : kernels::widen(static_cast<const kernels::bf16*>(v.data)[at]);
-    if (!std::isfinite(x)) {
-      const char* what = std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf");
-      invalid(std::string(name) + " contains " + what + " at (b, " + len_symbol + ", e) = (" + str(first / T) +
-              ", " + str(first % T) + ", " + str(e) + ")");
-    }
+    if (!std::isfinite(x)) return {first, e, x};
   }
+}
+
+const char* nonfinite_name(float x) { return std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf"); }
+
+}  // namespace
+
+void check_finite(const TensorView& v, const char* name, const char* len_symbol, int threads) {
+  const NonFinite bad = first_nonfinite(v, threads);
+  if (bad.row == v.shape[0] * v.shape[1]) return;
+  const int64_t T = v.shape[1];
+  invalid(std::string(name) + " contains " + nonfinite_name(bad.value) + " at (b, " + len_symbol + ", e) = (" +
+          str(bad.row / T) + ", " + str(bad.row % T) + ", " + str(bad.column) + ")");
+}
+
+void check_projection(const void* y, DType dtype, int64_t rows, int64_t n, int64_t ld, const char* projection,
+                      int64_t col0, int threads) {
+  const TensorView v = TensorView::contiguous(y, dtype, {1, rows, n}).with_strides({0, ld, 1});
+  const NonFinite bad = first_nonfinite(v, threads);
+  if (bad.row == rows) return;
+  invalid(std::string(projection) + " projection overflowed: its output (row " + str(bad.row) + ", column " +
+          str(col0 + bad.column) + ") is " + nonfinite_name(bad.value) +
+          " from finite inputs and weights (values past float32's range, 3.4e38); scale the inputs down");
 }
 
 void check_threads(int64_t threads, const char* call, const char* field) {

@@ -91,4 +91,11 @@ void check_threads(int64_t threads, const char* call, const char* field);
 // is the one named either way.
 void check_finite(const TensorView& v, const char* name, const char* len_symbol, int threads = 1);
 
+// With RunOptions::check_finite, after a projection whose inputs and weights are finite (both checked): throws
+// Error(invalid_argument) naming the projection and the first element of y that overflowed to +-Inf, instead of
+// letting it reach the output as NaN. y: `rows` rows of n f32 or bf16 values, row stride ld; its columns are columns
+// col0.. of the projection's output (a head's slice, or a part of decode's fused [q | k | v]).
+void check_projection(const void* y, DType dtype, int64_t rows, int64_t n, int64_t ld, const char* projection,
+                      int64_t col0 = 0, int threads = 1);
+
 }  // namespace gpt2attn::detail

@@ -36,6 +36,14 @@
 // +-FLT_MAX / log2(e) instead would keep one path but merge distinct huge values (finfo.min and -2.4e38 would
 // weigh alike; torch gives the first exp(-1e38) = 0 of the second's weight).
 //
+// Overflow: acc sums p_j v_j before the division by l, so V values whose sum passes FLT_MAX (1e38 from 4 keys on)
+// would give inf or NaN where the result, a convex combination of V's rows, is finite. A tile whose acc holds a
+// non-finite value after its last key (a scan of acc, D x BQ vector adds) is run again with every exponent lowered by
+// kRescueShift: p, l and acc all shrink by 2^-64 (their ratio is unchanged), so no sum of fewer than 2^56 keys' p v
+// (p <= 2^8 in decode's lazy max) reaches FLT_MAX; the outputs that were non-finite take the re-run's value, the
+// others keep theirs (where the shift would have flushed p v of tiny values to zero). The decode step does the same
+// for a sequence whose merged output is non-finite (DecodeArgs::shift). V holding inf or NaN stays non-finite.
+//
 // Accuracy: the score dot product over D is summed in chunks (tiles::kScoreChunk), which halves the kernel's share of
 // the error at D = 256; the figures, stage by stage against the double reference and torch, are in docs/accuracy.md.
 //
@@ -56,6 +64,9 @@
 #include "kernels/tiles.hpp"
 
 namespace gpt2attn::kernels {
+
+// log2 units subtracted from every exponent of a re-run of rows whose P.V overflowed (the "Overflow" paragraph).
+inline constexpr float kRescueShift = 64.0f;
 
 enum class MaskDType : uint8_t { u8, f32 };
 enum class MaskMode : uint8_t { keep, block, additive };

@@ -563,15 +563,58 @@ struct TiledAttention {
       // out_i = acc_i / l_i; a query that saw no key (l == 0) gets zeros, never NaN. 1 / l goes in alpha (free now).
       const Tile& x = t[g];
       const int64_t nq = x.i1 - x.i0;
+      const bool overflowed = !all_finite(x.acc, D, nq);  // before store_output, which may narrow acc in place
       for (int64_t i = 0; i < BQ; ++i) x.alpha[i] = i < nq && x.l[i] > 0.0f ? 1.0f / x.l[i] : 0.0f;
       M::store_output(x.acc, x.alpha, nq, D, static_cast<QT*>(a.out) + x.i0 * a.ldo, a.ldo, stream_out);
+      if (overflowed) rescue<units>(a, src, x, qscale, s, pv_work);
+    }
+  }
+
+  // Whether queries [0, nq) of acc (D, BQ) are all finite: x - x is 0 for a finite x and NaN otherwise.
+  static bool all_finite(const float* acc, int64_t D, int64_t nq) {
+    B z[QV];
+    for (int v = 0; v < QV; ++v) z[v] = V::set1(0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      for (int v = 0; v < QV; ++v) {
+        const B x = V::load(acc + d * BQ + v * W);
+        z[v] = z[v] + (x - x);
+      }
+    }
+    alignas(64) float lanes[BQ];
+    for (int v = 0; v < QV; ++v) V::store(lanes + v * W, z[v]);
+    for (int64_t i = 0; i < nq; ++i) {
+      if (lanes[i] != 0.0f) return false;
+    }
+    return true;
+  }
+
+  // Tile x again over all its keys with every exponent lowered by kRescueShift (attention.hpp, "Overflow"); the
+  // outputs store_output left non-finite take this run's acc / l.
+  template <Units units, class Src>
+  static void rescue(const AttentionArgs& a, const Src& src, const Tile& x, float qscale, float* s, float* pv_work) {
+    const int64_t D = a.D, nq = x.i1 - x.i0;
+    std::fill(x.acc, x.acc + D * BQ, 0.0f);
+    std::fill(x.m, x.m + BQ, -INFINITY);
+    std::fill(x.l, x.l + BQ, 0.0f);
+    int64_t nk = 0;
+    for (int64_t j0 = 0; j0 < x.kend; j0 += nk) {
+      nk = std::min<int64_t>(BK, std::min(x.kend, src.run_end(j0)) - j0);
+      step<units, true>(a, src, x, qscale, j0, nk, 0, 0, s, pv_work);
+    }
+    QT* out = static_cast<QT*>(a.out) + x.i0 * a.ldo;
+    for (int64_t i = 0; i < nq; ++i) {
+      const float inv = x.l[i] > 0.0f ? 1.0f / x.l[i] : 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        QT& o = out[i * a.ldo + d];
+        if (!std::isfinite(widen(o))) o = narrow<QT>(x.acc[d * BQ + i] * inv);
+      }
     }
   }
 
   // Query tile `tile` over keys [j0, j0 + nk), its queries packed with qscale (group()): scores, masks, the online
   // softmax's update and P.V. nk1 > 0: prefetch the nk1 keys from j1 on (the next key tile) into L2 once the scores
-  // are done.
-  template <Units units, class Src>
+  // are done. shifted: the exponents are lowered by kRescueShift (rescue()).
+  template <Units units, bool shifted = false, class Src>
   static void step(const AttentionArgs& a, const Src& src, const Tile& tile, float qscale, int64_t j0, int64_t nk,
                    int64_t j1, int64_t nk1, float* s, float* pv_work) {
     constexpr bool natural = units == Units::natural;
@@ -645,6 +688,7 @@ struct TiledAttention {
       for (int64_t j = 0; j < nk; ++j) {
         B x = V::load(s + j * BQ + v * W) - m_safe;
         if constexpr (natural) x = x * V::set1(kLog2e);  // after the subtraction: cannot overflow upward
+        if constexpr (shifted) x = x - V::set1(kRescueShift);
         const B p = V::exp2(x);
         V::store(s + j * BQ + v * W, p);
         sum = sum + p;

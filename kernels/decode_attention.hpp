@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "gpt2attn/isa.hpp"
+#include "kernels/attention.hpp"
 #include "kernels/kv_layout.hpp"
 
 namespace gpt2attn::kernels {
@@ -37,6 +38,9 @@ struct DecodeArgs {
   KvLayout layout;                         // heads = H_kv, which divides H; D as below
   int64_t H = 0, D = 0;                    // query heads, head size
   float scale = 1.0f;                      // 1 / sqrt(D)
+  // Log2 units subtracted from every exponent: 0, or kRescueShift when the engine runs a sequence again because its
+  // merged output was not finite (attention.hpp, "Overflow"). Every part of one merge must have the same shift.
+  float shift = 0.0f;
 };
 
 // One implementation per (compute dtype, K/V dtype, instruction set), chosen once by the engine.

@@ -264,7 +264,8 @@ struct DecodeAttention {
   // memory and the others would leave it idle.
   static void group_block(const QT* qs, int64_t ldqs, const float* qsc, int64_t G, const KvT* k, const KvT* v,
                           const float* kscale, const float* vscale, int64_t nk, int64_t D, float* s, int64_t lds,
-                          float* alpha, float* m, float* l, float* acc, const Ahead& ka, const Ahead& va) {
+                          float* alpha, float* m, float* l, float* acc, float shift, const Ahead& ka,
+                          const Ahead& va) {
     int64_t j = 0;
     if constexpr (kIntScores) {
       int_scores(qs, ldqs, qsc, G, k, nk, D, s, lds, ka);
@@ -298,8 +299,9 @@ struct DecodeAttention {
     }
 
     // Per head, two passes over the run's scores: (1) row-scaled K/V take the keys' scales, and the lanes' maxima,
-    // from which m_new; (2) p_j = 2^(s_j - m_new) in place, l = alpha * l + sum_j p_j, and row-scaled K/V give each
-    // p_j its value's scale after the sum. Lanes past nk (pad) hold -inf: no effect on the max, and exp2 gives 0.
+    // from which m_new; (2) p_j = 2^(s_j - m_new - shift) in place, l = alpha * l + sum_j p_j, and row-scaled K/V
+    // give each p_j its value's scale after the sum. Lanes past nk (pad) hold -inf: no effect on the max, and exp2
+    // gives 0.
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * lds;
       B mv = V::set1(m[g]);
@@ -325,7 +327,7 @@ struct DecodeAttention {
       const float m_safe = m_new == -INFINITY ? 0.0f : m_new;
       B sum = V::set1(0.0f);
       for (j = 0; j < padded(nk); j += W) {
-        const B p = V::exp2(V::load(sg + j) - V::set1(m_safe));
+        const B p = V::exp2((V::load(sg + j) - V::set1(m_safe)) - V::set1(shift));
         sum = sum + p;
         if constexpr (kRowScaled<KvT>) {
           V::store(sg + j, j + W <= nk ? p * V::load(vscale + j) : p);  // the ragged vector: below
@@ -413,7 +415,7 @@ struct DecodeAttention {
           if (nb) prefetch_scales(kv, nb, ng, noff, last ? run_keys(j1) : nk);
         }
         group_block(qs + h0 * ldqs, ldqs, kIntScores ? qsc + h0 : nullptr, group, k, v, kscale, vscale, nk, D, s, lds,
-                    alpha, m + h0, l + h0, acc + h0 * D, ka, va);
+                    alpha, m + h0, l + h0, acc + h0 * D, a.shift, ka, va);
       }
     }
   }

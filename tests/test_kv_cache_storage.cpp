@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "gpt2attn/error.hpp"
+#include "gpt2attn/reference.hpp"
 #include "kernels/bf16.hpp"
 #include "kernels/kv_codec.hpp"
 #include "tests/kv_harness.hpp"
@@ -261,6 +262,95 @@ TEST_P(KvCacheStorage, ValuesPastAFormatsRangeSaturate) {
   EXPECT_GE(stored(DType::i8, FLT_MAX), FLT_MAX * (1.0f - 0x1p-8f));
   for (DType dtype : {DType::bf16, DType::i8, DType::fp8}) EXPECT_FALSE(std::isfinite(stored(dtype, INFINITY)));
 }
+// Finite V whose weighted sum over the keys passes FLT_MAX: the output, a convex combination of V's rows times W_o,
+// is finite, and so must every path's be (kernels/attention.hpp, "Overflow"): forward (contiguous K/V), extend (the
+// tiled kernel over the cache's blocks) and decode (split over two threads, then merged), in each compute type and
+// K/V format. V = b_v + W_v x holds columns near +-1.5e38 that differ from row to row, columns of 1e-30 (which the
+// re-run alone would flush: they must keep the first pass's value) and ordinary ones; W_o = 2^-8 I.
+TEST_P(KvCacheStorage, ValuesWhoseSumPassesFltMaxGiveFiniteOutputs) {
+  const Config c = serving_config(32, 2, 0, 128);
+  const int64_t E = c.d_model, W = c.query_width(), N = 70, steps = 3;
+  Weights w = Weights::random(c, 17);
+  const std::vector<float> column = {1.5e38f, -1.5e38f, 1e-30f, 0.75f};
+  for (int64_t e = 0; e < E; ++e) {
+    const float top = column[static_cast<size_t>(e) % column.size()];
+    w.b_v[static_cast<size_t>(e)] = top;
+    for (int64_t i = 0; i < W; ++i) w.w_v[static_cast<size_t>(e * W + i)] *= std::fabs(top) > 1.0f ? 1e36f : 1e-32f;
+  }
+  std::fill(w.w_o.begin(), w.w_o.end(), 0.0f);
+  for (int64_t e = 0; e < E; ++e) w.w_o[static_cast<size_t>(e * E + e)] = 0x1p-8f;
+  std::fill(w.b_o.begin(), w.b_o.end(), 0.0f);
+  std::mt19937_64 rng(11);
+  const std::vector<float> x = random_uniform(static_cast<size_t>((N + steps) * W), rng, -1.0f, 1.0f);
+  for (DType compute : {DType::f32, DType::bf16}) {
+    CausalSelfAttention block = test::make_block(c, w, isa(), 2, compute);
+    const std::string in = std::string(to_string(compute)) + " compute [isa=" + to_string(isa()) + "]";
+    std::vector<float> y(static_cast<size_t>(N * E), test::kNaN);
+    block.forward(x.data(), 1, N, y.data());
+    AttentionInputs inputs;
+    inputs.query = TensorView::f32(x.data(), {1, N, W});
+    EXPECT_TRUE(all_close(y, reference_forward(block.config(), w, inputs), compute, N, "forward, " + in));
+    for (DType dtype : test::kv_formats()) {
+      const std::string what = std::string(to_string(dtype)) + " cache, " + in;
+      KvCacheOptions o = test::pool(16, N + steps + 16);
+      o.dtype = dtype;
+      KvCache cache(c, o);
+      const SequenceId id = cache.create();
+      block.extend(cache, id, x.data(), N, y.data());
+      // A bf16 layer's extend rounds Q and the context to bf16 (its compute policy); decode computes in f32.
+      const std::vector<double> want = attention_over_cache(cache, id, c, w, x, 0, N);
+      EXPECT_TRUE(compute == DType::bf16
+                      ? all_close(y, want, Dtype::bf16, N, "extend, " + what)
+                      : test::all_close_over_cache(y, want, dtype, c.head_dim(), N, "extend, " + what));
+      for (int64_t t = N; t < N + steps; ++t) {
+        std::vector<float> out(static_cast<size_t>(E), test::kNaN);
+        block.decode(cache, &id, 1, x.data() + t * W, out.data());
+        EXPECT_TRUE(test::all_close_over_cache(out, attention_over_cache(cache, id, c, w, x, t, t + 1), dtype,
+                                               c.head_dim(), t + 1, "decode token " + std::to_string(t) + ", " + what));
+      }
+    }
+  }
+}
+
+// A projection whose finite inputs and weights overflow float32 is an error naming it, on every entry point; the
+// cache is left as it was. The key weights times 1e30 give K rows past FLT_MAX for inputs of 1e10.
+TEST_P(KvCacheStorage, AProjectionThatOverflowsIsAnErrorNamingIt) {
+  const Config c = serving_config(32, 2, 0, 128);
+  const int64_t E = c.d_model, W = c.query_width();
+  Weights w = Weights::random(c, 23);
+  for (float& k : w.w_k) k *= 1e30f;
+  CausalSelfAttention block = test::make_block(c, w, isa(), 2);
+  std::vector<float> x(static_cast<size_t>(4 * W), 1e10f), y(static_cast<size_t>(4 * E), 0.0f);
+  const auto fails_naming = [&](auto&& call, const std::string& name) {
+    try {
+      call();
+      ADD_FAILURE() << name << ": no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("overflowed"), std::string::npos) << e.what();
+    }
+  };
+  fails_naming([&] { block.forward(x.data(), 1, 4, y.data()); }, "forward: the key projection");
+  for (DType dtype : test::kv_formats()) {
+    KvCacheOptions o = test::pool(16, 64);
+    o.dtype = dtype;
+    KvCache cache(c, o);
+    const SequenceId id = cache.create();
+    fails_naming([&] { block.extend(cache, id, x.data(), 4, y.data()); }, "extend: the key projection");
+    EXPECT_EQ(cache.length(id), 0) << to_string(dtype);
+    const std::vector<float> small(static_cast<size_t>(2 * W), 0.5f);
+    block.extend(cache, id, small.data(), 2, y.data());
+    fails_naming([&] { block.decode(cache, &id, 1, x.data(), y.data()); }, "decode: the key projection");
+    EXPECT_EQ(cache.length(id), 2) << to_string(dtype);
+    EXPECT_EQ(cache.impl().audit(), "");
+  }
+  // With check_finite off the caller has taken NaN and Inf inputs on themselves: no scan, no error.
+  RunOptions unchecked;
+  unchecked.check_finite = false;
+  EXPECT_NO_THROW(block.forward(x.data(), 1, 4, y.data(), unchecked));
+}
+
 GPT2ATTN_INSTANTIATE_ISAS(KvCache, KvCacheStorage);
 
 // A pool of a fixed byte size: bf16 blocks are half the bytes, so it holds twice the tokens; int8 blocks are a

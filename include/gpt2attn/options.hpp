@@ -55,7 +55,9 @@ struct RunOptions {
   int threads = 0;             // 0 = the layer's default
   bool training = false;       // dropout applies only when true
   uint64_t dropout_seed = 0;   // see the dropout contract below
-  bool check_finite = true;    // reject NaN/Inf inputs with an error naming the tensor and index
+  // Reject NaN/Inf inputs with an error naming the tensor and index, and a projection whose output overflows float32
+  // with one naming the projection.
+  bool check_finite = true;
 };
 
 // Per-caller scratch memory and oneDNN execution state. A call given a Workspace touches no mutable state of
