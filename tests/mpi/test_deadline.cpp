@@ -57,7 +57,7 @@ std::string expect_timeout(F&& call, double least_s, const std::vector<const cha
   } catch (const CollectiveTimeout& e) {
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double cpu = cpu_seconds() - cpu0;
-    *message = e.what();
+    *message = std::string(e.what()) + " [after " + std::to_string(wall) + " s, " + std::to_string(cpu) + " CPU s]";
     if (wall < least_s) return "gave up after " + std::to_string(wall) + " s, before the deadline";
     if (wall > least_s + 8) return "gave up after " + std::to_string(wall) + " s, long after the deadline";
     // The wait (the call's last kDeadlineS) sleeps between polls, where spinning would take a CPU second per second
