@@ -173,8 +173,8 @@ class ShardedKvCache {
 // (collective) Runs `step` on every rank and agrees on its outcome as the calls above do: when it throws on any rank,
 // every rank throws the same Error ("what: rank r: message"). For a caller's own work before a collective call
 // (reading its inputs), so that one rank's missing file gives every rank the error instead of leaving the others
-// waiting in the next call. Its one all-reduce waits at most `deadline_s` (as the constructors' does); as a barrier with
-// a deadline, pass a step that does nothing.
+// waiting in the next call. Its one all-reduce waits at most `deadline_s` (as the constructors' does); as a barrier
+// with a deadline, pass a step that does nothing.
 void run_agreed(MPI_Comm comm, const char* what, const std::function<void()>& step,
                 double deadline_s = kCollectiveDeadlineS);
 
