@@ -307,6 +307,12 @@ namespace {
 // The threads a sharded layer's calls run on, given --threads (0: the OpenMP default, within the library's limit).
 int sharded_team(int threads) { return threads > 0 ? threads : std::min(omp_get_max_threads(), max_threads()); }
 
+// The barrier before each timed call, waited for with the layer's deadline: a stopped rank must not hang the others
+// here either.
+void barrier(double deadline_s) {
+  run_agreed(MPI_COMM_WORLD, "bench: the barrier before a timed call", [] {}, deadline_s);
+}
+
 bool rank0() {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -325,17 +331,18 @@ BenchResult sharded_result(const std::string& name, DType compute, int64_t B, in
 }  // namespace
 
 BenchResult bench_prefill_sharded(const std::string& name, Config cfg, int64_t B, int64_t T, DType compute,
-                                  int threads, Isa isa, int repeats, bool check) {
+                                  int threads, Isa isa, int repeats, bool check, double deadline_s) {
   const BenchSizes sizes = bench_sizes(name, cfg, B, T, false, repeats);
   cfg.context_length = std::max(cfg.context_length, T);
-  ShardedAttention layer = ShardedAttention::random(cfg, 1234, MPI_COMM_WORLD, engine_options(compute, threads, isa));
+  ShardedAttention layer =
+      ShardedAttention::random(cfg, 1234, MPI_COMM_WORLD, engine_options(compute, threads, isa), deadline_s);
   std::vector<float> y(static_cast<size_t>(sizes.y));
   std::mt19937 rng(42);
   const std::vector<float> x = random_normal(static_cast<size_t>(sizes.x), rng);
   AttentionInputs in;
   in.query = TensorView::f32(x.data(), {B, T, cfg.query_width()});
   const Timings t = time_prefill(
-      repeats, [&] { layer.forward(in, y.data()); }, [] { MPI_Barrier(MPI_COMM_WORLD); },
+      repeats, [&] { layer.forward(in, y.data()); }, [&] { barrier(deadline_s); },
       [&] { return layer.last_call_times().allreduce_s * 1e3; });
   BenchResult r = sharded_result(name, compute, B, T, threads, layer, t);
   r.gflops = causal_layer_flops(cfg, B, T) / (r.median_ms * 1e6);
@@ -344,17 +351,19 @@ BenchResult bench_prefill_sharded(const std::string& name, Config cfg, int64_t B
 }
 
 BenchResult bench_decode_sharded(const std::string& name, Config cfg, int64_t B, int64_t T, DType compute,
-                                 int threads, Isa isa, int repeats, bool check, bool cold, DType kv_dtype) {
+                                 int threads, Isa isa, int repeats, bool check, bool cold, DType kv_dtype,
+                                 double deadline_s) {
   const BenchSizes sizes = bench_sizes(name, cfg, B, T, true, repeats);
   cfg.context_length = std::max(cfg.context_length, T + kDecodeWarmup + repeats + 1);
-  ShardedAttention layer = ShardedAttention::random(cfg, 1234, MPI_COMM_WORLD, engine_options(compute, threads, isa));
+  ShardedAttention layer =
+      ShardedAttention::random(cfg, 1234, MPI_COMM_WORLD, engine_options(compute, threads, isa), deadline_s);
   KvCacheOptions kv_opts;
   kv_opts.capacity_tokens = sizes.kv_tokens;
   kv_opts.dtype = kv_dtype;
   ShardedKvCache cache(layer, kv_opts);
   const DecodeRun run = time_decode(
       layer, cache, sizes, B, T, cfg.query_width(), cfg.d_model, sharded_team(threads), repeats, check, cold,
-      [] { MPI_Barrier(MPI_COMM_WORLD); }, [&] { return layer.last_call_times().allreduce_s * 1e3; });
+      [&] { barrier(deadline_s); }, [&] { return layer.last_call_times().allreduce_s * 1e3; });
   BenchResult r = sharded_result(name, compute, B, T, threads, layer, run.t);
   finish_decode(r, cfg, run, B, T, check && rank0(), compute, kv_dtype, [&] { return Weights::random(cfg, 1234); });
   return r;

@@ -223,11 +223,14 @@ std::vector<BenchResult> bench_decode_interleaved(const std::vector<DecodeSpec>&
 // weights (ShardedAttention::random, the same values as Weights::random) and its heads' KV cache, and draws the same
 // inputs. Each call is timed on every rank after a barrier; rank 0's median is reported: a call ends with the
 // all-reduce, which waits for the slowest rank. `check` compares on rank 0 against the reference over the whole
-// layer's weights, which it then generates.
+// layer's weights, which it then generates. `deadline_s` bounds every wait in a collective (the layer's, and the
+// barrier's).
 BenchResult bench_prefill_sharded(const std::string& name, Config cfg, int64_t B, int64_t T, DType compute,
-                                  int threads, Isa isa, int repeats, bool check);
+                                  int threads, Isa isa, int repeats, bool check,
+                                  double deadline_s = kCollectiveDeadlineS);
 BenchResult bench_decode_sharded(const std::string& name, Config cfg, int64_t B, int64_t T, DType compute,
-                                 int threads, Isa isa, int repeats, bool check, bool cold, DType kv_dtype);
+                                 int threads, Isa isa, int repeats, bool check, bool cold, DType kv_dtype,
+                                 double deadline_s = kCollectiveDeadlineS);
 #endif
 
 }  // namespace gpt2attn::bench

@@ -5,12 +5,15 @@
 #include "gpt2attn/parallel.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <mutex>
 #include <new>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -155,20 +158,130 @@ Verdict local_verdict(F&& f) {
   return v;
 }
 
+// Where a collective happens: the communicator, the call as its errors name it ("forward"), the library operation
+// a deadline error names ("ShardedAttention::forward"), and the deadline of one wait.
+struct Site {
+  MPI_Comm comm;
+  const char* call;
+  const char* op;
+  double deadline_s;
+};
+
+// Set when a wait of this process passed its deadline. MPI cannot cancel a collective: the abandoned one stays posted,
+// its buffer may still be written, and its communicator is unusable; so every later collective is refused, and
+// communicators and buffers that may be involved are never freed.
+std::atomic<bool> g_abandoned{false};
+
+// The small collectives' buffers (the agreement, the broadcast error), per thread rather than on the stack: a wait
+// abandoned at its deadline leaves MPI free to write into its buffer when the stopped rank resumes, so the buffer
+// must outlive the call. Fixed size, so no rank short of memory can leave before a collective the others enter.
+struct SharedError {
+  int code;
+  char text[2048];
+};
+struct Scratch {
+  uint64_t agree[4];
+  uint64_t one;
+  SharedError error;
+};
+thread_local Scratch t_scratch;
+
+std::string seconds_text(double s) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g s", s);
+  return b;
+}
+
+// Refuses a deadline that is NaN or not above 0 (+infinity: no deadline).
+void check_deadline(const char* call, double deadline_s) {
+  if (!(deadline_s > 0)) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%g", deadline_s);
+    invalid(std::string(call) + ": deadline_s=" + b +
+            ": the deadline of a wait inside a collective must be above 0 seconds (+infinity for none)");
+  }
+}
+
+// Polls `req` until it completes or this rank has waited site.deadline_s since `t0` (when it entered the collective).
+// The first `spin_s` it spins on MPI_Test; after that it sleeps between tests, each sleep an eighth of the time waited
+// so far and at most 1 ms, so a rank waiting seconds for a slow or stopped peer uses little CPU and notices the end of
+// a long wait at most 1/8 later.
+void wait_for(const Site& site, MPI_Request& req, const char* what, Clock::time_point t0, double spin_s) {
+  constexpr double kMaxSleepS = 1e-3;
+  for (;;) {
+    int done = 0;
+    check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
+    if (done) return;
+    const double waited = seconds_since(t0);
+    if (waited > site.deadline_s) {
+      g_abandoned = true;
+      int rank = 0, ranks = 0;
+      MPI_Comm_rank(site.comm, &rank);
+      MPI_Comm_size(site.comm, &ranks);
+      detail::translate_bad_alloc(site.op, [&] {
+        throw CollectiveTimeout(std::string(site.op) + ": " + what + ": rank " + std::to_string(rank) + " of " +
+                                    std::to_string(ranks) + " waited " + seconds_text(site.deadline_s) +
+                                    " (its deadline) for the other ranks, one of which stopped answering "
+                                    "(stopped, deadlocked or far slower); MPI cannot cancel a collective, so the "
+                                    "communicator is unusable: end the job with MPI_Abort",
+                                rank, site.deadline_s);
+      });
+    }
+    if (waited > spin_s) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(std::min(kMaxSleepS, waited / 8)));
+    }
+  }
+}
+
+// Spinning for the first 1 ms keeps a decode step as fast as the blocking collectives were: the ranks of a step
+// arrive within a millisecond, and a sleep costs at least the kernel's 50 us timer slack plus a reschedule. Spinning
+// only 50 us, 3 of 7 runs of gpt2-small decode (B = 1, T = 128, 2 ranks of 1 thread) had a median step of 0.34 to
+// 0.52 ms where runs with the blocking collectives had 0.19 to 0.30 ms (alternating runs on the 2-core VM while a
+// build shared it); spinning 1 ms, 4 runs had 0.23 to 0.25 ms against 0.21 to 0.24 ms.
+constexpr double kSpinS = 1e-3;
+// The output all-reduce's data moves only while the ranks test, and every rank has arrived (the barrier before it):
+// spinning keeps it as fast as the blocking MPI_Allreduce, sleeping only if a rank stops in the middle of it.
+constexpr double kDataSpinS = 0.1;
+// Outputs up to this many floats (64 KiB: a decode step's) are all-reduced without the barrier, which would add a
+// round trip to the step; their one round waits with the back-off itself.
+constexpr int64_t kSmallReduce = 16384;
+
+// Before posting: a process that abandoned a collective posts no other (its buffers and communicators may be in use).
+void check_not_abandoned(const Site& site) {
+  if (g_abandoned) {
+    fail(ErrorCode::internal, std::string(site.op) + ": refused: an earlier collective of this process passed its " +
+                                  "deadline and MPI cannot cancel it; end the job with MPI_Abort");
+  }
+}
+
+void allreduce(const Site& site, const char* what, void* buf, int count, MPI_Datatype type, MPI_Op op) {
+  check_not_abandoned(site);
+  const Clock::time_point t0 = Clock::now();
+  MPI_Request req = MPI_REQUEST_NULL;
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, buf, count, type, op, site.comm, &req), "MPI_Iallreduce");
+  wait_for(site, req, what, t0, kSpinS);
+}
+
+void bcast(const Site& site, const char* what, void* buf, int count, MPI_Datatype type, int root) {
+  check_not_abandoned(site);
+  const Clock::time_point t0 = Clock::now();
+  MPI_Request req = MPI_REQUEST_NULL;
+  check_mpi(MPI_Ibcast(buf, count, type, root, site.comm, &req), "MPI_Ibcast");
+  wait_for(site, req, what, t0, kSpinS);
+}
+
 // The first failing rank's error, sent to every rank (all of them know one failed, so all join the broadcast), and
 // thrown on each as "call: rank r: message".
-[[noreturn]] void throw_shared_error(MPI_Comm comm, int rank, uint64_t failed_rank, const Verdict& mine,
-                                     const char* call) {
-  constexpr size_t kMax = 2048;
-  struct {
-    int code;
-    char text[kMax];
-  } msg{};
+[[noreturn]] void throw_shared_error(const Site& site, int rank, uint64_t failed_rank, const Verdict& mine) {
+  const char* call = site.call;
+  constexpr size_t kMax = sizeof(SharedError::text);
+  SharedError& msg = t_scratch.error;
+  msg = SharedError{};
   if (static_cast<uint64_t>(rank) == failed_rank) {
     msg.code = static_cast<int>(mine.code);
     std::strncpy(msg.text, mine.message.c_str(), kMax - 1);
   }
-  check_mpi(MPI_Bcast(&msg, sizeof msg, MPI_BYTE, static_cast<int>(failed_rank), comm), "MPI_Bcast");
+  bcast(site, "broadcast of the failing rank's error", &msg, sizeof msg, MPI_BYTE, static_cast<int>(failed_rank));
   msg.text[kMax - 1] = '\0';
   // "call: rank r: what", the call named once (most of the library's messages already start with it).
   // Every rank is past the collectives here: one that cannot build the message reports out of memory instead
@@ -183,50 +296,60 @@ Verdict local_verdict(F&& f) {
   }
 }
 
-// The agreement before a collective call: every rank's verdict and fingerprint combined by one MPI_Allreduce (MIN of
+// The agreement before a collective call: every rank's verdict and fingerprint combined by one all-reduce (MIN of
 // {first failing rank, fingerprint, ~fingerprint, value}), so a bad input on any rank, or inputs that differ between
 // ranks, give every rank the same Error before anything is computed. Returns the minimum of the ranks' values.
-uint64_t agree(MPI_Comm comm, const char* call, const Verdict& v) {
+uint64_t agree(const Site& site, const Verdict& v) {
   int rank = 0, ranks = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &ranks);
-  uint64_t buf[4] = {v.failed ? static_cast<uint64_t>(rank) : static_cast<uint64_t>(ranks), v.fingerprint,
-                     ~v.fingerprint, v.min_value};
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, 4, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
-  if (buf[0] < static_cast<uint64_t>(ranks)) throw_shared_error(comm, rank, buf[0], v, call);
+  MPI_Comm_rank(site.comm, &rank);
+  MPI_Comm_size(site.comm, &ranks);
+  uint64_t* buf = t_scratch.agree;
+  buf[0] = v.failed ? static_cast<uint64_t>(rank) : static_cast<uint64_t>(ranks);
+  buf[1] = v.fingerprint, buf[2] = ~v.fingerprint, buf[3] = v.min_value;
+  allreduce(site, "all-reduce agreeing the ranks' checks and arguments", buf, 4, MPI_UINT64_T, MPI_MIN);
+  if (buf[0] < static_cast<uint64_t>(ranks)) throw_shared_error(site, rank, buf[0], v);
   if (buf[1] != ~buf[2]) {
     // Every rank knows the fingerprints differ, so all join these two collectives to name the first rank unlike
     // rank 0: rank 0's fingerprint to all, then the least rank whose own differs. Fixed-size buffers, so no rank
     // short of memory can leave before them.
-    uint64_t first = v.fingerprint;
-    check_mpi(MPI_Bcast(&first, 1, MPI_UINT64_T, 0, comm), "MPI_Bcast");
-    uint64_t odd = v.fingerprint != first ? static_cast<uint64_t>(rank) : static_cast<uint64_t>(ranks);
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &odd, 1, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
+    uint64_t& one = t_scratch.one;
+    one = v.fingerprint;
+    bcast(site, "broadcast of rank 0's arguments' fingerprint", &one, 1, MPI_UINT64_T, 0);
+    one = v.fingerprint != one ? static_cast<uint64_t>(rank) : static_cast<uint64_t>(ranks);
+    allreduce(site, "all-reduce naming the rank whose arguments differ", &one, 1, MPI_UINT64_T, MPI_MIN);
+    const uint64_t odd = one;
+    const char* call = site.call;
     detail::translate_bad_alloc(call, [&] {
       invalid(std::string(call) + ": rank " + str(static_cast<int64_t>(odd)) + " was given other arguments than " +
               "rank 0 (every rank must pass the same config, inputs and sequence ids to a collective call)");
     });
   }
-  return buf[3];
+  return t_scratch.agree[3];
 }
 
 template <class F>
-uint64_t check_and_agree(MPI_Comm comm, const char* call, F&& f) {
-  return agree(comm, call, local_verdict(std::forward<F>(f)));
+uint64_t check_and_agree(const Site& site, F&& f) {
+  return agree(site, local_verdict(std::forward<F>(f)));
 }
 
-// The caller's communicator duplicated for the library's own traffic, returning errors instead of aborting.
-MPI_Comm private_comm(MPI_Comm comm) {
+// The caller's communicator duplicated for the library's own traffic, returning errors instead of aborting
+// (MPI_Comm_idup: the duplication is a collective too, so it waits with the deadline).
+MPI_Comm private_comm(const Site& site) {
+  check_not_abandoned(site);
+  const Clock::time_point t0 = Clock::now();
   MPI_Comm dup = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup");
+  MPI_Request req = MPI_REQUEST_NULL;
+  check_mpi(MPI_Comm_idup(site.comm, &dup, &req), "MPI_Comm_idup");
+  wait_for(site, req, "duplication of the communicator", t0, kSpinS);
   check_mpi(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   return dup;
 }
 
+// Frees the library's communicator, unless a collective was abandoned (it may be that one's).
 void free_comm(MPI_Comm& comm) {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm);
+  if (comm != MPI_COMM_NULL && !finalized && !g_abandoned) MPI_Comm_free(&comm);
   comm = MPI_COMM_NULL;
 }
 
@@ -235,46 +358,74 @@ void free_comm(MPI_Comm& comm) {
 struct ShardedAttention::Impl {
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0, ranks = 1;
+  double deadline_s = kCollectiveDeadlineS;
   Config full;
   detail::HeadShard shard;
   std::unique_ptr<MultiHeadAttention::Impl> layer;
   // The all-reduce's buffer: a call's (B, T, E) partial output, then one float that is nonzero when a rank failed
   // while computing, so the output's sum also tells every rank whether all succeeded. Grows to the largest call.
-  std::vector<float> reduce;
+  // Never freed once a collective was abandoned (g_abandoned): MPI may still write into it.
+  std::unique_ptr<float[]> reduce;
+  int64_t reduce_size = 0;
   ShardedCallTimes times;
   std::mutex mu;  // calls are collective: one at a time, in the same order on every rank
 
-  ~Impl() { free_comm(comm); }
+  ~Impl() {
+    if (g_abandoned) static_cast<void>(reduce.release());
+    free_comm(comm);
+  }
+
+  Site site(const char* call, const char* op) const { return {comm, call, op, deadline_s}; }
 
   // Grows `reduce` to n + 1 floats (in the agreement's checks: an allocation failure is a verdict like any other).
   float* reduce_buffer(int64_t n) {
-    if (static_cast<int64_t>(reduce.size()) < n + 1) reduce.resize(static_cast<size_t>(n + 1));
-    return reduce.data();
+    if (reduce_size < n + 1) {
+      if (g_abandoned) static_cast<void>(reduce.release());
+      reduce.reset();
+      reduce_size = 0;
+      reduce.reset(new float[static_cast<size_t>(n + 1)]);
+      reduce_size = n + 1;
+    }
+    return reduce.get();
   }
 
-  // Runs `compute` (this rank's heads into reduce[0, n)), then the one MPI_Allreduce that sums the partial outputs
+  // Runs `compute` (this rank's heads into reduce[0, n)), then the one all-reduce that sums the partial outputs
   // and the failure flags; copies the sum to `out`, or throws the first failing rank's error on every rank (after
   // which `on_failure` runs first, on every rank).
   template <class Compute, class OnFailure>
-  void compute_and_reduce(const char* call, int64_t n, float* out, Clock::time_point t0, Compute&& compute,
+  void compute_and_reduce(const Site& site, int64_t n, float* out, Clock::time_point t0, Compute&& compute,
                           OnFailure&& on_failure) {
-    float* buf = reduce.data();
+    float* buf = reduce.get();
     const Verdict v = local_verdict([&](Verdict&) { compute(buf); });
     buf[n] = v.failed ? 1.0f : 0.0f;
     times.compute_s = seconds_since(t0);
     const Clock::time_point t1 = Clock::now();
-    // MPI counts are int: an output past 2^31 - 1 floats (8 GiB) is summed in pieces, the same on every rank.
+    // First a barrier, waited for with sleeps: the wait for the slowest rank (the skew, up to a whole call's
+    // compute) happens there, at little CPU. Then the data, polled by spinning, as it moves only while the ranks
+    // test and every rank has arrived. MPI counts are int: an output past 2^31 - 1 floats (8 GiB) is summed in
+    // pieces, the same on every rank.
+    check_not_abandoned(site);
+    MPI_Request req = MPI_REQUEST_NULL;
+    const bool small = n + 1 <= kSmallReduce;
+    if (!small) {
+      check_mpi(MPI_Ibarrier(comm, &req), "MPI_Ibarrier");
+      wait_for(site, req, "barrier before the all-reduce of the outputs", t1, kSpinS);
+    }
+    const Clock::time_point t2 = Clock::now();
     constexpr int64_t kPiece = int64_t{1} << 30;
     for (int64_t i = 0; i <= n; i += kPiece) {
       const int count = static_cast<int>(std::min(kPiece, n + 1 - i));
-      check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf + i, count, MPI_FLOAT, MPI_SUM, comm), "MPI_Allreduce");
+      check_mpi(MPI_Iallreduce(MPI_IN_PLACE, buf + i, count, MPI_FLOAT, MPI_SUM, comm, &req), "MPI_Iallreduce");
+      wait_for(site, req, "all-reduce of the outputs", small ? t1 : t2, small ? kSpinS : kDataSpinS);
     }
     times.allreduce_s = seconds_since(t1);
     if (buf[n] != 0.0f) {
       on_failure();
-      uint64_t first = v.failed ? static_cast<uint64_t>(rank) : static_cast<uint64_t>(ranks);
-      check_mpi(MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
-      throw_shared_error(comm, rank, first, v, call);
+      uint64_t& first = t_scratch.one;
+      first = v.failed ? static_cast<uint64_t>(rank) : static_cast<uint64_t>(ranks);
+      allreduce(site, "all-reduce naming the first rank that failed while computing", &first, 1, MPI_UINT64_T,
+                MPI_MIN);
+      throw_shared_error(site, rank, first, v);
     }
     std::memcpy(out, buf, static_cast<size_t>(n) * sizeof(float));
   }
@@ -282,7 +433,7 @@ struct ShardedAttention::Impl {
 
 struct ShardedKvCache::Impl {
   MPI_Comm comm = MPI_COMM_NULL;
-  const ShardedAttention::Impl* layer = nullptr;  // the layer it was built for (its shard and config)
+  const ShardedAttention::Impl* layer = nullptr;  // the layer it was built for (its shard, config and deadline)
   std::unique_ptr<KvCache> local;
   // Set on every rank when a rank failed after the ranks agreed to append (an allocation inside the computation):
   // then some ranks' pools hold the new tokens and others' do not, so the cache refuses every further call. Two
@@ -294,6 +445,8 @@ struct ShardedKvCache::Impl {
   } out_of_step;
 
   ~Impl() { free_comm(comm); }
+
+  Site site(const char* call) const { return {comm, call, call, layer->deadline_s}; }
 
   void check_in_step(const char* call) const {
     if (out_of_step.what) {
@@ -316,15 +469,18 @@ namespace {
 // whatever they point into alive until the layer is built).
 template <class Weights>
 std::unique_ptr<ShardedAttention::Impl> build(const char* call, MPI_Comm comm, const EngineOptions& options,
-                                              Weights&& weights) {
+                                              double deadline_s, Weights&& weights) {
   if (comm == MPI_COMM_NULL) invalid(std::string(call) + ": the communicator is MPI_COMM_NULL");
   int rank = 0, ranks = 1;
   check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(comm, &ranks), "MPI_Comm_size");
   std::unique_ptr<ShardedAttention::Impl> impl;
-  check_and_agree(comm, call, [&](Verdict& v) {  // everything that may fail, the first allocation included
+  // A bad deadline is refused in the agreement, on every rank; the agreement itself waits the default.
+  const Site site{comm, call, call, deadline_s > 0 ? deadline_s : kCollectiveDeadlineS};
+  check_and_agree(site, [&](Verdict& v) {  // everything that may fail, the first allocation included
+    check_deadline(call, deadline_s);
     impl = std::make_unique<ShardedAttention::Impl>();
-    impl->rank = rank, impl->ranks = ranks;
+    impl->rank = rank, impl->ranks = ranks, impl->deadline_s = deadline_s;
     // What every rank must share: the config, the compute type (the instruction set may differ from node to node),
     // and what `weights` adds of the weights' source.
     Fingerprint f;
@@ -334,7 +490,7 @@ std::unique_ptr<ShardedAttention::Impl> build(const char* call, MPI_Comm comm, c
     f.value(options.compute);
     v.fingerprint = f.digest();
   });
-  impl->comm = private_comm(comm);
+  impl->comm = private_comm(site);
   return impl;
 }
 
@@ -343,8 +499,8 @@ std::unique_ptr<ShardedAttention::Impl> build(const char* call, MPI_Comm comm, c
 ShardedAttention::ShardedAttention(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 ShardedAttention::ShardedAttention(const Config& config, const WeightsView& weights, MPI_Comm comm,
-                                   const EngineOptions& options, WeightCheck check)
-    : impl_(build("ShardedAttention", comm, options, [&](Impl& s, auto&& make, Fingerprint& f) {
+                                   const EngineOptions& options, WeightCheck check, double deadline_s)
+    : impl_(build("ShardedAttention", comm, options, deadline_s, [&](Impl& s, auto&& make, Fingerprint& f) {
         config.validate();
         weights.validate(config);
         s.full = config;
@@ -354,8 +510,9 @@ ShardedAttention::ShardedAttention(const Config& config, const WeightsView& weig
       })) {}
 
 ShardedAttention::ShardedAttention(const Config& config, const std::string& path, const std::string& prefix,
-                                   MPI_Comm comm, const EngineOptions& options, WeightCheck check)
-    : impl_(build("ShardedAttention", comm, options, [&](Impl& s, auto&& make, Fingerprint& f) {
+                                   MPI_Comm comm, const EngineOptions& options, WeightCheck check,
+                                   double deadline_s)
+    : impl_(build("ShardedAttention", comm, options, deadline_s, [&](Impl& s, auto&& make, Fingerprint& f) {
         // Mapped, not read: the rank's layer copies its slices, so only their pages are read, and the hash's:
         // WeightCheck::full reads every page once, sampled only the sample's.
         const StoredLayer file =
@@ -368,15 +525,16 @@ ShardedAttention::ShardedAttention(const Config& config, const std::string& path
       })) {}
 
 ShardedAttention ShardedAttention::random(const Config& config, uint64_t seed, MPI_Comm comm,
-                                          const EngineOptions& options) {
-  return ShardedAttention(build("ShardedAttention::random", comm, options, [&](Impl& s, auto&& make, Fingerprint& f) {
-    config.validate();
-    s.full = config;
-    s.shard = detail::shard_of(config, s.rank, s.ranks);
-    f.value(seed);
-    const Weights w = detail::random_shard_weights(config, seed, s.shard);
-    make(detail::local_view(w, s.shard));
-  }));
+                                          const EngineOptions& options, double deadline_s) {
+  return ShardedAttention(
+      build("ShardedAttention::random", comm, options, deadline_s, [&](Impl& s, auto&& make, Fingerprint& f) {
+        config.validate();
+        s.full = config;
+        s.shard = detail::shard_of(config, s.rank, s.ranks);
+        f.value(seed);
+        const Weights w = detail::random_shard_weights(config, seed, s.shard);
+        make(detail::local_view(w, s.shard));
+      }));
 }
 
 ShardedAttention::~ShardedAttention() = default;
@@ -391,7 +549,8 @@ void ShardedAttention::forward(const AttentionInputs& in, float* out, const RunO
   const Clock::time_point t0 = Clock::now();
   AttentionInputs local_in;
   int64_t n = 0;
-  check_and_agree(s.comm, "forward", [&](Verdict& v) {
+  const Site site = s.site("forward", "ShardedAttention::forward");
+  check_and_agree(site, [&](Verdict& v) {
     // Against the whole layer first, so that messages name its shapes; then the shard's view of the same inputs.
     const int threads = s.layer->threads_for(run);
     const detail::AttnShape full = detail::validate_inputs(s.full, in, run, threads);
@@ -412,7 +571,7 @@ void ShardedAttention::forward(const AttentionInputs& in, float* out, const RunO
   });
   RunOptions quiet = run;
   quiet.check_finite = false;
-  s.compute_and_reduce("forward", n, out, t0, [&](float* partial) {
+  s.compute_and_reduce(site, n, out, t0, [&](float* partial) {
     s.layer->with_workspace(nullptr, "forward", [&](Workspace::Impl& w) {
       s.layer->forward(local_in, partial, DType::f32, quiet, w);
     });
@@ -426,14 +585,16 @@ namespace {
 // computation, and the fingerprint, all agreed; then `compute` (this rank's heads) and the all-reduce of the
 // (rows, E) output. A failure while computing leaves the ranks' pools out of step, which the cache then says.
 template <class Validate, class Compute>
-void serving_call(ShardedAttention::Impl& s, ShardedKvCache::Impl& c, const char* call, const SequenceId* seqs,
+void serving_call(ShardedAttention::Impl& s, ShardedKvCache::Impl& c, const char* call, const char* op,
+                  const SequenceId* seqs,
                   int64_t n, int64_t tokens, const float* x, float* out, const RunOptions& run, Validate&& validate,
                   Compute&& compute) {
   std::lock_guard<std::mutex> lock(s.mu);
   const Clock::time_point t0 = Clock::now();
   const int threads = s.layer->threads_for(run);
   const int64_t rows = n * tokens;  // extend: T tokens of one sequence; decode: one token of each of B
-  check_and_agree(s.comm, call, [&](Verdict& v) {
+  const Site site = s.site(call, op);
+  check_and_agree(site, [&](Verdict& v) {
     if (c.layer != &s) invalid(std::string(call) + ": the sharded KV cache was built for another ShardedAttention");
     c.check_in_step(call);
     validate();
@@ -451,7 +612,7 @@ void serving_call(ShardedAttention::Impl& s, ShardedKvCache::Impl& c, const char
   });
   RunOptions quiet = run;
   quiet.check_finite = false;  // scanned once, in the agreement
-  s.compute_and_reduce(call, rows * s.full.d_model, out, t0, [&](float* partial) {
+  s.compute_and_reduce(site, rows * s.full.d_model, out, t0, [&](float* partial) {
     s.layer->with_workspace(nullptr, call, [&](Workspace::Impl& w) { compute(partial, quiet, w); });
   }, [&] { c.out_of_step = {"a rank failed while computing ", call}; });
 }
@@ -462,7 +623,7 @@ void ShardedAttention::extend(ShardedKvCache& cache, SequenceId seq, const float
                               const RunOptions& run) {
   Impl& s = *impl_;
   KvCache& pool = *cache.impl_->local;
-  serving_call(s, *cache.impl_, "extend", &seq, 1, T, x, out, run,
+  serving_call(s, *cache.impl_, "extend", "ShardedAttention::extend", &seq, 1, T, x, out, run,
                [&] { detail::validate_extend(s.layer->cfg, pool, x, T, out, run, s.layer->threads_for(run)); },
                [&](float* partial, const RunOptions& r, Workspace::Impl& w) {
                  s.layer->extend(pool, seq, x, T, partial, r, w);
@@ -473,7 +634,7 @@ void ShardedAttention::decode(ShardedKvCache& cache, const SequenceId* seqs, int
                               const RunOptions& run) {
   Impl& s = *impl_;
   KvCache& pool = *cache.impl_->local;
-  serving_call(s, *cache.impl_, "decode", seqs, B, 1, x, out, run,
+  serving_call(s, *cache.impl_, "decode", "ShardedAttention::decode", seqs, B, 1, x, out, run,
                [&] { detail::validate_decode(s.layer->cfg, pool, seqs, B, x, out, run, s.layer->threads_for(run)); },
                [&](float* partial, const RunOptions& r, Workspace::Impl& w) {
                  s.layer->decode(pool, seqs, B, x, partial, r, w);
@@ -493,9 +654,13 @@ std::string ShardedAttention::implementation() const {
          str(first_head()) + ", " + str(first_head() + heads()) + "), " + impl_->layer->kset.name;
 }
 ShardedCallTimes ShardedAttention::last_call_times() const { return impl_->times; }
+double ShardedAttention::deadline_s() const { return impl_->deadline_s; }
 
-void run_agreed(MPI_Comm comm, const char* what, const std::function<void()>& step) {
-  check_and_agree(comm, what, [&](Verdict&) { step(); });
+void run_agreed(MPI_Comm comm, const char* what, const std::function<void()>& step, double deadline_s) {
+  check_and_agree(Site{comm, what, what, deadline_s > 0 ? deadline_s : kCollectiveDeadlineS}, [&](Verdict&) {
+    check_deadline(what, deadline_s);
+    step();
+  });
 }
 
 // --- the sharded cache ---
@@ -504,7 +669,8 @@ ShardedKvCache::ShardedKvCache(const ShardedAttention& layer, const KvCacheOptio
   const ShardedAttention::Impl& s = *layer.impl_;
   // Round 1: the options are valid on every rank, and the tokens each rank's bytes would hold (a one-block probe
   // pool gives the block size); every rank learns the smallest.
-  const uint64_t tokens = check_and_agree(s.comm, "ShardedKvCache", [&](Verdict& v) {
+  const Site site = s.site("ShardedKvCache", "ShardedKvCache");
+  const uint64_t tokens = check_and_agree(site, [&](Verdict& v) {
     impl_ = std::make_unique<Impl>();  // inside the agreement: a rank that cannot allocate still joins it
     impl_->layer = &s;
     if (!s.full.causal || !s.full.same_input_widths()) {
@@ -530,13 +696,13 @@ ShardedKvCache::ShardedKvCache(const ShardedAttention& layer, const KvCacheOptio
   });
   // Round 2: every rank's pool, of the agreed token capacity.
   Impl& c = *impl_;
-  check_and_agree(s.comm, "ShardedKvCache", [&](Verdict&) {
+  check_and_agree(site, [&](Verdict&) {
     KvCacheOptions o = options;
     o.capacity_bytes = 0;
     o.capacity_tokens = static_cast<int64_t>(tokens);
     c.local = std::make_unique<KvCache>(s.layer->cfg, o);
   });
-  c.comm = private_comm(s.comm);
+  c.comm = private_comm(site);
 }
 
 ShardedKvCache::~ShardedKvCache() = default;
@@ -551,7 +717,7 @@ namespace {
 // that rank, which the next call's agreement reports to all.
 template <class Op>
 SequenceId sequence_op(ShardedKvCache::Impl& c, const char* call, int op, SequenceId seq, bool needs_seq, Op&& f) {
-  check_and_agree(c.comm, call, [&](Verdict& v) {
+  check_and_agree(c.site(call), [&](Verdict& v) {
     c.check_in_step(call);
     if (needs_seq && !c.local->contains(seq)) {
       invalid(std::string(call) + ": unknown sequence id " + str(seq) + " (never created, or released)");

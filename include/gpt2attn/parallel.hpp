@@ -24,8 +24,17 @@
 // Failure. The library's private communicator (a duplicate of `comm`) returns errors instead of aborting
 // (MPI_ERRORS_RETURN): an MPI error becomes Error(internal) naming the MPI call. A rank that dies cannot be detected
 // from inside MPI 3.1 (Open MPI 4.1 has no ULFM): under mpirun the runtime ends every other rank when one exits
-// abnormally, so the survivors end with mpirun's error rather than hang; a rank that stops without exiting (a
-// deadlock in the caller) hangs the others in their next collective, as in any MPI program.
+// abnormally, so the survivors end with mpirun's error rather than hang.
+//
+// Deadlines. A rank that stops without exiting (SIGSTOP, a deadlock in the caller) would hang the others in their
+// next collective. So every collective of this module waits with a deadline: it is posted nonblocking and polled,
+// spinning briefly and then sleeping between polls (a waiting rank uses little CPU), and a rank whose wait inside one
+// collective passes `deadline_s` seconds throws CollectiveTimeout, naming itself, the library call and the
+// collective. MPI cannot cancel a collective, so after that the communicator is unusable, and every later collective
+// of this module in the process is refused: the embedding program must end the job with MPI_Abort (which ends every
+// rank, the stopped one included), as `gpt2attn` does. The deadline bounds one wait, which starts when this rank
+// enters the collective: it must cover the longest local work of one call on the slowest rank (the skew between
+// ranks), not the whole call. The default, kCollectiveDeadlineS, and its measurement: docs/mpi.md.
 #pragma once
 
 #include <mpi.h>
@@ -37,12 +46,31 @@
 
 #include "gpt2attn/attention.hpp"
 #include "gpt2attn/config.hpp"
+#include "gpt2attn/error.hpp"
 #include "gpt2attn/kv_cache.hpp"
 #include "gpt2attn/weights.hpp"
 
 namespace gpt2attn {
 
 class ShardedKvCache;
+
+// The default deadline of one wait inside a collective, in seconds: 12x the slowest single call measured, 51 s (the
+// largest preset, gpt3-175b, prefill of T = 2048 on one thread per rank; docs/mpi.md).
+inline constexpr double kCollectiveDeadlineS = 600;
+
+// Thrown by a rank whose wait inside a collective passed its deadline (code internal: no other rank answered, which
+// no argument of the call explains). The communicator is unusable after it: end the job with MPI_Abort.
+class CollectiveTimeout : public Error {
+ public:
+  CollectiveTimeout(const std::string& what, int rank, double deadline_s)
+      : Error(ErrorCode::internal, what), rank_(rank), deadline_s_(deadline_s) {}
+  int rank() const noexcept { return rank_; }  // the rank that gave up waiting, in the call's communicator
+  double deadline_s() const noexcept { return deadline_s_; }
+
+ private:
+  int rank_;
+  double deadline_s_;
+};
 
 // Seconds the last forward/extend/decode of a rank spent: before the all-reduce (checks and this rank's heads) and
 // in it (which includes waiting for the slowest rank).
@@ -62,17 +90,20 @@ class ShardedAttention {
   // (collective) From the whole layer's weights in each rank's memory: each rank copies its slices. Heads are split
   // by K/V head, as evenly as possible, the first ranks one more (gpt2-xl's 25 heads on 2 ranks: 13 + 12); a
   // communicator with more ranks than K/V heads is refused. A causal self-attention config also serves a KV cache.
+  // `deadline_s` bounds every wait inside a collective of this layer and of the caches built for it, construction
+  // included (Deadlines, above): above 0, +infinity for none; NaN or <= 0 is refused.
   ShardedAttention(const Config& config, const WeightsView& weights, MPI_Comm comm, const EngineOptions& options = {},
-                   WeightCheck check = WeightCheck::full);
+                   WeightCheck check = WeightCheck::full, double deadline_s = kCollectiveDeadlineS);
   // (collective) From one layer of a safetensors file (open_safetensors_layer's namings and dtypes) that every rank
   // can read: each rank maps the file and copies only its slices (a rank of N holds about 1/N of the layer, never
   // the whole file); WeightCheck::full reads the layer's other pages once, to hash them. `config` is completed from
   // the file as apply_loaded_shapes does.
   ShardedAttention(const Config& config, const std::string& safetensors_path, const std::string& prefix,
-                   MPI_Comm comm, const EngineOptions& options = {}, WeightCheck check = WeightCheck::full);
+                   MPI_Comm comm, const EngineOptions& options = {}, WeightCheck check = WeightCheck::full,
+                   double deadline_s = kCollectiveDeadlineS);
   // (collective) Weights::random(config, seed)'s values, each rank generating only its slices.
   static ShardedAttention random(const Config& config, uint64_t seed, MPI_Comm comm,
-                                 const EngineOptions& options = {});
+                                 const EngineOptions& options = {}, double deadline_s = kCollectiveDeadlineS);
   ~ShardedAttention();
   ShardedAttention(ShardedAttention&&) noexcept;
   ShardedAttention& operator=(ShardedAttention&&) noexcept;
@@ -95,6 +126,7 @@ class ShardedAttention {
   Isa isa() const;
   std::string implementation() const;  // names this rank and its heads, so it differs between ranks
   ShardedCallTimes last_call_times() const;
+  double deadline_s() const;  // as constructed
 
   struct Impl;
 
@@ -113,7 +145,8 @@ class ShardedKvCache {
  public:
   // (collective) For a causal self-attention layer (config.causal, kdim = vdim = d_in), as a KvCache serves only
   // CausalSelfAttention; another is refused. capacity_tokens as given; capacity_bytes is per rank, and every rank's pool then holds the tokens
-  // the smallest rank's bytes hold (ranks with more heads need more bytes per token).
+  // the smallest rank's bytes hold (ranks with more heads need more bytes per token). Its collectives wait at most
+  // the layer's deadline_s().
   ShardedKvCache(const ShardedAttention& layer, const KvCacheOptions& options);
   ~ShardedKvCache();
   ShardedKvCache(ShardedKvCache&&) noexcept;
@@ -140,7 +173,9 @@ class ShardedKvCache {
 // (collective) Runs `step` on every rank and agrees on its outcome as the calls above do: when it throws on any rank,
 // every rank throws the same Error ("what: rank r: message"). For a caller's own work before a collective call
 // (reading its inputs), so that one rank's missing file gives every rank the error instead of leaving the others
-// waiting in the next call.
-void run_agreed(MPI_Comm comm, const char* what, const std::function<void()>& step);
+// waiting in the next call. Its one all-reduce waits at most `deadline_s` (as the constructors' does); as a barrier
+// with a deadline, pass a step that does nothing.
+void run_agreed(MPI_Comm comm, const char* what, const std::function<void()>& step,
+                double deadline_s = kCollectiveDeadlineS);
 
 }  // namespace gpt2attn

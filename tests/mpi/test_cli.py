@@ -2,7 +2,8 @@
 # tests/mpi/test_cli.py: the command-line tool under mpiexec. `gpt2attn forward` and `bench` run tensor parallel when
 # the world has more than one rank: forward's output equals the single-process tool's, rank 0 alone writes it and
 # prints; bench's JSON rows say "ranks"; bad input on one rank makes every rank exit 2 with one message, printed once;
-# a rank killed mid-run ends the job instead of hanging it. numpy only (no torch): ctest runs it as mpi.cli.
+# a rank killed mid-run ends the job instead of hanging it, and so does one stopped (SIGSTOP) past --mpi-timeout.
+# numpy only (no torch): ctest runs it as mpi.cli.
 import argparse
 import json
 import math
@@ -299,6 +300,30 @@ def killed_rank(ctx):
     return "ended with status %d after %.1f s" % (r.returncode, r.seconds)
 
 
+def stopped_rank(ctx):
+    """Rank 1 stops (SIGSTOP, never resumed) 3 s into a long bench: rank 0 waits --mpi-timeout 2 s in a collective,
+    prints the deadline error naming itself, and ends the job with MPI_Abort, which ends the stopped rank too."""
+    tail = ["bench", "--preset", "gpt2-xl", "--seq", "512", "--repeats", "1000", "--threads", "1", "--json",
+            "--mpi-timeout", "2"]
+    r = per_rank(ctx, 2, 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 3; kill -STOP $$) & fi', tail, timeout=60)
+    check(r.returncode != 0, "the job ended with status 0 although rank 1 was stopped: " + r.describe())
+    check(r.seconds >= 5, "ended after %.1f s, before the stop and the deadline: %s" % (r.seconds, r.describe()))
+    lines = [l for l in r.stderr.splitlines() if l.startswith("gpt2attn: ")]
+    check(any("rank 0 of 2 waited 2 s (its deadline)" in l and "MPI_Abort" in l for l in lines),
+          "no deadline error from rank 0 on stderr: " + r.describe())
+    return "ended with status %d after %.1f s: %s" % (r.returncode, r.seconds, lines[0])
+
+
+def bad_mpi_timeout(ctx):
+    """--mpi-timeout must be a number of seconds above 0."""
+    for bad in ["0", "-1", "nan", "inf", "2x"]:
+        r = run([ctx.cli, "bench", "--preset", "gpt2-small", "--mpi-timeout", bad])
+        check(r.returncode == 2, "--mpi-timeout %r: expected exit 2: %s" % (bad, r.describe()))
+        check("--mpi-timeout %s: expected a number of seconds above 0" % bad in r.stderr,
+              "--mpi-timeout %r: the message does not say why: %r" % (bad, r.stderr))
+    return "refused 0, -1, nan, inf and 2x"
+
+
 def main():
     ctx = Ctx()
     holder = {}
@@ -317,6 +342,8 @@ def main():
         ctx.case("forward, --config unreadable on rank 1", lambda: config_missing_on_one_rank(ctx, fw))
     ctx.case("bench --json, 2 ranks", lambda: bench_json(ctx))
     ctx.case("bench, rank 1 killed", lambda: killed_rank(ctx))
+    ctx.case("bench, rank 1 stopped: the deadline ends the job", lambda: stopped_rank(ctx))
+    ctx.case("--mpi-timeout out of range", lambda: bad_mpi_timeout(ctx))
     ctx.finish()
 
 

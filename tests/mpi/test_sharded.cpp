@@ -1261,6 +1261,62 @@ TEST_F(ShardedErrors, RunAgreed) {
 }
 
 // =============================================================================================================
+// deadlines: calls under a short deadline work, and a bad deadline is refused on every rank. A rank that stops
+// answering is tests/mpi/test_deadline.cpp's (it must end the job, so it cannot run here).
+
+class ShardedDeadline : public Sharded {};
+
+TEST_F(ShardedDeadline, CallsUnderAShortDeadlineWork) {
+  const Config c = make_config({.E = 64, .H = 8, .context = 64, .causal = true});
+  const Weights w = Weights::random(c, 41);
+  MultiHeadAttention single(c, w.view(c), kOneThread);
+  ShardedAttention sharded(c, w.view(c), MPI_COMM_WORLD, kOneThread, WeightCheck::full, 2.0);
+  EXPECT_EQ(sharded.deadline_s(), 2.0);
+  std::mt19937_64 rng(43);
+  const OwnedInputs in = make_inputs(c, 2, 17, 0, rng);
+  EXPECT_TRUE(sharded_matches(single, sharded, in.inputs(), kRun, "forward under a 2 s deadline"));
+  // The cache's collectives (construction, create, release) and extend wait with the layer's deadline.
+  ShardedKvCache cache(sharded, {.capacity_tokens = 64});
+  SequenceId seq = -1;
+  EXPECT_EQ(outcome_of([&] { seq = cache.create(); }), "ok");
+  std::vector<float> x(static_cast<size_t>(5 * c.d_model), 0.25f), out(x.size());
+  EXPECT_EQ(outcome_of([&] { sharded.extend(cache, seq, x.data(), 5, out.data(), kRun); }), "ok");
+  EXPECT_EQ(outcome_of([&] { cache.release(seq); }), "ok");
+  EXPECT_EQ(outcome_of([&] { run_agreed(MPI_COMM_WORLD, "step", [] {}, 2.0); }), "ok");
+  // No deadline at all.
+  EXPECT_EQ(outcome_of([&] { run_agreed(MPI_COMM_WORLD, "step", [] {}, std::numeric_limits<double>::infinity()); }),
+            "ok");
+  EXPECT_EQ(ShardedAttention::random(c, 1, MPI_COMM_WORLD, kOneThread).deadline_s(), kCollectiveDeadlineS);
+}
+
+TEST_F(ShardedDeadline, ZeroNegativeOrNanIsRefusedOnEveryRank) {
+  const Config c = make_config({.E = 32, .H = 4, .context = 32, .causal = true});
+  const Weights w = Weights::random(c, 5);
+  for (const double bad : {0.0, -1.0, kNaN * 1.0}) {
+    AgreedError err;
+    EXPECT_TRUE(same_error_on_every_rank(
+        [&] { ShardedAttention(c, w.view(c), MPI_COMM_WORLD, kOneThread, WeightCheck::full, bad); }, MPI_COMM_WORLD,
+        &err));
+    EXPECT_EQ(err.code, static_cast<int>(ErrorCode::invalid_argument));
+    EXPECT_NE(err.message.find("deadline_s="), std::string::npos) << err.message;
+    EXPECT_NE(err.message.find("must be above 0 seconds"), std::string::npos) << err.message;
+    EXPECT_TRUE(same_error_on_every_rank([&] { ShardedAttention::random(c, 1, MPI_COMM_WORLD, kOneThread, bad); },
+                                         MPI_COMM_WORLD, &err));
+    EXPECT_NE(err.message.find("ShardedAttention::random: rank 0: deadline_s="), std::string::npos) << err.message;
+    EXPECT_TRUE(same_error_on_every_rank([&] { run_agreed(MPI_COMM_WORLD, "step", [] {}, bad); }, MPI_COMM_WORLD,
+                                         &err));
+    EXPECT_NE(err.message.find("step: rank 0: deadline_s="), std::string::npos) << err.message;
+  }
+  // Only on the last rank: every rank still gets the error, naming that rank.
+  const int odd = g_size - 1;
+  AgreedError err;
+  EXPECT_TRUE(same_error_on_every_rank(
+      [&] { ShardedAttention::random(c, 1, MPI_COMM_WORLD, kOneThread, g_rank == odd ? -3.0 : 2.0); },
+      MPI_COMM_WORLD, &err));
+  EXPECT_NE(err.message.find("rank " + std::to_string(odd) + ": deadline_s=-3"), std::string::npos) << err.message;
+}
+
+// =============================================================================================================
 // the file constructor
 
 class ShardedFile : public Sharded {

@@ -61,6 +61,7 @@ struct Request {
   std::vector<std::string> kv_names;  // as given: "int8" is reported as such
   int64_t B = 1, T = 1024;
   int threads = 0, repeats = 5;
+  double mpi_timeout_s = 0;  // under mpirun: the sharded layer's deadline of one wait in a collective
   Isa isa = Isa::best;
   std::vector<int64_t> kv_heads;  // 0: as many as the preset's heads
   std::vector<std::string> presets;
@@ -105,6 +106,7 @@ Request read_request(const Args& a) {
   r.B = a.integer<int64_t>("batch", 1, 1), r.T = a.integer<int64_t>("seq", 1024, 1);
   r.threads = threads_option(a);
   r.repeats = a.integer<int>("repeats", 5, 1);
+  r.mpi_timeout_s = mpi_timeout_option(a);
   r.json = a.flag("json");
   if (a.flag("check") && a.flag("no-check")) throw UsageError("--check and --no-check contradict each other");
   r.check = a.flag("check") || (!r.json && !a.flag("no-check"));
@@ -171,9 +173,9 @@ bench::BenchResult run_case(const Request& r, const Case& c) {
 #ifdef GPT2ATTN_HAVE_MPI
   if (world().parallel()) {
     return r.decode ? bench::bench_decode_sharded(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa, r.repeats,
-                                                  r.check, cold, kv_dtype_of(c.kv_name))
+                                                  r.check, cold, kv_dtype_of(c.kv_name), r.mpi_timeout_s)
                     : bench::bench_prefill_sharded(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa,
-                                                   r.repeats, r.check);
+                                                   r.repeats, r.check, r.mpi_timeout_s);
   }
 #endif
   return r.decode ? bench::bench_decode(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa, r.repeats, r.check,
@@ -311,6 +313,7 @@ const Command& bench_command() {
           flag("interleave", "decode --cache cold: one step of each case in turn (the x_first column)."),
           threads_row(),
           isa_row(),
+          mpi_timeout_row(),
           value("repeats", "N", "timed runs, of which the median is reported; default 5."),
           value("cache", "warm|cold", "decode: whether the CPU caches are flushed before each step; default warm."),
           flag("check", "compare with the naive reference (default in the table)."),

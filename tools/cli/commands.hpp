@@ -14,6 +14,12 @@ struct World {
 };
 const World& world();  // set once by main() before any command runs
 
+// --mpi-timeout SECONDS (forward and bench): under mpirun, how long a rank waits inside one collective for the others
+// (ShardedAttention's deadline_s); a rank past it prints the error and main() ends the job with MPI_Abort, since MPI
+// cannot cancel the collective the stopped rank never joined. Above 0 and finite; absent: the library's default.
+Option mpi_timeout_row();
+double mpi_timeout_option(const Args& a);
+
 // Built on first use (their tables read the library's lists), never during static initialisation.
 const Command& forward_command();  // tools/cli/forward.cpp
 const Command& bench_command();    // tools/cli/bench.cpp

@@ -89,6 +89,7 @@ struct Request {
   std::string query, key, value, mask, mask_kind, key_padding;
   bool causal = false;
   EngineOptions opts;
+  double mpi_timeout_s = 0;  // under mpirun: the sharded layer's deadline of one wait in a collective
 
   std::optional<Config> file_cfg;  // --config's contents
   Config cfg;                      // the layer's
@@ -232,6 +233,7 @@ Request read_request(const Args& a) {
   if (a.has("kv-heads")) r.kv_heads = a.integer<int64_t>("kv-heads", 0, 1);
   if (a.has("context-length")) r.context_length = a.integer<int64_t>("context-length", 0, 1);
   r.opts.threads = threads_option(a);
+  r.mpi_timeout_s = mpi_timeout_option(a);
   if (a.has("key") != a.has("value")) throw UsageError("--key and --value must be given together");
   if (a.has("mask-kind") && !a.has("mask")) throw UsageError("--mask-kind given without --mask");
   r.opts.isa = isa_option(a);
@@ -294,13 +296,13 @@ class ShardedRunner : public Runner {
       r.read_inputs();
       r.set_context();
       r.size_output(Config{.d_model = 1});  // the query's shape; the layer's width comes with the layer
-    });
-    layer_.emplace(r.cfg, r.weights, r.prefix, MPI_COMM_WORLD, r.opts);
+    }, r.mpi_timeout_s);
+    layer_.emplace(r.cfg, r.weights, r.prefix, MPI_COMM_WORLD, r.opts, WeightCheck::full, r.mpi_timeout_s);
     r.cfg = layer_->config();
     run_agreed(MPI_COMM_WORLD, "forward", [&] {  // each rank's config file against the layer, before forward
       r.check_against_config(r.cfg);
       r.size_output(r.cfg);
-    });
+    }, r.mpi_timeout_s);
   }
   void run(Request& r) override { layer_->forward(r.in, r.out.data()); }
   bool writes() const override { return world().prints(); }
@@ -363,6 +365,7 @@ const Command& forward_command() {
           compute_row(false),
           threads_row(),
           isa_row(),
+          mpi_timeout_row(),
           required("output", "y.npy", "the float32 output, written atomically."),
       },
       kAbout,

@@ -2,6 +2,7 @@
 // each), its errors turned into the exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error. Only
 // main() exits.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <new>
@@ -11,6 +12,8 @@
 #include "tools/cli/commands.hpp"
 #ifdef GPT2ATTN_HAVE_MPI
 #include <mpi.h>
+
+#include "gpt2attn/parallel.hpp"
 #endif
 
 namespace gpt2attn::cli {
@@ -18,6 +21,8 @@ namespace gpt2attn::cli {
 namespace {
 
 World g_world;
+// Set when a collective passed its deadline on this rank: main() then ends the job with MPI_Abort.
+bool g_abort_job = false;
 
 // The rules every command shares, printed after the commands' tables.
 const char* kNotes = R"(--isa caps the instruction set of the whole layer: gpt2attn's kernels, and oneDNN's GEMMs (avx512_bf16: oneDNN's
@@ -69,6 +74,13 @@ int run(int argc, char** argv) {
   } catch (const UsageError& e) {
     say("gpt2attn: %s (see gpt2attn --help)\n", e.what());
     return 2;
+#ifdef GPT2ATTN_HAVE_MPI
+  } catch (const CollectiveTimeout& e) {
+    // Printed by the rank that waited, whichever it is: the others are stopped, or waiting too.
+    std::fprintf(stderr, "gpt2attn: %s\n", e.what());
+    g_abort_job = true;
+    return 1;
+#endif
   } catch (const Error& e) {
     std::string msg = e.what();
     std::replace(msg.begin(), msg.end(), '\n', ' ');
@@ -87,6 +99,32 @@ int run(int argc, char** argv) {
 
 const World& world() { return g_world; }
 
+Option mpi_timeout_row() {
+  Option o = value("mpi-timeout", "SECONDS", "under mpirun: seconds a rank waits inside one collective for the ");
+#ifdef GPT2ATTN_HAVE_MPI
+  o.help += "others before it ends the job; default " + std::to_string(static_cast<int>(kCollectiveDeadlineS)) + ".";
+#else
+  o.help += "others (this build has no MPI).";
+#endif
+  return o;
+}
+
+double mpi_timeout_option(const Args& a) {
+#ifdef GPT2ATTN_HAVE_MPI
+  constexpr double def = kCollectiveDeadlineS;
+#else
+  constexpr double def = 0;  // never used: without MPI nothing waits in a collective
+#endif
+  if (!a.has("mpi-timeout")) return def;
+  const std::string s = a.get("mpi-timeout");
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(v) || v <= 0) {
+    throw UsageError("--mpi-timeout " + s + ": expected a number of seconds above 0 (such as 600 or 0.5)");
+  }
+  return v;
+}
+
 }  // namespace gpt2attn::cli
 
 int main(int argc, char** argv) {
@@ -100,6 +138,9 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &g_world.rank);
   MPI_Comm_size(MPI_COMM_WORLD, &g_world.ranks);
   const int status = gpt2attn::cli::run(argc, argv);
+  // A collective left waiting on a stopped rank cannot be cancelled, and MPI_Finalize would wait for it: only
+  // MPI_Abort ends the job, making mpirun end every rank, the stopped one included.
+  if (gpt2attn::cli::g_abort_job) MPI_Abort(MPI_COMM_WORLD, status);
   MPI_Finalize();
   return status;
 #else
