@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """How the layer's latency degrades when another process takes a core: decode steps (gpt2-small, B=1 T=128, whose
-step is a fraction of a scheduler slice, and B=16 T=1024) and a prefill (gpt2-small, T=256) timed quiet and beside a one-core CPU hog (a busy loop in a child process), in
+step is a fraction of a scheduler slice, and B=16 T=1024) and a prefill (gpt2-small, T=256) timed quiet and beside a one-core CPU hog (a busy loop in a child process in a session of its own), in
 interleaved rounds, for each OpenMP wait policy a server can set in the environment. Reports medians and the
 slowdown against the quiet run of the same policy.
 
@@ -31,6 +31,9 @@ CASES = {
 
 
 def hog():
+    # Its own session, hence its own scheduler autogroup, as any other service on a server: in ours, the kernel's
+    # autogroup fair share would hand it our threads' time instead of taking a core.
+    os.setsid()
     while True:
         pass
 

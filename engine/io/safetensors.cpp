@@ -226,6 +226,22 @@ Bytes map_section(const io::ReadFile& file, uint64_t offset, uint64_t n, uint64_
   return Bytes(std::move(owner), static_cast<const uint8_t*>(base) + offset, n);
 }
 
+// A file of another format, named by its first bytes where they make no header length the file can hold (so a
+// safetensors file is never mistaken for one): torch.save's zip archive or pickle (.pt, .bin), a .npy array, GGUF,
+// HDF5; "header length ... over the 100 MB limit" is all such a file got before.
+void refuse_other_format(const std::string& path, const unsigned char* b) {
+  const auto starts = [&](const char* magic, size_t n) { return std::memcmp(b, magic, n) == 0; };
+  const char* what = starts("PK\x03\x04", 4)   ? "a zip archive (torch.save's format: a .pt or .bin file)"
+                     : b[0] == 0x80 && b[1] >= 2 && b[1] <= 5 ? "a Python pickle (an older torch.save .pt or .bin file)"
+                     : starts("\x93NUMPY", 6)   ? "a .npy array"
+                     : starts("GGUF", 4)         ? "a GGUF file"
+                     : starts("\x89HDF", 4)     ? "an HDF5 file"
+                                                : nullptr;
+  if (!what) return;
+  io::file_error(path, std::string(what) + ", not a safetensors file; a PyTorch state dict converts with "
+                       "scripts/export_safetensors.py IN.pt OUT.safetensors");
+}
+
 // read(), map() and parse(): the whole format, from a file or from memory.
 File parse_from(io::ByteSource& src, bool map_data = false) {
   const std::string& path = src.path();
@@ -237,6 +253,7 @@ File parse_from(io::ByteSource& src, bool map_data = false) {
   unsigned char len_bytes[8];
   src.read(len_bytes, 8);
   const uint64_t header_len = io::load_le_u64(len_bytes);
+  if (header_len > kMaxHeaderBytes || header_len > size - 8) refuse_other_format(path, len_bytes);
   if (header_len > kMaxHeaderBytes)
     io::file_error(path, "header length " + std::to_string(header_len) + " is over the 100 MB limit (corrupt file?)");
   if (header_len > size - 8)

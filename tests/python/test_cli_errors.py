@@ -129,6 +129,19 @@ def main():
         [r"c8\.json says qkv_bias false but the weights in .*w\.safetensors have qkv_bias true"])
     r.case("config_causal_applies", lambda: config_causal_applies(r, fx, hf("c9.json", dict(ours, causal=True)),
                                                                   hf("c10.json", good)))
+    r.case("gpt2_layout_is_causal", lambda: gpt2_layout_is_causal(r, fx))
+    err("causal_and_no_causal", fx.fwd(extra=["--causal", "--no-causal"]), ["--causal and --no-causal contradict"])
+    err("no_causal_against_a_causal_config",
+        fx.fwd(extra=["--config", hf("c12.json", good), "--no-causal"], drop=("--heads",)),
+        [r"--no-causal disagrees with .*c12\.json, which says the layer is causal"])
+    # A file of another format is named, with the script that converts a state dict.
+    pt_zip, pt_pickle = fx.path("w.pt"), fx.path("w_legacy.pt")
+    torch.save(fx.sd, pt_zip)
+    torch.save(fx.sd, pt_pickle, _use_new_zipfile_serialization=False)
+    for name, path, what in (("weights_torch_zip", pt_zip, "zip archive"),
+                             ("weights_torch_pickle", pt_pickle, "Python pickle"),
+                             ("weights_npy", fx.q, r"\.npy array")):
+        err(name, fx.fwd(weights=path), [what + r".*not a safetensors file.*scripts/export_safetensors\.py"])
     err("weights_file_missing", fx.fwd(weights=fx.path("nope.safetensors")),
         ["nope\\.safetensors", "no such", "not found", "does not exist", "cannot open"])
     err("weights_truncated", fx.fwd(weights=fx.raw("trunc.safetensors", fx.st_bytes[:-20])),
@@ -528,6 +541,28 @@ def bench_interleave_rows(r):
     check(rows[0]["x_first"] == 1.0, "the first case's x_first is %r, expected 1" % rows[0]["x_first"])
     check(all(row["x_first"] > 0 for row in rows), "x_first not positive: %s" % [row["x_first"] for row in rows])
     return "x_first %s" % ", ".join("%.2f" % row["x_first"] for row in rows)
+
+
+def gpt2_layout_is_causal(r, fx):
+    """Weights in GPT-2's Conv1D layout run causal without --config or --causal (GPT-2's attention is), and
+    --no-causal drops the mask; torch's naming keeps the flag's meaning."""
+    wd = r.workdir()
+    gpt2 = pc.write_safetensors(os.path.join(wd, "gpt2.safetensors"), pc.hf_gpt2_layout(fx.sd))
+
+    def run(name, weights, extra):
+        out = os.path.join(wd, name + ".npy")
+        args = fx.fwd(weights=weights, extra=list(extra) + ["--output", out])
+        p = pc.run_cli(r.cli, args)
+        check(p.returncode == 0, "exit %d: %s; stderr: %r" % (p.returncode, pc.fmt_cmd(r.cli, args), p.stderr[-300:]))
+        return np.load(out, allow_pickle=False)
+
+    causal, plain = run("torch_causal", fx.weights, ["--causal"]), run("torch_plain", fx.weights, [])
+    check(not np.array_equal(causal, plain), "the causal and non-causal outputs are equal: the case shows nothing")
+    check(np.allclose(run("gpt2", gpt2, []), causal, rtol=1e-5, atol=1e-6),
+          "GPT-2 Conv1D weights without --causal did not give the causal output")
+    check(np.allclose(run("gpt2_no_causal", gpt2, ["--no-causal"]), plain, rtol=1e-5, atol=1e-6),
+          "--no-causal over GPT-2 Conv1D weights did not give the non-causal output")
+    return "GPT-2 layout: causal by default, --no-causal drops the mask"
 
 
 def config_causal_applies(r, fx, ours_causal, hf_gpt2):

@@ -28,7 +28,9 @@ const char* kAbout = R"(forward  runs one multi-head attention layer (torch.nn.M
          reads a Hugging Face GPT-2 config.json (n_embd, n_head, n_positions) or one of configs/*.json:
          the heads, K/V heads, causality (GPT-2's is) and the default context length come from it, a
          --heads or --kv-heads that disagrees is refused, and so are weights whose widths or biases differ
-         from what it says. A mask without --mask-kind is read as torch reads it: bool or
+         from what it says. Weights in GPT-2's Conv1D layout (c_attn, c_proj) are a GPT-2 block and run
+         causal without --config too; --no-causal drops the mask. A mask without --mask-kind is read as
+         torch reads it: bool or
          uint8 blocks where nonzero (block), float is added to the scores (additive); --mask-kind keep
          reads it as scores.masked_fill(mask == 0, -inf) does (nonzero may attend). Mask shapes: (T, Tk),
          (B, T, Tk), (B, H, T,
@@ -87,7 +89,7 @@ struct Request {
   std::string weights, prefix, config_path, output;
   std::optional<int64_t> heads, kv_heads, context_length;  // as given
   std::string query, key, value, mask, mask_kind, key_padding;
-  bool causal = false;
+  bool causal = false, no_causal = false;  // --causal, --no-causal
   EngineOptions opts;
   double mpi_timeout_s = 0;  // under mpirun: the sharded layer's deadline of one wait in a collective
 
@@ -115,8 +117,18 @@ struct Request {
       invalid("--kv-heads " + std::to_string(cfg.num_kv_heads) + " disagrees with " + config_path + ", which says " +
               std::to_string(file_kv_heads) + " K/V heads");
     }
-    // Causal when the flag or the config file says so (a Hugging Face GPT-2 config always does: GPT-2 is causal).
+    // Causal when the flag or the config file says so (a Hugging Face GPT-2 config always does: GPT-2 is causal);
+    // --no-causal against a config that says causal would compute another model's layer.
+    if (no_causal && file_cfg && file_cfg->causal) {
+      invalid("--no-causal disagrees with " + config_path + ", which says the layer is causal");
+    }
     cfg.causal = causal || (file_cfg && file_cfg->causal);
+  }
+
+  // Weights in Hugging Face GPT-2's Conv1D layout (c_attn, c_proj) are a GPT-2 block, whose attention is causal:
+  // causal unless --no-causal says otherwise, so that a run without --config computes GPT-2's layer, not another.
+  void read_layout_causality(const std::string& naming) {
+    if (naming == "hf-gpt2" && !no_causal) cfg.causal = true;
   }
 
   // The write checks again; checking now refuses a device or FIFO before any work is done.
@@ -243,6 +255,8 @@ Request read_request(const Args& a) {
   r.key = a.get("key"), r.value = a.get("value");
   r.mask = a.get("mask"), r.mask_kind = a.get("mask-kind"), r.key_padding = a.get("key-padding");
   r.causal = a.flag("causal");
+  r.no_causal = a.flag("no-causal");
+  if (r.causal && r.no_causal) throw UsageError("--causal and --no-causal contradict each other");
   refuse_output_over_an_input(r);
   return r;
 }
@@ -264,6 +278,7 @@ class LocalRunner : public Runner {
     r.read_config();
     r.check_output_path();
     const StoredLayer& stored = stored_.emplace(open_safetensors_layer(r.weights, r.prefix));
+    r.read_layout_causality(stored.naming);
     r.read_inputs();
     try {
       r.cfg = apply_loaded_shapes(r.cfg, stored);
@@ -293,6 +308,7 @@ class ShardedRunner : public Runner {
     run_agreed(MPI_COMM_WORLD, "forward", [&] {
       if (world().prints()) r.check_output_path();
       r.read_config();
+      r.read_layout_causality(open_safetensors_layer(r.weights, r.prefix).naming);  // a mapping, read no further
       r.read_inputs();
       r.set_context();
       r.size_output(Config{.d_model = 1});  // the query's shape; the layer's width comes with the layer
@@ -360,7 +376,9 @@ const Command& forward_command() {
           value("mask", "m.npy", "an attention mask (see below for its shapes)."),
           value("mask-kind", "keep|block|additive", "how --mask is read; default: by its dtype, as torch reads it."),
           value("key-padding", "kp.npy", "a key padding mask (B, Tk), bool or uint8, nonzero = padding."),
-          flag("causal", "causal attention (also when --config says so)."),
+          flag("causal", "causal attention (also when --config says so, or the weights are GPT-2's Conv1D layout)."),
+          flag("no-causal", "attention without the causal mask, even over GPT-2 Conv1D weights (not with a causal "
+                            "--config)."),
           value("context-length", "N", "the layer's context length; default max(1024, T, Tk) or --config's."),
           compute_row(false),
           threads_row(),
