@@ -1,12 +1,15 @@
 // bench/harness.cpp: the bench harness (bench/harness.hpp), over the public API only.
 #include "bench/harness.hpp"
 
+#include <dirent.h>
 #include <omp.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <memory>
 
 namespace gpt2attn::bench {
@@ -40,6 +43,67 @@ double peak_rss_mb() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+namespace {
+bool flush_buffer_resident = false;
+}  // namespace
+
+void reset_peak_rss() {
+  if (FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
+    std::fputs("5", f);  // 5: reset the peak resident set size (proc(5))
+    std::fclose(f);
+  }
+}
+
+double case_peak_rss_mb() {
+  double kb = -1;
+  if (FILE* f = std::fopen("/proc/self/status", "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof line, f)) {
+      if (std::sscanf(line, "VmHWM: %lf kB", &kb) == 1) break;
+    }
+    std::fclose(f);
+  }
+  const double mb = kb >= 0 ? kb / 1024.0 : peak_rss_mb();
+  return mb - (flush_buffer_resident ? static_cast<double>(flush_bytes()) / (1 << 20) : 0.0);
+}
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) break;
+    const size_t first = line.find_first_not_of(" \t", colon + 1);
+    return first == std::string::npos ? "unknown" : line.substr(first);
+  }
+  return "unknown";
+}
+
+double run_delay_s() {
+  double total = 0;
+  DIR* dir = opendir("/proc/self/task");
+  if (!dir) return 0;
+  while (const dirent* e = readdir(dir)) {
+    if (e->d_name[0] == '.') continue;
+    const std::string path = std::string("/proc/self/task/") + e->d_name + "/schedstat";
+    if (FILE* f = std::fopen(path.c_str(), "r")) {
+      unsigned long long on_cpu = 0, waited = 0;
+      if (std::fscanf(f, "%llu %llu", &on_cpu, &waited) == 2) total += static_cast<double>(waited) * 1e-9;
+      std::fclose(f);
+    }
+  }
+  closedir(dir);
+  return total;
+}
+
+void set_times(BenchResult& r, const std::vector<double>& ms) {
+  r.median_ms = median(ms);
+  r.min_ms = *std::min_element(ms.begin(), ms.end());
+  r.max_ms = *std::max_element(ms.begin(), ms.end());
+  r.repeats = static_cast<int>(ms.size());
 }
 
 double median(std::vector<double> ms) {
@@ -148,6 +212,7 @@ void flush_caches(int threads) {
   static const std::vector<uint64_t> buffer = [] {
     std::vector<uint64_t> b(flush_bytes() / sizeof(uint64_t));
     for (size_t i = 0; i < b.size(); ++i) b[i] = i;
+    flush_buffer_resident = true;
     return b;
   }();
   const int64_t lines = static_cast<int64_t>(buffer.size() / 8);
@@ -174,6 +239,7 @@ void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref
   const Tolerance tol = layer_tolerance(r.compute, kv, head_dim, reduction_length, max_ref);
   r.checked = true;
   r.allowed = tol.atol;
+  r.bound = tol.atol + tol.rtol * max_ref;
   for (size_t i = 0; i < ref.size(); ++i) {
     const double err = std::fabs(static_cast<double>(got[i]) - ref[i]);
     r.max_abs_err = std::isnan(err) ? INFINITY : std::max(r.max_abs_err, err);
@@ -203,8 +269,9 @@ BenchResult bench_prefill(const std::string& name, Config cfg, int64_t B, int64_
   const std::vector<float> x = random_normal(static_cast<size_t>(sizes.x), rng);
   layer.layer().reserve(B, T, T);  // the workspace and every thread's GEMM primitives
   const Timings t = time_prefill(repeats, [&] { layer.forward(x.data(), B, T, y.data()); }, [] {}, [] { return 0.0; });
-  BenchResult r{name, compute, B, T, layer.layer().default_threads(), median(t.ms), 0,
+  BenchResult r{name, compute, B, T, layer.layer().default_threads(), 0, 0,
                 to_string(layer.layer().isa()), layer.layer().implementation()};
+  set_times(r, t.ms);
   r.gflops = causal_layer_flops(cfg, B, T) / (r.median_ms * 1e6);
   if (check) check_prefill(r, cfg, w, x, y, T);
   return r;
@@ -252,8 +319,9 @@ class DecodeCase {
   void step(bool cold) { steps_->step(layer_->layer().default_threads(), cold, [] {}, [] { return 0.0; }); }
   const std::vector<double>& step_ms() const { return steps_->run().t.ms; }
   BenchResult result() const {
-    BenchResult r{name_, compute_, B_, T_, layer_->layer().default_threads(), median(step_ms()), 0,
+    BenchResult r{name_, compute_, B_, T_, layer_->layer().default_threads(), 0, 0,
                   to_string(layer_->layer().isa()), layer_->layer().implementation()};
+    set_times(r, step_ms());
     finish_decode(r, cfg_, steps_->run(), B_, T_, check_, compute_, kv_dtype_, [&] { return w_; });
     return r;
   }
@@ -321,8 +389,8 @@ bool rank0() {
 
 BenchResult sharded_result(const std::string& name, DType compute, int64_t B, int64_t T, int threads,
                            const ShardedAttention& layer, const Timings& t) {
-  BenchResult r{name, compute, B, T, sharded_team(threads), median(t.ms), 0, to_string(layer.isa()),
-                layer.implementation()};
+  BenchResult r{name, compute, B, T, sharded_team(threads), 0, 0, to_string(layer.isa()), layer.implementation()};
+  set_times(r, t.ms);
   r.ranks = layer.ranks();
   r.allreduce_ms = median(t.allreduce_ms);
   return r;

@@ -30,6 +30,13 @@ int64_t physical_memory_bytes();
 // The process's peak resident memory so far, in MB (getrusage): for a bench of one case, that case's, inputs,
 // weights, KV pool and activations included; over several cases, the largest so far.
 double peak_rss_mb();
+// The peak resident memory since the last reset_peak_rss(), in MB, less the cache-flush buffer (flush_caches) where
+// one is resident: a case's own peak when the reset came before it (Linux: /proc/self/clear_refs, VmHWM); the
+// process's peak (peak_rss_mb) where the kernel offers no reset.
+void reset_peak_rss();
+double case_peak_rss_mb();
+// The CPU's model name ("AMD EPYC 7B13"), as /proc/cpuinfo gives it; "unknown" elsewhere.
+std::string cpu_model();
 
 // The median of the timed runs. Callers time at least one; an empty list is still refused (Error internal) rather
 // than read past its end.
@@ -78,7 +85,7 @@ struct BenchResult {
   DType compute;
   int64_t B, T;
   int threads;
-  double median_ms, gflops;
+  double median_ms, gflops;  // median_ms and the spread below: of the `repeats` timed runs
   std::string isa, impl;
   bool checked = false;
   double max_abs_err = 0, mean_abs_err = 0, allowed = 0;  // allowed < 0: the check failed
@@ -90,7 +97,23 @@ struct BenchResult {
   double allreduce_ms = 0;
   // decode interleaved only: the median over the timed steps of the first case's step time over this case's
   double x_first = 0;
+  double min_ms = 0, max_ms = 0;
+  int repeats = 0;
+  double bound = 0;  // checked: the largest error the tolerance allowed (atol + rtol * max |reference|)
+  // The share of the case's thread time spent runnable but waiting for a CPU (run_delay_s over the case's wall time
+  // times its threads), set by whoever times the case; above kBusyShare another process took the CPU. The spread
+  // of the runs cannot tell: a quiet 0.2 ms decode step's slowest run took 2-3.5x its fastest, as a busy one's did.
+  double waited_share = 0;
+  bool busy() const { return waited_share > kBusyShare; }
+  static constexpr double kBusyShare = 0.15;
 };
+
+// Seconds this process's threads have spent runnable but not running, as the scheduler counts them
+// (/proc/self/task/*/schedstat); 0 where the kernel does not say.
+double run_delay_s();
+
+// r's median, min, max and repeats from its timed runs.
+void set_times(BenchResult& r, const std::vector<double>& ms);
 
 // The bench's layers run at the given compute type, thread count and instruction set.
 EngineOptions engine_options(DType compute, int threads, Isa isa);

@@ -262,6 +262,7 @@ def main():
     err("bench_interleave_warm", bench + ["--mode", "decode", "--interleave"],
         [r"--interleave applies to --mode decode --cache cold only"], with_output=False)
     r.case("bench_interleave_rows", bench_interleave_rows, r)
+    r.case("bench_rows_say_what_ran", bench_rows_say_what_ran, r)
 
     # --- bench sizes: products checked, and a case larger than physical memory refused before allocating ---
     err("bench_batch_times_seq_overflows", ["bench", "--batch", "280379743338241", "--seq", "257",
@@ -541,6 +542,33 @@ def bench_interleave_rows(r):
     check(rows[0]["x_first"] == 1.0, "the first case's x_first is %r, expected 1" % rows[0]["x_first"])
     check(all(row["x_first"] > 0 for row in rows), "x_first not positive: %s" % [row["x_first"] for row in rows])
     return "x_first %s" % ", ".join("%.2f" % row["x_first"] for row in rows)
+
+
+def bench_rows_say_what_ran(r):
+    """Every bench row names the CPU, version, commit and time, and carries the spread of its repeats and whether the
+    machine was busy; a cold decode's peak memory is its own, without the 256 MiB flush buffer; the table prints the
+    tolerance's bound beside the error."""
+    args = ["bench", "--preset", "gpt2-small", "--mode", "decode", "--cache", "cold", "--json", "--check",
+            "--batch", "1", "--seq", "8", "--repeats", "3", "--threads", "1"]
+    p = pc.run_cli(r.cli, args)
+    cmd = pc.fmt_cmd(r.cli, args)
+    check(p.returncode == 0, "exit %d, expected 0: %s; stderr: %r" % (p.returncode, cmd, p.stderr[-300:]))
+    row = json.loads(p.stdout.splitlines()[0])
+    for key in ("cpu", "version", "commit", "timestamp", "isa", "threads", "min_ms", "median_ms", "max_ms",
+                "repeats", "busy", "waited_share", "allowed_abs_err"):
+        check(key in row, "row lacks %r: %s" % (key, row))
+    check(row["cpu"] and row["version"] and re.fullmatch(r"[0-9a-f]{7,40}|unknown", row["commit"]),
+          "cpu, version or commit empty or malformed: %s" % row)
+    check(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", row["timestamp"]), "timestamp %r" % row["timestamp"])
+    check(row["repeats"] == 3 and row["min_ms"] <= row["median_ms"] <= row["max_ms"], "spread %s" % row)
+    check(isinstance(row["busy"], bool) and row["waited_share"] >= 0, "busy %r" % row["busy"])
+    check(0 < row["peak_rss_mb"] < 200, "a gpt2-small decode of 8 tokens peaked at %.0f MB: the flush buffer's 256 MiB "
+          "counted" % row["peak_rss_mb"])
+    check(row["max_abs_err"] <= row["allowed_abs_err"], "error over its bound: %s" % row)
+    table = pc.run_cli(r.cli, ["bench", "--preset", "gpt2-small", "--seq", "8", "--repeats", "3", "--threads", "1"])
+    line = [ln for ln in table.stdout.splitlines() if ln.startswith("gpt2-small")][0]
+    check(re.search(r"\d\.\d\de-\d\d \(\d\.\de-\d\d\) ok$", line), "the table row does not show the bound: %r" % line)
+    return "%s, commit %s, peak %.0f MB" % (row["cpu"], row["commit"], row["peak_rss_mb"])
 
 
 def gpt2_layout_is_causal(r, fx):

@@ -4,12 +4,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "bench/harness.hpp"
+#include "gpt2attn/gpt2attn.h"
 #include "tools/cli/commands.hpp"
 
 namespace gpt2attn::cli {
@@ -49,8 +52,14 @@ const char* kAbout = R"(bench    times the whole layer (QKV projection, causal a
          256 MiB (or twice the reported last-level cache, if more) through the caches before each timed step,
          as a model's other layers would (GPT-2 small's 12 layers move about 190 MB per step), so every byte
          comes from memory. A case whose weights and activations (and KV cache) need more bytes than the
-         machine's physical memory is refused before anything is allocated. --json rows carry peak_rss_mb,
-         the process's peak resident memory so far (getrusage): for a run of one case, that case's.
+         machine's physical memory is refused before anything is allocated. --json rows carry min_ms,
+         median_ms and max_ms of the repeats timed runs, cpu (the model name), isa, threads, version, commit
+         (the one the build was configured at), timestamp (UTC) and peak_rss_mb, the case's own peak resident
+         memory (the process's peak reset before each case, less --cache cold's flush buffer). A case whose
+         threads waited for a CPU more than 15% of their time (waited_share, from the scheduler's
+         /proc/self/task/*/schedstat) ran beside another busy process: its row says busy (the table marks
+         its median with *) and a warning goes to stderr. The table's last column is the largest error of
+         the check and, in parentheses, the largest the tolerance allowed.
 )";
 
 // The options, checked.
@@ -201,6 +210,9 @@ class Report {
     std::printf("%-11s %s\n", "ISA", r_.check ? "max_err (allowed)" : "");
   }
 
+  // Before each case: its peak resident memory starts from what the process holds now.
+  void start_case() const { bench::reset_peak_rss(); }
+
   void row(const Case& c, const bench::BenchResult& res) {
     if (!world().prints()) return;
     const char* dtype = to_string(c.compute);
@@ -208,9 +220,13 @@ class Report {
     all_ok_ = all_ok_ && ok;
     if (r_.json) {
       nlohmann::json j = {{"preset", res.preset}, {"mode", r_.mode}, {"dtype", dtype}, {"kv_heads", c.cfg.kv_heads()},
-                          {"batch", res.B}, {"seq", res.T},
-                          {"threads", res.threads}, {"median_ms", res.median_ms}, {"gflops", res.gflops},
-                          {"isa", res.isa}, {"implementation", res.impl}, {"peak_rss_mb", bench::peak_rss_mb()}};
+                          {"batch", res.B}, {"seq", res.T}, {"threads", res.threads}, {"median_ms", res.median_ms},
+                          {"min_ms", res.min_ms}, {"max_ms", res.max_ms}, {"repeats", res.repeats},
+                          {"busy", res.busy()}, {"waited_share", res.waited_share}, {"gflops", res.gflops},
+                          {"isa", res.isa},
+                          {"implementation", res.impl}, {"cpu", cpu_}, {"version", gpt2attn_version()},
+                          {"commit", GPT2ATTN_COMMIT}, {"timestamp", utc_now()},
+                          {"peak_rss_mb", bench::case_peak_rss_mb()}};
       if (world().parallel()) {
         j["ranks"] = res.ranks;
         j["allreduce_ms"] = res.allreduce_ms;
@@ -226,15 +242,18 @@ class Report {
       if (res.checked) {
         j["max_abs_err"] = res.max_abs_err;
         j["mean_abs_err"] = res.mean_abs_err;
+        j["allowed_abs_err"] = res.bound;
         j["check"] = ok ? "ok" : "FAIL";
       }
       std::printf("%s\n", j.dump().c_str());
     } else {
-      char err[64] = "";
-      if (res.checked) std::snprintf(err, sizeof err, "%.2e %s", res.max_abs_err, ok ? "ok" : "FAIL");
-      std::printf("%-12s %-8s %-5s %3ld %3ld %6ld %7d %10.3f %9.1f ", res.preset.c_str(), r_.mode.c_str(), dtype,
+      char err[96] = "";
+      if (res.checked) {
+        std::snprintf(err, sizeof err, "%.2e (%.1e) %s", res.max_abs_err, res.bound, ok ? "ok" : "FAIL");
+      }
+      std::printf("%-12s %-8s %-5s %3ld %3ld %6ld %7d %9.3f%s %9.1f ", res.preset.c_str(), r_.mode.c_str(), dtype,
                   static_cast<long>(c.cfg.kv_heads()), static_cast<long>(res.B), static_cast<long>(res.T), res.threads,
-                  res.median_ms, res.gflops);
+                  res.median_ms, res.busy() ? "*" : " ", res.gflops);
       if (r_.decode) {
         std::printf("%-4s %10.0f %9.1f %7.1f ", c.kv_name.c_str(), res.tokens_per_s, res.bytes_per_step * 1e-6,
                     res.gb_per_s);
@@ -243,6 +262,12 @@ class Report {
       std::printf("%-11s %s\n", res.isa.c_str(), err);
     }
     std::fflush(stdout);
+    if (res.busy()) {
+      std::fprintf(stderr, "gpt2attn bench: warning: %s %s B=%ld T=%ld: its threads waited for a CPU %.0f%% of the "
+                   "time (another process shared the cores): the timings are not this machine's speed\n",
+                   res.preset.c_str(), r_.mode.c_str(), static_cast<long>(res.B), static_cast<long>(res.T),
+                   100 * res.waited_share);
+    }
     if (progress_) {
       std::fprintf(stderr, "%sgpt2attn bench: [%zu/%zu] %s %s B=%ld T=%ld: %.3f ms%s", bar_ ? "\r\033[K" : "",
                    ++done_, n_cases_, res.preset.c_str(), r_.mode.c_str(), static_cast<long>(res.B),
@@ -265,11 +290,34 @@ class Report {
   bool all_ok() const { return all_ok_; }
 
  private:
+  static std::string utc_now() {
+    const std::time_t now = std::time(nullptr);
+    std::tm tm{};
+    gmtime_r(&now, &tm);
+    char text[32];
+    std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    return text;
+  }
+
+  std::string cpu_ = bench::cpu_model();
   const Request& r_;
   size_t n_cases_;
   bool progress_, bar_;
   size_t done_ = 0;
   bool all_ok_ = true;
+};
+
+// The share of `threads` threads' time since construction spent waiting for a CPU (BenchResult::waited_share).
+class Waited {
+ public:
+  double share(int threads) const {
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    return (bench::run_delay_s() - waited0_) / (wall * std::max(threads, 1));
+  }
+
+ private:
+  double waited0_ = bench::run_delay_s();
+  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
 };
 
 int run_bench(const Args& a) {
@@ -282,11 +330,22 @@ int run_bench(const Args& a) {
   if (r.interleave) {
     std::vector<bench::DecodeSpec> specs;
     for (const Case& c : cases) specs.push_back({c.preset, c.cfg, c.T, c.compute, kv_dtype_of(c.kv_name)});
-    const std::vector<bench::BenchResult> results =
+    report.start_case();
+    const Waited waited;
+    std::vector<bench::BenchResult> results =
         bench::bench_decode_interleaved(specs, r.B, r.threads, r.isa, r.repeats, r.check, true);
-    for (size_t i = 0; i < cases.size(); ++i) report.row(cases[i], results[i]);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      results[i].waited_share = waited.share(results[i].threads);  // the cases shared the same minutes
+      report.row(cases[i], results[i]);
+    }
   } else {
-    for (const Case& c : cases) report.row(c, run_case(r, c));
+    for (const Case& c : cases) {
+      report.start_case();
+      const Waited waited;
+      bench::BenchResult res = run_case(r, c);
+      res.waited_share = waited.share(res.threads);
+      report.row(c, res);
+    }
   }
   report.footer();
   if (!report.all_ok()) {
