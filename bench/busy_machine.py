@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """How the layer's latency degrades when another process takes a core: decode steps (gpt2-small, B=1 T=128, whose
-step is a fraction of a scheduler slice, and B=16 T=1024) and a prefill (gpt2-small, T=256) timed quiet and beside a one-core CPU hog (a busy loop in a child process in a session of its own), in
+step is a fraction of a scheduler slice, and B=16 T=1024) and a prefill (gpt2-small, T=256) timed quiet and beside a
+one-core CPU hog (a busy loop in a child process in a session of its own, as another service on a server), in
 interleaved rounds, for each OpenMP wait policy a server can set in the environment. Reports medians and the
 slowdown against the quiet run of the same policy.
 

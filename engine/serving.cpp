@@ -369,7 +369,9 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   detail::team_for_round_robin(threads, H + 2 * H_kv * segments, [&](int64_t item, int thread) {
     if (item < H) {
       proj_q[item].run(ws.exec, xin.data, T, xin.ld, q + item * T * D * tsize, D, 1, thread, t);
-      if (run.check_finite) detail::check_projection(q + item * T * D * tsize, t, T, D, D, "extend: the query", item * D);
+      if (run.check_finite) {
+        detail::check_projection(q + item * T * D * tsize, t, T, D, D, "extend: the query", item * D);
+      }
       return;
     }
     item -= H;
@@ -400,7 +402,9 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     a.kv.head = s.kv_head(h);
   });
   out.run(ws.exec, ctx, T, E, out_data, out_width, threads, 0);
-  if (run.check_finite) detail::check_projection(out_data, DType::f32, T, out_width, out_width, "extend: the output", 0, threads);
+  if (run.check_finite) {
+    detail::check_projection(out_data, DType::f32, T, out_width, out_width, "extend: the output", 0, threads);
+  }
   lease.commit();
 }
 
