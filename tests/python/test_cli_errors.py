@@ -263,6 +263,10 @@ def main():
         [r"--interleave applies to --mode decode --cache cold only"], with_output=False)
     r.case("bench_interleave_rows", bench_interleave_rows, r)
     r.case("bench_rows_say_what_ran", bench_rows_say_what_ran, r)
+    r.case("bench_seq_sweep_and_config", bench_seq_sweep_and_config, r)
+    err("bench_seq_twice", ["bench", "--preset", "gpt2-small", "--seq", "8", "--seq", "8"], ["--seq 8 given twice"],
+        with_output=False)
+    err("bench_config_missing", ["bench", "--config", fx.path("nope.json")], ["nope\\.json"], with_output=False)
 
     # --- bench sizes: products checked, and a case larger than physical memory refused before allocating ---
     err("bench_batch_times_seq_overflows", ["bench", "--batch", "280379743338241", "--seq", "257",
@@ -569,6 +573,22 @@ def bench_rows_say_what_ran(r):
     line = [ln for ln in table.stdout.splitlines() if ln.startswith("gpt2-small")][0]
     check(re.search(r"\d\.\d\de-\d\d \(\d\.\de-\d\d\) ok$", line), "the table row does not show the bound: %r" % line)
     return "%s, commit %s, peak %.0f MB" % (row["cpu"], row["commit"], row["peak_rss_mb"])
+
+
+def bench_seq_sweep_and_config(r):
+    """--seq repeated sweeps T, and --config benchmarks the layer a config file describes (named by its path) after
+    the presets named."""
+    config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs", "gpt3-medium.json")
+    args = ["bench", "--preset", "gpt2-small", "--config", config, "--seq", "8", "--seq", "16", "--repeats", "1",
+            "--threads", "1", "--json", "--no-check"]
+    p = pc.run_cli(r.cli, args)
+    cmd = pc.fmt_cmd(r.cli, args)
+    check(p.returncode == 0, "exit %d, expected 0: %s; stderr: %r" % (p.returncode, cmd, p.stderr[-300:]))
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    got = [(row["preset"], row["seq"], row["kv_heads"]) for row in rows]
+    want = [("gpt2-small", 8, 12), ("gpt2-small", 16, 12), (config, 8, 16), (config, 16, 16)]
+    check(got == want, "rows %s, expected %s (%s)" % (got, want, cmd))
+    return "%d rows" % len(rows)
 
 
 def gpt2_layout_is_causal(r, fx):

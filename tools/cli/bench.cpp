@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <ctime>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,9 @@ namespace {
 
 const char* kAbout = R"(bench    times the whole layer (QKV projection, causal attention, output projection) on random weights for
          each preset (default: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b; gpt3-175b at
-         min(T, 128) unless --preset names it); the median of --repeats runs (default 5). --dtype (f32 or
+         min(T, 128) unless --preset names it), and --config's layer (a Hugging Face GPT-2 config.json or
+         one of configs/*.json, run causal; its row's preset is the path); each --seq in turn (default
+         1024); the median of --repeats runs (default 5). --dtype (f32 or
          bf16, default f32) is the compute type; given more than once, every preset runs in each, in the
          order given, and each row says which. --kv-heads N gives
          every preset N K/V heads (grouped-query attention; N must divide its heads; default: as many as heads);
@@ -68,13 +71,16 @@ struct Request {
   std::string mode, cache;
   bool decode = false, interleave = false, json = false, check = false;
   std::vector<std::string> kv_names;  // as given: "int8" is reported as such
-  int64_t B = 1, T = 1024;
+  int64_t B = 1;
+  std::vector<int64_t> seqs;  // --seq, each in turn
   int threads = 0, repeats = 5;
   double mpi_timeout_s = 0;  // under mpirun: the sharded layer's deadline of one wait in a collective
   Isa isa = Isa::best;
   std::vector<int64_t> kv_heads;  // 0: as many as the preset's heads
   std::vector<std::string> presets;
   bool explicit_presets = false;
+  std::string config_path;  // --config: a layer of its own, after the presets named
+  std::optional<Config> config;
 };
 
 // One case: a preset with one --kv-heads value, in one --kv-dtype, in one --dtype.
@@ -85,9 +91,10 @@ struct Case {
   int64_t T;
 };
 
-// A preset with a --kv-heads value applied; a count that does not divide its heads is refused naming the flag.
-Config config_for(const std::string& name, int64_t kv_heads) {
-  Config c = preset(name);
+// A preset (or --config's layer, named by its path) with a --kv-heads value applied; a count that does not divide
+// its heads is refused naming the flag.
+Config config_for(const Request& r, const std::string& name, int64_t kv_heads) {
+  Config c = r.config && name == r.config_path ? *r.config : preset(name);
   if (kv_heads > 0 && c.num_heads % kv_heads != 0) {
     throw UsageError("--kv-heads " + std::to_string(kv_heads) + " does not divide " + name + "'s " +
                      std::to_string(c.num_heads) + " heads");
@@ -112,7 +119,9 @@ Request read_request(const Args& a) {
   if (r.interleave && world().parallel()) throw UsageError("--interleave is not supported under mpirun");
   // --kv-dtype, like --dtype, may repeat: every case runs with each cache, so one run compares them.
   r.kv_names = kv_dtype_names(a);
-  r.B = a.integer<int64_t>("batch", 1, 1), r.T = a.integer<int64_t>("seq", 1024, 1);
+  r.B = a.integer<int64_t>("batch", 1, 1);
+  r.seqs = a.integers<int64_t>("seq", 1);
+  if (r.seqs.empty()) r.seqs = {1024};
   r.threads = threads_option(a);
   r.repeats = a.integer<int>("repeats", 5, 1);
   r.mpi_timeout_s = mpi_timeout_option(a);
@@ -126,12 +135,20 @@ Request read_request(const Args& a) {
   r.explicit_presets = a.has("preset");
   if (r.explicit_presets) {
     r.presets = a.distinct<std::string>("preset", [](const std::string& p) { return p; });
-    // Unknown names and bad --kv-heads fail before any timing.
-    for (const auto& p : r.presets) {
-      for (const int64_t h : r.kv_heads) (void)config_for(p, h);
-    }
-  } else {
+  } else if (!a.has("config")) {
     r.presets = {"gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b"};
+  }
+  if (a.has("config")) {  // a Hugging Face GPT-2 config.json or ours: its layer, causal as every bench case
+    r.config_path = a.get("config");
+    Config c = load_any_config(r.config_path);
+    c.causal = true;
+    c.validate();
+    r.config = c;
+    r.presets.push_back(r.config_path);
+  }
+  // Unknown names and bad --kv-heads fail before any timing.
+  for (const auto& p : r.presets) {
+    for (const int64_t h : r.kv_heads) (void)config_for(r, p, h);
   }
   return r;
 }
@@ -144,8 +161,10 @@ std::vector<Case> expand(const Request& r) {
     for (const std::string& kv : r.kv_names) {
       for (const int64_t h : r.kv_heads) {
         for (const auto& name : r.presets) {
-          const int64_t T = (!r.explicit_presets && name == "gpt3-175b") ? std::min<int64_t>(r.T, 128) : r.T;
-          cases.push_back({compute, kv, name, config_for(name, h), T});
+          for (const int64_t seq : r.seqs) {
+            const int64_t T = (!r.explicit_presets && name == "gpt3-175b") ? std::min<int64_t>(seq, 128) : seq;
+            cases.push_back({compute, kv, name, config_for(r, name, h), T});
+          }
         }
       }
     }
@@ -363,8 +382,10 @@ const Command& bench_command() {
       "times the whole layer over the presets (see below).",
       {
           values("preset", "NAME", "a preset (gpt2attn presets); default: the GPT-2 sizes and gpt3-175b."),
+          value("config", "config.json", "a layer of a Hugging Face GPT-2 config.json or configs/*.json, after any "
+                                         "--preset (alone without one)."),
           value("batch", "B", "sequences; default 1."),
-          value("seq", "T", "tokens per sequence (decode: cached tokens); default 1024."),
+          values("seq", "T", "tokens per sequence (decode: cached tokens); default 1024. Repeat to sweep."),
           value("mode", "prefill|decode", "what is timed; default prefill."),
           compute_row(true),
           values("kv-heads", "N", "K/V heads of every preset (grouped-query attention); default: as many as heads."),
