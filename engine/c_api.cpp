@@ -153,6 +153,7 @@ ga::RunOptions run_options(int threads) {
 // are; the fields after them read as 0 from a caller whose header predates them.
 constexpr size_t kConfigFirstSize = offsetof(gpt2attn_config_t, num_kv_heads) + sizeof(int64_t);
 constexpr size_t kKvCacheOptionsFirstSize = offsetof(gpt2attn_kv_cache_options_t, kv_dtype) + sizeof(const char*);
+constexpr size_t kEngineOptionsFirstSize = offsetof(gpt2attn_engine_options_t, compute) + sizeof(const char*);
 // Far above any struct this API will have, far below what a garbage struct_size (an uninitialised struct) makes us
 // read or write.
 constexpr size_t kMaxStructSize = 4096;
@@ -222,10 +223,21 @@ gpt2attn_config_t to_c(const ga::Config& cfg) {
   return c;
 }
 
+// NULL: the defaults. The layer checks the thread count against max_threads(), naming the field.
+ga::EngineOptions to_cpp(const gpt2attn_engine_options_t* options) {
+  ga::EngineOptions o;
+  if (!options) return o;
+  const gpt2attn_engine_options_t c = read_sized(options, kEngineOptionsFirstSize, "options", "gpt2attn_engine_options");
+  o.threads = c.threads;
+  if (c.isa) o.isa = ga::isa_from_string(c.isa);
+  if (c.compute) o.compute = ga::dtype_from_string(c.compute);
+  return o;
+}
+
 // Builds the handle completely before publishing it, so *out is written only on success.
 template <class W>  // Weights or WeightsView
-void make_layer(const ga::Config& cfg, const W& w, gpt2attn_layer_t** out) {
-  auto* layer = new gpt2attn_layer{ga::CausalSelfAttention(cfg, w), {}, {}};
+void make_layer(const ga::Config& cfg, const W& w, const ga::EngineOptions& options, gpt2attn_layer_t** out) {
+  auto* layer = new gpt2attn_layer{ga::CausalSelfAttention(cfg, w, options), {}, {}};
   try {
     layer->isa = ga::to_string(layer->attn.layer().isa());
     layer->implementation = layer->attn.layer().implementation();
@@ -234,6 +246,71 @@ void make_layer(const ga::Config& cfg, const W& w, gpt2attn_layer_t** out) {
     throw;
   }
   *out = layer;
+}
+
+// The constructors, each under the name of the public function that called it (the errors' prefix).
+gpt2attn_status_t create_random(const char* fn, const gpt2attn_config_t* config, uint64_t seed,
+                                const gpt2attn_engine_options_t* options, gpt2attn_layer_t** out) {
+  return guarded(fn, [&] {
+    const ga::Config cfg = to_cpp(config);
+    const ga::EngineOptions o = to_cpp(options);
+    require(out, "out");
+    make_layer(cfg, ga::Weights::random(cfg, seed), o, out);
+  });
+}
+
+gpt2attn_status_t create(const char* fn, const gpt2attn_config_t* config, const float* in_proj_weight,
+                         const float* in_proj_bias, const float* out_proj_weight, const float* out_proj_bias,
+                         const gpt2attn_engine_options_t* options, gpt2attn_layer_t** out) {
+  return guarded(fn, [&] {
+    const ga::Config cfg = to_cpp(config);
+    const ga::EngineOptions o = to_cpp(options);
+    require(in_proj_weight, "in_proj_weight");
+    require(out_proj_weight, "out_proj_weight");
+    require(out, "out");
+    // The bias pointers must agree with the flags: a silently ignored bias would be a wrong model.
+    if (cfg.qkv_bias != (in_proj_bias != nullptr)) {
+      ga::invalid(cfg.qkv_bias ? "in_proj_bias is NULL but config.qkv_bias is set"
+                               : "in_proj_bias given but config.qkv_bias is 0");
+    }
+    if (cfg.out_bias != (out_proj_bias != nullptr)) {
+      ga::invalid(cfg.out_bias ? "out_proj_bias is NULL but config.out_bias is set"
+                               : "out_proj_bias given but config.out_bias is 0");
+    }
+    cfg.validate();  // sizes below are computed from E, KW and d_in: check them first
+    const size_t E = static_cast<size_t>(cfg.d_model), KW = static_cast<size_t>(cfg.kv_width()),
+                 d_in = static_cast<size_t>(cfg.query_width());
+    // in_proj_weight is torch's [W_q; W_k; W_v] stacked along rows (E, KW and KW of them), in_proj_bias likewise.
+    ga::Weights w;
+    w.w_q.assign(in_proj_weight, in_proj_weight + E * d_in);
+    w.w_k.assign(in_proj_weight + E * d_in, in_proj_weight + (E + KW) * d_in);
+    w.w_v.assign(in_proj_weight + (E + KW) * d_in, in_proj_weight + (E + 2 * KW) * d_in);
+    if (in_proj_bias) {
+      w.b_q.assign(in_proj_bias, in_proj_bias + E);
+      w.b_k.assign(in_proj_bias + E, in_proj_bias + E + KW);
+      w.b_v.assign(in_proj_bias + E + KW, in_proj_bias + E + 2 * KW);
+    }
+    w.w_o.assign(out_proj_weight, out_proj_weight + E * E);
+    if (out_proj_bias) w.b_o.assign(out_proj_bias, out_proj_bias + E);
+    make_layer(cfg, w, o, out);
+  });
+}
+
+gpt2attn_status_t load_safetensors(const char* fn, const char* path, const char* prefix, int64_t num_heads,
+                                   int64_t context_length, const gpt2attn_engine_options_t* options,
+                                   gpt2attn_layer_t** out) {
+  return guarded(fn, [&] {
+    const ga::EngineOptions o = to_cpp(options);
+    require(path, "path");
+    require(out, "out");
+    const ga::StoredLayer loaded = ga::open_safetensors_layer(path, prefix ? prefix : "");
+    ga::Config cfg;
+    cfg.num_heads = num_heads;
+    cfg.context_length = context_length;
+    cfg.causal = true;
+    cfg = ga::apply_loaded_shapes(cfg, loaded);
+    make_layer(cfg, loaded.weights, o, out);
+  });
 }
 
 }  // namespace
@@ -283,62 +360,37 @@ gpt2attn_status_t gpt2attn_config_preset(const char* name, gpt2attn_config_t* ou
 
 gpt2attn_status_t gpt2attn_layer_create_random(const gpt2attn_config_t* config, uint64_t seed,
                                                gpt2attn_layer_t** out) {
-  return guarded(__func__, [&] {
-    const ga::Config cfg = to_cpp(config);
-    require(out, "out");
-    make_layer(cfg, ga::Weights::random(cfg, seed), out);
-  });
+  return create_random(__func__, config, seed, nullptr, out);
+}
+
+gpt2attn_status_t gpt2attn_layer_create_random_with(const gpt2attn_config_t* config, uint64_t seed,
+                                                    const gpt2attn_engine_options_t* options, gpt2attn_layer_t** out) {
+  return create_random(__func__, config, seed, options, out);
 }
 
 gpt2attn_status_t gpt2attn_layer_create(const gpt2attn_config_t* config, const float* in_proj_weight,
                                         const float* in_proj_bias, const float* out_proj_weight,
                                         const float* out_proj_bias, gpt2attn_layer_t** out) {
-  return guarded(__func__, [&] {
-    const ga::Config cfg = to_cpp(config);
-    require(in_proj_weight, "in_proj_weight");
-    require(out_proj_weight, "out_proj_weight");
-    require(out, "out");
-    // The bias pointers must agree with the flags: a silently ignored bias would be a wrong model.
-    if (cfg.qkv_bias != (in_proj_bias != nullptr)) {
-      ga::invalid(cfg.qkv_bias ? "in_proj_bias is NULL but config.qkv_bias is set"
-                               : "in_proj_bias given but config.qkv_bias is 0");
-    }
-    if (cfg.out_bias != (out_proj_bias != nullptr)) {
-      ga::invalid(cfg.out_bias ? "out_proj_bias is NULL but config.out_bias is set"
-                               : "out_proj_bias given but config.out_bias is 0");
-    }
-    cfg.validate();  // sizes below are computed from E, KW and d_in: check them first
-    const size_t E = static_cast<size_t>(cfg.d_model), KW = static_cast<size_t>(cfg.kv_width()),
-                 d_in = static_cast<size_t>(cfg.query_width());
-    // in_proj_weight is torch's [W_q; W_k; W_v] stacked along rows (E, KW and KW of them), in_proj_bias likewise.
-    ga::Weights w;
-    w.w_q.assign(in_proj_weight, in_proj_weight + E * d_in);
-    w.w_k.assign(in_proj_weight + E * d_in, in_proj_weight + (E + KW) * d_in);
-    w.w_v.assign(in_proj_weight + (E + KW) * d_in, in_proj_weight + (E + 2 * KW) * d_in);
-    if (in_proj_bias) {
-      w.b_q.assign(in_proj_bias, in_proj_bias + E);
-      w.b_k.assign(in_proj_bias + E, in_proj_bias + E + KW);
-      w.b_v.assign(in_proj_bias + E + KW, in_proj_bias + E + 2 * KW);
-    }
-    w.w_o.assign(out_proj_weight, out_proj_weight + E * E);
-    if (out_proj_bias) w.b_o.assign(out_proj_bias, out_proj_bias + E);
-    make_layer(cfg, w, out);
-  });
+  return create(__func__, config, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias, nullptr, out);
+}
+
+gpt2attn_status_t gpt2attn_layer_create_with(const gpt2attn_config_t* config, const float* in_proj_weight,
+                                             const float* in_proj_bias, const float* out_proj_weight,
+                                             const float* out_proj_bias, const gpt2attn_engine_options_t* options,
+                                             gpt2attn_layer_t** out) {
+  return create(__func__, config, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias, options, out);
 }
 
 gpt2attn_status_t gpt2attn_layer_load_safetensors(const char* path, const char* prefix, int64_t num_heads,
                                                   int64_t context_length, gpt2attn_layer_t** out) {
-  return guarded(__func__, [&] {
-    require(path, "path");
-    require(out, "out");
-    const ga::StoredLayer loaded = ga::open_safetensors_layer(path, prefix ? prefix : "");
-    ga::Config cfg;
-    cfg.num_heads = num_heads;
-    cfg.context_length = context_length;
-    cfg.causal = true;
-    cfg = ga::apply_loaded_shapes(cfg, loaded);
-    make_layer(cfg, loaded.weights, out);
-  });
+  return load_safetensors(__func__, path, prefix, num_heads, context_length, nullptr, out);
+}
+
+gpt2attn_status_t gpt2attn_layer_load_safetensors_with(const char* path, const char* prefix, int64_t num_heads,
+                                                       int64_t context_length,
+                                                       const gpt2attn_engine_options_t* options,
+                                                       gpt2attn_layer_t** out) {
+  return load_safetensors(__func__, path, prefix, num_heads, context_length, options, out);
 }
 
 void gpt2attn_layer_destroy(gpt2attn_layer_t* layer) { delete layer; }

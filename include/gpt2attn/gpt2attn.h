@@ -108,6 +108,15 @@ typedef struct gpt2attn_kv_cache_options {
   const char* kv_dtype;
 } gpt2attn_kv_cache_options_t;
 
+/* How a layer computes (gpt2attn::EngineOptions); every field 0 or NULL is its default. Set struct_size as for
+ * gpt2attn_config_t (gpt2attn_engine_options_init()). */
+typedef struct gpt2attn_engine_options {
+  uint32_t struct_size;
+  int32_t threads;     /* threads of a call that passes 0; 0: every core OpenMP offers */
+  const char* isa;     /* instruction-set cap: NULL or "best", "avx512_bf16", "avx512", "avx2", "scalar" */
+  const char* compute; /* NULL or "f32"; "bf16": weights, projections and attention in bf16, sums in f32 */
+} gpt2attn_engine_options_t;
+
 /* The struct_size of a struct as this header declares it. */
 #ifdef __cplusplus
 #define GPT2ATTN_STRUCT_SIZE(type) static_cast<uint32_t>(sizeof(type))
@@ -127,6 +136,12 @@ static inline gpt2attn_kv_cache_options_t gpt2attn_kv_cache_options_init(void) {
   gpt2attn_kv_cache_options_t o;
   memset(&o, 0, sizeof o);
   o.struct_size = GPT2ATTN_STRUCT_SIZE(gpt2attn_kv_cache_options_t);
+  return o;
+}
+static inline gpt2attn_engine_options_t gpt2attn_engine_options_init(void) {
+  gpt2attn_engine_options_t o;
+  memset(&o, 0, sizeof o);
+  o.struct_size = GPT2ATTN_STRUCT_SIZE(gpt2attn_engine_options_t);
   return o;
 }
 
@@ -160,6 +175,20 @@ GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_create(const gpt2attn_config_t* co
 GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_load_safetensors(const char* path, const char* prefix,
                                                                int64_t num_heads, int64_t context_length,
                                                                gpt2attn_layer_t** out);
+/* The three above, computing as `options` says (NULL: the defaults, as the three do): bf16 compute, an
+   instruction-set cap, a default thread count. gpt2attn_layer_describe names the instruction set it runs at. */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_create_random_with(const gpt2attn_config_t* config, uint64_t seed,
+                                                                 const gpt2attn_engine_options_t* options,
+                                                                 gpt2attn_layer_t** out);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_create_with(const gpt2attn_config_t* config,
+                                                          const float* in_proj_weight, const float* in_proj_bias,
+                                                          const float* out_proj_weight, const float* out_proj_bias,
+                                                          const gpt2attn_engine_options_t* options,
+                                                          gpt2attn_layer_t** out);
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_load_safetensors_with(const char* path, const char* prefix,
+                                                                    int64_t num_heads, int64_t context_length,
+                                                                    const gpt2attn_engine_options_t* options,
+                                                                    gpt2attn_layer_t** out);
 /* Frees the layer; NULL is a no-op. Caches and workspaces used with it stay valid. */
 GPT2ATTN_API void gpt2attn_layer_destroy(gpt2attn_layer_t* layer);
 

@@ -456,6 +456,72 @@ static void test_explicit_weights(void) {
   gpt2attn_layer_destroy(layer);
 }
 
+/* Engine options from C: bf16 compute, a scalar cap and one thread on explicit weights (W_v = I, so row r is the
+ * causal mean of x plus the biases, within bf16's rounding of x, W and the context); NULL for the defaults; every bad
+ * field refused by name, with *out untouched. */
+static void test_engine_options(void) {
+  enum { e = 8, h = 2, t = 3 };
+  gpt2attn_config_t c = config_of(e, h, 8, 1, 1, 0);
+  static float w_in[3 * e * e], b_in[3 * e], w_out[e * e], b_out[e];
+  for (int i = 0; i < e; ++i) {
+    w_in[(2 * e + i) * e + i] = 1.0f;
+    w_out[i * e + i] = 1.0f;
+    b_in[2 * e + i] = 0.5f;
+    b_out[i] = 0.25f;
+  }
+  gpt2attn_engine_options_t o = gpt2attn_engine_options_init();
+  o.compute = "bf16";
+  o.isa = "scalar";
+  o.threads = 1;
+  gpt2attn_layer_t* layer = NULL;
+  CHECK_OK(gpt2attn_layer_create_with(&c, w_in, b_in, w_out, b_out, &o, &layer));
+  if (!layer) return;
+  const char *isa = NULL, *impl = NULL;
+  CHECK_OK(gpt2attn_layer_describe(layer, &isa, &impl));
+  CHECK(isa && strcmp(isa, "scalar") == 0, "options.isa = scalar: the layer runs at %s", isa ? isa : "(null)");
+  CHECK(impl && strstr(impl, "bf16") != NULL, "options.compute = bf16: the layer runs %s", impl ? impl : "(null)");
+  float x[t * e], y[t * e];
+  fill(x, t * e, 3);
+  CHECK_OK(gpt2attn_layer_forward(layer, x, 1, t, y, 0, NULL));
+  double worst = 0;
+  for (int r = 0; r < t; ++r) {
+    for (int i = 0; i < e; ++i) {
+      double sum = 0;
+      for (int k = 0; k <= r; ++k) sum += x[k * e + i];
+      const double want = sum / (r + 1) + 0.75;
+      const double err = fabs(y[r * e + i] - want);
+      worst = err > worst ? err : worst;
+    }
+  }
+  CHECK(worst <= 0x1p-6 * 4, "bf16 layer: worst error %.3g against the causal mean", worst);
+  gpt2attn_layer_destroy(layer);
+
+  layer = NULL;
+  CHECK_OK(gpt2attn_layer_create_random_with(&c, 7, NULL, &layer));
+  CHECK_OK(gpt2attn_layer_describe(layer, NULL, &impl));
+  CHECK(impl && strstr(impl, "kernels f32") != NULL, "NULL options: f32 compute, got %s", impl ? impl : "(null)");
+  gpt2attn_layer_destroy(layer);
+
+  gpt2attn_layer_t* untouched_layer = (gpt2attn_layer_t*)&o; /* any non-NULL value: must survive each failure */
+  layer = untouched_layer;
+  o = gpt2attn_engine_options_init();
+  o.compute = "f16";
+  CHECK_ERR(gpt2attn_layer_create_random_with(&c, 7, &o, &layer), GPT2ATTN_ERR_INVALID_ARGUMENT, "f16");
+  o = gpt2attn_engine_options_init();
+  o.isa = "sse9";
+  CHECK_ERR(gpt2attn_layer_create_random_with(&c, 7, &o, &layer), GPT2ATTN_ERR_INVALID_ARGUMENT, "sse9");
+  o = gpt2attn_engine_options_init();
+  o.threads = -1;
+  CHECK_ERR(gpt2attn_layer_create_random_with(&c, 7, &o, &layer), GPT2ATTN_ERR_INVALID_ARGUMENT, "threads");
+  o = gpt2attn_engine_options_init();
+  o.struct_size = 0;
+  CHECK_ERR(gpt2attn_layer_create_random_with(&c, 7, &o, &layer), GPT2ATTN_ERR_INVALID_ARGUMENT,
+            "options.struct_size");
+  CHECK_ERR(gpt2attn_layer_load_safetensors_with("/nonexistent.safetensors", NULL, 2, 8, NULL, &layer),
+            GPT2ATTN_ERR_BAD_FILE, "gpt2attn_layer_load_safetensors_with: /nonexistent.safetensors");
+  CHECK(layer == untouched_layer, "a failed create wrote *out");
+}
+
 /* Multi-query (num_kv_heads = 1): in_proj_weight is (E + 2 KW, E) with KW = D = 4. With Q = K = 0 and W_v taking
  * x[0..4), both query heads read the one K/V head, so row t is [mean x[0..t][0..4) twice] + b_v + b_o. */
 static void test_grouped_kv_heads(void) {
@@ -637,6 +703,7 @@ int main(void) {
   test_context_limit(layer);
   test_pool_exhaustion(layer, xa, xb, ref_a, ref_b);
   test_explicit_weights();
+  test_engine_options();
   test_grouped_kv_heads();
   test_bf16_cache(layer, xa);
   test_struct_size(layer);
