@@ -474,12 +474,12 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
       for (int64_t it = 0; it < out_items.count(); ++it) lin->run(proj, out_items.begin(it), out_items.end(it));
     }
   }
-  if (check) {
+  if (qkv_overflow) {  // the items found it; these scans name the projection, row and column
     detail::check_projection(stage, DType::f32, B, E, ldstage, "decode: the query");
     detail::check_projection(stage + E, DType::f32, B, KW, ldstage, "decode: the key");
     detail::check_projection(stage + E + KW, DType::f32, B, KW, ldstage, "decode: the value");
-    detail::check_projection(out_data, DType::f32, B, out_width, out_width, "decode: the output");
   }
+  if (check) detail::check_projection(out_data, DType::f32, B, out_width, out_width, "decode: the output");
   lease.commit();
 }
 

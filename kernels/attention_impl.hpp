@@ -538,15 +538,14 @@ struct TiledAttention {
     const bool fetch_next = past_l2(kmax, D);
     int64_t nk = 0;
     for (int64_t j0 = 0; j0 < kmax; j0 += nk) {
-      // A key tile is BK keys, or fewer at the end and where the source's run ends (a block boundary); a tile of
-      // the group whose queries see fewer keys (kend) takes its first keys only.
-      nk = std::min<int64_t>(BK, std::min(kmax, src.run_end(j0)) - j0);
+      // A tile of the group whose queries see fewer keys (kend) takes this key tile's first keys only.
+      nk = key_tile(src, j0, kmax);
 
       // At long context (tiles::kCorePrefetchMinBytes) the next key tile's K and V rows are asked for now, into L2,
       // by the first tile that reads this one: a tile's K and V then come from the last-level cache or memory, and
       // this tile's arithmetic hides that.
       const int64_t j1 = j0 + nk;
-      const int64_t nk1 = fetch_next && j1 < kmax ? std::min<int64_t>(BK, std::min(kmax, src.run_end(j1)) - j1) : 0;
+      const int64_t nk1 = fetch_next && j1 < kmax ? key_tile(src, j1, kmax) : 0;
       bool first = true;
       for (int g = 0; g < n; ++g) {
         if (j0 >= t[g].kend) continue;
@@ -568,6 +567,12 @@ struct TiledAttention {
       M::store_output(x.acc, x.alpha, nq, D, static_cast<QT*>(a.out) + x.i0 * a.ldo, a.ldo, stream_out);
       if (overflowed) rescue<units>(a, src, x, qscale, s, pv_work);
     }
+  }
+
+  // Keys in the key tile from j0 (< end): BK, or fewer at `end` and where the source's run ends (a block boundary).
+  template <class Src>
+  static int64_t key_tile(const Src& src, int64_t j0, int64_t end) {
+    return std::min<int64_t>(BK, std::min(end, src.run_end(j0)) - j0);
   }
 
   // Whether queries [0, nq) of acc (D, BQ) are all finite: x - x is 0 for a finite x and NaN otherwise.
@@ -598,7 +603,7 @@ struct TiledAttention {
     std::fill(x.l, x.l + BQ, 0.0f);
     int64_t nk = 0;
     for (int64_t j0 = 0; j0 < x.kend; j0 += nk) {
-      nk = std::min<int64_t>(BK, std::min(x.kend, src.run_end(j0)) - j0);
+      nk = key_tile(src, j0, x.kend);
       step<units, true>(a, src, x, qscale, j0, nk, 0, 0, s, pv_work);
     }
     QT* out = static_cast<QT*>(a.out) + x.i0 * a.ldo;
