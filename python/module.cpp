@@ -70,18 +70,58 @@ std::string shape_of(const py::array& a) {
   return s + (a.ndim() == 1 ? ",)" : ")");
 }
 
+bool is_torch(const py::handle& obj) {
+  return py::str(py::type::handle_of(obj).attr("__module__")).cast<std::string>().rfind("torch", 0) == 0;
+}
+
+bool is_torch_bf16(const py::handle& obj) {
+  return is_torch(obj) && py::str(obj.attr("dtype")).cast<std::string>() == "torch.bfloat16";
+}
+
+// A torch tensor as the library may read it: on the CPU, and not one whose gradient is being recorded (the library
+// computes none, and reading it would silently cut the graph). With grad mode off, a tensor that requires grad (a
+// parameter) is read through .detach(), a view of the same memory.
+py::object readable_tensor(const py::handle& obj, const char* name) {
+  const std::string device = py::str(obj.attr("device").attr("type"));
+  if (device != "cpu") {
+    invalid(std::string(name) + ": a " + device + " tensor; gpt2attn computes on the CPU (pass x.cpu())");
+  }
+  if (!obj.attr("requires_grad").cast<bool>()) return py::reinterpret_borrow<py::object>(obj);
+  if (py::module_::import("torch").attr("is_grad_enabled")().cast<bool>()) {
+    invalid(std::string(name) + ": the tensor requires grad and grad mode is on; gpt2attn computes no gradients: "
+            "call it under torch.no_grad() or torch.inference_mode(), or pass x.detach()");
+  }
+  return obj.attr("detach")();
+}
+
 // obj as a numpy array without copying: np.asarray (a CPU torch tensor gives a view of its memory). Unlike
-// py::array::ensure, a failure keeps the exception the object raised (torch's for a CUDA tensor, say).
-py::array as_array(const py::handle& obj) {
+// py::array::ensure, a failure keeps the exception the object raised.
+py::array as_array(const py::handle& obj, const char* name) {
+  py::object src = py::reinterpret_borrow<py::object>(obj);
+  if (is_torch(obj)) {
+    src = readable_tensor(obj, name);
+    if (is_torch_bf16(src)) {  // numpy has no bfloat16
+      invalid(std::string(name) + ": a torch.bfloat16 tensor, where this call takes float32 (pass x.float(); "
+              "MultiHeadAttention.forward reads bf16 tensors in place)");
+    }
+  }
   py::array a = py::reinterpret_steal<py::array>(py::detail::npy_api::get().PyArray_FromAny_(
-      obj.ptr(), nullptr, 0, 0, py::detail::npy_api::NPY_ARRAY_ENSUREARRAY_, nullptr));
+      src.ptr(), nullptr, 0, 0, py::detail::npy_api::NPY_ARRAY_ENSUREARRAY_, nullptr));
   if (!a) throw py::error_already_set();
   return a;
 }
 
+// What a call returns: the caller's out= object itself when given, else the new array, as a torch tensor sharing its
+// memory when the input was a torch tensor (tensors in, tensors out).
+py::object result(const py::array& y, const py::object& out, const py::handle& input) {
+  if (!out.is_none()) return out;
+  if (is_torch(input)) return py::module_::import("torch").attr("from_numpy")(y);
+  return y;
+}
+
 // obj as a float32 numpy array without copying.
 py::array as_f32(const py::handle& obj, const char* name) {
-  py::array a = as_array(obj);
+  py::array a = as_array(obj, name);
   if (!a.dtype().equal(py::dtype::of<float>())) {  // equal, not identical: a dtype from pickle is another object
     invalid(std::string(name) + ": dtype " + std::string(py::str(a.dtype())) +
             ", expected float32 (gpt2attn computes in float32 and converts nothing itself: pass x.astype(np.float32))");
@@ -138,6 +178,25 @@ ga::TensorView view_of(const py::array& a, const char* name, ga::DType dtype = g
       invalid(std::string(name) + ": a byte stride of " + std::to_string(a.strides(i)) + " is not whole elements");
     }
     v.strides[i] = a.strides(i) / item;
+  }
+  return v;
+}
+
+// A torch bfloat16 tensor (numpy has no bf16) as a strided bf16 TensorView of its memory; torch's strides are
+// already in elements.
+ga::TensorView bf16_view(const py::object& t, const char* name) {
+  const auto shape = t.attr("shape").cast<std::vector<int64_t>>();
+  const auto strides = t.attr("stride")().cast<std::vector<int64_t>>();
+  if (shape.empty() || shape.size() > 4) {
+    invalid(std::string(name) + ": rank " + std::to_string(shape.size()) + ", expected 1 to 4");
+  }
+  ga::TensorView v;
+  v.data = reinterpret_cast<const void*>(t.attr("data_ptr")().cast<uintptr_t>());
+  v.dtype = ga::DType::bf16;
+  v.rank = static_cast<int>(shape.size());
+  for (int i = 0; i < v.rank; ++i) {
+    v.shape[static_cast<size_t>(i)] = shape[static_cast<size_t>(i)];
+    v.strides[static_cast<size_t>(i)] = strides[static_cast<size_t>(i)];
   }
   return v;
 }
@@ -229,20 +288,27 @@ ga::RunOptions run_options(int threads, bool training = false, uint64_t seed = 0
 ga::AttentionInputs attention_inputs(int64_t num_heads, const py::object& query, const py::object& key,
                                      const py::object& value, const py::object& attn_mask,
                                      const std::optional<std::string>& mask_kind, const py::object& key_padding,
-                                     std::vector<py::array>& keep) {
+                                     std::vector<py::object>& keep) {
   ga::AttentionInputs in;
-  keep.push_back(as_f32(query, "query"));
-  in.query = view_of(keep.back(), "query");
+  // float32 arrays and tensors as numpy views; torch bfloat16 tensors as bf16 views of their memory.
+  auto input_view = [&](const py::object& x, const char* name) {
+    if (is_torch_bf16(x)) {
+      keep.push_back(readable_tensor(x, name));
+      return bf16_view(keep.back(), name);
+    }
+    py::array a = as_f32(x, name);
+    keep.push_back(a);
+    return view_of(a, name);
+  };
+  in.query = input_view(query, "query");
   if (key.is_none() != value.is_none()) invalid("key and value: give both or neither (neither: self-attention)");
   if (!key.is_none()) {
-    keep.push_back(as_f32(key, "key"));
-    in.key = view_of(keep.back(), "key");
-    keep.push_back(as_f32(value, "value"));
-    in.value = view_of(keep.back(), "value");
+    in.key = input_view(key, "key");
+    in.value = input_view(value, "value");
   }
   // Masks: float32 as given; bool / uint8 as u8.
   auto mask_view = [&](const py::object& m, const char* name) {
-    py::array a = as_array(m);
+    py::array a = as_array(m, name);
     keep.push_back(a);
     if (a.dtype().equal(py::dtype::of<float>())) return view_of(a, name);
     if (a.dtype().equal(py::dtype::of<bool>()) || a.dtype().equal(py::dtype::of<uint8_t>())) {
@@ -285,6 +351,8 @@ PYBIND11_MODULE(_gpt2attn, m) {
     return v;
   });
   m.def("preset_names", &ga::preset_names);
+  m.def("load_config", &ga::load_any_config, py::arg("path"),
+        "The Config of a file: a Hugging Face GPT-2 config.json (causal, with biases) or one of configs/*.json.");
   m.def("preset", &ga::preset, py::arg("name"), "The Config of a GPT-2/GPT-3 preset, e.g. 'gpt2-small'.");
 
   py::class_<ga::Config>(m, "Config", "A layer's sizes and options (gpt2attn/config.hpp); 0 means the default.")
@@ -406,16 +474,32 @@ PYBIND11_MODULE(_gpt2attn, m) {
           [](ga::MultiHeadAttention& self, const py::object& query, const py::object& key, const py::object& value,
              const py::object& attn_mask, const std::optional<std::string>& mask_kind, const py::object& key_padding,
              const py::object& out, int threads, bool training, uint64_t dropout_seed, ga::Workspace* ws) {
-            std::vector<py::array> keep;
+            std::vector<py::object> keep;
             const ga::AttentionInputs in =
                 attention_inputs(self.config().num_heads, query, key, value, attn_mask, mask_kind, key_padding, keep);
-            py::array y = output(out, {in.query.shape[0], in.query.shape[1], self.config().d_model});
+            const std::vector<int64_t> shape = {in.query.shape[0], in.query.shape[1], self.config().d_model};
+            if (is_torch_bf16(out)) {  // a bf16 layer writes bf16 from its output GEMM
+              const ga::TensorView o = bf16_view(readable_tensor(out, "out"), "out");
+              if (o.rank != 3 || o.shape[0] != shape[0] || o.shape[1] != shape[1] || o.shape[2] != shape[2] ||
+                  o.strides[2] != 1 || o.strides[1] != shape[2] || o.strides[0] != shape[1] * shape[2]) {
+                invalid("out: shape " + o.shape_str() + " or its strides are not a contiguous (" +
+                        std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + ", " + std::to_string(shape[2]) +
+                        ")");
+              }
+              void* dst = const_cast<void*>(o.data);
+              {
+                py::gil_scoped_release nogil;
+                self.forward(in, dst, ga::DType::bf16, run_options(threads, training, dropout_seed), ws);
+              }
+              return out;
+            }
+            py::array y = output(out, shape);
             float* dst = static_cast<float*>(y.mutable_data());
             {
               py::gil_scoped_release nogil;
               self.forward(in, dst, run_options(threads, training, dropout_seed), ws);
             }
-            return y;
+            return result(y, out, query);
           },
           py::arg("query"), py::arg("key") = py::none(), py::arg("value") = py::none(),
           py::arg("attn_mask") = py::none(), py::arg("mask_kind") = py::none(), py::arg("key_padding") = py::none(),
@@ -458,7 +542,7 @@ PYBIND11_MODULE(_gpt2attn, m) {
               py::gil_scoped_release nogil;
               self.forward(src, B, T, dst, run_options(threads), ws);
             }
-            return y;
+            return result(y, out, x);
           },
           py::arg("x"), py::arg("out") = py::none(), py::arg("threads") = 0, py::arg("workspace") = nullptr,
           "out (B, T, E) = causal self-attention of x (B, T, d_in), C-contiguous float32.")
@@ -475,7 +559,7 @@ PYBIND11_MODULE(_gpt2attn, m) {
               py::gil_scoped_release nogil;
               self.extend(cache, seq, src, T, dst, run_options(threads), ws);
             }
-            return y;
+            return result(y, out, x);
           },
           py::arg("cache"), py::arg("seq"), py::arg("x"), py::arg("out") = py::none(), py::arg("threads") = 0,
           py::arg("workspace") = nullptr,
@@ -493,7 +577,7 @@ PYBIND11_MODULE(_gpt2attn, m) {
               py::gil_scoped_release nogil;
               self.decode(cache, seqs.data(), B, src, dst, run_options(threads), ws);
             }
-            return y;
+            return result(y, out, x);
           },
           py::arg("cache"), py::arg("seqs"), py::arg("x"), py::arg("out") = py::none(), py::arg("threads") = 0,
           py::arg("workspace") = nullptr,
@@ -521,7 +605,7 @@ PYBIND11_MODULE(_gpt2attn, m) {
       [](const ga::Config c, const PyWeights& pw, const py::object& query, const py::object& key,
          const py::object& value, const py::object& attn_mask, const std::optional<std::string>& mask_kind,
          const py::object& key_padding) {
-        std::vector<py::array> keep;
+        std::vector<py::object> keep;
         const ga::AttentionInputs in =
             attention_inputs(c.num_heads, query, key, value, attn_mask, mask_kind, key_padding, keep);
         const ga::Weights& w = pw.for_config(c);  // pw, an argument, outlives the call

@@ -22,76 +22,6 @@ def rand(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Parity with torch.nn.MultiheadAttention through MultiheadAttention.from_torch.
-
-# (E, H, N, L, S, kdim, vdim, bias, batch_first, unbatched, mask, key_padding, is_causal)
-CASES = [
-    (16, 2, 2, 7, 7, None, None, True, True, False, None, False, False),
-    (16, 2, 2, 7, 7, None, None, False, False, False, None, False, False),
-    (24, 3, 1, 1, 1, None, None, True, True, False, None, False, False),  # T = 1
-    (32, 4, 3, 5, 9, 20, 12, True, True, False, None, False, False),     # cross-attention, kdim/vdim
-    (32, 4, 2, 6, 11, None, None, True, False, False, "bool", False, False),
-    (32, 4, 2, 6, 6, None, None, True, True, False, "float", False, False),
-    (32, 4, 2, 6, 8, None, None, True, True, False, "bool3d", False, False),
-    (32, 4, 3, 7, 10, None, None, True, False, False, None, True, False),
-    (48, 6, 2, 33, 33, None, None, True, True, False, None, False, True),   # causal
-    (48, 6, 2, 13, 13, None, None, True, True, False, "float", True, True),  # causal + additive + padding
-    (64, 8, 1, 9, 9, None, None, True, True, True, "bool", False, False),   # unbatched (L, E)
-    (768, 12, 1, 113, 113, None, None, True, True, False, None, False, True),  # gpt2-small width
-]
-
-
-def make_mask(kind, rng, N, H, L, S):
-    """A mask that leaves every query row at least one key (torch gives NaN for a fully masked row)."""
-    if kind is None:
-        return None
-    blocked = rng.random((N * H if kind == "bool3d" else 1, L, S)) < 0.4
-    blocked[..., 0] = False
-    if kind == "float":
-        return torch.from_numpy(np.where(blocked[0], -np.inf, rng.standard_normal((L, S))).astype(np.float32))
-    return torch.from_numpy(blocked if kind == "bool3d" else blocked[0])
-
-
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"E{c[0]}-H{c[1]}-L{c[3]}-S{c[4]}-{c[10]}" for c in CASES])
-def test_parity_with_torch_mha(index):
-    E, H, N, L, S, kdim, vdim, bias, batch_first, unbatched, mask_kind, padding, is_causal = CASES[index]
-    rng = np.random.default_rng(100 + index)
-    module = torch.nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first).eval()
-    ours = gpt2attn.MultiheadAttention.from_torch(module, context_length=256, threads=2)
-
-    def shaped(width, length):
-        if unbatched:
-            return torch.from_numpy(rand(rng, length, width))
-        return torch.from_numpy(rand(rng, N, length, width) if batch_first else rand(rng, length, N, width))
-
-    self_attn = kdim is None and S == L and not padding
-    q = shaped(E, L)
-    k = q if self_attn else shaped(kdim or E, S)
-    v = q if self_attn else shaped(vdim or E, S)
-    mask = make_mask(mask_kind, rng, 1 if unbatched else N, H, L, S)
-    pad = None
-    if padding:
-        p = rng.random((N, S)) < 0.3
-        p[:, 0] = False
-        pad = torch.from_numpy(p)
-    causal = None
-    if is_causal:
-        causal = torch.triu(torch.ones(L, S, dtype=torch.bool), diagonal=S - L + 1)
-
-    got, weights = ours(q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=is_causal)
-    assert weights is None and isinstance(got, torch.Tensor)
-
-    # torch in float64 is the reference: the torch mask with the causal part merged in, as torch 1.13 needs
-    ref_mask = mask if causal is None else pc.with_causal(mask, causal)
-    m64 = module.double()
-    with torch.no_grad():
-        want, _ = m64(q.double(), k.double(), v.double(), attn_mask=None if ref_mask is None else (
-            ref_mask if ref_mask.dtype == torch.bool else ref_mask.double()), key_padding_mask=pad, need_weights=False)
-    assert got.shape == want.shape
-    pc.compare(got.numpy(), want.numpy(), pc.reduction_length(E, S))
-
-
 def test_masks_broadcast_over_size_one_axes_and_torch_3d_layout():
     rng = np.random.default_rng(21)
     cfg = gpt2attn.Config(32, 4)
@@ -130,19 +60,6 @@ def test_mask_without_a_kind_is_read_as_torch_reads_it():
     pc.compare(layer.forward(x, attn_mask=(~blocked).astype(np.float32), mask_kind="keep"),
                gpt2attn.reference_forward(cfg, gpt2attn.Weights.random(cfg, 24), x, attn_mask=blocked,
                                           mask_kind="block"), pc.reduction_length(32, 6))
-
-
-def test_torch_wrapper_reads_uint8_masks_as_bool_ones():
-    """torch reads a uint8 attn_mask as a bool one; so does the wrapper, through the library's default kind."""
-    rng = np.random.default_rng(25)
-    module = torch.nn.MultiheadAttention(16, 2, batch_first=True).eval()
-    ours = gpt2attn.MultiheadAttention.from_torch(module, context_length=32)
-    q = torch.from_numpy(rand(rng, 2, 5, 16))
-    blocked = rng.random((5, 5)) < 0.4
-    blocked[:, 0] = False
-    want, _ = ours(q, attn_mask=torch.from_numpy(blocked), is_causal=True)
-    got, _ = ours(q, attn_mask=torch.from_numpy(blocked.astype(np.uint8)), is_causal=True)
-    np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
 def test_hf_gpt2_block_matches_causal_torch_mha():
@@ -207,7 +124,7 @@ def test_hf_gpt2_block_reads_what_its_causal_buffer_says():
 
 
 def test_bf16_compute_is_as_accurate_as_torch_bf16():
-    """compute="bf16" through from_hf_gpt2_block and from_torch: error against fp64 at most 1.5x that of the same
+    """compute="bf16" through from_hf_gpt2_block: error against fp64 at most 1.5x that of the same
     torch module run in bfloat16 (the CLI's test_torch_bf16_parity.py covers the shapes; this covers the option)."""
     rng = np.random.default_rng(21)
     module = torch.nn.MultiheadAttention(96, 6, batch_first=True).eval()
@@ -544,51 +461,6 @@ def test_dtypes_compare_by_value_not_identity():
     mask = pickle.loads(pickle.dumps(np.triu(np.ones((4, 4), dtype=np.bool_), 1)))
     plain = np.triu(np.ones((4, 4), np.bool_), 1)
     np.testing.assert_array_equal(mha.forward(x, attn_mask=mask), mha.forward(x, attn_mask=plain))
-
-
-def test_torch_wrapper_refuses_training_dropout_at_construction():
-    """The wrapper copies the weights; it used to note module.training at from_torch and refuse every call, so the
-    module.eval() its message advised, made afterwards, could never take effect. from_torch now refuses it."""
-    m = torch.nn.MultiheadAttention(16, 4, dropout=0.1)  # a new module is in training mode
-    with pytest.raises(gpt2attn.InvalidArgument, match=r"training mode with dropout 0.1.*module.eval\(\) before"):
-        gpt2attn.MultiheadAttention.from_torch(m)
-    q = torch.randn(5, 2, 16)
-    with torch.no_grad():
-        want = m.eval()(q, q, q, need_weights=False)[0]
-    got = gpt2attn.MultiheadAttention.from_torch(m, threads=1)(q)[0]
-    pc.compare(got.numpy(), want.double().numpy(), pc.reduction_length(16, 5))
-    no_dropout = torch.nn.MultiheadAttention(16, 4)  # training mode without dropout computes what eval does
-    gpt2attn.MultiheadAttention.from_torch(no_dropout, threads=1)(q)
-
-
-def test_torch_wrapper_half_precision():
-    """A bf16 module's weights widen exactly into the float32 copy; a bf16 or f16 input is refused by name (it
-    raised torch's TypeError from .numpy())."""
-    m = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval().to(torch.bfloat16)
-    q = torch.randn(2, 5, 16)
-    got = gpt2attn.MultiheadAttention.from_torch(m, threads=1)(q)[0]
-    want = gpt2attn.MultiheadAttention.from_torch(m.float(), threads=1)(q)[0]  # the same values in f32
-    np.testing.assert_array_equal(got.numpy(), want.numpy())
-    w = gpt2attn.MultiheadAttention.from_torch(m, threads=1)
-    for dtype in (torch.bfloat16, torch.float16):
-        with pytest.raises(gpt2attn.InvalidArgument, match=f"query: a {dtype} tensor"):
-            w(q.to(dtype))
-
-
-def test_torch_wrapper_refuses_what_torch_refuses():
-    """key without value (or the reverse) and inputs of the wrong rank are gpt2attn errors naming the argument;
-    before, a lone value was dropped (self-attention over the query) and a 4-D query raised numpy's ValueError."""
-    m = torch.nn.MultiheadAttention(16, 4).eval()
-    w = gpt2attn.MultiheadAttention.from_torch(m, threads=1)
-    q = torch.randn(5, 2, 16)
-    with pytest.raises(gpt2attn.InvalidArgument, match="key and value: give both or neither"):
-        w(q, None, 2 * q)
-    with pytest.raises(gpt2attn.InvalidArgument, match="key and value: give both or neither"):
-        w(q, q)
-    with pytest.raises(gpt2attn.InvalidArgument, match=r"query: expected \(L, E\) or \(L, N, E\), got shape"):
-        w(q[None])
-    with pytest.raises(gpt2attn.InvalidArgument, match="key: 2-D where the query is 3-D"):
-        w(q, q[:, 0], q[:, 0])
 
 
 def test_reference_forward_agrees_with_the_layer():
