@@ -563,6 +563,25 @@ gpt2attn_status_t gpt2attn_layer_forward(gpt2attn_layer_t* layer, const float* x
   });
 }
 
+gpt2attn_status_t gpt2attn_layer_forward_typed(gpt2attn_layer_t* layer, const void* x, const char* x_dtype, int64_t B,
+                                               int64_t T, void* out, const char* out_dtype, int threads,
+                                               gpt2attn_workspace_t* ws) {
+  return guarded(__func__, [&] {
+    auto& l = deref(layer, "layer");
+    require(x, "x");
+    require(out, "out");
+    // The C header's two activation types, by name; anything else is named in the error.
+    auto activation = [](const char* name, const char* what) {
+      const std::string s = name ? name : "f32";
+      if (s != "f32" && s != "bf16") ga::invalid(std::string(what) + " '" + s + "' (supported: f32, bf16)");
+      return ga::dtype_from_string(s);
+    };
+    ga::AttentionInputs in;
+    in.query = ga::TensorView::contiguous(x, activation(x_dtype, "x_dtype"), {B, T, l.attn.config().query_width()});
+    l.attn.layer().forward(in, out, activation(out_dtype, "out_dtype"), run_options(threads), ws ? &ws->ws : nullptr);
+  });
+}
+
 gpt2attn_status_t gpt2attn_layer_reserve(gpt2attn_layer_t* layer, int64_t max_extend_tokens,
                                          int64_t max_decode_batch, int threads, gpt2attn_workspace_t* ws) {
   return guarded(__func__, [&] {

@@ -255,6 +255,14 @@ GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_decode(gpt2attn_layer_t* layer, gp
 /* Causal self-attention without a cache: x (B, T, d_in) -> out (B, T, E). */
 GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_forward(gpt2attn_layer_t* layer, const float* x, int64_t B,
                                                       int64_t T, float* out, int threads, gpt2attn_workspace_t* ws);
+/* The same with x and out of the named element types: "f32" (NULL means f32) or "bf16" (bfloat16 as uint16_t bit
+ * patterns, the high half of a float32). A bf16 x is read in place by either compute type; a bf16 out is written by
+ * the output GEMM itself and needs a layer that computes in bf16 (engine options compute = "bf16"), so a server
+ * holding bf16 activations converts nothing. */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_forward_typed(gpt2attn_layer_t* layer, const void* x,
+                                                            const char* x_dtype, int64_t B, int64_t T, void* out,
+                                                            const char* out_dtype, int threads,
+                                                            gpt2attn_workspace_t* ws);
 /* Grows ws (NULL: the layer's own) for extend <= max_extend_tokens, decode <= max_decode_batch: decode then never
  * allocates; extend allocates nothing of gpt2attn's own for a chunk shape reserved or recently seen (a workspace
  * keeps the 256 most recently used GEMM primitives besides the reserved ones; oneDNN's GEMMs still allocate). */

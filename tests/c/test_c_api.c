@@ -522,6 +522,66 @@ static void test_engine_options(void) {
   CHECK(layer == untouched_layer, "a failed create wrote *out");
 }
 
+/* bfloat16 as C holds it: the high half of a float32, rounded to nearest even. */
+static uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static float from_bf16(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* gpt2attn_layer_forward_typed: bf16 activations in (either compute type) and out (a bf16 layer), read and written
+ * in place; against the f32 calls on the same values. */
+static void test_forward_typed(void) {
+  enum { b = 2, t = 5 };
+  gpt2attn_config_t c = config_of(E, H, CTX, 1, 1, 0);
+  gpt2attn_engine_options_t o = gpt2attn_engine_options_init();
+  gpt2attn_layer_t *f32 = NULL, *bf16 = NULL;
+  CHECK_OK(gpt2attn_layer_create_random_with(&c, 11, NULL, &f32));
+  o.compute = "bf16";
+  CHECK_OK(gpt2attn_layer_create_random_with(&c, 11, &o, &bf16));
+  if (!f32 || !bf16) return;
+  static float x[b * t * E], xw[b * t * E], y[b * t * E], want[b * t * E];
+  static uint16_t xb[b * t * E], yb[b * t * E];
+  fill(x, b * t * E, 5);
+  for (int i = 0; i < b * t * E; ++i) {
+    xb[i] = to_bf16(x[i]);
+    xw[i] = from_bf16(xb[i]);
+  }
+  /* A bf16 x is its values widened exactly: the same output as the f32 call on them. */
+  CHECK_OK(gpt2attn_layer_forward(f32, xw, b, t, want, 0, NULL));
+  CHECK_OK(gpt2attn_layer_forward_typed(f32, xb, "bf16", b, t, y, NULL, 0, NULL));
+  CHECK(memcmp(y, want, sizeof y) == 0, "f32 layer: a bf16 x differs from its widened f32 values");
+  /* A bf16 layer writes bf16: its f32 output rounded once (within one bf16 step: the GEMM may sum in another order). */
+  CHECK_OK(gpt2attn_layer_forward(bf16, x, b, t, want, 0, NULL));
+  CHECK_OK(gpt2attn_layer_forward_typed(bf16, x, "f32", b, t, yb, "bf16", 0, NULL));
+  double worst = 0;
+  for (int i = 0; i < b * t * E; ++i) {
+    const double err = fabs(from_bf16(yb[i]) - want[i]) / (fabs(want[i]) + 1e-3);
+    worst = err > worst ? err : worst;
+  }
+  CHECK(worst <= 0x1p-7, "bf16 layer: bf16 out is %.3g (relative) from its f32 out", worst);
+  /* Refusals name the argument and write nothing. */
+  for (int i = 0; i < b * t * E; ++i) y[i] = SENTINEL;
+  CHECK_ERR(gpt2attn_layer_forward_typed(f32, x, NULL, b, t, y, "bf16", 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
+            "bf16");
+  CHECK_ERR(gpt2attn_layer_forward_typed(f32, x, "f16", b, t, y, NULL, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
+            "x_dtype 'f16'");
+  CHECK_ERR(gpt2attn_layer_forward_typed(f32, x, NULL, b, t, y, "i8", 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
+            "out_dtype 'i8'");
+  CHECK_ERR(gpt2attn_layer_forward_typed(f32, NULL, NULL, b, t, y, NULL, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT,
+            "x is NULL");
+  CHECK(y[0] == SENTINEL && y[b * t * E - 1] == SENTINEL, "a failed forward_typed wrote out");
+  gpt2attn_layer_destroy(f32);
+  gpt2attn_layer_destroy(bf16);
+}
+
 /* Multi-query (num_kv_heads = 1): in_proj_weight is (E + 2 KW, E) with KW = D = 4. With Q = K = 0 and W_v taking
  * x[0..4), both query heads read the one K/V head, so row t is [mean x[0..t][0..4) twice] + b_v + b_o. */
 static void test_grouped_kv_heads(void) {
@@ -704,6 +764,7 @@ int main(void) {
   test_pool_exhaustion(layer, xa, xb, ref_a, ref_b);
   test_explicit_weights();
   test_engine_options();
+  test_forward_typed();
   test_grouped_kv_heads();
   test_bf16_cache(layer, xa);
   test_struct_size(layer);
