@@ -22,7 +22,8 @@ Outputs (each when its inputs are there), in --out:
 Each series is one (engine, preset, compute dtype, ISA, K/V dtype and heads, cache mode, threads): rows that differ
 in any of these are never joined into one line. A row `gpt2attn bench` marked busy (its threads waited for a CPU)
 is drawn hollow. Titles name the CPU and date the rows carry.
-Prints the files written, one per line. Exit 2 on a file it cannot read or a line that is not JSON.
+Prints the files written, one per line. Exit 2 on a file it cannot read, a line that is not JSON or a row without
+the fields its series needs (NEEDS).
 """
 import argparse
 import functools
