@@ -9,15 +9,21 @@ Inputs, each optional and repeatable where it makes sense:
   --bench   `gpt2attn bench --json` lines, prefill and decode rows
   --peak    `bench/fma_peak_cli` lines ("op": "fma" and, with --op bf16dot, "bf16dot")
   --triad   `bench/stream_triad_cli` lines
-  --peer    `bench/peer_torch.py --json` lines (our and PyTorch's ms per preset and T)
-  --gbench  a Google Benchmark JSON file (`bench_gpt2attn --benchmark_format=json`): its Layer/Core rows
+  --peer    `bench/peer_torch.py --json` lines (our f32 and bf16 ms and PyTorch's, per preset and T)
+  --gbench  a Google Benchmark JSON file (`bench_gpt2attn --benchmark_format=json`): its layer and core rows
 Outputs (each when its inputs are there), in --out:
   roofline.png             GFLOP/s against FLOPs per byte: the FMA (and bf16) peak and the triad bandwidth roofs,
-                           each bench row a point (prefill: bytes = weights + input + output, 4 bytes each; decode:
-                           the bytes per step the row reports)
-  ms_vs_t.png              prefill ms against T per preset, ours beside PyTorch (--peer) and the Google Benchmark rows
-  decode_tokens_per_s.png  decode tokens/s against the batch, a line per (preset, T, K/V dtype, K/V heads)
-Prints the files written, one per line. Exit 2 on a file it cannot read or a line that is not JSON.
+                           and a line per bench series through its points (prefill: bytes = weights at 4 or 2
+                           bytes by dtype + f32 input and output; decode: the bytes per step the row reports)
+  ms_vs_t.png              prefill ms against T, ours beside PyTorch (--peer) and the Google Benchmark rows
+  decode_tokens_per_s.png  decode tokens/s against the batch
+  plots.json               per picture: its title, axis labels and legend entries, so that what a PNG shows can
+                           be checked without looking at it
+Each series is one (engine, preset, compute dtype, ISA, K/V dtype and heads, cache mode, threads): rows that differ
+in any of these are never joined into one line. A row `gpt2attn bench` marked busy (its threads waited for a CPU)
+is drawn hollow. Titles name the CPU and date the rows carry.
+Prints the files written, one per line. Exit 2 on a file it cannot read, a line that is not JSON or a row without
+the fields its series needs (NEEDS).
 """
 import argparse
 import functools
@@ -31,8 +37,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import LogFormatter, NullLocator, ScalarFormatter  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
+BUSY_NOTE = "hollow marker: a run gpt2attn bench marked busy (it waited for a CPU)"
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +75,29 @@ def json_lines(path):
     return rows
 
 
+# The fields a row's series and point are drawn from, by kind of row: a row without one (an older tool's) is
+# refused, not guessed.
+NEEDS = {"prefill": ("preset", "dtype", "isa", "threads", "batch", "seq", "median_ms", "gflops", "busy"),
+         "decode": ("preset", "dtype", "isa", "threads", "batch", "seq", "median_ms", "gflops", "busy",
+                    "kv_dtype", "cache", "tokens_per_s", "bytes_per_step"),
+         "peer": ("preset", "seq", "threads", "allocator_headline", "ours_f32_ms", "ours_bf16_ms", "torch",
+                  "torch_ms")}
+
+
+def rows_of(path, kinds):
+    """The rows of the given kinds (a bench row's mode, or "peer") in a file, each checked against NEEDS."""
+    rows = []
+    for r in json_lines(path):
+        kind = r.get("mode") or ("peer" if "torch_ms" in r else None)
+        if kind in kinds:
+            missing = [k for k in NEEDS[kind] if k not in r]
+            if missing:
+                raise InputError("%s: a %s row without %s (from an older version? run it again)"
+                                 % (path, kind, ", ".join(missing)))
+            rows.append(r)
+    return rows
+
+
 def gbench_rows(path):
     try:
         with open(path) as f:
@@ -78,119 +109,177 @@ def gbench_rows(path):
     medians = [b for b in benchmarks if b.get("run_type") == "aggregate" and b.get("aggregate_name") == "median"]
     rows = []
     for b in medians or [b for b in benchmarks if b.get("run_type", "iteration") == "iteration"]:
-        m = re.match(r"(\w+)/([\w.-]+)/T:(\d+)/threads:(\d+)", b.get("name", ""))
+        # Layer/P/..., Core/P/... (f32) and F32/layer/P/..., Bf16/core/P/...; other families time other things.
+        m = re.match(r"((?:F32|Bf16)/layer|(?:F32|Bf16)/core|Layer|Core)/([\w.-]+)/T:(\d+)/threads:(\d+)",
+                     b.get("name", ""))
         if not m:
             continue
         unit = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[b.get("time_unit", "ns")]
-        rows.append({"kind": m.group(1), "preset": m.group(2), "seq": int(m.group(3)), "threads": int(m.group(4)),
-                     "ms": b["real_time"] * unit})
+        rows.append({"family": m.group(1), "dtype": "bf16" if m.group(1).startswith("Bf16") else "f32",
+                     "preset": m.group(2), "seq": int(m.group(3)), "threads": int(m.group(4)),
+                     "ms": b["real_time"] * unit, "timestamp": doc.get("context", {}).get("date", "")})
     return rows
 
 
+def nthreads(n):
+    return "%d thread%s" % (n, "" if n == 1 else "s")
+
+
+def case(r, *fields):
+    """A bench row's series name: preset, compute dtype and ISA, the given fields, grouped K/V heads, threads."""
+    E, H = preset_width(r["preset"])
+    kvh = [] if r.get("kv_heads") in (None, H) else ["%d K/V heads" % r["kv_heads"]]
+    return ", ".join(["%s %s %s" % (r["preset"], r["dtype"], r["isa"])] + list(fields) + kvh
+                     + [nthreads(r["threads"])])
+
+
+def decode_case(r):
+    return case(r, "T=%d" % r["seq"], "%s K/V" % r["kv_dtype"], "%s cache" % r["cache"])
+
+
+def machine(rows):
+    """'CPU, date' from the rows that carry them, for a title: every CPU and the span of dates, never a guess."""
+    cpus = sorted({r["cpu"] for r in rows if r.get("cpu")})
+    dates = sorted({r["timestamp"][:10] for r in rows if r.get("timestamp")})
+    date = (dates[0] if len(dates) == 1 else "%s to %s" % (dates[0], dates[-1])) if dates else "date not recorded"
+    return "%s, %s" % (" / ".join(cpus) or "CPU not recorded", date)
+
+
+def colours(n):
+    # tab10 repeats after ten series; tab20 keeps up to twenty apart.
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def draw(ax, series, marker=lambda label: "o", dashed=lambda label: False):
+    """A line per series (label -> [(x, y, busy)]) through its points in x order; busy points hollow."""
+    busy = False
+    for (label, pts), c in zip(sorted(series.items()), colours(len(series))):
+        pts = sorted(pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if dashed(label) else "-", color=c,
+                marker=marker(label), markersize=5, label=label)
+        hollow = [p for p in pts if p[2]]
+        if hollow:  # drawn again over the filled markers, white inside
+            busy = True
+            ax.plot([p[0] for p in hollow], [p[1] for p in hollow], linestyle="none", marker=marker(label),
+                    markersize=5, color=c, markerfacecolor="white")
+    if busy:
+        ax.plot([], [], linestyle="none", marker="o", color="gray", markerfacecolor="white", label=BUSY_NOTE)
+
+
+def measured_ticks(ax, series):
+    """x ticks at the measured T or B, y in plain numbers: "64" and "20" read at a glance, 2^6 and 2x10^1 do not."""
+    ax.set_xticks(sorted({p[0] for pts in series.values() for p in pts}))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_locator(NullLocator())
+    if ax.get_yscale() == "log":
+        ax.yaxis.set_major_formatter(LogFormatter())
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+
+
+def finish(fig, ax, out, name, xlabel, ylabel, title, index):
+    """Labels, grid and legend (outside the axes, so it never covers a point); writes out/name, notes it in
+    index, and returns the path."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    labels = ax.get_legend_handles_labels()[1]
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0,
+              ncol=1 if len(labels) <= 30 else 2)
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the box grows to hold the legend and the labels
+    plt.close(fig)
+    index[name] = {"title": title, "xlabel": xlabel, "ylabel": ylabel, "legend": labels}
+    return path
+
+
 def prefill_bytes(r):
-    """Bytes a prefill call must move at least: the weights, the input and the output, 4 bytes each."""
+    """Bytes a prefill call must move at least: the weights (4 bytes each in f32, 2 in bf16), the f32 input and
+    output."""
     E, H = preset_width(r["preset"])
     if E is None:
         return None
     KW = r.get("kv_heads", H) * (E // H)
     B, T = r["batch"], r["seq"]
-    return 4.0 * ((E + 2 * KW) * E + E * E + 2 * B * T * E)
+    return (2.0 if r["dtype"] == "bf16" else 4.0) * ((E + 2 * KW) * E + E * E) + 4.0 * 2 * B * T * E
 
 
-def finish(fig, ax, out, name, xlabel, ylabel, title, legend_size=7, legend_loc="best"):
-    """Labels, grid and legend of a figure, written to out/name; returns the path."""
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=legend_size, loc=legend_loc)
-    path = os.path.join(out, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def roofline(bench, peaks, triads, out):
-    points = []
+def roofline(bench, peaks, triads, out, index):
+    # A series per case; its points run along T (prefill) or B (decode), which the label lists, so that no point
+    # needs a text of its own (the old per-point labels overlapped).
+    series, swept = defaultdict(list), defaultdict(set)
     for r in bench:
         flops = r["gflops"] * 1e9 * r["median_ms"] * 1e-3
-        nbytes = r.get("bytes_per_step") if r["mode"] == "decode" else prefill_bytes(r)
+        if r["mode"] == "decode":
+            nbytes, key, x = r["bytes_per_step"], ("decode " + decode_case(r), "B"), r["batch"]
+        else:
+            nbytes, key, x = prefill_bytes(r), ("prefill " + case(r, "B=%d" % r["batch"]), "T"), r["seq"]
         if nbytes:
-            points.append((flops / nbytes, r["gflops"], r))
-    if not points or not (peaks or triads):
+            series[key].append((flops / nbytes, r["gflops"], r["busy"], r))
+            swept[key].add(x)
+    if not series or not (peaks or triads):
         return None
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    xs = [p[0] for p in points]
+    xs = [p[0] for pts in series.values() for p in pts]
     x = [min(xs) / 4, max(xs) * 4]
-    threads = max(r["threads"] for _, _, r in points)
-    for op, style, label in (("fma", "-", "fp32 FMA peak"), ("bf16dot", "--", "bf16 dot peak (vdpbf16ps)")):
-        p = [q["gflops"] for q in peaks if q.get("op", "fma") == op and q["threads"] == threads]
-        if p:
-            ax.plot(x, [max(p)] * 2, style, color="black", label="%s, %d threads: %.0f GFLOP/s" % (label, threads,
-                                                                                                 max(p)))
-    t = [q["gbps"] for q in triads if q["threads"] == threads]
-    if t:
-        ax.plot(x, [max(t) * xi for xi in x], ":", color="gray",
-                label="triad bandwidth, %d threads: %.0f GB/s" % (threads, max(t)))
-    # Prefill points labelled by preset and T; decode points grouped by K/V dtype (one legend entry each),
-    # labelled by their batch.
-    groups = defaultdict(list)
-    for p in points:
-        r = p[2]
-        groups["prefill" if r["mode"] == "prefill" else "decode, %s K/V" % r.get("kv_dtype", "f32")].append(p)
-    for i, (label, sel) in enumerate(sorted(groups.items())):
-        ax.scatter([p[0] for p in sel], [p[1] for p in sel], marker="o" if label == "prefill" else "s", label=label,
-                   zorder=3)
-        for j, (xi, yi, r) in enumerate(sel):
-            text = ("%s T=%d" % (r["preset"].replace("gpt2-", ""), r["seq"]) if r["mode"] == "prefill"
-                    else "B=%d" % r["batch"])
-            ax.annotate(text, (xi, yi), fontsize=7, xytext=(4, -10 if j % 2 else 4), textcoords="offset points")
+    threads = sorted({p[3]["threads"] for pts in series.values() for p in pts})
+    for n, grey in zip(threads, ("black", "dimgray", "darkgray", "silver") * len(threads)):
+        for op, style, name in (("fma", "-", "fp32 FMA peak"), ("bf16dot", "--", "bf16 dot peak (vdpbf16ps)")):
+            p = [q["gflops"] for q in peaks if q.get("op", "fma") == op and q["threads"] == n]
+            if p:
+                ax.plot(x, [max(p)] * 2, style, color=grey, label="%s, %s: %.0f GFLOP/s" % (name, nthreads(n), max(p)))
+        t = [q["gbps"] for q in triads if q["threads"] == n]
+        if t:
+            ax.plot(x, [max(t) * xi for xi in x], ":", color=grey,
+                    label="triad bandwidth, %s: %.0f GB/s" % (nthreads(n), max(t)))
+    draw(ax, {"%s: %s=%s" % (k[0], k[1], ", ".join(map(str, sorted(swept[k])))): [p[:3] for p in v]
+              for k, v in series.items()}, marker=lambda label: "o" if label.startswith("prefill") else "s")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    return finish(fig, ax, out, "roofline.png", "FLOPs per byte moved", "GFLOP/s", "gpt2attn on this machine: roofline",
-                  legend_size=8, legend_loc="lower right")
+    return finish(fig, ax, out, "roofline.png", "arithmetic intensity (FLOP per byte moved)", "GFLOP/s (median run)",
+                  "gpt2attn roofline\n%s" % machine(bench), index)
 
 
-def ms_vs_t(bench, peer, gbench, out):
-    series = defaultdict(list)  # label -> [(T, ms)]
+def ms_vs_t(bench, peer, gbench, out, index):
+    series = defaultdict(list)  # label -> [(T, ms, busy)]
     for r in bench:
         if r["mode"] == "prefill":
-            series["ours %s (gpt2attn bench, B=%d)" % (r["preset"], r["batch"])].append((r["seq"], r["median_ms"]))
+            series["gpt2attn " + case(r, "B=%d" % r["batch"])].append((r["seq"], r["median_ms"], r["busy"]))
     for r in peer:
-        series["ours %s (peer run)" % r["preset"]].append((r["seq"], r["ours_ms"]))
-        series["PyTorch %s" % r["preset"]].append((r["seq"], r["torch_ms"]))
+        # peer_torch.py times ours (f32, bf16) and PyTorch (fp32; bf16: the faster of its two paths) in one run.
+        head, where = r["allocator_headline"], "%s, %s (peer_torch.py)" % (r["preset"], nthreads(r["threads"]))
+        for label, ms in (("gpt2attn f32", r["ours_f32_ms"]), ("gpt2attn bf16", r["ours_bf16_ms"]),
+                          ("PyTorch %s fp32" % r["torch"], r["torch_ms"]),
+                          ("PyTorch %s bf16" % r["torch"], r["torch_bf16_best_ms_" + head])):
+            series["%s %s" % (label, where)].append((r["seq"], ms, False))
     for r in gbench:
-        series["%s %s (Google Benchmark, %d threads)" % (r["kind"], r["preset"], r["threads"])].append(
-            (r["seq"], r["ms"]))
-    series = {k: sorted(v) for k, v in series.items() if v}
+        series["bench_gpt2attn %s %s %s, %s" % (r["family"], r["preset"], r["dtype"], nthreads(r["threads"]))].append(
+            (r["seq"], r["ms"], False))
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for label, pts in sorted(series.items()):
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if label.startswith("PyTorch") else "-",
-                marker="o", label=label)
+    draw(ax, series, dashed=lambda label: label.startswith("PyTorch"))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    return finish(fig, ax, out, "ms_vs_t.png", "T (tokens)", "ms per call", "prefill time against sequence length")
+    measured_ticks(ax, series)
+    return finish(fig, ax, out, "ms_vs_t.png", "T (tokens per sequence)", "ms per call (median run)",
+                  "prefill: time per call against sequence length\n%s" % machine(bench + gbench), index)
 
 
-def decode_tokens(bench, out):
+def decode_tokens(bench, out, index):
     series = defaultdict(list)
     for r in bench:
         if r["mode"] == "decode":
-            key = "%s T=%d %s K/V, %d K/V heads" % (r["preset"], r["seq"], r.get("kv_dtype", "f32"),
-                                                     r.get("kv_heads", 0))
-            series[key].append((r["batch"], r["tokens_per_s"]))
+            series[decode_case(r)].append((r["batch"], r["tokens_per_s"], r["busy"]))
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for label, pts in sorted(series.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    draw(ax, series)
     ax.set_xscale("log", base=2)
-    return finish(fig, ax, out, "decode_tokens_per_s.png", "batch (sequences per decode step)", "tokens/s",
-                  "decode throughput against batch")
+    measured_ticks(ax, series)
+    return finish(fig, ax, out, "decode_tokens_per_s.png", "B (sequences per decode step)",
+                  "tokens/s (B / median step time)", "decode throughput against batch\n%s" % machine(bench), index)
 
 
 def main(argv=None):
@@ -200,20 +289,24 @@ def main(argv=None):
         ap.add_argument("--" + name, action="append", default=[])
     a = ap.parse_args(argv)
     try:
-        bench = [r for p in a.bench for r in json_lines(p) if r.get("mode") in ("prefill", "decode")]
+        bench = [r for p in a.bench for r in rows_of(p, ("prefill", "decode"))]
         peaks = [r for p in a.peak for r in json_lines(p)]
         triads = [r for p in a.triad for r in json_lines(p)]
-        peer = [r for p in a.peer for r in json_lines(p) if "torch_ms" in r]
+        peer = [r for p in a.peer for r in rows_of(p, ("peer",))]
         gbench = [r for p in a.gbench for r in gbench_rows(p)]
     except InputError as e:
         print("plot.py: %s" % e, file=sys.stderr)
         return 2
     os.makedirs(a.out, exist_ok=True)
-    written = [p for p in (roofline(bench, peaks, triads, a.out), ms_vs_t(bench, peer, gbench, a.out),
-                           decode_tokens(bench, a.out)) if p]
+    index = {}
+    written = [p for p in (roofline(bench, peaks, triads, a.out, index), ms_vs_t(bench, peer, gbench, a.out, index),
+                           decode_tokens(bench, a.out, index)) if p]
     if not written:
         print("plot.py: nothing to draw (no bench, peer or Google Benchmark rows)", file=sys.stderr)
         return 2
+    written.append(os.path.join(a.out, "plots.json"))
+    with open(written[-1], "w") as f:
+        json.dump(index, f, indent=1)
     for p in written:
         print(p)
     return 0

@@ -1,5 +1,9 @@
-# tests/python/test_plot.py: scripts/plot.py on a small bench run of the real CLI writes valid PNGs, one per
-# picture its inputs allow, and refuses input it cannot read with exit 2.
+# tests/python/test_plot.py: the pictures of `scripts/bench.sh --plot --peer`, run on small cases with the real CLI,
+# are written as PNGs whose legends hold one series per (engine, preset, compute dtype, K/V dtype, threads) of the
+# rows the run printed (so f32 and bf16 are never one line, and threads are named), with units on the axes and the
+# rows' CPU and date in the titles (read from the plots.json plot.py writes beside them); busy rows are flagged;
+# Google Benchmark's rows are drawn per dtype; input plot.py cannot read is refused with exit 2. The cases that need
+# build/bench/'s programs are skipped, saying so, where they are not built (GPT2ATTN_BUILD_BENCH=OFF).
 import json
 import os
 import struct
@@ -10,7 +14,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parity_common as pc  # noqa: E402
 from parity_common import check  # noqa: E402
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "plot.py")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+SCRIPT = os.path.join(ROOT, "scripts", "plot.py")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from plot import BUSY_NOTE  # noqa: E402
 
 
 def plot(args):
@@ -26,41 +33,139 @@ def png_size(path):
     return struct.unpack(">II", head[16:24])
 
 
-def bench_lines(r, wd):
-    path = os.path.join(wd, "bench.jsonl")
-    with open(path, "w") as f:
-        for args in (["--seq", "32"], ["--seq", "64"], ["--mode", "decode", "--seq", "32", "--batch", "1"],
-                     ["--mode", "decode", "--seq", "32", "--batch", "4"],
-                     ["--mode", "decode", "--seq", "32", "--batch", "4", "--kv-dtype", "int8"]):
-            p = pc.run_cli(r.cli, ["bench", "--preset", "gpt2-small", "--repeats", "1", "--threads", "1", "--json"]
-                           + args)
-            check(p.returncode == 0, "bench %s: exit %d %s" % (args, p.returncode, p.stderr[-300:]))
-            f.write(p.stdout)
-    return path
+def rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.startswith("{")]
 
 
-def all_pictures(r):
-    wd = r.workdir()
-    bench = bench_lines(r, wd)
-    peak, triad, peer = (os.path.join(wd, n) for n in ("peak.jsonl", "triad.jsonl", "peer.jsonl"))
-    with open(peak, "w") as f:  # the schemas of fma_peak_cli, stream_triad_cli and peer_torch.py --json
-        f.write('{"threads": 1, "gflops": 220.0, "isa": "avx512", "op": "fma"}\n')
-        f.write('{"threads": 1, "gflops": 440.0, "isa": "avx512_bf16", "op": "bf16dot"}\n')
-    with open(triad, "w") as f:
-        f.write('{"threads": 1, "gbps": 35.0}\n')
-    with open(peer, "w") as f:
-        for t, ours, torch_ms in ((32, 0.4, 1.1), (64, 0.7, 2.0)):
-            f.write(json.dumps({"preset": "gpt2-small", "seq": t, "threads": 1, "ours_ms": ours,
-                                "torch_ms": torch_ms}) + "\n")
-    out = os.path.join(wd, "plots")
-    p = plot(["--out", out, "--bench", bench, "--peak", peak, "--triad", triad, "--peer", peer])
-    check(p.returncode == 0, "plot.py exit %d: %s" % (p.returncode, p.stderr[-400:]))
+def threads(n):
+    return "%d thread%s" % (n, "" if n == 1 else "s")
+
+
+def one_series(legend, what, start, *parts):
+    """The one legend entry that begins with start and holds every part; a merge leaves none, a split two."""
+    hits = [label for label in legend if label.startswith(start) and all(p in label for p in parts)]
+    check(len(hits) == 1, "%s: %d legend entries begin %r and hold %s: %s" % (what, len(hits), start, parts, legend))
+
+
+def titled(fig, name, bench):
+    """The rows' CPU and date (every row's) in the title."""
+    for r in bench:
+        check(r["cpu"] in fig["title"] and r["timestamp"][:10] in fig["title"],
+              "%s title %r lacks the rows' CPU %r or date %r" % (name, fig["title"], r["cpu"], r["timestamp"]))
+
+
+def missing_tools(r, *names):
+    """The bench programs (build/bench/) not built, e.g. with GPT2ATTN_BUILD_BENCH=OFF: a case that needs them is
+    skipped with their names rather than failed."""
+    return [n for n in names if not os.path.exists(os.path.join(os.path.dirname(r.cli), "bench", n))]
+
+
+def bench_sh_pictures(r):
+    """scripts/bench.sh --plot --peer itself, at --quick sizes on one thread, with the binaries under test."""
+    missing = missing_tools(r, "fma_peak_cli", "stream_triad_cli")
+    if missing:
+        return "skipped: %s not built" % ", ".join(missing)
+    out = os.path.join(r.workdir(), "plots")
+    env = dict(os.environ, GPT2ATTN_BUILD_DIR=os.path.dirname(r.cli))
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "bench.sh"), "--plot", "--peer", "--quick", "--no-build",
+                        "--threads", "1", "--out", out], capture_output=True, text=True, timeout=600, env=env)
+    check(p.returncode == 0, "bench.sh --plot exit %d: %s" % (p.returncode, p.stderr[-600:]))
     written = p.stdout.split()
     names = sorted(os.path.basename(w) for w in written)
-    check(names == ["decode_tokens_per_s.png", "ms_vs_t.png", "roofline.png"], "wrote %s" % names)
-    sizes = [png_size(w) for w in written]
+    check(names == ["decode_tokens_per_s.png", "ms_vs_t.png", "plots.json", "roofline.png"], "wrote %s" % names)
+    sizes = [png_size(w) for w in written if w.endswith(".png")]
     check(all(w >= 400 and h >= 300 for w, h in sizes), "image sizes %s" % sizes)
-    return "3 PNGs %s" % sizes[0:1]
+    with open(os.path.join(out, "plots.json")) as f:
+        figs = json.load(f)
+    bench = rows(os.path.join(out, "bench.jsonl"))
+    prefill = [b for b in bench if b["mode"] == "prefill"]
+    decode = [b for b in bench if b["mode"] == "decode"]
+    check({b["dtype"] for b in bench} == {"f32", "bf16"} and len({b["kv_dtype"] for b in decode}) == 3,
+          "bench.sh ran dtypes %s, K/V dtypes %s" % ({b["dtype"] for b in bench}, {b["kv_dtype"] for b in decode}))
+
+    fig = figs["ms_vs_t.png"]
+    keys = {(b["preset"], b["dtype"], b["threads"]) for b in prefill}
+    for preset, dtype, n in keys:
+        one_series(fig["legend"], "ms_vs_t", "gpt2attn %s %s " % (preset, dtype), threads(n))
+    ours = [label for label in fig["legend"] if label.startswith("gpt2attn gpt2") and "peer_torch" not in label]
+    check(len(ours) == len(keys), "ms_vs_t: %d bench series for the %d cases %s" % (len(ours), len(keys), ours))
+    for peer in rows(os.path.join(out, "peer.jsonl")):
+        for engine in ("gpt2attn f32", "gpt2attn bf16", "PyTorch %s fp32" % peer["torch"],
+                       "PyTorch %s bf16" % peer["torch"]):
+            one_series(fig["legend"], "ms_vs_t", engine + " " + peer["preset"], threads(peer["threads"]), "peer_torch")
+    check("ms" in fig["ylabel"] and "tokens" in fig["xlabel"], "ms_vs_t axes %r, %r" % (fig["xlabel"], fig["ylabel"]))
+    titled(fig, "ms_vs_t", prefill)
+
+    fig = figs["decode_tokens_per_s.png"]
+    keys = {(b["dtype"], b["kv_dtype"], b["seq"], b["threads"]) for b in decode}
+    for dtype, kv, t, n in keys:
+        one_series(fig["legend"], "decode", "gpt2-small %s " % dtype, "T=%d," % t, " %s K/V" % kv, threads(n))
+    check(len([label for label in fig["legend"] if label != BUSY_NOTE]) == len(keys),
+          "decode: %d series for %d cases" % (len(fig["legend"]), len(keys)))
+    check("tokens/s" in fig["ylabel"] and "sequences" in fig["xlabel"], "decode axes %r" % fig)
+    check((BUSY_NOTE in fig["legend"]) == any(b["busy"] for b in decode), "decode busy note: %s" % fig["legend"])
+    titled(fig, "decode", decode)
+
+    fig = figs["roofline.png"]
+    for q in rows(os.path.join(out, "peak.jsonl")) + rows(os.path.join(out, "triad.jsonl")):
+        roof = "%.0f GFLOP/s" % q["gflops"] if "gflops" in q else "%.0f GB/s" % q["gbps"]
+        check(any(roof in label and threads(q["threads"]) in label for label in fig["legend"]),
+              "roofline: no roof %r: %s" % (roof, fig["legend"]))
+    for b in prefill:
+        one_series(fig["legend"], "roofline", "prefill %s %s " % (b["preset"], b["dtype"]), threads(b["threads"]))
+    for b in decode:
+        one_series(fig["legend"], "roofline", "decode gpt2-small %s " % b["dtype"], " %s K/V" % b["kv_dtype"])
+    check("GFLOP/s" in fig["ylabel"] and "FLOP per byte" in fig["xlabel"], "roofline axes %r" % fig)
+    titled(fig, "roofline", bench)
+    return "%d bench rows, 3 PNGs %s" % (len(bench), sizes[0])
+
+
+def busy_rows_flagged(r):
+    """A row marked busy adds the hollow-marker note to the legend; without one there is no note."""
+    wd = r.workdir()
+    p = pc.run_cli(r.cli, ["bench", "--preset", "gpt2-small", "--mode", "decode", "--seq", "16", "--batch", "2",
+                           "--repeats", "1", "--threads", "1", "--json"])
+    check(p.returncode == 0, "bench exit %d" % p.returncode)
+    row = json.loads(p.stdout.splitlines()[0])
+    notes = []
+    for busy in (False, True):
+        path = os.path.join(wd, "busy_%s.jsonl" % busy)
+        with open(path, "w") as f:
+            f.write(json.dumps(dict(row, busy=busy)) + "\n")
+        q = plot(["--out", os.path.join(wd, str(busy)), "--bench", path])
+        check(q.returncode == 0, "plot.py exit %d: %s" % (q.returncode, q.stderr[-300:]))
+        with open(os.path.join(wd, str(busy), "plots.json")) as f:
+            notes.append(BUSY_NOTE in json.load(f)["decode_tokens_per_s.png"]["legend"])
+    check(notes == [False, True], "busy note present (not busy, busy): %s" % notes)
+    return None
+
+
+def google_benchmark_rows(r):
+    """bench_gpt2attn's F32/layer and Bf16/layer JSON: a series each, naming the dtype and threads."""
+    if missing_tools(r, "bench_gpt2attn"):
+        return "skipped: bench_gpt2attn not built"
+    exe = os.path.join(os.path.dirname(r.cli), "bench", "bench_gpt2attn")
+    wd = r.workdir()
+    gb = os.path.join(wd, "gbench.json")
+    with open(gb, "w") as f:
+        p = subprocess.run([exe, "--benchmark_filter=^(F32|Bf16)/layer/gpt2-small/T:1024/",
+                            "--benchmark_format=json"], stdout=f, stderr=subprocess.PIPE, text=True, timeout=300)
+    check(p.returncode == 0, "bench_gpt2attn exit %d: %s" % (p.returncode, p.stderr[-300:]))
+    q = plot(["--out", wd, "--gbench", gb])
+    check(q.returncode == 0, "plot.py exit %d: %s" % (q.returncode, q.stderr[-300:]))
+    with open(os.path.join(wd, "plots.json")) as f:
+        fig = json.load(f)["ms_vs_t.png"]
+    with open(gb) as f:
+        doc = json.load(f)
+    for name in {b["run_name"] for b in doc["benchmarks"]}:  # F32/layer/gpt2-small/T:1024/threads:2/...
+        family, kind, preset, _, n = name.split("/")[:5]
+        one_series(fig["legend"], "gbench", "bench_gpt2attn %s/%s %s %s" % (family, kind, preset, family.lower()),
+                   threads(int(n.split(":")[1])))
+    check(len(fig["legend"]) == 2, "gbench: series %s" % fig["legend"])
+    date = doc["context"]["date"][:10]
+    check(date in fig["title"], "title %r lacks the run's date %s" % (fig["title"], date))
+    return "%d series" % len(fig["legend"])
 
 
 def only_what_inputs_allow(r):
@@ -74,7 +179,8 @@ def only_what_inputs_allow(r):
         f.write(p.stdout)
     p = plot(["--out", os.path.join(wd, "o"), "--bench", bench])
     check(p.returncode == 0, "plot.py exit %d: %s" % (p.returncode, p.stderr[-300:]))
-    check([os.path.basename(w) for w in p.stdout.split()] == ["decode_tokens_per_s.png"], "wrote %r" % p.stdout)
+    names = [os.path.basename(w) for w in p.stdout.split()]
+    check(names == ["decode_tokens_per_s.png", "plots.json"], "wrote %r" % p.stdout)
     png_size(p.stdout.split()[0])
     return None
 
@@ -92,12 +198,20 @@ def bad_input(r):
     open(empty, "w").close()
     p = plot(["--out", os.path.join(wd, "o"), "--bench", empty])
     check(p.returncode == 2 and "nothing to draw" in p.stderr, "exit %d, stderr %r" % (p.returncode, p.stderr))
+    old = os.path.join(wd, "old.jsonl")  # a row without the fields a series is named by
+    with open(old, "w") as f:
+        f.write('{"mode": "prefill", "preset": "gpt2-small", "seq": 64, "batch": 1, "median_ms": 1.0, "gflops": 9}\n')
+    p = plot(["--out", os.path.join(wd, "o"), "--bench", old])
+    check(p.returncode == 2 and "prefill row without dtype, isa, threads" in p.stderr,
+          "exit %d, stderr %r" % (p.returncode, p.stderr))
     return None
 
 
 def main():
     r = pc.Runner("scripts/plot.py")
-    r.case("all_pictures", lambda: all_pictures(r))
+    r.case("bench_sh_pictures", lambda: bench_sh_pictures(r))
+    r.case("busy_rows_flagged", lambda: busy_rows_flagged(r))
+    r.case("google_benchmark_rows", lambda: google_benchmark_rows(r))
     r.case("only_what_inputs_allow", lambda: only_what_inputs_allow(r))
     r.case("bad_input", lambda: bad_input(r))
     r.finish()
