@@ -37,7 +37,61 @@ _COMPUTE = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: not the attention's own state
 
 
-class MultiheadAttention(nn.MultiheadAttention):
+class _Computed:
+    """What gpt2attn's torch modules share: their options, the library layer built from their parameters, and the
+    rule that torch computes a call gpt2attn cannot, saying why once per reason."""
+
+    def _init_gpt2attn(self, threads, isa, compute, context_length):
+        if compute not in (None, "f32", "bf16"):
+            raise _lib.InvalidArgument(f"compute {compute!r}: expected None (the parameters' dtype), 'f32' or 'bf16'")
+        self.threads, self.isa, self.compute, self.context_length = threads, isa, compute, context_length
+        self._layer = self._layer_key = None
+        self._warned = set()
+        self.last_path = None
+
+    def _torch_computes(self, why):
+        self.last_path = "torch: " + why
+        if why not in self._warned:
+            self._warned.add(why)
+            warnings.warn(f"gpt2attn.torch: {type(self).__name__}: torch computes this call: {why}", RuntimeWarning,
+                          stacklevel=3)
+
+    def _tensor_reason(self, tensors, dtype):
+        """Why gpt2attn cannot compute over these inputs and this module's parameters (of `dtype`); None if it can."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in [*tensors, *self.parameters()]):
+            return ("a gradient is asked for (grad mode is on and the parameters or inputs require grad): run under "
+                    "torch.no_grad() or torch.inference_mode() for gpt2attn")
+        if dtype not in _COMPUTE:
+            return f"parameters of dtype {dtype} (gpt2attn takes float32 and bfloat16)"
+        for t in [*tensors, *self.parameters()]:
+            if t.device.type != "cpu":
+                return f"a {t.device.type} tensor (gpt2attn computes on the CPU)"
+            if t.dtype != dtype:
+                return f"a {t.dtype} tensor where the parameters are {dtype}"
+        return None
+
+    def _cached_layer(self, params, dtype, tokens, build):
+        """The library's layer over `params`, built again by build(compute, context) when one has changed (its
+        storage or its version counter, which every in-place write bumps) or a call needs a longer context."""
+        compute = self.compute or _COMPUTE[dtype]
+        key = (compute, tuple(None if p is None else (p.data_ptr(), p._version, p.dtype) for p in params))
+        if self._layer is not None and self._layer_key == key and self._layer.config.context_length >= tokens:
+            return self._layer
+        context = self.context_length
+        while context < tokens:
+            context *= 2
+        self._layer = None  # the old layer's memory is free before the new one is made
+        self._layer = build(compute, context)
+        self._layer_key = key
+        return self._layer
+
+    @property
+    def implementation(self):
+        """What gpt2attn runs for this module (its kernels and GEMMs), once a call has built its layer."""
+        return None if self._layer is None else self._layer.implementation
+
+
+class MultiheadAttention(_Computed, nn.MultiheadAttention):
     """torch.nn.MultiheadAttention computed by gpt2attn (see the module's docstring for when).
 
     The gpt2attn options are keyword-only: threads (0: the library's default), isa ("best" or a level name),
@@ -50,14 +104,6 @@ class MultiheadAttention(nn.MultiheadAttention):
         super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
                          device=device, dtype=dtype)
         self._init_gpt2attn(threads, isa, compute, context_length)
-
-    def _init_gpt2attn(self, threads, isa, compute, context_length):
-        if compute not in (None, "f32", "bf16"):
-            raise _lib.InvalidArgument(f"compute {compute!r}: expected None (the parameters' dtype), 'f32' or 'bf16'")
-        self.threads, self.isa, self.compute, self.context_length = threads, isa, compute, context_length
-        self._layer = self._layer_key = None
-        self._warned = set()
-        self.last_path = None
 
     @classmethod
     def from_torch(cls, module, *, threads=0, isa="best", compute=None, context_length=2048):
@@ -85,11 +131,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         if why is None:
             self.last_path = "gpt2attn"
             return self._gpt2attn_forward(query, key, value, key_padding_mask, attn_mask, is_causal), None
-        self.last_path = "torch: " + why
-        if why not in self._warned:
-            self._warned.add(why)
-            warnings.warn(f"gpt2attn.torch.MultiheadAttention: torch computes this call: {why}", RuntimeWarning,
-                          stacklevel=2)
+        self._torch_computes(why)
         if is_causal:  # torch 1.13's forward has no is_causal: the same mask, given as one
             attn_mask = _with_causal(attn_mask, self._length(query), self._length(key), query.device)
         return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
@@ -108,18 +150,9 @@ class MultiheadAttention(nn.MultiheadAttention):
             return "add_bias_kv and add_zero_attn are torch's alone"
         if self.training and self.dropout > 0.0:
             return f"training mode with dropout {self.dropout} (gpt2attn's dropout draws differ from torch's)"
-        tensors = [t for t in (query, key, value) if t is not None]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in [*tensors, *self.parameters()]):
-            return ("a gradient is asked for (grad mode is on and the parameters or inputs require grad): run under "
-                    "torch.no_grad() or torch.inference_mode() for gpt2attn")
-        dtype = self.out_proj.weight.dtype
-        if dtype not in _COMPUTE:
-            return f"parameters of dtype {dtype} (gpt2attn takes float32 and bfloat16)"
-        for t in [*tensors, *self.parameters()]:
-            if t.device.type != "cpu":
-                return f"a {t.device.type} tensor (gpt2attn computes on the CPU)"
-            if t.dtype != dtype:
-                return f"a {t.dtype} tensor where the parameters are {dtype}"
+        why = self._tensor_reason([t for t in (query, key, value) if t is not None], self.out_proj.weight.dtype)
+        if why is not None:
+            return why
         if key_padding_mask is not None and key_padding_mask.is_floating_point():
             return "a float key_padding_mask (gpt2attn reads a bool one)"
         return None
@@ -162,39 +195,105 @@ class MultiheadAttention(nn.MultiheadAttention):
         return self.compute or _COMPUTE[self.out_proj.weight.dtype]
 
     def _library_layer(self, tokens):
-        """The library's layer over the current parameters, built again when one has changed (its storage or its
-        version counter, which every in-place write bumps) or a call needs a longer context."""
         params = [self.in_proj_weight, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight,
                   self.in_proj_bias, self.out_proj.weight, self.out_proj.bias]
-        key = (self._compute(), tuple(None if p is None else (p.data_ptr(), p._version, p.dtype) for p in params))
-        if self._layer is not None and self._layer_key == key and self._layer.config.context_length >= tokens:
-            return self._layer
-        E = self.embed_dim
-        if self._qkv_same_embed_dim:
-            w = self.in_proj_weight
-            w_q, w_k, w_v = _f32(w[:E]), _f32(w[E:2 * E]), _f32(w[2 * E:])
-        else:
-            w_q, w_k, w_v = _f32(self.q_proj_weight), _f32(self.k_proj_weight), _f32(self.v_proj_weight)
-        b = self.in_proj_bias
-        b_q, b_k, b_v = (None, None, None) if b is None else (_f32(b[:E]), _f32(b[E:2 * E]), _f32(b[2 * E:]))
-        b_o = None if self.out_proj.bias is None else _f32(self.out_proj.bias)
-        context = self.context_length
-        while context < tokens:
-            context *= 2
-        cfg = _lib.Config(E, self.num_heads, kdim=0 if self.kdim == E else self.kdim,
-                          vdim=0 if self.vdim == E else self.vdim, context_length=context, qkv_bias=b is not None,
-                          out_bias=b_o is not None)
-        weights = _lib.Weights(w_q, w_k, w_v, _f32(self.out_proj.weight), b_q, b_k, b_v, b_o)
-        self._layer = None  # the old layer's memory is free before the new one is made
-        self._layer = _lib.MultiHeadAttention(cfg, weights, threads=self.threads, isa=self.isa,
-                                              compute=self._compute())
-        self._layer_key = key
-        return self._layer
 
-    @property
-    def implementation(self):
-        """What gpt2attn runs for this module (its kernels and GEMMs), once a call has built its layer."""
-        return None if self._layer is None else self._layer.implementation
+        def build(compute, context):
+            E = self.embed_dim
+            if self._qkv_same_embed_dim:
+                w = self.in_proj_weight
+                w_q, w_k, w_v = _f32(w[:E]), _f32(w[E:2 * E]), _f32(w[2 * E:])
+            else:
+                w_q, w_k, w_v = _f32(self.q_proj_weight), _f32(self.k_proj_weight), _f32(self.v_proj_weight)
+            b = self.in_proj_bias
+            b_q, b_k, b_v = (None, None, None) if b is None else (_f32(b[:E]), _f32(b[E:2 * E]), _f32(b[2 * E:]))
+            b_o = None if self.out_proj.bias is None else _f32(self.out_proj.bias)
+            cfg = _lib.Config(E, self.num_heads, kdim=0 if self.kdim == E else self.kdim,
+                              vdim=0 if self.vdim == E else self.vdim, context_length=context,
+                              qkv_bias=b is not None, out_bias=b_o is not None)
+            weights = _lib.Weights(w_q, w_k, w_v, _f32(self.out_proj.weight), b_q, b_k, b_v, b_o)
+            return _lib.MultiHeadAttention(cfg, weights, threads=self.threads, isa=self.isa, compute=compute)
+
+        return self._cached_layer(params, self.out_proj.weight.dtype, tokens, build)
+
+
+class _HFGPT2Attention(_Computed):
+    """Mixed into a Hugging Face GPT2Attention's own class by replace_attention (the module keeps its parameters,
+    state_dict and isinstance): gpt2attn computes a causal self-attention call without a KV cache, attention mask,
+    head mask, cross-attention or attention weights; any other call is the original forward's, with a warning."""
+
+    _DEFAULTS = {"layer_past": None, "past_key_value": None, "past_key_values": None, "cache_position": None,
+                 "attention_mask": None, "head_mask": None, "encoder_hidden_states": None,
+                 "encoder_attention_mask": None, "use_cache": False, "output_attentions": False}
+
+    def forward(self, hidden_states, *args, **kwargs):
+        why = self._hf_reason(hidden_states, args, kwargs)
+        if why is not None:
+            self._torch_computes(why)
+            return super().forward(hidden_states, *args, **kwargs)
+        self.last_path = "gpt2attn"
+        x = hidden_states
+        bf16 = self._compute_of(x.dtype) == "bf16"
+        out = torch.empty(x.shape[:2] + (self.embed_dim,), dtype=torch.bfloat16) if bf16 else None
+        layer = self._library_layer(x.shape[1], x.dtype)
+        return layer.forward(x, out=out, threads=self.threads), None
+
+    def _compute_of(self, dtype):
+        return self.compute or _COMPUTE[dtype]
+
+    def _hf_reason(self, x, args, kwargs):
+        given = [name for name, v in kwargs.items() if name not in self._DEFAULTS or (v is not None and v is not False)]
+        if any(a is not None and a is not False for a in args) or given:
+            names = given or ["a positional argument"]
+            return (f"{', '.join(names)} (gpt2attn computes a Hugging Face block without a KV cache, mask or "
+                    f"attention weights: call the model with use_cache=False and no attention_mask)")
+        if getattr(self, "is_cross_attention", False) or not getattr(self, "scale_attn_weights", True) or \
+                getattr(self, "scale_attn_by_inverse_layer_idx", False):
+            return "cross-attention, unscaled scores or scores scaled by the layer index (config options)"
+        if self.training and (self.attn_dropout.p > 0 or self.resid_dropout.p > 0):
+            return "training mode with dropout (gpt2attn's dropout draws differ from torch's)"
+        if x.dim() != 3:
+            return f"hidden_states of rank {x.dim()}"
+        return self._tensor_reason([x], self.c_attn.weight.dtype)
+
+    def _library_layer(self, tokens, dtype):
+        params = [self.c_attn.weight, self.c_attn.bias, self.c_proj.weight, self.c_proj.bias]
+
+        def build(compute, context):
+            E = self.embed_dim
+            w = _f32(self.c_attn.weight).T  # Conv1D (E, 3E), applied as x @ W + b
+            b = None if self.c_attn.bias is None else _f32(self.c_attn.bias)
+            cfg = _lib.Config(E, self.num_heads, context_length=context, qkv_bias=b is not None,
+                              out_bias=self.c_proj.bias is not None, causal=True)
+            weights = _lib.Weights(np.ascontiguousarray(w[:E]), np.ascontiguousarray(w[E:2 * E]),
+                                   np.ascontiguousarray(w[2 * E:]), np.ascontiguousarray(_f32(self.c_proj.weight).T),
+                                   *((None,) * 3 if b is None else (b[:E], b[E:2 * E], b[2 * E:])),
+                                   None if self.c_proj.bias is None else _f32(self.c_proj.bias))
+            return _lib.MultiHeadAttention(cfg, weights, threads=self.threads, isa=self.isa, compute=compute)
+
+        return self._cached_layer(params, dtype, tokens, build)
+
+
+def _hf_attention_classes():
+    """The Hugging Face GPT-2 attention classes, when transformers imports (GPT2SdpaAttention and the like are
+    subclasses of GPT2Attention)."""
+    try:
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+    except Exception:  # not installed, or a release that cannot import beside this torch
+        return None
+    return GPT2Attention
+
+
+_hf_swapped = {}
+
+
+def _as_gpt2attn_hf(module, **options):
+    """module's class swapped in place for one that mixes in _HFGPT2Attention (a class per original class)."""
+    cls = type(module)
+    if cls not in _hf_swapped:
+        _hf_swapped[cls] = type("Gpt2attn" + cls.__name__, (_HFGPT2Attention, cls), {"__module__": __name__})
+    module.__class__ = _hf_swapped[cls]
+    module._init_gpt2attn(**options)
 
 
 def _f32(t):
@@ -214,7 +313,9 @@ def _with_causal(mask, L, S, device):
 
 def replace_attention(model, *, threads=0, isa="best", compute=None, context_length=2048):
     """Replaces, in place, every torch.nn.MultiheadAttention in model's module tree by a gpt2attn
-    MultiheadAttention over the same parameters (from_torch), and returns the qualified names replaced, in
+    MultiheadAttention over the same parameters (from_torch), and every Hugging Face GPT2Attention when
+    transformers is installed (its class is swapped for one whose forward gpt2attn computes when it can: see
+    _HFGPT2Attention; parameters, state_dict and isinstance are kept), and returns the qualified names replaced, in
     module order. Modules already gpt2attn's, and subclasses of torch's (which may compute something else), are
     left as they are. torch.nn.TransformerEncoderLayer's fused inference path (eval mode, batch_first, no grad)
     computes attention itself from the module's weights and never calls it: batch_first modules under one are
@@ -222,14 +323,19 @@ def replace_attention(model, *, threads=0, isa="best", compute=None, context_len
     if isinstance(model, nn.MultiheadAttention):
         raise TypeError("replace_attention: the model is itself a MultiheadAttention, which has no parent to "
                         "replace it in: use gpt2attn.torch.MultiheadAttention.from_torch(model)")
+    options = dict(threads=threads, isa=isa, compute=compute, context_length=context_length)
+    hf = _hf_attention_classes()
     replaced, bypassed = [], []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
+            qualified = f"{parent_name}.{name}" if parent_name else name
+            if hf is not None and isinstance(child, hf) and not isinstance(child, _Computed):
+                _as_gpt2attn_hf(child, **options)
+                replaced.append(qualified)
+                continue
             if type(child) is not nn.MultiheadAttention:  # a subclass may compute something else: left alone
                 continue
-            qualified = f"{parent_name}.{name}" if parent_name else name
-            setattr(parent, name, MultiheadAttention.from_torch(child, threads=threads, isa=isa, compute=compute,
-                                                                context_length=context_length))
+            setattr(parent, name, MultiheadAttention.from_torch(child, **options))
             replaced.append(qualified)
             if isinstance(parent, nn.TransformerEncoderLayer) and child.batch_first:
                 bypassed.append(qualified)
