@@ -3,8 +3,8 @@
 // and those heads' K/V cache. A rank computes its heads alone; one MPI_Allreduce sums the partial outputs. The same
 // program serves one process, N processes on one machine, or N machines.
 //
-// An optional module (CMake target gpt2attn_mpi, built when MPI is found) over the single-process library: nothing
-// in the engine knows about MPI. The library never calls MPI_Init or MPI_Finalize; the caller owns MPI and `comm`.
+// An optional module (libgpt2attn_mpi.so, CMake target gpt2attn::mpi of find_package(gpt2attn COMPONENTS mpi); built
+// when MPI is found) over the single-process library: nothing in the engine knows about MPI. The library never calls MPI_Init or MPI_Finalize; the caller owns MPI and `comm`.
 //
 // Collective calls. Every method marked (collective) must be called by every rank of the communicator, in the same
 // order, with the same arguments (each rank passes its own copy of x, seqs, masks: they must hold the same values).
@@ -47,6 +47,7 @@
 #include "gpt2attn/attention.hpp"
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/error.hpp"
+#include "gpt2attn/export.h"
 #include "gpt2attn/kv_cache.hpp"
 #include "gpt2attn/weights.hpp"
 
@@ -60,7 +61,7 @@ inline constexpr double kCollectiveDeadlineS = 600;
 
 // Thrown by a rank whose wait inside a collective passed its deadline (code internal: no other rank answered, which
 // no argument of the call explains). The communicator is unusable after it: end the job with MPI_Abort.
-class CollectiveTimeout : public Error {
+class GPT2ATTN_API CollectiveTimeout : public Error {
  public:
   CollectiveTimeout(const std::string& what, int rank, double deadline_s)
       : Error(ErrorCode::internal, what), rank_(rank), deadline_s_(deadline_s) {}
@@ -85,7 +86,7 @@ enum class WeightCheck : uint8_t {
             // would rather each rank read only its own slices (a safetensors file's other pages stay unread)
 };
 
-class ShardedAttention {
+class GPT2ATTN_API ShardedAttention {
  public:
   // (collective) From the whole layer's weights in each rank's memory: each rank copies its slices. Heads are split
   // by K/V head, as evenly as possible, the first ranks one more (gpt2-xl's 25 heads on 2 ranks: 13 + 12); a
@@ -128,7 +129,7 @@ class ShardedAttention {
   ShardedCallTimes last_call_times() const;
   double deadline_s() const;  // as constructed
 
-  struct Impl;
+  struct GPT2ATTN_LOCAL Impl;  // engine/mpi/sharded.cpp
 
  private:
   explicit ShardedAttention(std::unique_ptr<Impl> impl);
@@ -141,7 +142,7 @@ class ShardedAttention {
 // gets the same id (ids are assigned in order, never reused), and the agreement step refuses a call whose
 // arguments differ between ranks. Appends happen only through the layer's collective extend/decode, so lengths and
 // block tables agree on every rank.
-class ShardedKvCache {
+class GPT2ATTN_API ShardedKvCache {
  public:
   // (collective) For a causal self-attention layer (config.causal, kdim = vdim = d_in), as a KvCache serves only
   // CausalSelfAttention; another is refused. capacity_tokens as given; capacity_bytes is per rank, and every rank's pool then holds the tokens
@@ -163,7 +164,7 @@ class ShardedKvCache {
   KvCache& local();  // this rank's pool: its K/V heads only
   const KvCache& local() const;
 
-  struct Impl;
+  struct GPT2ATTN_LOCAL Impl;  // engine/mpi/sharded.cpp
 
  private:
   friend class ShardedAttention;
@@ -175,7 +176,7 @@ class ShardedKvCache {
 // (reading its inputs), so that one rank's missing file gives every rank the error instead of leaving the others
 // waiting in the next call. Its one all-reduce waits at most `deadline_s` (as the constructors' does); as a barrier
 // with a deadline, pass a step that does nothing.
-void run_agreed(MPI_Comm comm, const char* what, const std::function<void()>& step,
-                double deadline_s = kCollectiveDeadlineS);
+GPT2ATTN_API void run_agreed(MPI_Comm comm, const char* what, const std::function<void()>& step,
+                             double deadline_s = kCollectiveDeadlineS);
 
 }  // namespace gpt2attn

@@ -2,7 +2,13 @@
 # ctests in tests/consumers/CMakeLists.txt pass the -D variables).
 #   MODE=install           cmake --install the build tree into WORK_DIR/prefix, from empty
 #   MODE=cmake_package     tests/consumers/project with find_package(gpt2attn) from that prefix: once as a C-only
-#                          project (consumer.c), once with C++ (both programs)
+#                          project (consumer.c), once with C++ (both programs). With HIDE (directories joined by
+#                          '|'), only the C/C++ project, whose find_* calls ignore those directories (oneDNN's
+#                          package and headers); the project checks that oneDNN is indeed out of its sight.
+#   MODE=mpi_package       BUILD_DIR installed into WORK_DIR/prefix_mpi without the component mpi, then with it
+#                          (`cmake --install --component mpi`); tests/consumers/project with CONSUMER_MPI (and
+#                          oneDNN hidden, as above) builds consumer_mpi.cpp against gpt2attn::mpi, run by MPIEXEC on
+#                          2 ranks (MPIEXEC_NP_FLAG; MPIEXEC_FLAGS joined by '|')
 #   MODE=pkg_config        both programs compiled and linked by hand with `pkg-config --cflags --libs gpt2attn`
 #   MODE=python_package    the installed Python package imported from the prefix, loading the prefix's library
 #   MODE=add_subdirectory  tests/consumers/project adding SOURCE_TREE with add_subdirectory (kept between runs:
@@ -53,12 +59,22 @@ if(MODE STREQUAL "install")
   run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
 elseif(MODE STREQUAL "cmake_package")
   # CMAKE_FIND_USE_PACKAGE_REGISTRY off: the package must come from the prefix, nowhere else.
-  foreach(variant c_only c_cxx)
+  set(variants c_only c_cxx)
+  if(DEFINED HIDE)
+    set(variants c_cxx_hidden)
+  endif()
+  foreach(variant IN LISTS variants)
     set(dir ${WORK_DIR}/cmake_package_${variant})
     file(REMOVE_RECURSE ${dir})
     set(only "")
     if(variant STREQUAL "c_only")
       set(only -DCONSUMER_C_ONLY=ON)
+    elseif(variant STREQUAL "c_cxx_hidden")
+      # An initial cache (-C): the list keeps its semicolons, which a -D on this command line would split.
+      string(REPLACE "|" ";" hidden "${HIDE}")
+      file(WRITE ${WORK_DIR}/cmake_package_hide.cmake "set(CMAKE_IGNORE_PATH \"${hidden}\" CACHE STRING \"\")\n")
+      set(only -C ${WORK_DIR}/cmake_package_hide.cmake -DCONSUMER_EXPECT_NO_DNNL=ON)
+      message(STATUS "hidden from the consumer: ${hidden}")
     endif()
     build_project(${dir} -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF ${only})
     file(STRINGS ${dir}/CMakeCache.txt found REGEX "^gpt2attn_DIR:")
@@ -67,6 +83,28 @@ elseif(MODE STREQUAL "cmake_package")
       message(FATAL_ERROR "find_package(gpt2attn) did not take the package from ${prefix}: ${found}")
     endif()
   endforeach()
+elseif(MODE STREQUAL "mpi_package")
+  set(prefix ${WORK_DIR}/prefix_mpi)
+  file(REMOVE_RECURSE ${prefix})
+  # The rest of the install (CMake's default component, "Unspecified") leaves the module out, and the module's
+  # component puts in all it needs.
+  run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix} --component Unspecified)
+  file(GLOB_RECURSE module RELATIVE ${prefix} ${prefix}/*mpi* ${prefix}/*parallel.hpp)
+  if(module)
+    message(FATAL_ERROR "installed without the component mpi, yet: ${module}")
+  endif()
+  run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix} --component mpi)
+  file(GLOB_RECURSE module RELATIVE ${prefix} ${prefix}/*mpi* ${prefix}/*parallel.hpp)
+  message(STATUS "the component mpi installed: ${module}")
+  string(REPLACE "|" ";" hidden "${HIDE}")
+  file(WRITE ${WORK_DIR}/mpi_package_hide.cmake "set(CMAKE_IGNORE_PATH \"${hidden}\" CACHE STRING \"\")\n")
+  set(dir ${WORK_DIR}/mpi_package)
+  file(REMOVE_RECURSE ${dir})
+  build_project(${dir} -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF
+                -C ${WORK_DIR}/mpi_package_hide.cmake -DCONSUMER_EXPECT_NO_DNNL=ON -DCONSUMER_MPI=ON)
+  string(REPLACE "|" ";" flags "${MPIEXEC_FLAGS}")
+  run(${MPIEXEC} ${MPIEXEC_NP_FLAG} 2 ${flags} ${dir}/consumer_mpi)
+  message(STATUS "${last_output}")
 elseif(MODE STREQUAL "pkg_config")
   find_program(PKG_CONFIG pkg-config)
   if(NOT PKG_CONFIG)

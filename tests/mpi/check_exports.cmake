@@ -1,0 +1,51 @@
+# tests/mpi/check_exports.cmake (ctest abi.exports_mpi): libgpt2attn_mpi.so exports parallel.hpp's API and nothing
+# else, at the release's version node, though it holds a copy of the whole engine (cmake/gpt2attn_mpi.map.in).
+#   cmake -DNM=nm -DLIB=libgpt2attn_mpi.so -DVERSION=M.m.p -P check_exports.cmake
+# Each dynamic symbol the library defines must be, at GPT2ATTN_MPI_<VERSION>, a member of ShardedAttention or
+# ShardedKvCache other than of their Impl, run_agreed, or CollectiveTimeout's typeinfo or vtable; or that node.
+cmake_minimum_required(VERSION 3.25)  # policies of the script mode, as the project sets them
+foreach(v NM LIB VERSION)
+  if(NOT DEFINED ${v} OR "${${v}}" STREQUAL "")
+    message(FATAL_ERROR "check_exports.cmake: -D${v}=... is missing")
+  endif()
+endforeach()
+set(node "GPT2ATTN_MPI_${VERSION}")
+execute_process(COMMAND ${NM} -D --defined-only --demangle ${LIB} OUTPUT_VARIABLE out RESULT_VARIABLE rc
+                ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "${NM} -D --defined-only --demangle ${LIB} failed: ${err}")
+endif()
+# Brackets ([abi:cxx11]) would stop CMake's list splitting; the checks below do not look at them.
+string(REPLACE "[" "<" out "${out}")
+string(REPLACE "]" ">" out "${out}")
+string(REPLACE ";" "," out "${out}")
+string(REGEX REPLACE "\n$" "" out "${out}")
+string(REPLACE "\n" ";" lines "${out}")
+set(bad "")
+set(n 0)
+foreach(line IN LISTS lines)
+  math(EXPR n "${n} + 1")
+  if(NOT line MATCHES "^[0-9a-f]* ([A-Za-z]) (.*)$")
+    list(APPEND bad "unparsed nm line: ${line}")
+    continue()
+  endif()
+  set(name "${CMAKE_MATCH_2}")
+  if(CMAKE_MATCH_1 STREQUAL "A")
+    if(NOT name STREQUAL node)
+      list(APPEND bad "version node ${name} (expected ${node})")
+    endif()
+  elseif(NOT name MATCHES "@@${node}$")
+    list(APPEND bad "${name}: not at version ${node}")
+  elseif(name MATCHES "::Impl(::|$|\\()")
+    list(APPEND bad "${name}: a member of an Impl")
+  elseif(NOT (name MATCHES "^gpt2attn::(ShardedAttention|ShardedKvCache)::" OR name MATCHES "^gpt2attn::run_agreed\\("
+              OR name MATCHES "^(typeinfo for|typeinfo name for|vtable for) gpt2attn::CollectiveTimeout@"))
+    list(APPEND bad "${name}: not parallel.hpp's API")
+  endif()
+endforeach()
+list(LENGTH bad n_bad)
+message(STATUS "${LIB}: ${n} defined dynamic symbols, ${n_bad} not parallel.hpp's API at ${node}")
+if(n_bad GREATER 0 OR n LESS 10)
+  list(JOIN bad "\n  " listed)
+  message(FATAL_ERROR "libgpt2attn_mpi.so exports what it should not (or too little: ${n} symbols):\n  ${listed}")
+endif()
