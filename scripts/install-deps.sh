@@ -7,13 +7,15 @@ set -euo pipefail
 # libfuzzer-14-dev: the `fuzz` preset (scripts/fuzz.sh).
 # libopenmpi-dev, openmpi-bin: the tensor-parallel module (gpt2attn_mpi), `mpirun -np N gpt2attn` and its tests.
 # pkgconf: pkg-config, with which the consumer.pkg_config test builds programs against the installed gpt2attn.pc.
+# python3-venv: the venvs of the pip install . test and the Hugging Face transformers test (pip fetches into them);
+# ninja-build: the generator scikit-build-core builds that wheel with (without it, pip fetches ninja).
 pkgs=(g++ cmake make libdnnl-dev libxsimd-dev libgtest-dev libbenchmark-dev nlohmann-json3-dev
       ocl-icd-opencl-dev opencl-c-headers
       python3 python3-numpy python3-torch libopenblas0-pthread
       python3-dev python3-pybind11 python3-pytest python3-matplotlib
       libjemalloc2
       clang-14 libclang-rt-14-dev libfuzzer-14-dev
-      pkgconf
+      pkgconf python3-venv ninja-build
       libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${pkgs[@]}"; do
