@@ -70,10 +70,23 @@ class _Computed:
                 return f"a {t.dtype} tensor where the parameters are {dtype}"
         return None
 
+    def _compute_of(self, dtype):
+        return self.compute or _COMPUTE[dtype]
+
+    def _run(self, layer, dtype, shape, *args, **kwargs):
+        """layer.forward(*args, **kwargs) returning `dtype`, the parameters' and the inputs' dtype, as torch does:
+        a bf16 layer writes bf16 itself; an f32 layer of a bf16 module (compute="f32") returns f32, narrowed here
+        (a copy)."""
+        if dtype != torch.bfloat16:
+            return layer.forward(*args, **kwargs, threads=self.threads)
+        if self._compute_of(dtype) == "bf16":
+            return layer.forward(*args, **kwargs, out=torch.empty(shape, dtype=dtype), threads=self.threads)
+        return layer.forward(*args, **kwargs, threads=self.threads).to(dtype)
+
     def _cached_layer(self, params, dtype, tokens, build):
         """The library's layer over `params`, built again by build(compute, context) when one has changed (its
         storage or its version counter, which every in-place write bumps) or a call needs a longer context."""
-        compute = self.compute or _COMPUTE[dtype]
+        compute = self._compute_of(dtype)
         key = (compute, tuple(None if p is None else (p.data_ptr(), p._version, p.dtype) for p in params))
         if self._layer is not None and self._layer_key == key and self._layer.config.context_length >= tokens:
             return self._layer
@@ -182,17 +195,12 @@ class MultiheadAttention(_Computed, nn.MultiheadAttention):
         if pad is not None and unbatched:
             pad = pad.unsqueeze(0)
 
-        layer = self._library_layer(max(L, S))
-        bf16 = self._compute() == "bf16"
-        out = torch.empty((N, L, self.embed_dim), dtype=torch.bfloat16) if bf16 else None
-        out = layer.forward(q, k, v, attn_mask=None if mask is None else mask.numpy(),
-                            key_padding=None if pad is None else pad.numpy(), out=out, threads=self.threads)
+        out = self._run(self._library_layer(max(L, S)), self.out_proj.weight.dtype, (N, L, self.embed_dim), q, k, v,
+                        attn_mask=None if mask is None else mask.numpy(),
+                        key_padding=None if pad is None else pad.numpy())
         if unbatched:
             return out[0]
         return out if self.batch_first else out.transpose(0, 1)
-
-    def _compute(self):
-        return self.compute or _COMPUTE[self.out_proj.weight.dtype]
 
     def _library_layer(self, tokens):
         params = [self.in_proj_weight, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight,
@@ -233,13 +241,8 @@ class _HFGPT2Attention(_Computed):
             return super().forward(hidden_states, *args, **kwargs)
         self.last_path = "gpt2attn"
         x = hidden_states
-        bf16 = self._compute_of(x.dtype) == "bf16"
-        out = torch.empty(x.shape[:2] + (self.embed_dim,), dtype=torch.bfloat16) if bf16 else None
         layer = self._library_layer(x.shape[1], x.dtype)
-        return layer.forward(x, out=out, threads=self.threads), None
-
-    def _compute_of(self, dtype):
-        return self.compute or _COMPUTE[dtype]
+        return self._run(layer, x.dtype, x.shape[:2] + (self.embed_dim,), x), None
 
     def _hf_reason(self, x, args, kwargs):
         given = [name for name, v in kwargs.items() if name not in self._DEFAULTS or (v is not None and v is not False)]

@@ -270,6 +270,11 @@ def test_bfloat16_module_computes_in_bf16_and_returns_bf16():
     err = float((got.double() - want).abs().max())
     theirs_err = float((torch_bf16.double() - want).abs().max())
     assert 0 < err <= 1.5 * theirs_err, (err, theirs_err)
+    f32_compute = gt.MultiheadAttention.from_torch(theirs, threads=2, compute="f32")
+    with torch.no_grad():
+        got = f32_compute(xb, xb, xb, need_weights=False)[0]
+    assert got.dtype == torch.bfloat16 and "kernels f32" in f32_compute.implementation
+    assert float((got.double() - want).abs().max()) <= 1.5 * theirs_err
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="a torch.float32 tensor where the parameters are "):
         with pytest.raises(RuntimeError):  # torch's own refusal of mixed dtypes
             ours(x, x, x, need_weights=False)
