@@ -616,7 +616,7 @@ PYBIND11_MODULE(_gpt2attn, m) {
         }
         py::array_t<double> a(std::vector<py::ssize_t>{in.query.shape[0], in.query.shape[1], c.d_model});
         std::copy(r.begin(), r.end(), a.mutable_data());
-        return a;
+        return result(a, py::none(), query);
       },
       py::arg("config"), py::arg("weights"), py::arg("query"), py::arg("key") = py::none(),
       py::arg("value") = py::none(), py::arg("attn_mask") = py::none(), py::arg("mask_kind") = py::none(),

@@ -304,6 +304,8 @@ def test_layers_return_tensors_for_tensors_and_refuse_recorded_gradients():
     mha = gpt2attn.MultiHeadAttention(cfg, gpt2attn.Weights.random(cfg, 5), threads=1)
     with pytest.raises(gpt2attn.InvalidArgument, match="query: the tensor requires grad"):
         mha.forward(tracked)
+    ref = gpt2attn.reference_forward(cfg, gpt2attn.Weights.random(cfg, 5), torch.from_numpy(x))
+    assert isinstance(ref, torch.Tensor) and ref.dtype == torch.float64
 
 
 def test_library_layer_reads_bf16_tensors_in_place_and_writes_bf16():
