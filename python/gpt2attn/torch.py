@@ -277,9 +277,8 @@ class _HFGPT2Attention(_Computed):
         return self._cached_layer(params, dtype, tokens, build)
 
 
-def _hf_attention_classes():
-    """The Hugging Face GPT-2 attention classes, when transformers imports (GPT2SdpaAttention and the like are
-    subclasses of GPT2Attention)."""
+def _hf_attention_class():
+    """Hugging Face's GPT2Attention when transformers imports (GPT2SdpaAttention and the like subclass it)."""
     try:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
     except Exception:  # not installed, or a release that cannot import beside this torch
@@ -327,7 +326,7 @@ def replace_attention(model, *, threads=0, isa="best", compute=None, context_len
         raise TypeError("replace_attention: the model is itself a MultiheadAttention, which has no parent to "
                         "replace it in: use gpt2attn.torch.MultiheadAttention.from_torch(model)")
     options = dict(threads=threads, isa=isa, compute=compute, context_length=context_length)
-    hf = _hf_attention_classes()
+    hf = _hf_attention_class()
     replaced, bypassed = [], []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
