@@ -486,6 +486,19 @@ gpt2attn_status_t gpt2attn_seq_fork(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t p
   });
 }
 
+gpt2attn_status_t gpt2attn_seq_fork_prefix(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t parent, int64_t prefix_tokens,
+                                           gpt2attn_seq_t* out) {
+  return guarded(__func__, [&] {
+    auto& c = deref(cache, "cache");
+    require(out, "out");
+    *out = c.cache.fork(parent, prefix_tokens);
+  });
+}
+
+gpt2attn_status_t gpt2attn_seq_truncate(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq, int64_t new_length) {
+  return guarded(__func__, [&] { deref(cache, "cache").cache.truncate(seq, new_length); });
+}
+
 gpt2attn_status_t gpt2attn_seq_release(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq) {
   return guarded(__func__, [&] { deref(cache, "cache").cache.release(seq); });
 }

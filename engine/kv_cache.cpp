@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -230,22 +231,55 @@ SequenceId KvCache::create() {
 
 // The bookkeeping calls below build their error messages, and their copies of a table, inside translate_bad_alloc:
 // a bad id met with an exhausted heap still reaches the caller as an Error.
-SequenceId KvCache::fork(SequenceId parent) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+namespace {
+
+// fork() and fork(prefix): a new sequence holding the parent's first `prefix` tokens (all of them without one).
+SequenceId fork_at(KvCache::Impl& impl, SequenceId parent, std::optional<int64_t> prefix) {
+  std::lock_guard<std::mutex> lock(impl.mu);
   return detail::translate_bad_alloc("KvCache::fork", [&] {
-    Impl::Sequence& p = impl_->find(parent);
+    KvCache::Impl::Sequence& p = impl.find(parent);
     if (p.busy) invalid("KvCache::fork: sequence " + str(parent) + " is in use by another call");
-    // Only the blocks holding tokens are shared; a block reserved past the length stays the parent's.
-    const int64_t used = impl_->table_size_after(p, 0);
-    Impl::Sequence c;
-    c.blocks.reserve(static_cast<size_t>(impl_->max_blocks_per_seq));
+    const int64_t length = prefix.value_or(p.length);
+    if (length < 0 || length > p.length) {
+      invalid("KvCache::fork: prefix_tokens " + str(length) + " of sequence " + str(parent) + ", which holds " +
+              str(p.length) + " tokens (must be 0.." + str(p.length) + ")");
+    }
+    // Only the blocks holding the child's tokens are shared (a block reserved past the length stays the parent's);
+    // a partly used last one is copied on the first append into it while the other still holds it (must_copy).
+    const int64_t used = (length + impl.block_tokens - 1) / impl.block_tokens;
+    KvCache::Impl::Sequence c;
+    c.blocks.reserve(static_cast<size_t>(impl.max_blocks_per_seq));
     c.blocks.assign(p.blocks.begin(), p.blocks.begin() + used);
-    c.length = p.length;
-    const SequenceId id = impl_->next_id;
-    auto& child = impl_->seqs.emplace(id, std::move(c)).first->second;  // may throw bad_alloc: nothing changed then
-    ++impl_->next_id;
-    for (int32_t b : child.blocks) ++impl_->refcount[b];
+    c.length = length;
+    const SequenceId id = impl.next_id;
+    auto& child = impl.seqs.emplace(id, std::move(c)).first->second;  // may throw bad_alloc: nothing changed then
+    ++impl.next_id;
+    for (int32_t b : child.blocks) ++impl.refcount[b];
     return id;
+  });
+}
+
+}  // namespace
+
+SequenceId KvCache::fork(SequenceId parent) { return fork_at(*impl_, parent, std::nullopt); }
+
+SequenceId KvCache::fork(SequenceId parent, int64_t prefix_tokens) { return fork_at(*impl_, parent, prefix_tokens); }
+
+void KvCache::truncate(SequenceId seq, int64_t new_length) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  detail::translate_bad_alloc("KvCache::truncate", [&] {
+    Impl::Sequence& s = impl_->find(seq);
+    if (s.busy) invalid("KvCache::truncate: sequence " + str(seq) + " is in use by another call");
+    if (new_length < 0 || new_length > s.length) {
+      invalid("KvCache::truncate: new_length " + str(new_length) + " for sequence " + str(seq) + ", which holds " +
+              str(s.length) + " tokens (must be 0.." + str(s.length) + ")");
+    }
+    // The table keeps the blocks holding the first new_length tokens (a sequence holds no block past its length).
+    // A kept block that another sequence shares is never written in place: the next append copies it (must_copy).
+    const auto keep = static_cast<size_t>((new_length + impl_->block_tokens - 1) / impl_->block_tokens);
+    for (size_t b = keep; b < s.blocks.size(); ++b) impl_->drop_block(s.blocks[b]);
+    s.blocks.resize(keep);
+    s.length = new_length;
   });
 }
 

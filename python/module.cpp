@@ -431,7 +431,15 @@ PYBIND11_MODULE(_gpt2attn, m) {
            py::arg("config"), py::arg("block_tokens") = 0, py::arg("capacity_tokens") = 0,
            py::arg("capacity_bytes") = 0, py::arg("dtype") = "f32")
       .def("create", &ga::KvCache::create)
-      .def("fork", &ga::KvCache::fork, py::arg("parent"))
+      .def(
+          "fork",
+          [](ga::KvCache& c, ga::SequenceId parent, std::optional<int64_t> prefix_tokens) {
+            return prefix_tokens ? c.fork(parent, *prefix_tokens) : c.fork(parent);
+          },
+          py::arg("parent"), py::arg("prefix_tokens") = py::none(),
+          "A new sequence sharing the parent's tokens, or its first prefix_tokens of them.")
+      .def("truncate", &ga::KvCache::truncate, py::arg("seq"), py::arg("new_length"),
+           "Drops the sequence's tokens past new_length (rejected drafts); blocks nobody else holds are freed.")
       .def("release", &ga::KvCache::release, py::arg("seq"))
       .def("__contains__", &ga::KvCache::contains)
       .def("length", &ga::KvCache::length, py::arg("seq"))

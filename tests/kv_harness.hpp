@@ -145,10 +145,19 @@ struct BlockModel {
     for (int64_t i = 0; i < add; ++i) t.push_back(take());
     len[s] += n;
   }
-  void fork(SequenceId parent, SequenceId child) {
-    tables[child] = tables[parent];
-    len[child] = len[parent];
+  void fork(SequenceId parent, SequenceId child) { fork(parent, child, len.at(parent)); }
+  // The child holds the blocks of the parent's first `prefix` tokens.
+  void fork(SequenceId parent, SequenceId child, int64_t prefix) {
+    const std::vector<int64_t>& p = tables.at(parent);
+    tables[child].assign(p.begin(), p.begin() + blocks_for(prefix, bt));
+    len[child] = prefix;
     for (int64_t b : tables[child]) ++refs[b];
+  }
+  void truncate(SequenceId s, int64_t n) {
+    std::vector<int64_t>& t = tables.at(s);
+    for (size_t i = static_cast<size_t>(blocks_for(n, bt)); i < t.size(); ++i) drop(t[i]);
+    t.resize(static_cast<size_t>(blocks_for(n, bt)));
+    len[s] = n;
   }
   void release(SequenceId s) {
     for (int64_t b : tables[s]) drop(b);
@@ -366,6 +375,24 @@ struct Harness {
     seqs[id] = seqs.at(parent);
     model.fork(parent, id);
     return id;
+  }
+  // A fork of the parent's first `prefix` tokens: its history is theirs.
+  SequenceId fork(SequenceId parent, int64_t prefix) {
+    const SequenceId id = cache.fork(parent, prefix);
+    EXPECT_FALSE(seqs.count(id)) << "fork returned id " << id << " which was used before";
+    SeqTrack t = seqs.at(parent);
+    t.x.resize(static_cast<size_t>(prefix * W()));
+    t.out.resize(static_cast<size_t>(prefix * E()));
+    seqs[id] = std::move(t);
+    model.fork(parent, id, prefix);
+    return id;
+  }
+  void truncate(SequenceId id, int64_t n) {
+    cache.truncate(id, n);
+    SeqTrack& t = seqs.at(id);
+    t.x.resize(static_cast<size_t>(n * W()));
+    t.out.resize(static_cast<size_t>(n * E()));
+    model.truncate(id, n);
   }
   void release(SequenceId id) {
     cache.release(id);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <set>
 #include <string>
 #include <vector>
@@ -262,6 +263,109 @@ TEST_P(KvCacheFork, ForkOfEmptySequence) {
   EXPECT_TRUE(h.matches_reference(p, "parent"));
   EXPECT_TRUE(h.matches_reference(c, "child"));
 }
+// fork(parent, prefix) at every place a prefix can end (empty, inside the first block, on a boundary, inside a later
+// one, the whole parent): the child shares the blocks of its tokens and no more, takes no block until it appends, then
+// continues as the reference over the parent's first `prefix` tokens and its own; neither side's cached K/V changes
+// when the other appends.
+TEST_P(KvCacheFork, PrefixForkSharesOnlyThePrefixBlocks) {
+  for (int64_t prefix : {int64_t{0}, int64_t{3}, int64_t{4}, int64_t{6}, int64_t{10}}) {
+    Harness h(serving_config(32, 2, 24, 64), isa(), 4, 64, 170 + prefix, 2);
+    const std::string tag = "prefix " + std::to_string(prefix) + " of 10";
+    const SequenceId p = h.create();
+    h.extend(p, 10);
+    const int64_t free_before = h.cache.free_blocks();
+    const SequenceId c = h.fork(p, prefix);
+    ASSERT_TRUE(h.accounting(tag + ", after fork"));
+    EXPECT_EQ(h.cache.free_blocks(), free_before) << h.ctx(tag) << ": a prefix fork must share, not copy";
+    EXPECT_EQ(h.cache.length(c), prefix);
+    for (int64_t t = 0; t < prefix; ++t) EXPECT_EQ(block_of(h.cache, c, t), block_of(h.cache, p, t)) << tag;
+    const CacheSnapshot parent0 = snapshot(h.cache, {p});
+    h.extend(c, 5);
+    ASSERT_TRUE(h.accounting(tag + ", child extended"));
+    EXPECT_TRUE(same_snapshot(parent0, snapshot(h.cache, {p}), false))
+        << h.ctx(tag) << ": the child changed the parent";
+    const CacheSnapshot child1 = snapshot(h.cache, {c});
+    h.decode({p});
+    EXPECT_TRUE(same_snapshot(child1, snapshot(h.cache, {c}), false)) << h.ctx(tag) << ": the parent changed the child";
+    h.decode({c, p});
+    ASSERT_TRUE(h.accounting(tag + ", both decoded"));
+    EXPECT_TRUE(h.matches_reference(p, tag + " parent"));
+    EXPECT_TRUE(h.matches_reference(c, tag + " child"));
+    EXPECT_TRUE(h.kv_ok(p, tag + " parent"));
+    EXPECT_TRUE(h.kv_ok(c, tag + " child"));
+    h.release(p);
+    h.release(c);
+    EXPECT_EQ(h.cache.free_blocks(), h.cache.total_blocks()) << h.ctx(tag);
+  }
+}
+
+// truncate: the blocks past the new length go back unless a fork holds them; a kept block that a fork still shares
+// is copied on the next append (the fork's tokens never change); appends after it continue the reference over the
+// kept history; truncate to 0 and to the same length.
+TEST_P(KvCacheFork, TruncateGivesBackBlocksAndKeepsForksIntact) {
+  Harness h(serving_config(32, 2, 24, 64), isa(), 4, 64, 180, 2);
+  const SequenceId a = h.create();
+  h.extend(a, 10);  // 3 blocks
+  const int64_t free0 = h.cache.free_blocks();
+  h.truncate(a, 5);  // 2 blocks: one back
+  ASSERT_TRUE(h.accounting("truncated 10 -> 5"));
+  EXPECT_EQ(h.cache.free_blocks(), free0 + 1);
+  h.extend(a, 4);
+  h.decode({a});
+  EXPECT_TRUE(h.matches_reference(a, "extended after truncate"));
+  EXPECT_TRUE(h.kv_ok(a, "extended after truncate"));
+  h.truncate(a, h.cache.length(a));  // nothing dropped
+  ASSERT_TRUE(h.accounting("truncated to its own length"));
+
+  const SequenceId f = h.fork(a);  // shares all of a's blocks
+  const CacheSnapshot fork0 = snapshot(h.cache, {f});
+  const int64_t free1 = h.cache.free_blocks();
+  h.truncate(a, 6);  // the fork holds every block: none comes back
+  ASSERT_TRUE(h.accounting("truncated under a fork"));
+  EXPECT_EQ(h.cache.free_blocks(), free1) << h.ctx("a block the fork holds was freed");
+  h.decode({a});  // writes into the shared partial block: a copy, not the fork's
+  h.extend(a, 3);
+  ASSERT_TRUE(h.accounting("appended after the truncate under a fork"));
+  EXPECT_TRUE(same_snapshot(fork0, snapshot(h.cache, {f}), false)) << h.ctx("the truncated sequence changed its fork");
+  EXPECT_TRUE(h.matches_reference(a, "truncated under a fork, continued"));
+  EXPECT_TRUE(h.matches_reference(f, "the fork"));
+
+  h.truncate(a, 0);
+  ASSERT_TRUE(h.accounting("truncated to 0"));
+  h.extend(a, 2);
+  EXPECT_TRUE(h.matches_reference(a, "restarted after truncate to 0"));
+  h.release(a);
+  h.release(f);
+  EXPECT_EQ(h.cache.free_blocks(), h.cache.total_blocks());
+}
+
+// Out-of-range lengths and unknown ids are refused by name, with nothing changed.
+TEST_P(KvCacheFork, TruncateAndPrefixForkRefuseBadArguments) {
+  Harness h(serving_config(32, 2, 24, 64), isa(), 4, 64, 190, 1);
+  const SequenceId a = h.create();
+  h.extend(a, 6);
+  const CacheSnapshot before = snapshot(h.cache, {a});
+  const int64_t free = h.cache.free_blocks(), n = h.cache.num_sequences();
+  auto refused = [&](const std::function<void()>& call, const std::string& needle) {
+    try {
+      call();
+      ADD_FAILURE() << h.ctx(needle) << ": accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(static_cast<int>(e.code()), static_cast<int>(ErrorCode::invalid_argument)) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused([&] { h.cache.truncate(a, 7); }, "KvCache::truncate: new_length 7 for sequence");
+  refused([&] { h.cache.truncate(a, -1); }, "new_length -1");
+  refused([&] { h.cache.truncate(a + 1000, 0); }, "unknown sequence id");
+  refused([&] { h.cache.fork(a, 7); }, "KvCache::fork: prefix_tokens 7 of sequence");
+  refused([&] { h.cache.fork(a, -1); }, "prefix_tokens -1");
+  refused([&] { h.cache.fork(a + 1000, 0); }, "unknown sequence id");
+  EXPECT_TRUE(same_snapshot(before, snapshot(h.cache, {a})));
+  EXPECT_EQ(h.cache.free_blocks(), free);
+  EXPECT_EQ(h.cache.num_sequences(), n);
+}
+
 GPT2ATTN_INSTANTIATE_ISAS(KvCache, KvCacheScript);
 GPT2ATTN_INSTANTIATE_ISAS(KvCache, KvCacheFork);
 

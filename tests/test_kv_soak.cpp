@@ -1,4 +1,5 @@
-// tests/test_kv_soak.cpp: the KV soak: a long random stream of create / extend / decode / fork / release operations,
+// tests/test_kv_soak.cpp: the KV soak: a long random stream of create / extend / decode / fork (of the whole sequence
+// or a prefix) / truncate / release operations,
 // with bad calls mixed in, on small pools that run out of blocks and sequences that reach the context length, on
 // every instruction set this CPU runs and every cache dtype (f32, bf16, int8; one grouped-query and one multi-query
 // config). Before each call a plain model (kv_harness.hpp's BlockModel and the sequences' lengths) predicts whether
@@ -122,8 +123,10 @@ std::vector<PoolConfig> pool_configs() {
 
 // What the stream reached, so a soak that stopped exercising something fails.
 struct Reached {
-  int64_t creates = 0, extends = 0, decodes = 0, forks = 0, releases = 0, copy_on_write = 0, pool_full = 0;
+  int64_t creates = 0, extends = 0, decodes = 0, forks = 0, prefix_forks = 0, truncates = 0, releases = 0;
+  int64_t copy_on_write = 0, pool_full = 0;
   int64_t refused_pool = 0, refused_context = 0, refused_bad_id = 0, refused_duplicate = 0, refused_non_finite = 0;
+  int64_t refused_bad_length = 0;
   int64_t reference_checks = 0;
   int64_t longest_decode = 0;  // the longest sequence a decode step extended
 };
@@ -217,14 +220,15 @@ class Soak {
     const int64_t live = static_cast<int64_t>(h_.seqs.size()), free = h_.model.free();
     const bool crowded = live >= kMaxLive;
     const int64_t w_create = crowded ? 0 : 4, w_extend = live ? 6 : 0, w_decode = live ? 10 : 0;
-    const int64_t w_fork = live && !crowded ? 3 : 0, w_bad = 2;
+    const int64_t w_fork = live && !crowded ? 3 : 0, w_truncate = live ? 2 : 0, w_bad = 2;
     // Releases keep the pool busy but not jammed: about a quarter of the calls end up refused for want of blocks.
     const int64_t w_release = !live ? 0 : free == 0 ? 12 : free < 3 || live > kMaxLive / 2 ? 5 : 1;
-    int64_t x = r_.between(0, w_create + w_extend + w_decode + w_fork + w_release + w_bad - 1);
+    int64_t x = r_.between(0, w_create + w_extend + w_decode + w_fork + w_truncate + w_release + w_bad - 1);
     if ((x -= w_create) < 0) return create();
     if ((x -= w_extend) < 0) return extend(pick_live());
     if ((x -= w_decode) < 0) return decode();
     if ((x -= w_fork) < 0) return fork();
+    if ((x -= w_truncate) < 0) return truncate();
     if ((x -= w_release) < 0) return release();
     return bad_call();
   }
@@ -294,15 +298,37 @@ class Soak {
     return accepted(ids, [&] { return h_.decode(ids); });
   }
 
+  // Half the forks take a random prefix of the parent (a shared system prompt), cut anywhere in a block.
   ::testing::AssertionResult fork() {
     const SequenceId parent = pick_live();
-    what_ = "fork " + std::to_string(parent) + " (length " + std::to_string(len(parent)) + ")";
+    const bool prefix = r_.chance(0.5);
+    const int64_t n = prefix ? r_.between(0, len(parent)) : len(parent);
+    what_ = "fork " + std::to_string(parent) + " (length " + std::to_string(len(parent)) + ")" +
+            (prefix ? " of its first " + std::to_string(n) : "");
     const test::BlockBytes all = test::held_blocks(h_.cache, h_.live());
-    const SequenceId child = h_.fork(parent);
+    const SequenceId child = prefix ? h_.fork(parent, n) : h_.fork(parent);
     ever_.insert(child);
     ++reached_.forks;
+    if (prefix) ++reached_.prefix_forks;
     if (const std::string c = test::changed_blocks(h_.cache, all); !c.empty()) return fail("forked") << c;
     return ::testing::AssertionSuccess();
+  }
+
+  // Drops a random number of a sequence's last tokens (rejected drafts): no other sequence's blocks change, and the
+  // model's books (blocks given back unless shared) must equal the cache's.
+  ::testing::AssertionResult truncate() {
+    const SequenceId id = pick_live();
+    const int64_t n = r_.chance(0.3) ? r_.between(0, len(id)) : std::max<int64_t>(0, len(id) - r_.between(1, 4));
+    what_ = "truncate " + std::to_string(id) + " (length " + std::to_string(len(id)) + ") to " + std::to_string(n);
+    std::vector<SequenceId> others = h_.live();
+    others.erase(std::find(others.begin(), others.end(), id));
+    const test::BlockBytes kept = test::held_blocks(h_.cache, others);
+    h_.truncate(id, n);
+    ++reached_.truncates;
+    if (const std::string c = test::changed_blocks(h_.cache, kept); !c.empty()) {
+      return fail("truncated") << "another sequence's blocks:" << c;
+    }
+    return r_.chance(0.2) ? check_reference(id, "after truncate") : ::testing::AssertionSuccess();
   }
 
   ::testing::AssertionResult release() {
@@ -329,7 +355,7 @@ class Soak {
   ::testing::AssertionResult bad_call() {
     const SequenceId bad = bad_id();
     const std::string b = std::to_string(bad);
-    switch (r_.between(0, 5)) {
+    switch (r_.between(0, 6)) {
       case 0: {
         what_ = "extend of unknown id " + b;
         ++reached_.refused_bad_id;
@@ -346,6 +372,22 @@ class Soak {
         const std::vector<float> x = tokens(2);
         return refused({ErrorCode::invalid_argument}, 2,
                        [&](float* out) { h_.block.decode(h_.cache, ids.data(), 2, x.data(), out, h_.run()); });
+      }
+      case 6: {  // a length out of range for a live sequence
+        if (h_.seqs.empty()) break;
+        const SequenceId id = pick_live();
+        const bool fork = r_.chance(0.5);
+        const int64_t n = r_.chance(0.5) ? -r_.between(1, 3) : len(id) + r_.between(1, 3);
+        what_ = std::string(fork ? "fork" : "truncate") + " of " + std::to_string(id) + " (length " +
+                std::to_string(len(id)) + ") at " + std::to_string(n);
+        ++reached_.refused_bad_length;
+        return refused({ErrorCode::invalid_argument}, 0, [&](float*) {
+          if (fork) {
+            h_.cache.fork(id, n);
+          } else {
+            h_.cache.truncate(id, n);
+          }
+        });
       }
       case 2: {
         const bool fork = r_.chance(0.5);
@@ -482,16 +524,21 @@ TEST_P(KvSoak, RandomOperationsKeepTheBooks) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::cout << "[ soak     ] " << to_string(isa()) << " " << configs[c].name << ": " << ops << " ops in " << seconds
               << " s: " << r.creates << " creates, " << r.extends << " extends, " << r.decodes << " decodes, "
-              << r.forks << " forks, " << r.releases << " releases, " << r.copy_on_write << " copies on write; "
+              << r.forks << " forks (" << r.prefix_forks << " of a prefix), " << r.truncates << " truncates, "
+              << r.releases << " releases, " << r.copy_on_write << " copies on write; "
               << "refused: " << r.refused_pool << " pool exhausted, " << r.refused_context << " past context, "
               << r.refused_bad_id << " unknown id, " << r.refused_duplicate << " duplicate id, "
-              << r.refused_non_finite << " non-finite; pool full " << r.pool_full << " times, "
+              << r.refused_non_finite << " non-finite, " << r.refused_bad_length << " bad length; pool full "
+              << r.pool_full << " times, "
               << soak.model().allocated_ever << " block allocations of " << soak.model().total << " blocks, "
               << r.reference_checks << " reference checks, longest decode " << r.longest_decode << " tokens\n";
     // The stream must reach what it claims to (checked once a run is long enough to make each near-certain).
     if (ops >= 400) {
       for (const auto& [count, what] : std::vector<std::pair<int64_t, const char*>>{
                {r.forks, "forks"},
+               {r.prefix_forks, "forks of a prefix"},
+               {r.truncates, "truncates"},
+               {r.refused_bad_length, "refusals of a length out of range"},
                {r.copy_on_write, "copies on write"},
                {r.refused_pool, "refusals for an exhausted pool"},
                {r.refused_context, "refusals past the context length"},

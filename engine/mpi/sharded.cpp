@@ -12,6 +12,7 @@
 #include <limits>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -715,16 +716,22 @@ namespace {
 // same arguments everywhere), then done locally. Ids are assigned in order and never reused, so every rank's pool
 // gives the same id. An allocation failure after the agreement (a sequence entry) marks the cache out of step on
 // that rank, which the next call's agreement reports to all.
+// `length`: fork's prefix or truncate's new length, checked here against the sequence's (0..length) and agreed.
 template <class Op>
-SequenceId sequence_op(ShardedKvCache::Impl& c, const char* call, int op, SequenceId seq, bool needs_seq, Op&& f) {
+SequenceId sequence_op(ShardedKvCache::Impl& c, const char* call, int op, SequenceId seq, bool needs_seq, Op&& f,
+                       std::optional<int64_t> length = std::nullopt) {
   check_and_agree(c.site(call), [&](Verdict& v) {
     c.check_in_step(call);
     if (needs_seq && !c.local->contains(seq)) {
       invalid(std::string(call) + ": unknown sequence id " + str(seq) + " (never created, or released)");
     }
+    if (length && (*length < 0 || *length > c.local->length(seq))) {
+      invalid(std::string(call) + ": " + str(*length) + " tokens of sequence " + str(seq) + ", which holds " +
+              str(c.local->length(seq)) + " (must be 0.." + str(c.local->length(seq)) + ")");
+    }
     Fingerprint fp;
     c.fingerprint_state(fp, &seq, needs_seq ? 1 : 0);
-    fp.value(op), fp.value(seq);
+    fp.value(op), fp.value(seq), fp.value(length.value_or(-1));
     v.fingerprint = fp.digest();
   });
   try {
@@ -742,6 +749,20 @@ SequenceId ShardedKvCache::create() {
 }
 SequenceId ShardedKvCache::fork(SequenceId parent) {
   return sequence_op(*impl_, "ShardedKvCache::fork", 1, parent, true, [&] { return impl_->local->fork(parent); });
+}
+SequenceId ShardedKvCache::fork(SequenceId parent, int64_t prefix_tokens) {
+  return sequence_op(
+      *impl_, "ShardedKvCache::fork", 3, parent, true, [&] { return impl_->local->fork(parent, prefix_tokens); },
+      prefix_tokens);
+}
+void ShardedKvCache::truncate(SequenceId seq, int64_t new_length) {
+  sequence_op(
+      *impl_, "ShardedKvCache::truncate", 4, seq, true,
+      [&] {
+        impl_->local->truncate(seq, new_length);
+        return seq;
+      },
+      new_length);
 }
 void ShardedKvCache::release(SequenceId seq) {
   sequence_op(*impl_, "ShardedKvCache::release", 2, seq, true, [&] {

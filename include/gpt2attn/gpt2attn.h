@@ -223,6 +223,14 @@ GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_create(gpt2attn_kv_cache_t* cache, g
 /* A new sequence sharing parent's cached tokens (blocks shared, copied on first write). */
 GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_fork(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t parent,
                                                  gpt2attn_seq_t* out);
+/* A new sequence sharing parent's first prefix_tokens tokens (0..length: a shared system prompt); a partly used last
+   block is copied on the child's first append into it. */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_fork_prefix(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t parent,
+                                                        int64_t prefix_tokens, gpt2attn_seq_t* out);
+/* Drops seq's tokens past new_length (0..length: rejected draft tokens, a cancelled chunk); blocks no other sequence
+   holds go back to the pool, and no other sequence's tokens change. */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_truncate(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq,
+                                                     int64_t new_length);
 /* Returns the sequence's unshared blocks to the pool; the id becomes invalid. */
 GPT2ATTN_API gpt2attn_status_t gpt2attn_seq_release(gpt2attn_kv_cache_t* cache, gpt2attn_seq_t seq);
 /* *out = cached tokens of seq. */

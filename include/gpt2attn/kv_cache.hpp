@@ -61,6 +61,15 @@ class GPT2ATTN_API KvCache {
 
   SequenceId create();                   // an empty sequence; it takes no block until tokens are appended
   SequenceId fork(SequenceId parent);    // a new sequence sharing the parent's tokens (and blocks)
+  // A new sequence sharing the parent's first prefix_tokens tokens (0 <= prefix_tokens <= length(parent)): a shared
+  // system prompt. Its whole blocks are shared; the partly used last one is shared too and copied on the child's
+  // first append into it. invalid_argument for a prefix out of range.
+  SequenceId fork(SequenceId parent, int64_t prefix_tokens);
+  // Drops the last tokens of `seq`, keeping 0 <= new_length <= length(seq) (rejected draft tokens, a cancelled
+  // chunk): the blocks past it go back to the pool unless another sequence holds them, and a partly used last block
+  // still shared with a fork is copied on the next append, so no other sequence's tokens ever change.
+  // invalid_argument for a length out of range or a sequence in use by a running call.
+  void truncate(SequenceId seq, int64_t new_length);
   void release(SequenceId seq);          // returns the blocks no other sequence shares; the id becomes invalid
   bool contains(SequenceId seq) const;
   int64_t length(SequenceId seq) const;  // cached tokens

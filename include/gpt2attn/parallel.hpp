@@ -4,7 +4,8 @@
 // program serves one process, N processes on one machine, or N machines.
 //
 // An optional module (libgpt2attn_mpi.so, CMake target gpt2attn::mpi of find_package(gpt2attn COMPONENTS mpi); built
-// when MPI is found) over the single-process library: nothing in the engine knows about MPI. The library never calls MPI_Init or MPI_Finalize; the caller owns MPI and `comm`.
+// when MPI is found) over the single-process library: nothing in the engine knows about MPI. The library never calls
+// MPI_Init or MPI_Finalize; the caller owns MPI and `comm`.
 //
 // Collective calls. Every method marked (collective) must be called by every rank of the communicator, in the same
 // order, with the same arguments (each rank passes its own copy of x, seqs, masks: they must hold the same values).
@@ -155,6 +156,10 @@ class GPT2ATTN_API ShardedKvCache {
 
   SequenceId create();                 // (collective)
   SequenceId fork(SequenceId parent);  // (collective)
+  // KvCache::fork(parent, prefix_tokens) and KvCache::truncate on every rank (collective; the length is agreed with
+  // the other arguments, so ranks given different lengths are refused on every rank).
+  SequenceId fork(SequenceId parent, int64_t prefix_tokens);
+  void truncate(SequenceId seq, int64_t new_length);
   void release(SequenceId seq);        // (collective)
 
   bool contains(SequenceId seq) const;  // local: the same on every rank

@@ -209,6 +209,29 @@ static void test_prefill_decode(gpt2attn_layer_t* layer, const float* xa, const 
   check_rows("decode on a fork vs forward", yf, ref_f + LEN_A * E, E);
   CHECK(seq_len(cache, a) == LEN_A && seq_len(cache, f) == LEN_A + 1, "lengths after fork decode");
 
+  /* A prefix fork of A's first 6 tokens, then A truncated to 6 under it: each continues as a forward over its own
+   * tokens (the forward of A's first 6 tokens plus the fork's token, ref_f's first rows being A's), and bad lengths
+   * are refused by name. */
+  gpt2attn_seq_t p = -1;
+  CHECK_OK(gpt2attn_seq_fork_prefix(cache, a, 6, &p));
+  CHECK(seq_len(cache, p) == 6, "prefix fork length %lld", (long long)seq_len(cache, p));
+  float xp[7 * E], ref_p[7 * E], yp[E];
+  memcpy(xp, xa, sizeof(float) * 6 * E);
+  fill(xp + 6 * E, E, 98);
+  CHECK_OK(gpt2attn_layer_forward(layer, xp, 1, 7, ref_p, 0, ws));
+  CHECK_OK(gpt2attn_layer_decode(layer, cache, &p, 1, xp + 6 * E, yp, 0, ws));
+  check_rows("decode on a prefix fork vs forward", yp, ref_p + 6 * E, E);
+  CHECK_OK(gpt2attn_seq_truncate(cache, a, 6));
+  CHECK(seq_len(cache, a) == 6, "truncated length %lld", (long long)seq_len(cache, a));
+  CHECK_OK(gpt2attn_layer_decode(layer, cache, &a, 1, xp + 6 * E, yp, 0, ws));
+  check_rows("decode after truncate vs forward", yp, ref_p + 6 * E, E);
+  gpt2attn_seq_t untouched = -7;
+  CHECK_ERR(gpt2attn_seq_fork_prefix(cache, a, 8, &untouched), GPT2ATTN_ERR_INVALID_ARGUMENT, "prefix_tokens 8");
+  CHECK_ERR(gpt2attn_seq_truncate(cache, a, -1), GPT2ATTN_ERR_INVALID_ARGUMENT, "new_length -1");
+  CHECK_ERR(gpt2attn_seq_truncate(NULL, a, 0), GPT2ATTN_ERR_INVALID_ARGUMENT, "cache");
+  CHECK(untouched == -7 && seq_len(cache, a) == 7, "a refused fork or truncate changed something");
+  CHECK_OK(gpt2attn_seq_release(cache, p));
+
   size_t ws_bytes = 0;
   CHECK_OK(gpt2attn_workspace_bytes(ws, &ws_bytes));
   CHECK(ws_bytes > 0, "workspace holds memory after use");

@@ -738,6 +738,19 @@ struct ServingPair {
     EXPECT_TRUE(same_on_every_rank(got, comm)) << "fork() gave different ids on different ranks";
     return want;
   }
+  SequenceId fork(SequenceId parent, int64_t prefix) {
+    const SequenceId want = cache.fork(parent, prefix);
+    SequenceId got = -1;
+    EXPECT_EQ(outcome_of([&] { got = scache.fork(parent, prefix); }), "ok");
+    EXPECT_EQ(got, want) << "fork(" << parent << ", " << prefix << ")";
+    expect_lengths({got}, "prefix fork");
+    return want;
+  }
+  void truncate(SequenceId seq, int64_t new_length) {
+    cache.truncate(seq, new_length);
+    EXPECT_EQ(outcome_of([&] { scache.truncate(seq, new_length); }), "ok");
+    expect_lengths({seq}, "truncate");
+  }
   void release(SequenceId seq) {
     cache.release(seq);
     EXPECT_EQ(outcome_of([&] { scache.release(seq); }), "ok");
@@ -806,10 +819,15 @@ void serve_script(const Config& c, const KvCacheOptions& kv, uint64_t seed) {
   p.extend(f, 40, "prefill f (40)");
   p.extend(f, 1, "extend f by 1");
   p.decode({f, e, d, b, a}, "decode five sequences");
-  for (SequenceId s : {a, b, d, e, f}) p.release(s);
+  const SequenceId g = p.fork(f, 19);  // a shared prompt of 19 tokens: two whole 8-token blocks and a part
+  p.decode({g, f}, "decode the prefix fork g (19 of f's 41) and f");
+  p.truncate(f, 30);                   // rejected drafts: f's last 12 tokens
+  p.decode({f, g}, "decode f after truncating it to 30, and g");
+  p.extend(g, 6, "extend g past its shared prefix");
+  for (SequenceId s : {a, b, d, e, f, g}) p.release(s);
   EXPECT_EQ(p.scache.free_blocks(), p.scache.total_blocks());
   EXPECT_FALSE(p.scache.contains(s_c));
-  EXPECT_EQ(p.create(), f + 1) << "ids are assigned in order and never reused";
+  EXPECT_EQ(p.create(), g + 1) << "ids are assigned in order and never reused";
 }
 
 class ShardedServing : public Sharded {};
@@ -1087,6 +1105,15 @@ TEST_F(ShardedErrors, InputsThatDifferBetweenRanks) {
   EXPECT_TRUE(same_error_on_every_rank([&] { p.scache.fork(g_rank == odd ? b : a); }, MPI_COMM_WORLD, &err));
   if (g_rank == 0) std::printf("[ message  ] fork, parent differs on rank %d: %s\n", odd, err.message.c_str());
   EXPECT_TRUE(same_error_on_every_rank([&] { p.scache.release(g_rank == odd ? b : a); }, MPI_COMM_WORLD, &err));
+  // truncate and a prefix fork: a length that differs on one rank, and one out of range everywhere.
+  const int64_t len_a = p.scache.length(a);
+  EXPECT_TRUE(same_error_on_every_rank([&] { p.scache.truncate(a, g_rank == odd ? 1 : 2); }, MPI_COMM_WORLD, &err));
+  if (g_rank == 0) std::printf("[ message  ] truncate, length differs on rank %d: %s\n", odd, err.message.c_str());
+  EXPECT_TRUE(same_error_on_every_rank([&] { p.scache.fork(a, g_rank == odd ? 1 : 2); }, MPI_COMM_WORLD, &err));
+  EXPECT_TRUE(same_error_on_every_rank([&] { p.scache.truncate(a, len_a + 1); }, MPI_COMM_WORLD, &err));
+  EXPECT_NE(err.message.find("must be 0.."), std::string::npos) << err.message;
+  EXPECT_TRUE(same_error_on_every_rank([&] { p.scache.fork(a, -1); }, MPI_COMM_WORLD, &err));
+  EXPECT_EQ(p.scache.length(a), len_a);
   EXPECT_TRUE(p.scache.contains(a));
   EXPECT_TRUE(p.scache.contains(b));
   p.decode({a, b}, "decode after the differing calls");

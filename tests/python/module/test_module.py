@@ -243,6 +243,32 @@ def test_prefill_decode_fork_release_match_forward():
     assert child not in cache and cache.num_sequences == 2
 
 
+def test_prefix_fork_and_truncate():
+    """fork(seq, prefix_tokens) shares a prompt's first tokens; truncate drops rejected draft tokens; each then
+    continues as a forward over its own tokens."""
+    rng = np.random.default_rng(8)
+    cfg, layer, cache = serving_layer()
+    a = cache.create()
+    x = rand(rng, 80, 64)
+    layer.extend(cache, a, x[:70])
+    free = cache.free_blocks
+    p = cache.fork(a, prefix_tokens=40)
+    assert cache.length(p) == 40 and cache.free_blocks == free  # shared, not copied
+    nxt = rand(rng, 1, 64)
+    want = layer.forward(np.concatenate([x[:40], nxt])[np.newaxis])[0, 40].astype(np.float64)
+    pc.compare(layer.decode(cache, [p], nxt)[0], want, 64)
+    cache.truncate(a, 40)  # a's second block goes back; the fork's decode copied the first, which a keeps
+    assert cache.length(a) == 40 and cache.free_blocks == free
+    pc.compare(layer.decode(cache, [a], nxt)[0], want, 64)
+    cache.release(p)
+    cache.truncate(a, 10)
+    assert cache.free_blocks == free + 1  # the fork's copy back; a still holds one block
+    with pytest.raises(gpt2attn.InvalidArgument, match="new_length 11"):
+        cache.truncate(a, 11)
+    with pytest.raises(gpt2attn.InvalidArgument, match="prefix_tokens -1"):
+        cache.fork(a, -1)
+
+
 def test_pool_exhaustion_raises_and_leaves_the_cache_unchanged():
     rng = np.random.default_rng(7)
     cfg, layer, cache = serving_layer(capacity_tokens=192)  # 3 blocks of 64
