@@ -201,6 +201,14 @@ TEST_P(KvCacheScript, PoolSizing) {
 
 class KvCacheFork : public IsaTest {};
 
+// A parent and its fork, each against the reference over its own history: outputs and cached K/V.
+void expect_both_match(const Harness& h, SequenceId p, SequenceId c, const std::string& tag) {
+  EXPECT_TRUE(h.matches_reference(p, tag + " parent"));
+  EXPECT_TRUE(h.matches_reference(c, tag + " child"));
+  EXPECT_TRUE(h.kv_ok(p, tag + " parent"));
+  EXPECT_TRUE(h.kv_ok(c, tag + " child"));
+}
+
 // Parent lengths 6 (partially filled shared last block: copy on write) and 8 (full blocks: never written again);
 // the child and the parent continue with different tokens, each matching its own reference, and neither's
 // cached K/V changes when the other appends.
@@ -230,10 +238,7 @@ TEST_P(KvCacheFork, ChildDivergesWithCopyOnWrite) {
     h.decode({p, c});
     h.decode({c, p});
     ASSERT_TRUE(h.accounting(tag + ", both continued"));
-    EXPECT_TRUE(h.matches_reference(p, tag + " parent"));
-    EXPECT_TRUE(h.matches_reference(c, tag + " child"));
-    EXPECT_TRUE(h.kv_ok(p, tag + " parent"));
-    EXPECT_TRUE(h.kv_ok(c, tag + " child"));
+    expect_both_match(h, p, c, tag);
 
     // A grandchild, then the middle generation released: the shared blocks stay with the others.
     const SequenceId g = h.fork(c);
@@ -289,10 +294,7 @@ TEST_P(KvCacheFork, PrefixForkSharesOnlyThePrefixBlocks) {
     EXPECT_TRUE(same_snapshot(child1, snapshot(h.cache, {c}), false)) << h.ctx(tag) << ": the parent changed the child";
     h.decode({c, p});
     ASSERT_TRUE(h.accounting(tag + ", both decoded"));
-    EXPECT_TRUE(h.matches_reference(p, tag + " parent"));
-    EXPECT_TRUE(h.matches_reference(c, tag + " child"));
-    EXPECT_TRUE(h.kv_ok(p, tag + " parent"));
-    EXPECT_TRUE(h.kv_ok(c, tag + " child"));
+    expect_both_match(h, p, c, tag);
     h.release(p);
     h.release(c);
     EXPECT_EQ(h.cache.free_blocks(), h.cache.total_blocks()) << h.ctx(tag);
