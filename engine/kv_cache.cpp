@@ -246,7 +246,7 @@ SequenceId fork_at(KvCache::Impl& impl, SequenceId parent, std::optional<int64_t
     }
     // Only the blocks holding the child's tokens are shared (a block reserved past the length stays the parent's);
     // a partly used last one is copied on the first append into it while the other still holds it (must_copy).
-    const int64_t used = (length + impl.block_tokens - 1) / impl.block_tokens;
+    const int64_t used = impl.blocks_for(length);
     KvCache::Impl::Sequence c;
     c.blocks.reserve(static_cast<size_t>(impl.max_blocks_per_seq));
     c.blocks.assign(p.blocks.begin(), p.blocks.begin() + used);
@@ -276,7 +276,7 @@ void KvCache::truncate(SequenceId seq, int64_t new_length) {
     }
     // The table keeps the blocks holding the first new_length tokens (a sequence holds no block past its length).
     // A kept block that another sequence shares is never written in place: the next append copies it (must_copy).
-    const auto keep = static_cast<size_t>((new_length + impl_->block_tokens - 1) / impl_->block_tokens);
+    const auto keep = static_cast<size_t>(impl_->blocks_for(new_length));
     for (size_t b = keep; b < s.blocks.size(); ++b) impl_->drop_block(s.blocks[b]);
     s.blocks.resize(keep);
     s.length = new_length;

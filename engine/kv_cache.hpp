@@ -98,8 +98,10 @@ struct KvCache::Impl {
   // copy moves one count from refcount to pins, so the sum stays r + p over a call and, of w writers in one call,
   // min(w, r + p - 1) copy: the last holder writes in place only when no other call pins the block.
   bool must_copy(int32_t x, int64_t own) const { return refcount[x] + pins[x] - own > 1; }
+  // The blocks holding the first `tokens` tokens of a sequence: its table's size at that length.
+  int64_t blocks_for(int64_t tokens) const { return (tokens + block_tokens - 1) / block_tokens; }
   // The table size `s` needs after appending `tokens`, and the new blocks that takes beyond what it holds.
-  int64_t table_size_after(const Sequence& s, int64_t tokens) const { return (s.length + tokens + block_tokens - 1) / block_tokens; }
+  int64_t table_size_after(const Sequence& s, int64_t tokens) const { return blocks_for(s.length + tokens); }
   int64_t new_blocks(const Sequence& s, int64_t tokens) const {
     const int64_t grow = table_size_after(s, tokens) - static_cast<int64_t>(s.blocks.size());
     return grow > 0 ? grow : 0;
