@@ -68,19 +68,26 @@ def from_hf_gpt2_block(state_dict, prefix="", num_heads=None, context_length=Non
             t = t.numpy()
         return np.asarray(t, dtype=np.float32)
 
-    c_attn, c_proj = get("c_attn.weight"), get("c_proj.weight")
-    E = c_proj.shape[0]
-    if c_attn.ndim != 2 or c_attn.shape[1] != 3 * E or c_proj.shape != (E, E):
-        raise InvalidArgument(f"from_hf_gpt2_block: c_attn.weight {c_attn.shape} and c_proj.weight {c_proj.shape} "
-                              f"are not (d_in, 3E) and (E, E)")
-    w = np.ascontiguousarray(c_attn.T)  # torch layout (3E, d_in): Q, K, V rows
-    b_attn, b_proj = get("c_attn.bias", False), get("c_proj.bias", False)
     buffer_context = _hf_causal_buffer_context(state_dict.get(prefix + "bias"), prefix + "bias")
     if context_length is None:
         context_length = buffer_context if buffer_context is not None else 1024
+    cfg, weights = conv1d_attention("from_hf_gpt2_block", get("c_attn.weight"), get("c_attn.bias", False),
+                                    get("c_proj.weight"), get("c_proj.bias", False), num_heads, context_length)
+    return CausalSelfAttention(cfg, weights, threads=threads, isa=isa, compute=compute)
+
+
+def conv1d_attention(what, c_attn, b_attn, c_proj, b_proj, num_heads, context_length):
+    """The causal Config and the Weights of a GPT-2 block's attention from its Conv1D tensors as float32 arrays:
+    c_attn (d_in, 3E) and c_proj (E, E), applied as x @ W + b, and their biases or None. `what` names the caller in
+    the error for tensors of other shapes."""
+    E = c_proj.shape[0]
+    if c_attn.ndim != 2 or c_attn.shape[1] != 3 * E or c_proj.shape != (E, E):
+        raise InvalidArgument(f"{what}: c_attn.weight {c_attn.shape} and c_proj.weight {c_proj.shape} "
+                              f"are not (d_in, 3E) and (E, E)")
+    w = np.ascontiguousarray(c_attn.T)  # torch layout (3E, d_in): Q, K, V rows
     cfg = Config(E, num_heads, d_in=0 if c_attn.shape[0] == E else c_attn.shape[0], context_length=context_length,
                  qkv_bias=b_attn is not None, out_bias=b_proj is not None, causal=True)
     qkv_b = (None, None, None) if b_attn is None else (b_attn[:E], b_attn[E:2 * E], b_attn[2 * E:])
     weights = Weights(w[:E], w[E:2 * E], w[2 * E:], np.ascontiguousarray(c_proj.T),
                       qkv_b[0], qkv_b[1], qkv_b[2], b_proj)
-    return CausalSelfAttention(cfg, weights, threads=threads, isa=isa, compute=compute)
+    return cfg, weights

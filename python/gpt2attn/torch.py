@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from . import _gpt2attn as _lib
+from .hf import conv1d_attention
 
 _COMPUTE = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: not the attention's own state
@@ -263,15 +264,8 @@ class _HFGPT2Attention(_Computed):
         params = [self.c_attn.weight, self.c_attn.bias, self.c_proj.weight, self.c_proj.bias]
 
         def build(compute, context):
-            E = self.embed_dim
-            w = _f32(self.c_attn.weight).T  # Conv1D (E, 3E), applied as x @ W + b
-            b = None if self.c_attn.bias is None else _f32(self.c_attn.bias)
-            cfg = _lib.Config(E, self.num_heads, context_length=context, qkv_bias=b is not None,
-                              out_bias=self.c_proj.bias is not None, causal=True)
-            weights = _lib.Weights(np.ascontiguousarray(w[:E]), np.ascontiguousarray(w[E:2 * E]),
-                                   np.ascontiguousarray(w[2 * E:]), np.ascontiguousarray(_f32(self.c_proj.weight).T),
-                                   *((None,) * 3 if b is None else (b[:E], b[E:2 * E], b[2 * E:])),
-                                   None if self.c_proj.bias is None else _f32(self.c_proj.bias))
+            cfg, weights = conv1d_attention(type(self).__name__, *(None if p is None else _f32(p) for p in params),
+                                            self.num_heads, context)
             return _lib.MultiHeadAttention(cfg, weights, threads=self.threads, isa=self.isa, compute=compute)
 
         return self._cached_layer(params, dtype, tokens, build)
