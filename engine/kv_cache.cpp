@@ -103,11 +103,13 @@ int32_t KvCache::Impl::partial_block(const Sequence& s) const {
   return s.blocks[b];
 }
 
-int64_t KvCache::Impl::blocks_for_append(const SequenceId* ids, int64_t n, int64_t tokens, int64_t max_length) const {
+int64_t KvCache::Impl::blocks_for_append(const SequenceId* ids, int64_t n, AppendTokens each,
+                                         int64_t max_length) const {
   int64_t needed = 0;
   const uint64_t pass = ++pass_stamp;
   for (int64_t i = 0; i < n; ++i) {
     const Sequence& s = find(ids[i]);
+    const int64_t tokens = each[i];
     if (s.seen == pass) {
       const int64_t j = std::find(ids, ids + i, ids[i]) - ids;
       invalid("sequence id " + str(ids[i]) + " appears twice in one call (at " + str(j) + " and " + str(i) + ")");
@@ -142,12 +144,12 @@ int64_t KvCache::Impl::blocks_for_append(const SequenceId* ids, int64_t n, int64
   return needed;
 }
 
-void KvCache::Impl::check_append(const SequenceId* ids, int64_t n, int64_t tokens, int64_t max_length) const {
+void KvCache::Impl::check_append(const SequenceId* ids, int64_t n, AppendTokens tokens, int64_t max_length) const {
   std::lock_guard<std::mutex> lock(mu);
   blocks_for_append(ids, n, tokens, max_length);
 }
 
-void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t tokens, int64_t max_length,
+void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, AppendTokens tokens, int64_t max_length,
                                  std::byte** tables, int64_t table_stride, int64_t* lengths) {
   std::lock_guard<std::mutex> lock(mu);
   // Pass 1: checks and the block count, changing nothing.
@@ -173,7 +175,7 @@ void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t token
       ++pins[s.blocks[b]];
       s.blocks[b] = copy;
     }
-    const int64_t want = table_size_after(s, tokens);
+    const int64_t want = table_size_after(s, tokens[i]);
     while (static_cast<int64_t>(s.blocks.size()) < want) s.blocks.push_back(take_block());
     s.busy = true;
     lengths[i] = s.length;
@@ -181,14 +183,14 @@ void KvCache::Impl::begin_append(const SequenceId* ids, int64_t n, int64_t token
   }
 }
 
-void KvCache::Impl::end_append(const SequenceId* ids, int64_t n, int64_t tokens, bool success) noexcept {
+void KvCache::Impl::end_append(const SequenceId* ids, int64_t n, AppendTokens tokens, bool success) noexcept {
   std::lock_guard<std::mutex> lock(mu);
   for (int64_t i = 0; i < n; ++i) {
     auto it = seqs.find(ids[i]);
     if (it == seqs.end()) continue;
     Sequence& s = it->second;
     if (success) {
-      s.length += tokens;
+      s.length += tokens[i];
       if (s.cow_original >= 0) unpin(s.cow_original);  // the copy is ours for good: the original may go
     } else {
       // Undo begin_append: the new blocks go back, a copy-on-write copy gives way to the shared original

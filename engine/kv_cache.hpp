@@ -18,6 +18,16 @@
 
 namespace gpt2attn {
 
+// How many tokens an append adds to each of its sequences: the same count for all (extend, decode) or one per
+// sequence (a ragged step), so one lease serves both.
+struct AppendTokens {
+  const int64_t* each = nullptr;  // (n) counts, or null for `all`
+  int64_t all = 0;
+  AppendTokens(int64_t all_) : all(all_) {}  // NOLINT(google-explicit-constructor): a count reads as itself
+  explicit AppendTokens(const int64_t* each_) : each(each_) {}
+  int64_t operator[](int64_t i) const { return each ? each[i] : all; }
+};
+
 struct KvCache::Impl {
   struct Sequence {
     std::vector<int32_t> blocks;  // block table; capacity reserved for context_length at create()
@@ -66,22 +76,22 @@ struct KvCache::Impl {
   void store_row(std::byte* block, kernels::KvPart part, int64_t h, int64_t slot, const float* src) const;
   void load_row(const std::byte* block, kernels::KvPart part, int64_t h, int64_t slot, float* dst) const;
 
-  // For an append of `tokens` to each of seqs[0..n): checks every id (known, not busy, not repeated) and the
+  // For an append of tokens[i] to each seqs[i], i < n: checks every id (known, not busy, not repeated) and the
   // lengths against `max_length` and the pool's size (invalid_argument), then takes the blocks all of them need
   // (new blocks and copy-on-write copies of shared blocks about to be written) or throws out_of_memory with nothing
   // changed. O(n) besides the blocks taken (the pass stamps). On success the
   // sequences are marked busy, lengths[i] = cached tokens before the append, and tables + i * table_stride
-  // holds the block pointers covering [0, lengths[i] + tokens).
-  void begin_append(const SequenceId* seqs, int64_t n, int64_t tokens, int64_t max_length, std::byte** tables,
+  // holds the block pointers covering [0, lengths[i] + tokens[i]).
+  void begin_append(const SequenceId* seqs, int64_t n, AppendTokens tokens, int64_t max_length, std::byte** tables,
                     int64_t table_stride, int64_t* lengths);
   // begin_append's checks alone, with the same errors, changing nothing (a tensor-parallel rank checks before the
   // ranks agree to go ahead, engine/mpi/). Takes mu.
-  void check_append(const SequenceId* seqs, int64_t n, int64_t tokens, int64_t max_length) const;
+  void check_append(const SequenceId* seqs, int64_t n, AppendTokens tokens, int64_t max_length) const;
   // Those checks, returning the blocks the append takes; caller holds mu.
-  int64_t blocks_for_append(const SequenceId* seqs, int64_t n, int64_t tokens, int64_t max_length) const;
-  // Ends the lease: on success the lengths grow by `tokens`; on failure every block taken is returned and a
+  int64_t blocks_for_append(const SequenceId* seqs, int64_t n, AppendTokens tokens, int64_t max_length) const;
+  // Ends the lease: on success the lengths grow by tokens[i]; on failure every block taken is returned and a
   // copy-on-write copy is replaced by the original again. Either way the sequences are free again.
-  void end_append(const SequenceId* seqs, int64_t n, int64_t tokens, bool success) noexcept;
+  void end_append(const SequenceId* seqs, int64_t n, AppendTokens tokens, bool success) noexcept;
 
   Sequence& find(SequenceId id);  // throws invalid_argument for an unknown or released id; caller holds mu
   const Sequence& find(SequenceId id) const;

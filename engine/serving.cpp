@@ -87,7 +87,7 @@ bool columns_overflowed(const float* y, int64_t ldy, int64_t M, const PanelItems
 // Ends the pool lease when the call leaves: committed only if the call got to the end.
 class AppendLease {
  public:
-  AppendLease(KvCache::Impl& kv, const SequenceId* seqs, int64_t n, int64_t tokens)
+  AppendLease(KvCache::Impl& kv, const SequenceId* seqs, int64_t n, AppendTokens tokens)
       : kv_(kv), seqs_(seqs), n_(n), tokens_(tokens) {}
   ~AppendLease() { kv_.end_append(seqs_, n_, tokens_, committed_); }
   void commit() { committed_ = true; }
@@ -95,7 +95,8 @@ class AppendLease {
  private:
   KvCache::Impl& kv_;
   const SequenceId* seqs_;
-  int64_t n_, tokens_;
+  int64_t n_;
+  AppendTokens tokens_;
   bool committed_ = false;
 };
 
