@@ -34,6 +34,13 @@ namespace gpt2attn::kernels {
 struct DecodeArgs {
   const float* q = nullptr;                // (H, D): the new token's query, head h at q + h * ldq
   int64_t ldq = 0;
+  // Several new tokens of one sequence (a speculative draft to verify, a short chunk) share one pass over the keys:
+  // token i's query at q + i * ld_token, and token i sees keys j <= last_key + i (causal within the new tokens).
+  // Each K/V head's rows are read once for all tokens x group heads, which sit in the kernel's rows as its grouped
+  // heads do: row r = (g * tokens + i) * group + hg is token i's head g * group + hg, and the partial states come out
+  // in that order (H * tokens rows). One token (a decode step): row r is head r, and last_key does not cut the range.
+  int64_t tokens = 1, ld_token = 0;
+  int64_t last_key = INT64_MAX;
   const std::byte* const* blocks = nullptr;  // the sequence's block table, blocks laid out as `layout` says
   KvLayout layout;                         // heads = H_kv, which divides H; D as below
   int64_t H = 0, D = 0;                    // query heads, head size
@@ -47,10 +54,11 @@ struct DecodeArgs {
 struct DecodeKernel {
   Isa isa;   // the level whose flags compiled it
   DType kv;  // K/V elements read (queries, scores and partial states are f32 whatever the compute type)
-  // Floats of scratch one call needs: the scaled queries and the scores of one run of keys (at most one block
-  // of block_tokens, and at most tiles::kDecodeMaxScoreKeys).
-  size_t (*scratch_floats)(int64_t H, int64_t D, int64_t block_tokens);
-  // Partial states of keys [j_begin, j_end) (j_end > j_begin) for every head: m[h], l[h] and acc + h * D.
+  // Floats of scratch one call needs for `rows` = H * tokens query rows: the scaled queries and the scores of one run
+  // of keys (at most one block of block_tokens, and at most tiles::kDecodeMaxScoreKeys).
+  size_t (*scratch_floats)(int64_t rows, int64_t D, int64_t block_tokens);
+  // Partial states of keys [j_begin, j_end) (j_end > j_begin) for every query row r (DecodeArgs::tokens): m[r], l[r]
+  // and acc + r * D.
   void (*run)(const DecodeArgs& args, int64_t j_begin, int64_t j_end, float* scratch, float* m, float* l, float* acc);
 };
 

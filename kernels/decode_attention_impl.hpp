@@ -69,8 +69,9 @@ struct DecodeAttention {
   // are live at once.
   static int64_t padded(int64_t n) { return (n + W - 1) / W * W; }
   static int64_t score_keys(int64_t block_tokens) { return std::min<int64_t>(block_tokens, tiles::kDecodeMaxScoreKeys); }
-  static size_t scratch_floats(int64_t H, int64_t D, int64_t block_tokens) {
-    return static_cast<size_t>(H * padded(D) + H * padded(score_keys(block_tokens)) + H + (kIntScores ? H : 0));
+  static size_t scratch_floats(int64_t rows, int64_t D, int64_t block_tokens) {
+    return static_cast<size_t>(rows * padded(D) + rows * padded(score_keys(block_tokens)) + rows +
+                               (kIntScores ? rows : 0));
   }
 
   // s[r] = qs . k_r for RR consecutive keys (rows D apart); `fetch`: prefetch the rows kAhead ahead (the first
@@ -262,10 +263,18 @@ struct DecodeAttention {
   // Keys are the outer loop and the group's heads the inner one, so every K and V row comes from memory once and
   // serves the whole group while it sits in L1; with heads outer, only the first head of a group would stream
   // memory and the others would leave it idle.
+  // Causal cut of a run for rows of several new tokens (DecodeArgs::tokens): row g (of group) sees the run's keys
+  // j < first_hidden + g / group only.
+  struct Visible {
+    int64_t first_hidden = INT64_MAX, group = 1;
+    int64_t keys(int64_t g, int64_t nk) const {
+      return first_hidden >= nk ? nk : std::clamp<int64_t>(first_hidden + g / group, 0, nk);
+    }
+  };
   static void group_block(const QT* qs, int64_t ldqs, const float* qsc, int64_t G, const KvT* k, const KvT* v,
                           const float* kscale, const float* vscale, int64_t nk, int64_t D, float* s, int64_t lds,
                           float* alpha, float* m, float* l, float* acc, float shift, const Ahead& ka,
-                          const Ahead& va) {
+                          const Ahead& va, const Visible& vis) {
     int64_t j = 0;
     if constexpr (kIntScores) {
       int_scores(qs, ldqs, qsc, G, k, nk, D, s, lds, ka);
@@ -319,6 +328,13 @@ struct DecodeAttention {
         for (; j < padded(nk); ++j) sg[j] = -INFINITY;
         mv = V::max(mv, V::load(sg + full));
       }
+      // A new token's row past its own position: the keys it may not see weigh 0 (scores -inf), set after the
+      // scales so that no 0 * -inf arises, and the lanes' maxima taken again (a run crossing the new tokens only).
+      if (const int64_t seen = vis.keys(g, nk); seen < nk) {
+        for (j = seen; j < nk; ++j) sg[j] = -INFINITY;
+        mv = V::set1(m[g]);
+        for (j = 0; j < padded(nk); j += W) mv = V::max(mv, V::load(sg + j));
+      }
       // The running max moves only when a score passes it by more than kLazyMax (or on the first run, from -inf):
       // otherwise p_j = 2^(s_j - m) stays at most 2^kLazyMax, alpha is 1, and neither the horizontal max nor the
       // exp2 of alpha stands between the scores and P.V.
@@ -367,24 +383,28 @@ struct DecodeAttention {
   static void run(const DecodeArgs& a, int64_t j_begin, int64_t j_end, float* scratch, float* m, float* l,
                   float* acc) {
     const KvLayout& kv = a.layout;
-    const int64_t H = a.H, D = a.D, bt = kv.block_tokens, ldqs = padded(D), group = H / kv.heads;
+    const int64_t D = a.D, bt = kv.block_tokens, ldqs = padded(D), group = a.H / kv.heads, T = a.tokens;
+    const int64_t rows = a.H * T, G = group * T;  // query rows, and those reading one K/V head
     const int64_t lds = padded(score_keys(bt));
     QT* qs = reinterpret_cast<QT*>(scratch);  // int16 rows take half of the f32 rows' space, at the same stride
-    float* s = scratch + H * ldqs;
-    float* alpha = s + H * lds;
-    float* qsc = kIntScores ? alpha + H : nullptr;
+    float* s = scratch + rows * ldqs;
+    float* alpha = s + rows * lds;
+    float* qsc = kIntScores ? alpha + rows : nullptr;
     // Scores in log2 units, so the softmax runs on exp2 (as in the tiled kernel).
     const float qscale = a.scale * kLog2e;
-    for (int64_t h = 0; h < H; ++h) {
+    for (int64_t r = 0; r < rows; ++r) {
+      // Row r = (g * T + i) * group + hg: token i's head g * group + hg (DecodeArgs::tokens).
+      const int64_t g = r / G, i = (r % G) / group, h = g * group + r % group;
+      const float* qh = a.q + i * a.ld_token + h * a.ldq;
       if constexpr (kIntScores) {
-        qsc[h] = quantize_query_i16<Arch>(a.q + h * a.ldq, qscale, D, qs + h * ldqs);
+        qsc[r] = quantize_query_i16<Arch>(qh, qscale, D, qs + r * ldqs);
       } else {
-        for (int64_t d = 0; d < D; ++d) qs[h * ldqs + d] = a.q[h * a.ldq + d] * qscale;
+        for (int64_t d = 0; d < D; ++d) qs[r * ldqs + d] = qh[d] * qscale;
       }
-      m[h] = -INFINITY;
-      l[h] = 0.0f;
+      m[r] = -INFINITY;
+      l[r] = 0.0f;
     }
-    std::fill(acc, acc + H * D, 0.0f);
+    std::fill(acc, acc + rows * D, 0.0f);
 
     // A run: the keys [j0, j0 + run_keys(j0)) of one block, at most a score run, read for every K/V head in turn.
     const auto run_keys = [&](int64_t j0) { return std::min({j_end - j0, bt - j0 % bt, score_keys(bt)}); };
@@ -397,9 +417,11 @@ struct DecodeAttention {
       // After this run's last K/V head comes the next run's first, usually in another block; none after the last.
       const int64_t j1 = j0 + nk;
       const std::byte* next_block = j1 < j_end ? a.blocks[j1 / bt] : nullptr;
-      // K/V heads in order, so the block streams front to back; query heads g * group ... read K/V head g.
+      // Token i sees the run's keys before j0's offset last_key + i + 1 - j0 (all of them for a decode step).
+      const Visible vis{a.last_key >= j1 ? INT64_MAX : a.last_key + 1 - j0, group};
+      // K/V heads in order, so the block streams front to back; query rows g * G ... read K/V head g.
       for (int64_t g = 0; g < kv.heads; ++g) {
-        const int64_t h0 = g * group;
+        const int64_t h0 = g * G;
         const bool last = g + 1 == kv.heads;
         const std::byte* nb = last ? next_block : block;  // the next run's block, head and first key
         const int64_t ng = last ? 0 : g + 1, noff = last ? j1 % bt : off;
@@ -414,8 +436,8 @@ struct DecodeAttention {
           vscale = kv.scales(block, KvPart::value, g, off);
           if (nb) prefetch_scales(kv, nb, ng, noff, last ? run_keys(j1) : nk);
         }
-        group_block(qs + h0 * ldqs, ldqs, kIntScores ? qsc + h0 : nullptr, group, k, v, kscale, vscale, nk, D, s, lds,
-                    alpha, m + h0, l + h0, acc + h0 * D, a.shift, ka, va);
+        group_block(qs + h0 * ldqs, ldqs, kIntScores ? qsc + h0 : nullptr, G, k, v, kscale, vscale, nk, D, s, lds,
+                    alpha, m + h0, l + h0, acc + h0 * D, a.shift, ka, va, vis);
       }
     }
   }

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -690,14 +691,16 @@ struct DecodeCase {
   std::vector<int64_t> cuts;                      // split s covers keys [cuts[s], cuts[s + 1]); 0 ... n
   uint64_t seed = 0;
   DType kv = DType::f32;                          // K/V element type in the blocks
+  int64_t tokens = 1;  // new tokens sharing the pass (DecodeArgs::tokens): the last `tokens` keys, causal among them
 
-  int64_t ldq() const { return D + 2; }  // q (H, D) rows, NaN gaps
+  int64_t ldq() const { return D + 2; }  // q (tokens, H, D) rows, NaN gaps
   std::string name() const {
     std::ostringstream s;
     s << "H=" << H << " H_kv=" << H_kv << " D=" << D << " n=" << n << " block_tokens=" << block_tokens << " (score run "
       << std::min<int64_t>(block_tokens, kernels::tiles::kDecodeMaxScoreKeys) << ") splits";
     for (size_t i = 0; i + 1 < cuts.size(); ++i) s << " [" << cuts[i] << "," << cuts[i + 1] << ")";
-    s << " | layout paged(" << to_string(kv) << ", blocks shuffled) ldq=D+2 | seed " << seed;
+    s << " | layout paged(" << to_string(kv) << ", blocks shuffled) ldq=D+2 | new tokens " << tokens << " | seed "
+      << seed;
     return s.str();
   }
 };
@@ -740,7 +743,7 @@ struct DecodeData {
   std::vector<std::vector<float>> k, v;
 };
 DecodeData random_decode_data(const DecodeCase& c, std::mt19937_64& rng) {
-  DecodeData x{random_uniform(c.H * c.D, rng, -2.0f, 2.0f), {}, {}};
+  DecodeData x{random_uniform(c.tokens * c.H * c.D, rng, -2.0f, 2.0f), {}, {}};
   for (int64_t h = 0; h < c.H_kv; ++h) {
     x.k.push_back(random_uniform(c.n * c.D, rng, -2.0f, 2.0f));
     x.v.push_back(random_uniform(c.n * c.D, rng, -1.0f, 1.0f));
@@ -749,12 +752,14 @@ DecodeData random_decode_data(const DecodeCase& c, std::mt19937_64& rng) {
 }
 
 // Runs every split through `kern` (in reverse order, through one scratch slice), merges per head as the engine
-// does (partials (splits, H) and (splits, H, D)), and checks against naive_attention of one query per head. The data
-// is random_decode_data's unless `make` gives it.
+// does (partials (splits, H) and (splits, H, D); with several new tokens (splits, H * tokens) rows in the kernel's
+// order), and checks against naive_attention of one query per head and token, token i over keys [0, n - tokens + i].
+// The data is random_decode_data's unless `make` gives it.
 ::testing::AssertionResult check_decode(
     const kernels::DecodeKernel& kern, const DecodeCase& c,
     const std::function<DecodeData(const DecodeCase&, std::mt19937_64&)>& make = random_decode_data) {
   const int64_t H = c.H, H_kv = c.H_kv, D = c.D, n = c.n, S = static_cast<int64_t>(c.cuts.size()) - 1;
+  const int64_t T = c.tokens, R = H * T, group = H / H_kv;  // R partial-state rows an item
   std::mt19937_64 rng(c.seed);
   DecodeData data = make(c, rng);
   const std::vector<float>& q = data.q;
@@ -768,33 +773,42 @@ DecodeData random_decode_data(const DecodeCase& c, std::mt19937_64& rng) {
   }
 
   kernels::DecodeArgs a;
-  const std::vector<float> q_mem = strided(q, H, D, c.ldq());
+  const std::vector<float> q_mem = strided(q, T * H, D, c.ldq());
   a.q = q_mem.data(), a.ldq = c.ldq();
+  if (T > 1) a.tokens = T, a.ld_token = H * c.ldq(), a.last_key = n - T;
   a.blocks = store.table.data(), a.layout = store.layout;
   a.H = H, a.D = D;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  std::vector<float> m(static_cast<size_t>(S * H), kNaN), l(m), acc(static_cast<size_t>(S * H * D), kNaN);
-  const size_t scratch_floats = kern.scratch_floats(H, D, c.block_tokens);
+  std::vector<float> m(static_cast<size_t>(S * R), kNaN), l(m), acc(static_cast<size_t>(S * R * D), kNaN);
+  const size_t scratch_floats = kern.scratch_floats(R, D, c.block_tokens);
   std::vector<float> scratch = scratch_slice(scratch_floats);
   for (int64_t s = S - 1; s >= 0; --s) {
-    kern.run(a, c.cuts[s], c.cuts[s + 1], scratch.data(), m.data() + s * H, l.data() + s * H, acc.data() + s * H * D);
+    kern.run(a, c.cuts[s], c.cuts[s + 1], scratch.data(), m.data() + s * R, l.data() + s * R, acc.data() + s * R * D);
   }
-  std::vector<float> got(static_cast<size_t>(H * D), kNaN);
-  for (int64_t h = 0; h < H; ++h) {
-    kernels::merge_softmax_partials(m.data() + h, l.data() + h, H, acc.data() + h * D, H * D, S, D, got.data() + h * D);
+  std::vector<float> got(static_cast<size_t>(T * H * D), kNaN);
+  for (int64_t i = 0; i < T; ++i) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t r = ((h / group) * T + i) * group + h % group;  // token i's head h among the kernel's rows
+      kernels::merge_softmax_partials(m.data() + r, l.data() + r, R, acc.data() + r * D, R * D, S, D,
+                                      got.data() + (i * H + h) * D);
+    }
   }
 
   std::vector<double> want;
-  for (int64_t h = 0; h < H; ++h) {
-    const std::vector<float> qh(q.begin() + h * D, q.begin() + (h + 1) * D);
-    const int64_t g = h / (H / H_kv);  // query head h reads K/V head g
-    const std::vector<double> o = naive_attention(qh, k[g], v[g], 1, n, D, {}, a.scale);
-    want.insert(want.end(), o.begin(), o.end());
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t seen = n - T + i + 1;  // token i's keys
+    for (int64_t h = 0; h < H; ++h) {
+      const std::vector<float> qh(q.begin() + (i * H + h) * D, q.begin() + (i * H + h + 1) * D);
+      const int64_t g = h / group;  // query head h reads K/V head g
+      const std::vector<float> kg(k[g].begin(), k[g].begin() + seen * D), vg(v[g].begin(), v[g].begin() + seen * D);
+      const std::vector<double> o = naive_attention(qh, kg, vg, 1, seen, D, {}, a.scale);
+      want.insert(want.end(), o.begin(), o.end());
+    }
   }
   std::ostringstream ctx;
   ctx << "[isa=" << to_string(kern.isa) << "] decode " << c.name();
   ::testing::AssertionResult r =
-      all_close_over_cache(got, want, c.kv, D, reduction_for_head(D, n), ctx.str() + " | index h*D+d");
+      all_close_over_cache(got, want, c.kv, D, reduction_for_head(D, n), ctx.str() + " | index (i*H+h)*D+d");
   if (!r) return r;
   if (!guard_intact(scratch, scratch_floats)) {
     return ::testing::AssertionFailure() << ctx.str()
@@ -828,6 +842,26 @@ TEST_P(KernelDecode, StoredKvMatchesNaive) {
     ASSERT_EQ(kern.isa, isa());
     ASSERT_EQ(kern.kv, kv);
     expect_all_cases(to_string(kern.isa), decode_cases(kv), [&](const DecodeCase& c) { return check_decode(kern, c); });
+  }
+}
+
+// Several new tokens of one sequence in one pass (DecodeArgs::tokens: a draft to verify, a short chunk), each token
+// seeing the cached keys and the new ones up to its own: every K/V format, a third of the f32 shapes (every grouping,
+// ragged splits, blocks of 1 to 300 keys) with 2 to 16 tokens, so that the causal cut falls inside runs, at their
+// edges and across splits, and a split may hold keys no token of a row sees.
+TEST_P(KernelDecode, SeveralTokensMatchNaive) {
+  for (DType kv : test::kv_formats()) {
+    if (!own_row(kv)) continue;
+    SCOPED_TRACE(std::string("K/V ") + to_string(kv));
+    const kernels::DecodeKernel& kern = detail::decode_kernel(isa(), kv);
+    std::vector<DecodeCase> cases;
+    const std::vector<DecodeCase> all = decode_cases(kv);
+    for (size_t i = 0; i < all.size(); i += 3) {
+      DecodeCase c = all[i];
+      c.tokens = std::min<int64_t>(c.n, std::array<int64_t, 4>{2, 3, 5, 16}[(i / 3) % 4]);
+      cases.push_back(c);
+    }
+    expect_all_cases(to_string(kern.isa), cases, [&](const DecodeCase& c) { return check_decode(kern, c); });
   }
 }
 
