@@ -124,8 +124,13 @@ struct MultiHeadAttention::Impl {
               Workspace::Impl& ws);
   void decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out, const RunOptions& run,
               Workspace::Impl& ws);
-  // Floats of decode kernel scratch per thread.
-  int64_t decode_scratch_stride(const kernels::DecodeKernel& k, int64_t block_tokens) const;
+  // A ragged step over n entries (CausalSelfAttention::step).
+  void step(KvCache& cache, const SequenceId* seqs, const int64_t* tokens, int64_t n, const float* x, float* out,
+            const RunOptions& run, Workspace::Impl& ws);
+  // Workspace bytes reserve_step() takes: enough for step() of up to max_tokens tokens over max_entries entries.
+  int64_t step_bytes(int64_t max_tokens, int64_t max_entries, int threads) const;
+  // Floats of decode kernel scratch per thread, for entries of up to `tokens` new tokens each.
+  int64_t decode_scratch_stride(const kernels::DecodeKernel& k, int64_t block_tokens, int64_t tokens = 1) const;
   // Workspace bytes reserve_serving() takes: enough for extend() and decode() with any cache.
   int64_t serving_bytes(int64_t max_extend_tokens, int64_t max_decode_batch, int threads) const;
 

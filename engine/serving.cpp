@@ -166,14 +166,15 @@ DecodePlan decode_plan(const AttnShape& s, int threads, int64_t table_entries, i
 // thread count; there are at most decode_max_items(B, threads) (the bound decode_plan sizes). Fills item_base
 // (B + 1: the first item of each sequence, then the total) and pending (B: each sequence's splits not yet
 // computed) and returns the number of items.
-int64_t plan_splits(const int64_t* lengths, int64_t B, int threads, int64_t* item_base, int64_t* pending) {
+// In a ragged step, entry b brings tokens[b] new tokens (null: one each), so it holds lengths[b] + tokens[b] keys.
+int64_t plan_splits(const int64_t* lengths, const int64_t* tokens, int64_t B, int threads, int64_t* item_base,
+                    int64_t* pending) {
+  const auto keys = [&](int64_t b) { return lengths[b] + (tokens ? tokens[b] : 1); };
   int64_t total_keys = 0;
-  for (int64_t b = 0; b < B; ++b) total_keys += lengths[b] + 1;
+  for (int64_t b = 0; b < B; ++b) total_keys += keys(b);
   const int64_t target = detail::decode_item_target(total_keys, threads);
   item_base[0] = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    item_base[b + 1] = item_base[b] + detail::decode_splits(lengths[b] + 1, total_keys, target);
-  }
+  for (int64_t b = 0; b < B; ++b) item_base[b + 1] = item_base[b] + detail::decode_splits(keys(b), total_keys, target);
   for (int64_t b = 0; b < B; ++b) pending[b] = item_base[b + 1] - item_base[b];
   return item_base[B];
 }
@@ -188,45 +189,61 @@ kernels::LinearArgs few_row_args(const float* x, int64_t ldx, const detail::Buff
   return a;
 }
 
-// Decode's attention stage: split-KV item `it` of the step, run by any thread of the step's region. Everything it
-// reads or writes lies in the workspace and the cache, set up before the region.
+// The decode kernel's attention stage: split-KV item `it` of a decode step or of a ragged step's short entries, run by
+// any thread of the team. Entry b has tokens(b) new tokens (one in decode) at rows row(b).. of stage and ctx, which
+// share each of its items' pass over the keys (DecodeArgs::tokens); its items' partial states start at query-state
+// row state(b) (H * tokens(b) rows an item). Everything it reads or writes lies in the workspace and the cache, set up
+// before the team starts.
 struct DecodeAttention {
   KvCache::Impl& kv;
-  std::byte** tables;        // (B, stride): each sequence's block table
+  std::byte** tables;        // (B, stride): each entry's block table
   int64_t stride;
   const int64_t* lengths;    // (B): tokens cached before this step
+  const int64_t* new_tokens;  // (B): new tokens of each entry, or null: one each
+  const int64_t* first_row;  // (B): each entry's first row of stage and ctx, or null: row b
   const int64_t* item_base;  // (B + 1): plan_splits'
-  int64_t* pending;          // (B): splits of each sequence not yet computed
+  const int64_t* state_base;  // (B): each entry's first partial-state row, or null: item_base[b] * H
+  int64_t* pending;          // (B): splits of each entry not yet computed
   int64_t B, E, H, H_kv, D;
-  const float* stage;        // (B, E + 2 H_kv D): [q | k | v] of each new token
-  float* ctx;                // (B, E): the attention output
-  float *m, *l, *acc;        // partial softmax states: (items, H), (items, H), (items, H, D)
+  const float* stage;        // (rows, E + 2 H_kv D): [q | k | v] of each new token
+  float* ctx;                // (rows, E): the attention output
+  float *m, *l, *acc;        // partial softmax states: (state rows), (state rows), (state rows, D)
   const kernels::DecodeKernel* kern;
   float scale;
+  bool store_rows;           // decode: the new token's K/V rows are stored by the split that reads them
 
   void run(int64_t it, float* scratch) const {
     const int64_t b = std::upper_bound(item_base, item_base + B + 1, it) - item_base - 1;
-    const int64_t n = lengths[b] + 1, splits = item_base[b + 1] - item_base[b];
-    if (detail::decode_split_range(n, splits, it - item_base[b]).end == n) {
+    const int64_t n = keys(b), splits = item_base[b + 1] - item_base[b];
+    if (store_rows && detail::decode_split_range(n, splits, it - item_base[b]).end == n) {
       store_new_rows(b);  // key n - 1, the new token, is read by this split alone
     }
     run_split(b, it, 0.0f, scratch);
-    // The last of the sequence's splits to finish merges them; acq_rel makes every other split's m, l and acc
-    // visible to it.
+    // The last of the entry's splits to finish merges them; acq_rel makes every other split's m, l and acc visible
+    // to it.
     if (std::atomic_ref<int64_t>(pending[b]).fetch_sub(1, std::memory_order_acq_rel) == 1) merge(b, splits, scratch);
   }
 
  private:
-  const float* row(int64_t b) const { return stage + b * (E + 2 * H_kv * D); }
-  // Item it (of sequence b) into its partial states, every exponent lowered by `shift` (DecodeArgs::shift).
+  int64_t tokens(int64_t b) const { return new_tokens ? new_tokens[b] : 1; }
+  int64_t keys(int64_t b) const { return lengths[b] + tokens(b); }
+  const float* row(int64_t b) const { return stage + (first_row ? first_row[b] : b) * (E + 2 * H_kv * D); }
+  float* ctx_row(int64_t b) const { return ctx + (first_row ? first_row[b] : b) * E; }
+  // The first partial-state row of item it, of entry b.
+  int64_t state(int64_t b, int64_t it) const {
+    return (state_base ? state_base[b] : item_base[b] * H) + (it - item_base[b]) * H * tokens(b);
+  }
+  // Item it (of entry b) into its partial states, every exponent lowered by `shift` (DecodeArgs::shift).
   void run_split(int64_t b, int64_t it, float shift, float* scratch) const {
-    const int64_t n = lengths[b] + 1, splits = item_base[b + 1] - item_base[b];
+    const int64_t n = keys(b), splits = item_base[b + 1] - item_base[b];
     const auto [j0, j1] = detail::decode_split_range(n, splits, it - item_base[b]);
     kernels::DecodeArgs a;
     a.q = row(b), a.ldq = D;
+    a.tokens = tokens(b), a.ld_token = E + 2 * H_kv * D, a.last_key = lengths[b];
     a.blocks = tables + b * stride, a.layout = kv.layout;
     a.H = H, a.D = D, a.scale = scale, a.shift = shift;
-    kern->run(a, j0, j1, scratch, m + it * H, l + it * H, acc + it * H * D);
+    const int64_t r = state(b, it);
+    kern->run(a, j0, j1, scratch, m + r, l + r, acc + r * D);
   }
   // The new token's K and V rows, to position lengths[b] of each K/V head's tile in its block.
   void store_new_rows(int64_t b) const {
@@ -237,28 +254,90 @@ struct DecodeAttention {
       kv.store_row(block, KvPart::value, h, t % bt, row(b) + E + KW + h * D);
     }
   }
-  // Sequence b's partial softmax states, of its splits items, into its ctx row (E floats from `out`).
+  // Entry b's partial softmax states, of its splits items, into its tokens' ctx rows (E floats apart from `out`): token
+  // i's head h = g * group + hg is the kernel's row (g * T + i) * group + hg (DecodeArgs::tokens).
   void merge_into(int64_t b, int64_t splits, float* out) const {
-    const int64_t first = item_base[b];
-    for (int64_t h = 0; h < H; ++h) {
-      kernels::merge_softmax_partials(m + first * H + h, l + first * H + h, H, acc + (first * H + h) * D, H * D,
-                                      splits, D, out + h * D);
+    const int64_t T = tokens(b), rows = H * T, group = H / H_kv, first = state(b, item_base[b]);
+    for (int64_t i = 0; i < T; ++i) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t r = first + ((h / group) * T + i) * group + h % group;
+        kernels::merge_softmax_partials(m + r, l + r, rows, acc + r * D, rows * D, splits, D, out + i * E + h * D);
+      }
     }
   }
-  // The merge, and where P.V overflowed (a non-finite output; kernels/attention.hpp, "Overflow"), the sequence's
+  // The merge, and where P.V overflowed (a non-finite output; kernels/attention.hpp, "Overflow"), the entry's
   // splits again with kRescueShift, whose merge replaces the non-finite values. Scratch is free by then: it serves
-  // the re-run, then holds its merged row (E floats; the decode kernel's scratch holds H padded rows of D).
+  // the re-run, then holds its merged rows (T x E floats; the decode kernel's scratch holds H x T padded rows of D).
   void merge(int64_t b, int64_t splits, float* scratch) const {
-    float* out = ctx + b * E;
+    float* out = ctx_row(b);
+    const int64_t T = tokens(b);
     merge_into(b, splits, out);
-    if (!detail::any_nonfinite<DType::f32>(out, 0, E, 1)) return;
+    if (!detail::any_nonfinite<DType::f32>(out, 0, T * E, 1)) return;
     for (int64_t it = item_base[b]; it < item_base[b + 1]; ++it) run_split(b, it, kernels::kRescueShift, scratch);
     merge_into(b, splits, scratch);
-    for (int64_t e = 0; e < E; ++e) {
+    for (int64_t e = 0; e < T * E; ++e) {
       if (!std::isfinite(out[e])) out[e] = scratch[e];
     }
   }
 };
+
+// Workspace regions of step() (64-byte aligned), for M tokens of B entries; t is the compute type, and the regions
+// of type t are empty for f32 compute (which reads the stage and writes ctx directly):
+//   x (M, d_in) t: the input of oneDNN's bf16 GEMMs | stage (M, E + 2 KW) f32: [q | k | v] of every new token
+//   q (M, E) t: the tiled entries' queries | ctx (M, E) f32 | ctx_t (M, E) t: the tiled kernel's output, oneDNN's input
+//   tables (B, table_entries) | per entry: lengths, tokens and first rows of the short entries, the long entries'
+//   indices, first_row (B + 1), item_base (B + 1), state_base, pending, tiled_base (B + 1)
+//   short tables (B, table_entries): the short entries' rows of `tables`, in their order
+//   m, l (state_rows), acc (state_rows, D): the decode kernel's partial states | scratch (threads, stride)
+struct StepPlan {
+  Region<std::byte> x;
+  Region<float> stage;
+  Region<std::byte> q;
+  Region<float> ctx;
+  Region<std::byte> ctx_t;
+  Region<std::byte*> tables, short_tables;
+  Region<int64_t> lengths, short_lengths, short_tokens, short_rows, long_entries, first_row, item_base, state_base,
+      pending, tiled_base;
+  Region<float> m, l, acc, scratch;
+  int64_t bytes = 0;
+};
+StepPlan step_plan(const AttnShape& s, int64_t M, int64_t B, DType t, int threads, int64_t table_entries,
+                   int64_t state_rows, int64_t scratch_stride) {
+  const bool narrow = t != DType::f32;
+  const int64_t KW = s.H_kv * s.D;
+  detail::WorkspacePlan p;
+  StepPlan r;
+  r.x = p.region(t, {narrow, M, s.d_in}, "step: converted input");
+  r.stage = p.region<float>({M, s.E + 2 * KW}, "step: qkv");
+  r.q = p.region(t, {narrow, M, s.E}, "step: queries of the long entries");
+  r.ctx = p.region<float>({M, s.E}, "step: attention output");
+  r.ctx_t = p.region(t, {narrow, M, s.E}, "step: attention output, compute type");
+  r.tables = p.region<std::byte*>({B, table_entries}, "step: block tables");
+  r.short_tables = p.region<std::byte*>({B, table_entries}, "step: block tables of the short entries");
+  r.lengths = p.region<int64_t>({B}, "step: lengths");
+  r.short_lengths = p.region<int64_t>({B}, "step: lengths of the short entries");
+  r.short_tokens = p.region<int64_t>({B}, "step: tokens of the short entries");
+  r.short_rows = p.region<int64_t>({B}, "step: rows of the short entries");
+  r.long_entries = p.region<int64_t>({B}, "step: the long entries");
+  r.first_row = p.region<int64_t>({B + 1}, "step: first rows");
+  r.item_base = p.region<int64_t>({B + 1}, "step: work items");
+  r.state_base = p.region<int64_t>({B}, "step: partial-state rows");
+  r.pending = p.region<int64_t>({B}, "step: unfinished splits");
+  r.tiled_base = p.region<int64_t>({B + 1}, "step: query-tile items");
+  r.m = p.region<float>({state_rows}, "step: partial maxima");
+  r.l = p.region<float>({state_rows}, "step: partial sums");
+  r.acc = p.region<float>({state_rows, s.D}, "step: partial outputs");
+  r.scratch = p.region<float>({threads, scratch_stride}, "step: kernel scratch");
+  r.bytes = p.bytes();
+  return r;
+}
+
+// The partial-state rows a step's short entries can take: decode_splits gives entry b at most
+// 1 + keys_b * target / total_keys items of H * tokens_b rows, so all of them at most H (M_s + max_tokens * target),
+// M_s the short entries' tokens and target at most kDecodeItemsPerThread a thread.
+int64_t step_state_rows(int64_t H, int64_t short_tokens, int64_t max_tokens, int threads) {
+  return H * (short_tokens + max_tokens * int64_t{kernels::tiles::kDecodeItemsPerThread} * std::max(threads, 1));
+}
 
 }  // namespace
 
@@ -296,8 +375,10 @@ void MultiHeadAttention::Impl::add_serving(const WeightsView& w) {
   serving = std::move(st);
 }
 
-int64_t MultiHeadAttention::Impl::decode_scratch_stride(const kernels::DecodeKernel& k, int64_t block_tokens) const {
-  return detail::round_up(static_cast<int64_t>(k.scratch_floats(cfg.num_heads, cfg.head_dim(), block_tokens)), 16);
+int64_t MultiHeadAttention::Impl::decode_scratch_stride(const kernels::DecodeKernel& k, int64_t block_tokens,
+                                                        int64_t tokens) const {
+  return detail::round_up(static_cast<int64_t>(k.scratch_floats(cfg.num_heads * tokens, cfg.head_dim(), block_tokens)),
+                          16);
 }
 
 const detail::KernelSet& MultiHeadAttention::Impl::serving_kernels(DType kv, const char* call) const {
@@ -330,6 +411,23 @@ int64_t MultiHeadAttention::Impl::serving_bytes(int64_t max_extend_tokens, int64
       const int64_t run = kernels::tiles::kDecodeMaxScoreKeys;
       bytes = std::max(bytes, decode_plan(s, threads, C, decode_scratch_stride(*row->decode, run)).bytes);
     }
+  }
+  return bytes;
+}
+
+// Enough for a step of any mix: every token short (the most partial states) or every token in one long entry, and the
+// decode() or extend() a step of single tokens or of one entry becomes.
+int64_t MultiHeadAttention::Impl::step_bytes(int64_t max_tokens, int64_t max_entries, int threads) const {
+  const AttnShape s = detail::shape_of(cfg);
+  const int64_t C = cfg.context_length, H = cfg.num_heads;
+  const int64_t short_max = std::min(max_tokens, kernels::tiles::kStepDecodeTokens);
+  int64_t bytes = serving_bytes(std::min(max_tokens, C), max_entries, threads);
+  for (const detail::KernelSet* row : serving->sets) {
+    if (!row) continue;
+    const int64_t run = kernels::tiles::kDecodeMaxScoreKeys;
+    const int64_t sstride = std::max(scratch_stride(*row->prefill), decode_scratch_stride(*row->decode, run, short_max));
+    bytes = std::max(bytes, step_plan(s, max_tokens, max_entries, compute, threads, C,
+                                      step_state_rows(H, max_tokens, short_max, threads), sstride).bytes);
   }
   return bytes;
 }
@@ -428,7 +526,7 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   AppendLease lease(kv, seqs, B, 1);
   int64_t* item_base = r.item_base.in(w);
   int64_t* pending = r.pending.in(w);
-  const int64_t items = plan_splits(lengths, B, threads, item_base, pending);
+  const int64_t items = plan_splits(lengths, nullptr, B, threads, item_base, pending);
 
   float* stage = r.stage.in(w);
   float* ctx = r.ctx.in(w);
@@ -442,10 +540,12 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   const kernels::LinearKernel* lin = ks.few_row_linear;
   const PanelItems qkv_items = panel_items(*lin, ldstage, threads), out_items = panel_items(*lin, out_width, threads);
   const DecodeAttention attention{.kv = kv, .tables = tables, .stride = stride, .lengths = lengths,
-                                  .item_base = item_base, .pending = pending, .B = B, .E = E, .H = H, .H_kv = H_kv,
+                                  .new_tokens = nullptr, .first_row = nullptr, .item_base = item_base,
+                                  .state_base = nullptr, .pending = pending, .B = B, .E = E, .H = H, .H_kv = H_kv,
                                   .D = D, .stage = stage, .ctx = ctx, .m = r.m.in(w), .l = r.l.in(w),
                                   .acc = r.acc.in(w), .kern = ks.decode,
-                                  .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)))};
+                                  .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))),
+                                  .store_rows = true};
   float* scratch_base = r.scratch.in(w);
   // With check_finite, each QKV item scans the columns it wrote, and an overflow there skips the other stages: the
   // cache is not written, and the error is named after the region (which no exception may leave).
@@ -484,6 +584,174 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   lease.commit();
 }
 
+// A ragged step: the projections over all M tokens, K/V into the blocks, attention by work (short entries on the decode
+// kernel by key ranges, long ones on the tiled kernel by query tiles), the output projection over all M tokens.
+void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, const int64_t* tokens, int64_t B,
+                                    const float* x, float* out_data, const RunOptions& run, Workspace::Impl& ws) {
+  const int threads = threads_for(run);
+  const AttnShape s = detail::validate_step(cfg, cache, seqs, tokens, B, x, out_data, run, threads);
+  // The two shapes the other calls serve: the same algorithm, with no ragged bookkeeping.
+  if (std::all_of(tokens, tokens + B, [](int64_t n) { return n == 1; })) return decode(cache, seqs, B, x, out_data, run, ws);
+  if (B == 1) return extend(cache, seqs[0], x, tokens[0], out_data, run, ws);
+
+  const int64_t M = s.T, d_in = s.d_in, E = s.E, H = s.H, H_kv = s.H_kv, D = s.D, KW = H_kv * D, ldstage = E + 2 * KW;
+  KvCache::Impl& kv = cache.impl();
+  const kernels::KvLayout& layout = kv.layout;
+  const detail::KernelSet& ks = serving_kernels(layout.dtype, "step");
+  const int64_t limit = max_length(cfg, cache), stride = ceil_div(limit, kv.block_tokens), bt = kv.block_tokens;
+  const auto is_short = [](int64_t n) { return n <= kernels::tiles::kStepDecodeTokens; };
+  int64_t short_tokens = 0, short_max = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    if (is_short(tokens[b])) short_tokens += tokens[b], short_max = std::max(short_max, tokens[b]);
+  }
+  const int64_t sstride = std::max(scratch_stride(*ks.prefill),
+                                   short_max ? decode_scratch_stride(*ks.decode, bt, short_max) : int64_t{0});
+  const StepPlan r =
+      step_plan(s, M, B, compute, threads, stride, step_state_rows(H, short_tokens, short_max, threads), sstride);
+  std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
+  std::byte** tables = r.tables.in(w);
+  int64_t* lengths = r.lengths.in(w);  // tokens cached before this step
+  kv.begin_append(seqs, B, AppendTokens(tokens), limit, tables, stride, lengths);
+  AppendLease lease(kv, seqs, B, AppendTokens(tokens));
+
+  // Where each entry's tokens sit, and the entries each kernel takes: the short ones (compacted for the split plan),
+  // the long ones with their query-tile items, slice by slice (entry, head) as run_query_tiles orders them.
+  const kernels::AttentionKernel& tiled = *ks.prefill;
+  int64_t* first_row = r.first_row.in(w);
+  int64_t *sl = r.short_lengths.in(w), *sn = r.short_tokens.in(w), *srow = r.short_rows.in(w);
+  std::byte** stables = r.short_tables.in(w);
+  int64_t *long_entries = r.long_entries.in(w), *tiled_base = r.tiled_base.in(w);
+  int64_t B_s = 0, B_l = 0;
+  first_row[0] = 0;
+  tiled_base[0] = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    first_row[b + 1] = first_row[b] + tokens[b];
+    if (is_short(tokens[b])) {
+      sl[B_s] = lengths[b], sn[B_s] = tokens[b], srow[B_s] = first_row[b];
+      std::copy(tables + b * stride, tables + (b + 1) * stride, stables + B_s * stride);
+      ++B_s;
+    } else {
+      const kernels::QueryItems qi(tiled, tokens[b], lengths[b] + tokens[b], D);
+      long_entries[B_l] = b;
+      tiled_base[B_l + 1] = tiled_base[B_l] + H * qi.per_slice;
+      ++B_l;
+    }
+  }
+  int64_t* item_base = r.item_base.in(w);
+  int64_t* state_base = r.state_base.in(w);
+  int64_t* pending = r.pending.in(w);
+  const int64_t short_items = B_s ? plan_splits(sl, sn, B_s, threads, item_base, pending) : 0;
+  for (int64_t b = 0, row = 0; b < B_s; ++b) {
+    state_base[b] = row;
+    row += (item_base[b + 1] - item_base[b]) * H * sn[b];
+  }
+
+  const DType t = compute;
+  const size_t tsize = size_of(t);
+  float* stage = r.stage.in(w);
+  float* ctx = r.ctx.in(w);
+  std::byte* ctx_t = t == DType::f32 ? reinterpret_cast<std::byte*>(ctx) : r.ctx_t.in(w);
+  std::byte* q_t = r.q.in(w);
+  const detail::ServingState& sv = *serving;
+  const kernels::LinearKernel* lin = ks.few_row_linear;
+  // A step of a few tokens streams the weights once through the few-row kernel; a longer one runs oneDNN's GEMMs,
+  // one per head (as extend), each writing its columns of the stage.
+  const bool few_rows = M <= kernels::tiles::kStepFewRowTokens;
+  if (few_rows) {
+    const kernels::LinearArgs qkv = few_row_args(x, d_in, sv.qkv_packed, sv.qkv_bias, stage, ldstage, M, ldstage, d_in);
+    const PanelItems items = panel_items(*lin, ldstage, threads);
+    detail::team_for(threads, items.count(), [&](int64_t it, int) { lin->run(qkv, items.begin(it), items.end(it)); });
+  } else {
+    const detail::Rows xin = detail::as_rows(TensorView::f32(x, {1, M, d_in}), t, r.x.in(w), threads);
+    // Item i is Q head i, then K heads, then V heads: its columns start at i * D in [q | k | v].
+    detail::team_for_round_robin(threads, H + 2 * H_kv, [&](int64_t item, int thread) {
+      const detail::Linear& L = item < H ? proj_q[item] : item < H + H_kv ? proj_k[item - H] : proj_v[item - H - H_kv];
+      L.run(ws.exec, xin.data, M, xin.ld, stage + item * D, ldstage, 1, thread, DType::f32);
+    });
+  }
+  if (run.check_finite) {  // before anything reaches the cache: a refused step commits none of it
+    detail::check_projection(stage, DType::f32, M, E, ldstage, "step: the query");
+    detail::check_projection(stage + E, DType::f32, M, KW, ldstage, "step: the key");
+    detail::check_projection(stage + E + KW, DType::f32, M, KW, ldstage, "step: the value");
+  }
+
+  // Every new token's K and V rows into its block; a long entry's queries in the compute type for the tiled kernel.
+  const auto entry_of = [&](int64_t row) { return std::upper_bound(first_row, first_row + B + 1, row) - first_row - 1; };
+  constexpr int64_t kRowsPerItem = 32;
+  detail::team_for(threads, ceil_div(M, kRowsPerItem), [&](int64_t c, int) {
+    for (int64_t row = c * kRowsPerItem; row < std::min(M, (c + 1) * kRowsPerItem); ++row) {
+      const int64_t b = entry_of(row), pos = lengths[b] + row - first_row[b];
+      std::byte* block = tables[b * stride + pos / bt];
+      const float* src = stage + row * ldstage;
+      for (int64_t h = 0; h < H_kv; ++h) {
+        kv.store_row(block, KvPart::key, h, pos % bt, src + E + h * D);
+        kv.store_row(block, KvPart::value, h, pos % bt, src + E + KW + h * D);
+      }
+      if (t == DType::bf16 && !is_short(tokens[b])) {
+        auto* dst = reinterpret_cast<kernels::bf16*>(q_t) + row * E;
+        for (int64_t e = 0; e < E; ++e) dst[e] = kernels::narrow<kernels::bf16>(src[e]);
+      }
+    }
+  });
+
+  // Attention: the long entries' query tiles first (the longest items), then the short entries' key ranges.
+  const DecodeAttention short_attention{
+      .kv = kv, .tables = stables, .stride = stride, .lengths = sl, .new_tokens = sn, .first_row = srow,
+      .item_base = item_base, .state_base = state_base, .pending = pending, .B = B_s, .E = E, .H = H, .H_kv = H_kv,
+      .D = D, .stage = stage, .ctx = ctx, .m = r.m.in(w), .l = r.l.in(w), .acc = r.acc.in(w), .kern = ks.decode,
+      .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), .store_rows = false};
+  float* scratch_base = r.scratch.in(w);
+  const int64_t tiled_items = tiled_base[B_l];
+  detail::team_for(threads, tiled_items + short_items, [&](int64_t it, int thread) {
+    float* scratch = scratch_base + thread * sstride;
+    if (it >= tiled_items) return short_attention.run(it - tiled_items, scratch);
+    const int64_t k = std::upper_bound(tiled_base, tiled_base + B_l + 1, it) - tiled_base - 1;
+    const int64_t b = long_entries[k], n = tokens[b], Tk = lengths[b] + n, row = first_row[b];
+    const kernels::QueryItems qi(tiled, n, Tk, D);
+    const int64_t h = (it - tiled_base[k]) / qi.per_slice, i = (it - tiled_base[k]) % qi.per_slice;
+    kernels::AttentionArgs a = base_args(n, Tk);
+    a.kv.blocks = tables + b * stride;
+    a.kv.layout = layout;
+    a.kv.head = s.kv_head(h);
+    if (t == DType::f32) {
+      a.q = stage + row * ldstage + h * D, a.ldq = ldstage;
+    } else {
+      a.q = q_t + (row * E + h * D) * tsize, a.ldq = E;
+    }
+    a.out = ctx_t + (row * E + h * D) * tsize;
+    tiled.run(a, qi.row_begin(i), qi.row_end(i), scratch);
+  });
+
+  // The output projection reads one type: f32 on the few-row kernel, the compute type on oneDNN. Under bf16 compute the
+  // rows the other kernel wrote are converted (the tiled kernel writes bf16, the decode kernel's merge f32).
+  if (t == DType::bf16) {
+    const auto* wide = reinterpret_cast<const kernels::bf16*>(ctx_t);
+    auto* narrowed = reinterpret_cast<kernels::bf16*>(ctx_t);
+    for (int64_t b = 0; b < B; ++b) {
+      if (is_short(tokens[b]) == few_rows) continue;  // already in the type the projection reads
+      for (int64_t e = first_row[b] * E; e < first_row[b + 1] * E; ++e) {
+        if (few_rows) {
+          ctx[e] = kernels::widen(wide[e]);
+        } else {
+          narrowed[e] = kernels::narrow<kernels::bf16>(ctx[e]);
+        }
+      }
+    }
+  }
+  if (few_rows) {
+    const kernels::LinearArgs proj =
+        few_row_args(ctx, E, sv.out_packed, sv.out_bias, out_data, out_width, M, out_width, E);
+    const PanelItems items = panel_items(*lin, out_width, threads);
+    detail::team_for(threads, items.count(), [&](int64_t it, int) { lin->run(proj, items.begin(it), items.end(it)); });
+  } else {
+    out.run(ws.exec, ctx_t, M, E, out_data, out_width, threads, 0);
+  }
+  if (run.check_finite) {
+    detail::check_projection(out_data, DType::f32, M, out_width, out_width, "step: the output", 0, threads);
+  }
+  lease.commit();
+}
+
 // --- the public calls: pick the workspace, then the Impl does the work ---
 
 void CausalSelfAttention::extend(KvCache& cache, SequenceId seq, const float* x, int64_t T, float* out,
@@ -494,6 +762,42 @@ void CausalSelfAttention::extend(KvCache& cache, SequenceId seq, const float* x,
 void CausalSelfAttention::decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out,
                                  const RunOptions& run, Workspace* ws) {
   mha_.impl_->with_workspace(ws, "decode", [&](Workspace::Impl& w) { mha_.impl_->decode(cache, seqs, B, x, out, run, w); });
+}
+
+void CausalSelfAttention::step(KvCache& cache, const SequenceId* seqs, const int64_t* tokens, int64_t n,
+                               const float* x, float* out, const RunOptions& run, Workspace* ws) {
+  mha_.impl_->with_workspace(ws, "step", [&](Workspace::Impl& w) { mha_.impl_->step(cache, seqs, tokens, n, x, out, run, w); });
+}
+
+size_t CausalSelfAttention::step_workspace_bytes(int64_t max_tokens, int64_t max_entries, int threads) const {
+  const MultiHeadAttention::Impl& L = *mha_.impl_;
+  if (max_tokens < 1 || max_entries < 1 || max_entries > max_tokens) {
+    invalid("step_workspace_bytes/reserve_step: expected 1 <= max_entries <= max_tokens, got max_tokens=" +
+            str(max_tokens) + " and max_entries=" + str(max_entries));
+  }
+  detail::check_threads(threads, "step_workspace_bytes/reserve_step", "threads");
+  const int t = threads > 0 ? threads : L.default_threads;
+  // The same bound on a step's size as on its outputs: (max_tokens, E) floats the machine could hold.
+  detail::check_fits_in_memory(detail::checked_product({max_tokens, L.out_width, int64_t{4}}, "a step's output"),
+                               "a step's output (max_tokens, E)");
+  return detail::buffer_capacity(static_cast<size_t>(L.step_bytes(max_tokens, max_entries, t)));
+}
+
+void CausalSelfAttention::reserve_step(int64_t max_tokens, int64_t max_entries, int threads, Workspace* ws) {
+  const size_t bytes = step_workspace_bytes(max_tokens, max_entries, threads);
+  const MultiHeadAttention::Impl& L = *mha_.impl_;
+  const int t = threads > 0 ? threads : L.default_threads;
+  // What a step of single tokens (decode) and of one entry (extend) prepare, then the ragged step's GEMMs of
+  // max_tokens rows: the per-head projections on every thread of the team (writing the stage's f32 columns) and the
+  // output projection, when a step that long runs on oneDNN.
+  reserve_serving(std::min(max_tokens, L.cfg.context_length), max_entries, threads, ws);
+  mha_.impl_->with_workspace(ws, "reserve_step", [&](Workspace::Impl& w) {
+    w.reserve(bytes);
+    if (max_tokens <= kernels::tiles::kStepFewRowTokens) return;
+    const int64_t d_in = L.cfg.query_width(), ldstage = L.cfg.d_model + 2 * L.cfg.kv_width();
+    for (int slot = 0; slot < t; ++slot) L.proj_q[0].prepare(w.exec, max_tokens, d_in, ldstage, 1, slot, DType::f32);
+    L.out.prepare(w.exec, max_tokens, L.cfg.d_model, L.out_width, t, 0);
+  });
 }
 
 size_t CausalSelfAttention::serving_workspace_bytes(int64_t max_extend_tokens, int64_t max_decode_batch,

@@ -358,4 +358,20 @@ AttnShape validate_decode(const Config& config, const KvCache& cache, const Sequ
   return serving_shape(config, cache, x, B, 1, out, run, threads, "decode");
 }
 
+AttnShape validate_step(const Config& config, const KvCache& cache, const SequenceId* seqs, const int64_t* tokens,
+                        int64_t n, const float* x, const float* out, const RunOptions& run, int threads) {
+  if (n < 1) invalid("step: n (entries) must be >= 1, got " + str(n));
+  if (!seqs) invalid("step: seqs is a null pointer");
+  if (!tokens) invalid("step: tokens is a null pointer");
+  int64_t total = 0;  // at most n * context_length: each term is bounded first
+  for (int64_t i = 0; i < n; ++i) {
+    if (tokens[i] < 1 || tokens[i] > config.context_length) {
+      invalid("step: entry " + str(i) + " (sequence " + str(seqs[i]) + ") has tokens=" + str(tokens[i]) +
+              "; expected 1 <= tokens <= context_length=" + str(config.context_length));
+    }
+    total = checked_add(total, tokens[i], "step: the step's tokens");
+  }
+  return serving_shape(config, cache, x, 1, total, out, run, threads, "step");
+}
+
 }  // namespace gpt2attn::detail

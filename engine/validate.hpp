@@ -82,6 +82,11 @@ AttnShape validate_extend(const Config& config, const KvCache& cache, const floa
 AttnShape validate_decode(const Config& config, const KvCache& cache, const SequenceId* seqs, int64_t B,
                           const float* x, const float* out, const RunOptions& run, int threads);
 
+// step(): entry i appends tokens[i] new tokens to seqs[i], x (1, sum tokens, d_in). The same checks with n >= 1, seqs
+// and tokens non-null, and every tokens[i] in [1, context_length]; T of the shape returned is the step's sum.
+AttnShape validate_step(const Config& config, const KvCache& cache, const SequenceId* seqs, const int64_t* tokens,
+                        int64_t n, const float* x, const float* out, const RunOptions& run, int threads);
+
 // Throws invalid_argument naming "call: field" unless 0 <= threads <= max_threads() (0 = the default). Builds no
 // string unless it throws: it runs on every call.
 void check_threads(int64_t threads, const char* call, const char* field);

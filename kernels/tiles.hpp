@@ -83,6 +83,14 @@ inline constexpr int kLinearKChunk = 256;
 // 0.86-0.88x the time of four runs a thread, timed call by call (docs/perf-log.md).
 inline constexpr int kLinearItemsPerThread = 1;
 
+// A ragged step (CausalSelfAttention::step): an entry of at most kStepDecodeTokens new tokens (a decode token, a
+// draft to verify) runs on the decode kernel, its tokens sharing each pass over its keys (DecodeArgs::tokens), split
+// across threads like a decode step's; a longer one on the tiled kernel by query tiles, whose lanes it fills. A step of
+// at most kStepFewRowTokens tokens runs its projections on the few-row kernel (one pass over the fused W_qkv), a
+// longer one on oneDNN's GEMMs.
+inline constexpr int64_t kStepDecodeTokens = 16;
+inline constexpr int64_t kStepFewRowTokens = 64;
+
 // The decode kernel scores at most this many keys of a block at once (one head's run): it bounds the kernel's
 // scratch for any block size, and is above the default block (kKeyTile), so default blocks are scored whole.
 inline constexpr int kDecodeMaxScoreKeys = 256;

@@ -369,6 +369,30 @@ struct Harness {
     }
     return out;
   }
+  // One ragged step: tokens[i] random new tokens for ids[i]; returns the (sum tokens, E) outputs.
+  std::vector<float> step(const std::vector<SequenceId>& ids, const std::vector<int64_t>& tokens) {
+    int64_t M = 0;
+    for (int64_t n : tokens) M += n;
+    std::vector<float> x = random_uniform(static_cast<size_t>(M * W()), rng.g, -2.0f, 2.0f);
+    return step_with(ids, tokens, x);
+  }
+  std::vector<float> step_with(const std::vector<SequenceId>& ids, const std::vector<int64_t>& tokens,
+                               const std::vector<float>& x) {
+    const int64_t M = static_cast<int64_t>(x.size()) / W();
+    std::vector<float> out(static_cast<size_t>(M * E()), kNaN);
+    block.step(cache, ids.data(), tokens.data(), static_cast<int64_t>(ids.size()), x.data(), out.data(), run(),
+               next_ws());
+    int64_t row = 0;
+    for (size_t b = 0; b < ids.size(); ++b) {
+      SeqTrack& s = seqs.at(ids[b]);
+      const int64_t n = tokens[b];
+      s.x.insert(s.x.end(), x.begin() + row * W(), x.begin() + (row + n) * W());
+      s.out.insert(s.out.end(), out.begin() + row * E(), out.begin() + (row + n) * E());
+      model.append(ids[b], n);
+      row += n;
+    }
+    return out;
+  }
   SequenceId fork(SequenceId parent) {
     const SequenceId id = cache.fork(parent);
     EXPECT_FALSE(seqs.count(id)) << "fork returned id " << id << " which was used before";

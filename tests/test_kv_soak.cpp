@@ -123,7 +123,7 @@ std::vector<PoolConfig> pool_configs() {
 
 // What the stream reached, so a soak that stopped exercising something fails.
 struct Reached {
-  int64_t creates = 0, extends = 0, decodes = 0, forks = 0, prefix_forks = 0, truncates = 0, releases = 0;
+  int64_t creates = 0, extends = 0, decodes = 0, steps = 0, forks = 0, prefix_forks = 0, truncates = 0, releases = 0;
   int64_t copy_on_write = 0, pool_full = 0;
   int64_t refused_pool = 0, refused_context = 0, refused_bad_id = 0, refused_duplicate = 0, refused_non_finite = 0;
   int64_t refused_bad_length = 0;
@@ -264,8 +264,9 @@ class Soak {
     return accepted({id}, [&] { return h_.extend(id, T); });
   }
 
-  // A random subset of the live sequences (empty ones included), in random order. The model predicts the whole
-  // batch: any sequence at the context length refuses it (invalid_argument), else it needs the blocks of its appends
+  // A random subset of the live sequences (empty ones included), in random order: a decode step, or half the time a
+  // ragged step (CausalSelfAttention::step) appending 1 to 2 blocks' worth of tokens to each. The model predicts the
+  // whole batch: any sequence at the context length refuses it (invalid_argument), else it needs the blocks of its appends
   // made one after another on a copy of the model (a shared block is copied by each writer while another sequence
   // still holds it: of w writers among r holders, min(w, r - 1) copy), all or nothing.
   ::testing::AssertionResult decode() {
@@ -275,27 +276,45 @@ class Soak {
     }
     if (ids.empty()) ids.push_back(pick_live());
     std::shuffle(ids.begin(), ids.end(), r_.g);
-    what_ = "decode of " + std::to_string(ids.size()) + " (";
-    for (SequenceId id : ids) what_ += std::to_string(id) + ":" + std::to_string(len(id)) + " ";
+    const bool ragged = r_.chance(0.5);
+    std::vector<int64_t> n(ids.size(), 1);
+    if (ragged) {
+      for (int64_t& t : n) t = r_.chance(0.4) ? 1 : r_.between(1, 2 * pc_.block_tokens + 1);
+    }
+    what_ = std::string(ragged ? "step" : "decode") + " of " + std::to_string(ids.size()) + " (";
+    for (size_t i = 0; i < ids.size(); ++i) {
+      what_ += std::to_string(ids[i]) + ":" + std::to_string(len(ids[i])) + (ragged ? "+" + std::to_string(n[i]) : "") +
+               " ";
+    }
     what_.back() = ')';
     const int64_t B = static_cast<int64_t>(ids.size());
+    int64_t M = 0;
     bool past_context = false;
     BlockModel after = h_.model;
-    for (SequenceId id : ids) {
-      past_context = past_context || len(id) + 1 > context();
-      after.append(id, 1);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      past_context = past_context || len(ids[i]) + n[i] > context();
+      after.append(ids[i], n[i]);
+      M += n[i];
     }
     const int64_t needed = after.allocated_ever - h_.model.allocated_ever;
+    const auto call = [&](const std::vector<float>& x, float* out) {
+      if (ragged) {
+        h_.block.step(h_.cache, ids.data(), n.data(), B, x.data(), out, h_.run());
+      } else {
+        h_.block.decode(h_.cache, ids.data(), B, x.data(), out, h_.run());
+      }
+    };
     if (past_context || needed > h_.model.free()) {
       ++(past_context ? reached_.refused_context : reached_.refused_pool);
-      const std::vector<float> x = tokens(B);
-      return refused({past_context ? ErrorCode::invalid_argument : ErrorCode::out_of_memory}, B, [&](float* out) {
-        h_.block.decode(h_.cache, ids.data(), B, x.data(), out, h_.run());
-      });
+      const std::vector<float> x = tokens(M);
+      return refused({past_context ? ErrorCode::invalid_argument : ErrorCode::out_of_memory}, M,
+                     [&](float* out) { call(x, out); });
     }
-    ++reached_.decodes;
-    for (SequenceId id : ids) reached_.longest_decode = std::max(reached_.longest_decode, len(id) + 1);
-    return accepted(ids, [&] { return h_.decode(ids); });
+    ++(ragged ? reached_.steps : reached_.decodes);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      reached_.longest_decode = std::max(reached_.longest_decode, len(ids[i]) + n[i]);
+    }
+    return accepted(ids, [&] { return ragged ? h_.step(ids, n) : h_.decode(ids); });
   }
 
   // Half the forks take a random prefix of the parent (a shared system prompt), cut anywhere in a block.
@@ -524,6 +543,7 @@ TEST_P(KvSoak, RandomOperationsKeepTheBooks) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::cout << "[ soak     ] " << to_string(isa()) << " " << configs[c].name << ": " << ops << " ops in " << seconds
               << " s: " << r.creates << " creates, " << r.extends << " extends, " << r.decodes << " decodes, "
+              << r.steps << " ragged steps, "
               << r.forks << " forks (" << r.prefix_forks << " of a prefix), " << r.truncates << " truncates, "
               << r.releases << " releases, " << r.copy_on_write << " copies on write; "
               << "refused: " << r.refused_pool << " pool exhausted, " << r.refused_context << " past context, "
@@ -536,6 +556,7 @@ TEST_P(KvSoak, RandomOperationsKeepTheBooks) {
     if (ops >= 400) {
       for (const auto& [count, what] : std::vector<std::pair<int64_t, const char*>>{
                {r.forks, "forks"},
+               {r.steps, "ragged steps"},
                {r.prefix_forks, "forks of a prefix"},
                {r.truncates, "truncates"},
                {r.refused_bad_length, "refusals of a length out of range"},

@@ -92,6 +92,25 @@ class GPT2ATTN_API CausalSelfAttention {
   void decode(KvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out,
               const RunOptions& run = {}, Workspace* ws = nullptr);
 
+  // One step of continuous batching: n entries, entry i appending tokens[i] >= 1 new tokens to sequence seqs[i]
+  // (distinct sequences, any cached lengths): a chunk of a prompt, one next token, or k draft tokens to verify, in any
+  // mix. x: (sum tokens, d_in) contiguous f32, the entries' tokens packed in entry order; out: (sum tokens, E). Each
+  // new token attends to its sequence's cached tokens and causally to its own entry's earlier new tokens, exactly as
+  // extend() of that entry alone would compute it. The projections run once over all the step's tokens, so the
+  // weights stream once a step; K and V go into each sequence's blocks; attention is scheduled across threads by work:
+  // an entry of a few tokens (a decode token or a draft) by ranges of its keys, read once for all its tokens and
+  // merged exactly; a longer chunk by query tiles. A step of single tokens is decode(); a step of one entry is
+  // extend(). Checks, the pool and errors as extend() and decode(): on error every sequence and `out` are as they
+  // were.
+  void step(KvCache& cache, const SequenceId* seqs, const int64_t* tokens, int64_t n, const float* x, float* out,
+            const RunOptions& run = {}, Workspace* ws = nullptr);
+  // Grows `ws` (the layer's own when null) for step() of up to max_tokens tokens over up to max_entries entries at
+  // `threads` (0 = default), and creates its GEMM primitives for max_tokens tokens: afterwards such a step allocates
+  // nothing of its own (oneDNN's per-execution argument map aside, see reserve_serving; a step of up to 64 tokens
+  // runs its projections on the library's own kernel, no oneDNN). step_workspace_bytes() is what that takes.
+  void reserve_step(int64_t max_tokens, int64_t max_entries, int threads = 0, Workspace* ws = nullptr);
+  size_t step_workspace_bytes(int64_t max_tokens, int64_t max_entries, int threads = 0) const;
+
   // Grows `ws` (the layer's own when null) for extend() of up to max_extend_tokens and decode() of up to
   // max_decode_batch sequences at `threads` (0 = default); serving_workspace_bytes() is what that takes (the
   // bytes() of a workspace that held less before).
