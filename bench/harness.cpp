@@ -369,6 +369,130 @@ std::vector<BenchResult> bench_decode_interleaved(const std::vector<DecodeSpec>&
   return out;
 }
 
+std::string StepMix::describe() const {
+  std::string s;
+  const auto part = [&](const std::string& p) { s += (s.empty() ? "" : " + ") + p; };
+  if (prefill_n) part("prefill " + std::to_string(prefill_n) + "x" + std::to_string(prefill_t));
+  if (decode_n) part("decode " + std::to_string(decode_n));
+  if (draft_n) part("draft " + std::to_string(draft_n) + "x" + std::to_string(draft_k));
+  return s;
+}
+
+BenchResult bench_step(const std::string& name, Config cfg, const StepMix& mix, int64_t T, DType compute, int threads,
+                       Isa isa, int repeats, bool check, bool cold, DType kv_dtype) {
+  const int64_t B = mix.entries(), M = mix.tokens(), d_in = cfg.query_width(), E = cfg.d_model;
+  if (B < 1) invalid("bench: a step needs at least one entry (--prefill, --decode or --draft)");
+  const int64_t most = std::max({mix.prefill_t, mix.draft_k, int64_t{1}});
+  cfg.context_length = std::max(cfg.context_length, checked_add(T, most, "--seq plus a step's tokens"));
+  const Weights w = Weights::random(cfg, 1234);
+  CausalSelfAttention layer(cfg, w, engine_options(compute, threads, isa));
+  const int team = layer.layer().default_threads();
+  KvCacheOptions kv_opts;
+  const int64_t bt = KvCache::default_block_tokens(cfg);
+  kv_opts.capacity_tokens = checked_mul(B, (T + most + bt - 1) / bt * bt + bt, "the step's KV cache tokens");
+  kv_opts.dtype = kv_dtype;
+  KvCache cache(cfg, kv_opts);
+  layer.reserve_step(M, B);
+  layer.reserve_serving(std::min(std::max(mix.prefill_t, T), cfg.context_length), std::max(mix.decode_n, mix.draft_n));
+
+  // The entries in the order the step takes them: chunks, decode tokens, drafts.
+  std::mt19937 rng(42);
+  std::vector<SequenceId> seqs;
+  std::vector<int64_t> tokens;
+  std::vector<float> history;  // entry 0's prompt, then its step tokens (check)
+  {
+    std::vector<float> prompt_out(static_cast<size_t>(checked_mul(T, E, "the prompt's output")));
+    const auto add = [&](int64_t n, int64_t count) {
+      for (int64_t i = 0; i < count; ++i) {
+        const std::vector<float> prompt = random_normal(static_cast<size_t>(T * d_in), rng);
+        seqs.push_back(cache.create());
+        if (T > 0) layer.extend(cache, seqs.back(), prompt.data(), T, prompt_out.data());
+        if (seqs.size() == 1 && check) history = prompt;
+        tokens.push_back(n);
+      }
+    };
+    add(mix.prefill_t, mix.prefill_n);
+    add(1, mix.decode_n);
+    add(mix.draft_k, mix.draft_n);
+  }
+  const std::vector<float> x = random_normal(static_cast<size_t>(M * d_in), rng);  // the step's tokens, packed
+  std::vector<float> y(static_cast<size_t>(M * E)), y_sep(y.size());
+  const auto rewind = [&] {
+    for (SequenceId s : seqs) cache.truncate(s, T);
+  };
+  const auto timed = [&](auto&& call) {
+    if (cold) flush_caches(team);
+    const auto t0 = std::chrono::steady_clock::now();
+    call();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+  // The separate calls, over the same rows of x and y: each chunk's extend, the decode tokens' decode, then draft_k
+  // decode steps of the draft sequences whose token j is row j of each draft (gathered outside the timed calls).
+  const int64_t first_decode = mix.prefill_n, first_draft = first_decode + mix.decode_n;
+  std::vector<float> draft_x(static_cast<size_t>(mix.draft_n * d_in)), draft_y(static_cast<size_t>(mix.draft_n * E));
+  const auto separate = [&] {
+    double ms = 0;
+    int64_t row = 0;
+    for (int64_t i = 0; i < mix.prefill_n; ++i, row += mix.prefill_t) {
+      ms += timed([&] { layer.extend(cache, seqs[i], x.data() + row * d_in, mix.prefill_t, y_sep.data() + row * E); });
+    }
+    if (mix.decode_n) {
+      ms += timed([&] {
+        layer.decode(cache, seqs.data() + first_decode, mix.decode_n, x.data() + row * d_in, y_sep.data() + row * E);
+      });
+      row += mix.decode_n;
+    }
+    for (int64_t j = 0; j < mix.draft_k; ++j) {
+      for (int64_t i = 0; i < mix.draft_n; ++i) {
+        std::copy_n(x.data() + (row + i * mix.draft_k + j) * d_in, d_in, draft_x.data() + i * d_in);
+      }
+      ms += timed([&] { layer.decode(cache, seqs.data() + first_draft, mix.draft_n, draft_x.data(), draft_y.data()); });
+      for (int64_t i = 0; i < mix.draft_n; ++i) {
+        std::copy_n(draft_y.data() + i * E, E, y_sep.data() + (row + i * mix.draft_k + j) * E);
+      }
+    }
+    return ms;
+  };
+  const auto step = [&] {
+    return timed([&] { layer.step(cache, seqs.data(), tokens.data(), B, x.data(), y.data()); });
+  };
+
+  std::vector<double> step_ms, separate_ms, ratios;
+  for (int r = -kDecodeWarmup; r < repeats; ++r) {
+    // Alternating which goes first, so that neither always meets the other's leftovers.
+    double a = 0, b = 0;
+    if (r % 2 == 0) {
+      a = step(), rewind(), b = separate(), rewind();
+    } else {
+      b = separate(), rewind(), a = step(), rewind();
+    }
+    if (r < 0) continue;
+    step_ms.push_back(a), separate_ms.push_back(b), ratios.push_back(b / a);
+  }
+  BenchResult res{name, compute, B, T, team, 0, 0, to_string(layer.layer().isa()), layer.layer().implementation()};
+  set_times(res, step_ms);
+  res.step_tokens = M, res.entries = B;
+  res.separate_ms = median(separate_ms);
+  res.x_separate = median(ratios);
+  res.tokens_per_s = static_cast<double>(M) / (res.median_ms * 1e-3);
+  double flops = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    flops += projection_flops(cfg, 1, tokens[i]) + 4.0 * static_cast<double>(E) * static_cast<double>(tokens[i]) *
+                                                      (static_cast<double>(T) + static_cast<double>(tokens[i] + 1) / 2);
+  }
+  res.gflops = flops / (res.median_ms * 1e6);
+  if (check) {
+    history.insert(history.end(), x.begin(), x.begin() + tokens[0] * d_in);
+    const int64_t n = T + tokens[0];
+    AttentionInputs in;
+    in.query = TensorView::f32(history.data(), {1, n, d_in});
+    const std::vector<double> ref = reference_forward(cfg, w, in);
+    check_rows(res, y.data(), std::vector<double>(ref.end() - tokens[0] * E, ref.end()), std::max(d_in, n), kv_dtype,
+               cfg.head_dim());
+  }
+  return res;
+}
+
 #ifdef GPT2ATTN_HAVE_MPI
 namespace {
 

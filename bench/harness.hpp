@@ -99,6 +99,11 @@ struct BenchResult {
   double x_first = 0;
   double min_ms = 0, max_ms = 0;
   int repeats = 0;
+  // step only: the step's tokens and entries, and the same work as separate extend() / decode() calls timed in the
+  // same run (each call after its own cache flush with --cache cold): the median of their summed times, and the
+  // median over the repeats of separate / step
+  int64_t step_tokens = 0, entries = 0;
+  double separate_ms = 0, x_separate = 0;
   double bound = 0;  // checked: the largest error the tolerance allowed (atol + rtol * max |reference|)
   // The share of the case's thread time spent runnable but waiting for a CPU (run_delay_s over the case's wall time
   // times its threads), set by whoever times the case; above kBusyShare another process took the CPU. The spread
@@ -240,6 +245,23 @@ struct DecodeSpec {
 };
 std::vector<BenchResult> bench_decode_interleaved(const std::vector<DecodeSpec>& specs, int64_t B, int threads,
                                                   Isa isa, int repeats, bool check, bool cold);
+
+// A continuous-batching step (CausalSelfAttention::step), as `gpt2attn bench --mode step` describes it on its command
+// line: prefill_n sequences each appending a chunk of prefill_t tokens, decode_n sequences one token each, and draft_n
+// sequences draft_k tokens each (a speculative draft to verify); every sequence holds T cached tokens before it.
+struct StepMix {
+  int64_t prefill_n = 0, prefill_t = 0, decode_n = 0, draft_n = 0, draft_k = 0;
+  int64_t entries() const { return prefill_n + decode_n + draft_n; }
+  int64_t tokens() const { return prefill_n * prefill_t + decode_n + draft_n * draft_k; }
+  std::string describe() const;  // e.g. "prefill 16x32 + decode 16 + draft 4x4"
+};
+// The mix's sequences prefilled with T tokens each; then, `repeats` times after a warm-up, the step and the same work as
+// separate calls (an extend() per chunk, one decode() of the decode sequences, draft_k successive decode() steps of the
+// draft sequences), one right after the other, each sequence truncated back to T after each (KvCache::truncate), so
+// every repeat does the same work. With `cold`, the caches are flushed before the step and before each separate call.
+// With `check`, the step's rows of its first entry against the naive reference over that sequence's history.
+BenchResult bench_step(const std::string& name, Config cfg, const StepMix& mix, int64_t T, DType compute, int threads,
+                       Isa isa, int repeats, bool check, bool cold, DType kv_dtype);
 
 #ifdef GPT2ATTN_HAVE_MPI
 // The cases tensor parallel over MPI_COMM_WORLD (under mpirun): every rank generates and holds only its heads'

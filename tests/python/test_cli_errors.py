@@ -240,7 +240,7 @@ def main():
     err("bench_kv_dtype_unknown", bench + ["--mode", "decode", "--kv-dtype", "f16"],
         [r"--kv-dtype f16 is not supported \(supported: f32, bf16, int8, fp8\)"], with_output=False)
     err("bench_kv_dtype_without_decode", bench + ["--kv-dtype", "bf16"],
-        [r"--kv-dtype applies to --mode decode only"], with_output=False)
+        [r"--kv-dtype applies to --mode decode and step only"], with_output=False)
     err("bench_kv_dtype_twice", bench + ["--mode", "decode", "--kv-dtype", "bf16", "--kv-dtype", "bf16"],
         [r"--kv-dtype bf16 given twice"], with_output=False)
     err("bench_kv_heads_twice", bench + ["--kv-heads", "4", "--kv-heads", "4"], [r"--kv-heads 4 given twice"],
@@ -257,6 +257,16 @@ def main():
         with_output=False)
     err("forward_threads_twice", fx.fwd(extra=["--threads", "1", "--threads", "2"]),
         [r"--threads given more than once"])
+    err("bench_step_without_entries", bench + ["--mode", "step"],
+        [r"--mode step needs at least one of --prefill, --decode, --draft"], with_output=False)
+    err("bench_step_option_without_step", bench + ["--draft", "4x4"],
+        [r"--draft applies to --mode step only"], with_output=False)
+    err("bench_step_bad_pair", bench + ["--mode", "step", "--prefill", "16"],
+        [r"--prefill 16: expected NxT, two counts from 1 to 1048576"], with_output=False)
+    err("bench_step_zero_pair", bench + ["--mode", "step", "--draft", "4x0"],
+        [r"--draft 4x0: expected NxT"], with_output=False)
+    err("bench_step_with_batch", bench + ["--mode", "step", "--decode", "4", "--batch", "2"],
+        [r"--batch does not apply to --mode step"], with_output=False)
     err("bench_interleave_without_decode", bench + ["--interleave"],
         [r"--interleave applies to --mode decode --cache cold only"], with_output=False)
     err("bench_interleave_warm", bench + ["--mode", "decode", "--interleave"],

@@ -4,6 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
+#include <tuple>
+#include <utility>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
@@ -46,6 +49,15 @@ const char* kAbout = R"(bench    times the whole layer (QKV projection, causal a
          cold) sets every case up first and then takes one step of each case in turn, so that all of them
          meet the same minutes of a shared machine; each row then also carries x_first, the median over the
          timed steps of the first case's step time over this case's (the first case's is 1).
+         --mode step: one continuous-batching step (step() of the library) of --prefill NxT (N sequences each
+         appending a chunk of T tokens), --decode N (N sequences one token each) and --draft NxK (N sequences K
+         draft tokens each, to verify), in any mix, over sequences that each hold --seq cached tokens. The same
+         work also runs as separate calls in the same run: an extend() per chunk, one decode() of the decode
+         tokens, K decode() steps of the drafts, each after its own flush with --cache cold; step and separate
+         calls alternate which goes first, and every sequence is truncated back to --seq after each, so every
+         repeat does the same work. separate_ms is the median of the separate calls' summed times, x_sep the
+         median over the repeats of separate / step, tokens/s the step's tokens / median_ms. --check compares
+         the first entry's rows with the naive reference over its sequence.
          A sweep of several presets reports each finished case on stderr (one line rewritten in place on a
          terminal) when its rows go to --json or to a pipe; stdout carries the rows alone.
          --check compares sequence 0's output of the first timed step with the last row of the naive
@@ -69,7 +81,8 @@ const char* kAbout = R"(bench    times the whole layer (QKV projection, causal a
 struct Request {
   std::vector<DType> computes;
   std::string mode, cache;
-  bool decode = false, interleave = false, json = false, check = false;
+  bool decode = false, step = false, interleave = false, json = false, check = false;
+  bench::StepMix mix;  // --mode step
   std::vector<std::string> kv_names;  // as given: "int8" is reported as such
   int64_t B = 1;
   std::vector<int64_t> seqs;  // --seq, each in turn
@@ -103,15 +116,43 @@ Config config_for(const Request& r, const std::string& name, int64_t kv_heads) {
   return c;
 }
 
+// "AxB" of --prefill and --draft: two counts in [1, 1 << 20].
+std::pair<int64_t, int64_t> count_pair(const Args& a, const std::string& k) {
+  const std::string s = a.get(k);
+  const size_t x = s.find('x');
+  const auto count = [&](const std::string& part) {
+    int64_t v = 0;
+    const auto [end, ec] = std::from_chars(part.data(), part.data() + part.size(), v);
+    if (part.empty() || ec != std::errc() || end != part.data() + part.size() || v < 1 || v > (int64_t{1} << 20)) {
+      throw UsageError("--" + k + " " + s + ": expected NxT, two counts from 1 to 1048576 (e.g. 16x32)");
+    }
+    return v;
+  };
+  if (x == std::string::npos) count("");  // refused with the message above
+  return {count(s.substr(0, x)), count(s.substr(x + 1))};
+}
+
 Request read_request(const Args& a) {
   Request r;
   r.computes = compute_dtypes(a);
-  r.mode = choice("mode", a.get("mode", "prefill"), {"prefill", "decode"});
+  r.mode = choice("mode", a.get("mode", "prefill"), {"prefill", "decode", "step"});
   r.decode = r.mode == "decode";
+  r.step = r.mode == "step";
+  for (const char* k : {"prefill", "decode", "draft"}) {
+    if (a.has(k) && !r.step) throw UsageError(std::string("--") + k + " applies to --mode step only");
+  }
+  if (r.step) {
+    if (a.has("prefill")) std::tie(r.mix.prefill_n, r.mix.prefill_t) = count_pair(a, "prefill");
+    r.mix.decode_n = a.integer<int64_t>("decode", 0, 1, int64_t{1} << 20);
+    if (a.has("draft")) std::tie(r.mix.draft_n, r.mix.draft_k) = count_pair(a, "draft");
+    if (r.mix.entries() == 0) throw UsageError("--mode step needs at least one of --prefill, --decode, --draft");
+    if (a.has("batch")) throw UsageError("--batch does not apply to --mode step: its entries say how many sequences");
+    if (world().parallel()) throw UsageError("--mode step is not supported under mpirun");
+  }
   r.cache = a.get("cache", "warm");
   if (r.cache != "warm" && r.cache != "cold") throw UsageError("--cache must be warm or cold, got " + r.cache);
-  if (a.has("cache") && !r.decode) throw UsageError("--cache applies to --mode decode only");
-  if (a.has("kv-dtype") && !r.decode) throw UsageError("--kv-dtype applies to --mode decode only");
+  if (a.has("cache") && !r.decode && !r.step) throw UsageError("--cache applies to --mode decode and step only");
+  if (a.has("kv-dtype") && !r.decode && !r.step) throw UsageError("--kv-dtype applies to --mode decode and step only");
   r.interleave = a.flag("interleave");
   if (r.interleave && (!r.decode || r.cache != "cold")) {
     throw UsageError("--interleave applies to --mode decode --cache cold only (warm cases would evict each other)");
@@ -179,11 +220,15 @@ void check_memory(const Request& r, const std::vector<Case>& cases) {
   const int64_t physical = bench::physical_memory_bytes();
   int64_t all_cases = 0;
   for (const Case& c : cases) {
-    const int64_t need = bench::bench_sizes(c.preset, c.cfg, r.B, c.T, r.decode, r.repeats).bytes;
+    // A step: as a decode of its entries over the cache they reach (an upper bound for its few activations).
+    const int64_t need = r.step ? bench::bench_sizes(c.preset, c.cfg, r.mix.entries(),
+                                                     c.T + std::max({r.mix.prefill_t, r.mix.draft_k, int64_t{1}}),
+                                                     true, r.repeats).bytes
+                                : bench::bench_sizes(c.preset, c.cfg, r.B, c.T, r.decode, r.repeats).bytes;
     if (need > physical) {
       invalid(c.preset + " at --batch " + std::to_string(r.B) + " --seq " + std::to_string(c.T) +
               ": needs at least " + std::to_string(need) + " bytes for weights, activations" +
-              (r.decode ? " and KV cache" : "") + ", more than the " + std::to_string(physical) +
+              (r.decode || r.step ? " and KV cache" : "") + ", more than the " + std::to_string(physical) +
               " bytes of physical memory");
     }
     all_cases = bench::checked_add(all_cases, need, "--interleave: bytes");
@@ -206,6 +251,10 @@ bench::BenchResult run_case(const Request& r, const Case& c) {
                                                    r.repeats, r.check, r.mpi_timeout_s);
   }
 #endif
+  if (r.step) {
+    return bench::bench_step(c.preset, c.cfg, r.mix, c.T, c.compute, r.threads, r.isa, r.repeats, r.check, cold,
+                             kv_dtype_of(c.kv_name));
+  }
   return r.decode ? bench::bench_decode(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa, r.repeats, r.check,
                                         cold, kv_dtype_of(c.kv_name))
                   : bench::bench_prefill(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa, r.repeats, r.check);
@@ -222,6 +271,13 @@ class Report {
 
   void header() const {
     if (r_.json || !world().prints()) return;
+    if (r_.step) {
+      std::printf("step: %s over T cached tokens each\n", r_.mix.describe().c_str());
+      std::printf("%-12s %-5s %-4s %3s %6s %6s %7s %10s %11s %6s %10s %-11s %s\n", "preset", "dtype", "kv", "kvh", "T",
+                  "tokens", "threads", "median_ms", "separate_ms", "x_sep", "tokens/s", "ISA",
+                  r_.check ? "max_err (allowed)" : "");
+      return;
+    }
     std::printf("%-12s %-8s %-5s %3s %3s %6s %7s %10s %9s ", "preset", "mode", "dtype", "kvh", "B", "T", "threads",
                 "median_ms", "GFLOP/s");
     if (r_.decode) std::printf("%-4s %10s %9s %7s ", "kv", "tokens/s", "MB/step", "GB/s");
@@ -250,6 +306,17 @@ class Report {
         j["ranks"] = res.ranks;
         j["allreduce_ms"] = res.allreduce_ms;
       }
+      if (r_.step) {
+        j["mix"] = r_.mix.describe();
+        j["entries"] = res.entries;
+        j["step_tokens"] = res.step_tokens;
+        j["separate_ms"] = res.separate_ms;
+        j["separate_tokens_per_s"] = static_cast<double>(res.step_tokens) / (res.separate_ms * 1e-3);
+        j["x_separate"] = res.x_separate;
+        j["cache"] = r_.cache;
+        j["kv_dtype"] = c.kv_name;
+        j["tokens_per_s"] = res.tokens_per_s;
+      }
       if (r_.decode) {
         j["cache"] = r_.cache;
         j["kv_dtype"] = c.kv_name;
@@ -269,6 +336,14 @@ class Report {
       char err[96] = "";
       if (res.checked) {
         std::snprintf(err, sizeof err, "%.2e (%.1e) %s", res.max_abs_err, res.bound, ok ? "ok" : "FAIL");
+      }
+      if (r_.step) {
+        std::printf("%-12s %-5s %-4s %3ld %6ld %6ld %7d %9.3f%s %11.3f %6.2f %10.0f %-11s %s\n", res.preset.c_str(), dtype,
+                    c.kv_name.c_str(), static_cast<long>(c.cfg.kv_heads()), static_cast<long>(res.T),
+                    static_cast<long>(res.step_tokens), res.threads, res.median_ms, res.busy() ? "*" : " ",
+                    res.separate_ms, res.x_separate, res.tokens_per_s, res.isa.c_str(), err);
+        std::fflush(stdout);
+        return;
       }
       std::printf("%-12s %-8s %-5s %3ld %3ld %6ld %7d %9.3f%s %9.1f ", res.preset.c_str(), r_.mode.c_str(), dtype,
                   static_cast<long>(c.cfg.kv_heads()), static_cast<long>(res.B), static_cast<long>(res.T), res.threads,
@@ -386,7 +461,10 @@ const Command& bench_command() {
                                          "--preset (alone without one)."),
           value("batch", "B", "sequences; default 1."),
           values("seq", "T", "tokens per sequence (decode: cached tokens); default 1024. Repeat to sweep."),
-          value("mode", "prefill|decode", "what is timed; default prefill."),
+          value("mode", "prefill|decode|step", "what is timed; default prefill."),
+          value("prefill", "NxT", "step: N sequences each appending a chunk of T tokens."),
+          value("decode", "N", "step: N sequences each appending one token."),
+          value("draft", "NxK", "step: N sequences each appending K draft tokens to verify."),
           compute_row(true),
           values("kv-heads", "N", "K/V heads of every preset (grouped-query attention); default: as many as heads."),
           kv_dtype_row(),
@@ -395,7 +473,7 @@ const Command& bench_command() {
           isa_row(),
           mpi_timeout_row(),
           value("repeats", "N", "timed runs, of which the median is reported; default 5."),
-          value("cache", "warm|cold", "decode: whether the CPU caches are flushed before each step; default warm."),
+          value("cache", "warm|cold", "decode, step: whether the CPU caches are flushed before each call; default warm."),
           flag("check", "compare with the naive reference (default in the table)."),
           flag("no-check", "do not compare (default with --json)."),
           flag("json", "one JSON row per case instead of the table."),
