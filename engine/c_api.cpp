@@ -9,10 +9,12 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <new>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "engine/validate.hpp"
 #include "gpt2attn/gpt2attn.hpp"
@@ -22,17 +24,47 @@ namespace ga = gpt2attn;
 #define GPT2ATTN_STR2(x) #x
 #define GPT2ATTN_STR(x) GPT2ATTN_STR2(x)
 
+// gpt2attn_layer_step's entries (an array of {seq, tokens}) as the two arrays CausalSelfAttention::step takes. The
+// C++ call has no strided form, so the entries are copied; the arrays belong to the workspace handle the step runs
+// on (or, for a NULL workspace, to the layer handle, under its lock), since the API already promises that a workspace
+// serves one call at a time and NULL-workspace calls on one layer are serialised. They only grow, so a step no larger
+// than the largest before it (or than reserve_step's max_entries) allocates nothing. Not a thread_local: each
+// thread would keep its own copy for its life, and in a library loaded with dlopen glibc allocates a thread_local on
+// first use and ends the process when that fails (as the error messages' comment below says), where a vector's growth
+// is a bad_alloc and so an OUT_OF_MEMORY status.
+struct StepEntryArrays {
+  std::vector<gpt2attn_seq_t> seqs;
+  std::vector<int64_t> tokens;
+
+  void reserve(int64_t n) {
+    seqs.reserve(static_cast<size_t>(n));
+    tokens.reserve(static_cast<size_t>(n));
+  }
+  void assign(const gpt2attn_step_entry_t* entries, int64_t n) {
+    reserve(n);  // both first: a bad_alloc leaves no half-grown pair
+    seqs.resize(static_cast<size_t>(n));
+    tokens.resize(static_cast<size_t>(n));
+    for (size_t i = 0; i < static_cast<size_t>(n); ++i) {
+      seqs[i] = entries[i].seq;
+      tokens[i] = entries[i].tokens;
+    }
+  }
+};
+
 // The handles are the C++ objects plus what a C caller needs to borrow as a stable `const char*`.
 struct gpt2attn_layer {
   ga::CausalSelfAttention attn;
   std::string isa;             // to_string(attn.layer().isa())
   std::string implementation;  // attn.layer().implementation(), computed once so describe() cannot fail
+  std::mutex step_mutex;       // guards step_entries: the entries of gpt2attn_layer_step calls with a NULL workspace
+  StepEntryArrays step_entries;
 };
 struct gpt2attn_kv_cache {
   ga::KvCache cache;
 };
 struct gpt2attn_workspace {
   ga::Workspace ws;
+  StepEntryArrays step_entries;  // gpt2attn_layer_step's entries on this workspace
 };
 
 // Sequence ids pass straight through, arrays included (decode's seqs).
@@ -237,7 +269,7 @@ ga::EngineOptions to_cpp(const gpt2attn_engine_options_t* options) {
 // Builds the handle completely before publishing it, so *out is written only on success.
 template <class W>  // Weights or WeightsView
 void make_layer(const ga::Config& cfg, const W& w, const ga::EngineOptions& options, gpt2attn_layer_t** out) {
-  auto* layer = new gpt2attn_layer{ga::CausalSelfAttention(cfg, w, options), {}, {}};
+  auto* layer = new gpt2attn_layer{ga::CausalSelfAttention(cfg, w, options), {}, {}, {}, {}};
   try {
     layer->isa = ga::to_string(layer->attn.layer().isa());
     layer->implementation = layer->attn.layer().implementation();
@@ -566,6 +598,35 @@ gpt2attn_status_t gpt2attn_layer_decode(gpt2attn_layer_t* layer, gpt2attn_kv_cac
   });
 }
 
+gpt2attn_status_t gpt2attn_layer_step(gpt2attn_layer_t* layer, gpt2attn_kv_cache_t* cache,
+                                      const gpt2attn_step_entry_t* entries, int64_t n, const float* x, float* out,
+                                      int threads, gpt2attn_workspace_t* ws) {
+  return guarded(__func__, [&] {
+    auto& l = deref(layer, "layer");
+    auto& c = deref(cache, "cache");
+    require(entries, "entries");
+    require(x, "x");
+    require(out, "out");
+    const ga::RunOptions run = run_options(threads);
+    // n sizes the copy of the entries, so it is checked here, before the library sees it: at least one entry, and
+    // no more than there are sequences (the entries are distinct), which bounds the copy by what the cache holds.
+    if (n < 1) ga::invalid("n (entries) must be >= 1, got " + std::to_string(n));
+    const int64_t sequences = c.cache.num_sequences();
+    if (n > sequences) {
+      ga::invalid("n is " + std::to_string(n) + " entries but the cache holds " + std::to_string(sequences) +
+                  " sequences (a step's entries are distinct sequences)");
+    }
+    if (ws) {
+      ws->step_entries.assign(entries, n);
+      l.attn.step(c.cache, ws->step_entries.seqs.data(), ws->step_entries.tokens.data(), n, x, out, run, &ws->ws);
+      return;
+    }
+    const std::lock_guard<std::mutex> lock(l.step_mutex);  // NULL-workspace calls are serialised on the layer anyway
+    l.step_entries.assign(entries, n);
+    l.attn.step(c.cache, l.step_entries.seqs.data(), l.step_entries.tokens.data(), n, x, out, run, nullptr);
+  });
+}
+
 gpt2attn_status_t gpt2attn_layer_forward(gpt2attn_layer_t* layer, const float* x, int64_t B, int64_t T, float* out,
                                          int threads, gpt2attn_workspace_t* ws) {
   return guarded(__func__, [&] {
@@ -611,6 +672,32 @@ gpt2attn_status_t gpt2attn_layer_reserve_bytes(const gpt2attn_layer_t* layer, in
     require(out, "out");
     run_options(threads);
     *out = l.attn.serving_workspace_bytes(max_extend_tokens, max_decode_batch, threads);
+  });
+}
+
+gpt2attn_status_t gpt2attn_layer_reserve_step(gpt2attn_layer_t* layer, int64_t max_tokens, int64_t max_entries,
+                                              int threads, gpt2attn_workspace_t* ws) {
+  return guarded(__func__, [&] {
+    auto& l = deref(layer, "layer");
+    run_options(threads);  // the same threads check as the compute calls
+    l.attn.reserve_step(max_tokens, max_entries, threads, ws ? &ws->ws : nullptr);  // checks the sizes
+    // And the copy of the entries that gpt2attn_layer_step makes on this workspace (or the layer's).
+    if (ws) {
+      ws->step_entries.reserve(max_entries);
+    } else {
+      const std::lock_guard<std::mutex> lock(l.step_mutex);
+      l.step_entries.reserve(max_entries);
+    }
+  });
+}
+
+gpt2attn_status_t gpt2attn_layer_reserve_step_bytes(const gpt2attn_layer_t* layer, int64_t max_tokens,
+                                                    int64_t max_entries, int threads, size_t* out) {
+  return guarded(__func__, [&] {
+    const auto& l = deref(layer, "layer");
+    require(out, "out");
+    run_options(threads);
+    *out = l.attn.step_workspace_bytes(max_tokens, max_entries, threads);
   });
 }
 

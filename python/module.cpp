@@ -591,6 +591,47 @@ PYBIND11_MODULE(_gpt2attn, m) {
           py::arg("workspace") = nullptr,
           "One decode step: x (B, d_in) holds one new token for each of the B distinct sequences; returns (B, E).")
       .def(
+          "step",
+          [](ga::CausalSelfAttention& self, ga::KvCache& cache, const std::vector<ga::SequenceId>& seqs,
+             const std::vector<int64_t>& tokens, const py::object& x, const py::object& out, int threads,
+             ga::Workspace* ws) {
+            if (tokens.size() != seqs.size()) {
+              invalid("step: seqs has " + std::to_string(seqs.size()) + " entries and tokens " +
+                      std::to_string(tokens.size()) + "; give one token count per sequence");
+            }
+            const int64_t n = static_cast<int64_t>(seqs.size());
+            // x's rows are checked against sum(tokens) when the counts are ones the library takes (n >= 1, each in
+            // 1..context_length, so the sum cannot overflow); otherwise the library refuses the counts, naming the
+            // entry, before it reads x or writes out.
+            const int64_t ctx = self.config().context_length;
+            bool counts_ok = n >= 1;
+            int64_t total = 0;
+            for (int64_t t : tokens) {
+              counts_ok = counts_ok && t >= 1 && t <= ctx;
+              if (counts_ok) total += t;
+            }
+            py::array a = contiguous_f32(x, "x", {-1, self.config().query_width()});
+            if (counts_ok && a.shape(0) != total) {
+              invalid("x: shape " + shape_of(a) + ", expected (" + std::to_string(total) + ", " +
+                      std::to_string(self.config().query_width()) + "): one row per new token, sum(tokens) = " +
+                      std::to_string(total));
+            }
+            py::array y = output(out, {a.shape(0), self.config().d_model});
+            const float* src = static_cast<const float*>(a.data());
+            float* dst = static_cast<float*>(y.mutable_data());
+            {
+              py::gil_scoped_release nogil;
+              self.step(cache, seqs.data(), tokens.data(), n, src, dst, run_options(threads), ws);
+            }
+            return result(y, out, x);
+          },
+          py::arg("cache"), py::arg("seqs"), py::arg("tokens"), py::arg("x"), py::arg("out") = py::none(),
+          py::arg("threads") = 0, py::arg("workspace") = nullptr,
+          "One continuous-batching step: entry i appends tokens[i] >= 1 new tokens to sequence seqs[i] (distinct "
+          "sequences; a prompt chunk, one next token or draft tokens, in any mix). x (sum(tokens), d_in) holds the "
+          "entries' tokens packed in entry order; returns (sum(tokens), E), each entry's rows as extend() of that "
+          "entry alone gives them. A refused step changes no sequence.")
+      .def(
           "reserve_serving",
           [](ga::CausalSelfAttention& self, int64_t max_extend_tokens, int64_t max_decode_batch, int threads,
              ga::Workspace* ws) {
@@ -599,6 +640,17 @@ PYBIND11_MODULE(_gpt2attn, m) {
           },
           py::arg("max_extend_tokens"), py::arg("max_decode_batch"), py::arg("threads") = 0,
           py::arg("workspace") = nullptr)
+      .def(
+          "reserve_step",
+          [](ga::CausalSelfAttention& self, int64_t max_tokens, int64_t max_entries, int threads, ga::Workspace* ws) {
+            py::gil_scoped_release nogil;
+            self.reserve_step(max_tokens, max_entries, threads, ws);
+          },
+          py::arg("max_tokens"), py::arg("max_entries"), py::arg("threads") = 0, py::arg("workspace") = nullptr,
+          "Grows the workspace (None: the layer's own) for step() of up to max_tokens tokens over up to max_entries "
+          "entries, so that such a step allocates nothing of the library's own.")
+      .def("step_workspace_bytes", &ga::CausalSelfAttention::step_workspace_bytes, py::arg("max_tokens"),
+           py::arg("max_entries"), py::arg("threads") = 0, "The workspace bytes reserve_step() takes for these sizes.")
       // A copy: the layer's own Config, returned by reference, would let Python change the shape a built layer
       // trusts (layer.config.num_heads = 8), and forward would then index projections it never made.
       .def_property_readonly("config", [](const ga::CausalSelfAttention& s) { return s.config(); })

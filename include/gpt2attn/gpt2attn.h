@@ -39,6 +39,8 @@
  *   written up to the caller's struct_size: fields the library does not know are set to 0. A struct_size below
  *   the struct's first version, or above 4096, is refused. Fields are appended in groups of 8 bytes, so no
  *   version ends in padding that an older library would have to read as a field.
+ * - gpt2attn_step_entry_t, an element of an array, is the exception: it has no struct_size and never changes (a new
+ *   field would change the array's stride); what a step needs later comes as a new function.
  * - The C++ API (the gpt2attn/<name>.hpp headers) is exported by the same library but is source-compatible only:
  *   its classes and option structs grow between releases, so C++ code is rebuilt for each release. Its symbols
  *   carry the release's version (GPT2ATTN_CXX_MAJOR.MINOR.PATCH), so a C++ program run against another release
@@ -80,6 +82,13 @@ typedef struct gpt2attn_layer gpt2attn_layer_t;         /* one causal self-atten
 typedef struct gpt2attn_kv_cache gpt2attn_kv_cache_t;   /* a paged K/V pool and the sequences living in it */
 typedef struct gpt2attn_workspace gpt2attn_workspace_t; /* per-thread scratch memory for compute calls */
 typedef int64_t gpt2attn_seq_t;                         /* a sequence id; never reused within one cache */
+
+/* One entry of a continuous-batching step (gpt2attn_layer_step): `tokens` (>= 1) new tokens for sequence `seq`. An
+ * array element, so fixed for the ABI's life: no struct_size (see the ABI policy). */
+typedef struct gpt2attn_step_entry {
+  gpt2attn_seq_t seq;
+  int64_t tokens;
+} gpt2attn_step_entry_t;
 
 /* The layer's sizes. Always causal self-attention, inference only (no dropout). Set struct_size (see the ABI
  * policy): start from gpt2attn_config_init() or a zeroed struct with struct_size = sizeof(gpt2attn_config_t). */
@@ -260,6 +269,15 @@ GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_extend(gpt2attn_layer_t* layer, gp
 GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_decode(gpt2attn_layer_t* layer, gpt2attn_kv_cache_t* cache,
                                                      const gpt2attn_seq_t* seqs, int64_t B, const float* x,
                                                      float* out, int threads, gpt2attn_workspace_t* ws);
+/* One step of continuous batching over n entries (distinct sequences, any cached lengths): entry i appends
+ * entries[i].tokens >= 1 new tokens to entries[i].seq (a chunk of a prompt, one next token or k draft tokens to
+ * verify, in any mix). x (sum of tokens, d_in), the entries' tokens packed in entry order -> out (sum of tokens, E).
+ * Each new token attends to its sequence's cached tokens and causally to its own entry's earlier new tokens, as
+ * gpt2attn_layer_extend of that entry alone computes it; the projections run once over all the step's tokens, so the
+ * weights stream once a step. Checks and errors as extend and decode: a refused step changes no sequence. */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_step(gpt2attn_layer_t* layer, gpt2attn_kv_cache_t* cache,
+                                                   const gpt2attn_step_entry_t* entries, int64_t n, const float* x,
+                                                   float* out, int threads, gpt2attn_workspace_t* ws);
 /* Causal self-attention without a cache: x (B, T, d_in) -> out (B, T, E). */
 GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_forward(gpt2attn_layer_t* layer, const float* x, int64_t B,
                                                       int64_t T, float* out, int threads, gpt2attn_workspace_t* ws);
@@ -282,6 +300,16 @@ GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_reserve(gpt2attn_layer_t* layer, i
 GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_reserve_bytes(const gpt2attn_layer_t* layer,
                                                             int64_t max_extend_tokens, int64_t max_decode_batch,
                                                             int threads, size_t* out);
+/* Grows ws (NULL: the layer's own) for gpt2attn_layer_step of up to max_tokens tokens over up to max_entries entries
+ * (1 <= max_entries <= max_tokens), and makes its GEMM primitives: such a step then allocates nothing of gpt2attn's
+ * own (a step of up to 64 tokens runs no oneDNN at all; a longer one's oneDNN GEMMs still allocate). */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_reserve_step(gpt2attn_layer_t* layer, int64_t max_tokens,
+                                                           int64_t max_entries, int threads,
+                                                           gpt2attn_workspace_t* ws);
+/* *out = the scratch bytes gpt2attn_layer_reserve_step would hold for these sizes (gpt2attn_workspace_bytes of a
+ * workspace that held less before). */
+GPT2ATTN_API gpt2attn_status_t gpt2attn_layer_reserve_step_bytes(const gpt2attn_layer_t* layer, int64_t max_tokens,
+                                                                 int64_t max_entries, int threads, size_t* out);
 
 #ifdef __cplusplus
 } /* extern "C" */

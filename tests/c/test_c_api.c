@@ -1,6 +1,7 @@
 /* tests/c/test_c_api.c: the C API exercised from C (compiled as C11, linked to libgpt2attn.so): prefill and batched
- * decode through a paged KV cache checked against the layer's own full forward, the error contract (status,
- * message, no writes) and the struct_size rule of the ABI policy (older and newer callers' structs). */
+ * decode through a paged KV cache checked against the layer's own full forward, ragged steps against extend, the
+ * error contract (status, message, no writes) and the struct_size rule of the ABI policy (older and newer callers'
+ * structs). */
 #include <gpt2attn/gpt2attn.h>
 
 #include <math.h>
@@ -244,6 +245,139 @@ static void test_prefill_decode(gpt2attn_layer_t* layer, const float* xa, const 
   CHECK(total == 16 && free_blocks == 16 && nseq == 0, "after release: %lld/%lld blocks free, %lld sequences",
         (long long)free_blocks, (long long)total, (long long)nseq);
   gpt2attn_workspace_destroy(ws);
+  gpt2attn_kv_cache_destroy(cache);
+}
+
+/* gpt2attn_layer_step: a ragged step over A (6 cached tokens, 3 new), B (2 cached, 1 new: a decode token) and C (empty,
+ * a 5-token prompt) gives, row for row, what extend of each entry alone gives on a second cache holding the same
+ * tokens; then a smaller step on the layer's own workspace (NULL); then bad steps, which change no length. */
+#define STEP_N 3
+#define STEP_TOKENS 9 /* 3 + 1 + 5 */
+static void test_step(gpt2attn_layer_t* layer) {
+  gpt2attn_kv_cache_t *cache = NULL, *ref = NULL;
+  gpt2attn_workspace_t *ws = NULL, *fresh = NULL;
+  CHECK_OK(gpt2attn_kv_cache_create(layer, BLOCK, 64, &cache));
+  CHECK_OK(gpt2attn_kv_cache_create(layer, BLOCK, 64, &ref));
+  CHECK_OK(gpt2attn_workspace_create(&ws));
+  CHECK_OK(gpt2attn_workspace_create(&fresh));
+  if (!cache || !ref || !ws || !fresh) return;
+
+  /* reserve_step sizes a workspace for the step below, as reserve_step_bytes says. */
+  size_t planned = 0, held = 0;
+  CHECK_OK(gpt2attn_layer_reserve_step_bytes(layer, STEP_TOKENS, STEP_N, 2, &planned));
+  CHECK_OK(gpt2attn_layer_reserve_step(layer, STEP_TOKENS, STEP_N, 2, fresh));
+  CHECK_OK(gpt2attn_workspace_bytes(fresh, &held));
+  CHECK(planned == held && held > 0, "reserve_step_bytes %zu, a fresh workspace after reserve_step holds %zu",
+        planned, held);
+  CHECK_OK(gpt2attn_layer_reserve_step(layer, STEP_TOKENS, STEP_N, 2, ws));
+  CHECK_OK(gpt2attn_layer_reserve_step(layer, STEP_TOKENS, STEP_N, 2, NULL));
+
+  gpt2attn_seq_t s[STEP_N], r[STEP_N];
+  for (int i = 0; i < STEP_N; ++i) {
+    CHECK_OK(gpt2attn_seq_create(cache, &s[i]));
+    CHECK_OK(gpt2attn_seq_create(ref, &r[i]));
+  }
+  static const int64_t cached[STEP_N] = {6, 2, 0}, fresh_tokens[STEP_N] = {3, 1, 5};
+  float prompt[6 * E], y[6 * E];
+  for (int i = 0; i < STEP_N; ++i) {
+    if (cached[i] == 0) continue;
+    fill(prompt, (size_t)(cached[i] * E), 40u + (uint32_t)i);
+    CHECK_OK(gpt2attn_layer_extend(layer, cache, s[i], prompt, cached[i], y, 2, NULL));
+    CHECK_OK(gpt2attn_layer_extend(layer, ref, r[i], prompt, cached[i], y, 2, NULL));
+  }
+
+  float x[STEP_TOKENS * E], out[STEP_TOKENS * E], want[STEP_TOKENS * E];
+  fill(x, STEP_TOKENS * E, 50);
+  gpt2attn_step_entry_t entries[STEP_N];
+  int64_t row = 0;
+  for (int i = 0; i < STEP_N; ++i) {
+    entries[i].seq = s[i];
+    entries[i].tokens = fresh_tokens[i];
+    CHECK_OK(gpt2attn_layer_extend(layer, ref, r[i], x + row * E, fresh_tokens[i], want + row * E, 2, NULL));
+    row += fresh_tokens[i];
+  }
+  set_sentinel(out, STEP_TOKENS * E);
+  CHECK_OK(gpt2attn_layer_step(layer, cache, entries, STEP_N, x, out, 2, ws));
+  check_rows("ragged step {A: 3, B: 1, C: 5} vs extend of each entry", out, want, STEP_TOKENS * E);
+  for (int i = 0; i < STEP_N; ++i) {
+    CHECK(seq_len(cache, s[i]) == cached[i] + fresh_tokens[i], "entry %d: length %lld after the step", i,
+          (long long)seq_len(cache, s[i]));
+  }
+
+  /* The layer's own workspace (NULL), the entries in another order: C 2 tokens, A 1 token. */
+  {
+    const gpt2attn_step_entry_t two[2] = {{s[2], 2}, {s[0], 1}};
+    float x2[3 * E], out2[3 * E], want2[3 * E];
+    fill(x2, 3 * E, 51);
+    CHECK_OK(gpt2attn_layer_extend(layer, ref, r[2], x2, 2, want2, 0, NULL));
+    CHECK_OK(gpt2attn_layer_extend(layer, ref, r[0], x2 + 2 * E, 1, want2 + 2 * E, 0, NULL));
+    CHECK_OK(gpt2attn_layer_step(layer, cache, two, 2, x2, out2, 0, NULL));
+    check_rows("step on the layer's workspace {C: 2, A: 1} vs extend", out2, want2, 3 * E);
+  }
+  const int64_t len0 = seq_len(cache, s[0]), len1 = seq_len(cache, s[1]), len2 = seq_len(cache, s[2]);
+  CHECK(len0 == 10 && len1 == 3 && len2 == 7, "lengths %lld %lld %lld", (long long)len0, (long long)len1,
+        (long long)len2);
+
+  /* Bad steps: refused as INVALID_ARGUMENT naming the problem; no sequence grows and out is not written. */
+  {
+    const gpt2attn_step_entry_t zero[2] = {{s[0], 1}, {s[1], 0}};
+    const gpt2attn_step_entry_t twice[2] = {{s[1], 1}, {s[1], 2}};
+    const gpt2attn_step_entry_t unknown[1] = {{987654, 1}};
+    set_sentinel(out, STEP_TOKENS * E);
+    CHECK_ERR(gpt2attn_layer_step(layer, cache, zero, 2, x, out, 0, ws), GPT2ATTN_ERR_INVALID_ARGUMENT, "tokens=0");
+    CHECK_ERR(gpt2attn_layer_step(layer, cache, twice, 2, x, out, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "twice");
+    CHECK_ERR(gpt2attn_layer_step(layer, cache, unknown, 1, x, out, 0, ws), GPT2ATTN_ERR_INVALID_ARGUMENT, "987654");
+    CHECK_ERR(gpt2attn_layer_step(layer, cache, NULL, 1, x, out, 0, ws), GPT2ATTN_ERR_INVALID_ARGUMENT, "entries");
+    CHECK_ERR(gpt2attn_layer_step(layer, cache, entries, 0, x, out, 0, ws), GPT2ATTN_ERR_INVALID_ARGUMENT, "n");
+    CHECK_ERR(gpt2attn_layer_step(layer, cache, entries, -1, x, out, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "n");
+    /* More entries than sequences is refused before the entries are read or copied. */
+    CHECK_ERR(gpt2attn_layer_step(layer, cache, entries, INT64_MAX, x, out, 0, ws), GPT2ATTN_ERR_INVALID_ARGUMENT,
+              "distinct");
+    CHECK_ERR(gpt2attn_layer_step(NULL, cache, entries, STEP_N, x, out, 0, ws), GPT2ATTN_ERR_INVALID_ARGUMENT,
+              "layer");
+    CHECK_ERR(gpt2attn_layer_step(layer, NULL, entries, STEP_N, x, out, 0, ws), GPT2ATTN_ERR_INVALID_ARGUMENT,
+              "cache");
+    CHECK_ERR(gpt2attn_layer_step(layer, cache, entries, STEP_N, NULL, out, 0, ws), GPT2ATTN_ERR_INVALID_ARGUMENT,
+              "x");
+    CHECK_ERR(gpt2attn_layer_step(layer, cache, entries, STEP_N, x, NULL, 0, ws), GPT2ATTN_ERR_INVALID_ARGUMENT,
+              "out");
+    CHECK_ERR(gpt2attn_layer_step(layer, cache, entries, STEP_N, x, out, -1, ws), GPT2ATTN_ERR_INVALID_ARGUMENT,
+              "threads");
+    /* A's 10 tokens + 7 pass context_length 16. */
+    const gpt2attn_step_entry_t too_long[2] = {{s[1], 1}, {s[0], 7}};
+    CHECK_ERR(gpt2attn_layer_step(layer, cache, too_long, 2, x, out, 0, ws), GPT2ATTN_ERR_INVALID_ARGUMENT,
+              "context");
+    CHECK(strncmp(gpt2attn_last_error(), "gpt2attn_layer_step", 19) == 0, "message names the function: \"%s\"",
+          gpt2attn_last_error());
+    CHECK(untouched(out, STEP_TOKENS * E), "refused steps wrote nothing");
+    CHECK(seq_len(cache, s[0]) == len0 && seq_len(cache, s[1]) == len1 && seq_len(cache, s[2]) == len2,
+          "refused steps changed no length: %lld %lld %lld", (long long)seq_len(cache, s[0]),
+          (long long)seq_len(cache, s[1]), (long long)seq_len(cache, s[2]));
+    size_t bytes = 12345;
+    CHECK_ERR(gpt2attn_layer_reserve_step_bytes(layer, 2, 3, 0, &bytes), GPT2ATTN_ERR_INVALID_ARGUMENT,
+              "max_entries");
+    CHECK_ERR(gpt2attn_layer_reserve_step_bytes(layer, 0, 0, 0, &bytes), GPT2ATTN_ERR_INVALID_ARGUMENT,
+              "max_tokens");
+    CHECK_ERR(gpt2attn_layer_reserve_step_bytes(layer, 4, 1, 0, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "out");
+    CHECK(bytes == 12345, "a refused reserve_step_bytes left *out as it was");
+    CHECK_ERR(gpt2attn_layer_reserve_step(layer, 2, 3, 0, ws), GPT2ATTN_ERR_INVALID_ARGUMENT, "max_entries");
+    CHECK_ERR(gpt2attn_layer_reserve_step(NULL, 4, 1, 0, ws), GPT2ATTN_ERR_INVALID_ARGUMENT, "layer");
+    CHECK_ERR(gpt2attn_layer_reserve_step(layer, 4, 1, 100000, NULL), GPT2ATTN_ERR_INVALID_ARGUMENT, "threads");
+  }
+
+  /* The step still runs after the refusals, on the workspace reserved for it. */
+  {
+    const gpt2attn_step_entry_t one[2] = {{s[1], 1}, {s[2], 1}};
+    float x3[2 * E], out3[2 * E], want3[2 * E];
+    fill(x3, 2 * E, 52);
+    CHECK_OK(gpt2attn_layer_extend(layer, ref, r[1], x3, 1, want3, 0, NULL));
+    CHECK_OK(gpt2attn_layer_extend(layer, ref, r[2], x3 + E, 1, want3 + E, 0, NULL));
+    CHECK_OK(gpt2attn_layer_step(layer, cache, one, 2, x3, out3, 2, fresh));
+    check_rows("step after refused steps vs extend", out3, want3, 2 * E);
+  }
+  gpt2attn_workspace_destroy(fresh);
+  gpt2attn_workspace_destroy(ws);
+  gpt2attn_kv_cache_destroy(ref);
   gpt2attn_kv_cache_destroy(cache);
 }
 
@@ -782,6 +916,7 @@ int main(void) {
 
   test_library(layer);
   test_prefill_decode(layer, xa, xb, ref_a, ref_b);
+  test_step(layer);
   test_argument_errors(layer, xa);
   test_context_limit(layer);
   test_pool_exhaustion(layer, xa, xb, ref_a, ref_b);

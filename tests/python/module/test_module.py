@@ -269,6 +269,89 @@ def test_prefix_fork_and_truncate():
         cache.fork(a, -1)
 
 
+def test_ragged_step_matches_extend_of_each_entry():
+    """step() over entries of 3, 1 and 5 new tokens, on sequences holding 6, 2 and 0, gives each entry's rows as
+    extend() of that entry alone gives them on a second cache holding the same tokens. seqs and tokens come as a
+    list, a tuple or a numpy int array; a torch tensor in gives a torch tensor out; out= is written in place."""
+    rng = np.random.default_rng(9)
+    cfg, layer, cache = serving_layer()
+    ref = gpt2attn.KvCache(cfg, capacity_tokens=256)
+    cached, new = [6, 2, 0], [3, 1, 5]
+    seqs, refs = [cache.create() for _ in cached], [ref.create() for _ in cached]
+    for s, r, n in zip(seqs, refs, cached):
+        if n:
+            prompt = rand(rng, n, 64)
+            layer.extend(cache, s, prompt)
+            layer.extend(ref, r, prompt)
+
+    def extend_each(refs, new, x):
+        rows = np.cumsum([0] + list(new))
+        return np.concatenate([layer.extend(ref, r, x[rows[i]:rows[i + 1]]) for i, r in enumerate(refs)])
+
+    x = rand(rng, sum(new), 64)
+    want = extend_each(refs, new, x)
+    ws = gpt2attn.Workspace()
+    layer.reserve_step(sum(new), len(new), workspace=ws)
+    assert ws.bytes == layer.step_workspace_bytes(sum(new), len(new)) > 0
+    y = layer.step(cache, np.array(seqs), tuple(new), x, workspace=ws)
+    assert y.shape == (9, 64) and y.dtype == np.float32
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+    assert [cache.length(s) for s in seqs] == [9, 3, 5]
+
+    # Another order and mix, torch in and out, on the layer's own workspace.
+    x2 = rand(rng, 3, 64)
+    want2 = extend_each([refs[2], refs[0]], [2, 1], x2)
+    y2 = layer.step(cache, [seqs[2], seqs[0]], np.array([2, 1]), torch.from_numpy(x2))
+    assert isinstance(y2, torch.Tensor)
+    np.testing.assert_allclose(y2.numpy(), want2, rtol=1e-4, atol=1e-4)
+
+    # out= is the result, written in place.
+    x3 = rand(rng, 2, 64)
+    want3 = extend_each([refs[1], refs[2]], [1, 1], x3)
+    out = np.zeros((2, 64), np.float32)
+    assert layer.step(cache, [seqs[1], seqs[2]], [1, 1], x3, out=out, workspace=ws) is out
+    np.testing.assert_allclose(out, want3, rtol=1e-4, atol=1e-4)
+    assert [cache.length(s) for s in seqs] == [10, 4, 8]
+
+
+def test_bad_steps_raise_and_change_no_length():
+    rng = np.random.default_rng(10)
+    cfg, layer, cache = serving_layer()
+    a, b = cache.create(), cache.create()
+    layer.extend(cache, a, rand(rng, 4, 64))
+    x = rand(rng, 3, 64)
+    out = np.full((3, 64), 7.0, np.float32)
+    free = cache.free_blocks
+    with pytest.raises(gpt2attn.InvalidArgument, match="tokens=0"):
+        layer.step(cache, [a, b], [3, 0], x, out=out)
+    with pytest.raises(gpt2attn.InvalidArgument, match="twice"):
+        layer.step(cache, [a, a], [1, 2], x, out=out)
+    with pytest.raises(gpt2attn.InvalidArgument, match="987654"):
+        layer.step(cache, [987654], [3], x, out=out)
+    with pytest.raises(gpt2attn.InvalidArgument, match="context"):  # a holds 4 of the 128
+        layer.step(cache, [a], [125], rand(rng, 125, 64))
+    with pytest.raises(ValueError, match="seqs has 2 entries and tokens 1"):
+        layer.step(cache, [a, b], [3], x)
+    with pytest.raises(ValueError, match=r"expected \(3, 64\).*sum\(tokens\) = 3"):
+        layer.step(cache, [a, b], [2, 1], x[:2])
+    with pytest.raises(ValueError, match=r"out: shape \(2, 64\)"):
+        layer.step(cache, [a, b], [2, 1], x, out=out[:2])
+    with pytest.raises(gpt2attn.InvalidArgument, match=r"n \(entries\) must be >= 1"):
+        layer.step(cache, [], [], x[:0])
+    with pytest.raises(gpt2attn.InvalidArgument, match="float64"):
+        layer.step(cache, [a, b], [2, 1], x.astype(np.float64))
+    with pytest.raises(TypeError):
+        layer.step(cache, [a, b], [2.0, 1.0], x)  # counts are ints, as seqs are
+    np.testing.assert_array_equal(out, 7.0)
+    assert (cache.length(a), cache.length(b), cache.free_blocks) == (4, 0, free)
+    for bad in (lambda: layer.reserve_step(2, 3), lambda: layer.step_workspace_bytes(2, 3)):
+        with pytest.raises(gpt2attn.InvalidArgument, match="max_entries"):
+            bad()
+    # The refused calls left the layer and cache serving.
+    y = layer.step(cache, [a, b], [2, 1], x)
+    assert y.shape == (3, 64) and (cache.length(a), cache.length(b)) == (6, 1)
+
+
 def test_pool_exhaustion_raises_and_leaves_the_cache_unchanged():
     rng = np.random.default_rng(7)
     cfg, layer, cache = serving_layer(capacity_tokens=192)  # 3 blocks of 64
@@ -334,12 +417,23 @@ def _gil_test_call(name):
         return lambda: gpt2attn.reference_forward(cfg, w, x[:, :128])
     if name == "reserve_serving":
         return lambda: causal.reserve_serving(1024, 16, threads=1)
+    if name == "reserve_step":
+        return lambda: causal.reserve_step(1024, 16, threads=1)
     cache = gpt2attn.KvCache(cfg, capacity_tokens=2048)
     seq = cache.create()
     if name == "extend":
         return lambda: causal.extend(cache, seq, x[0])
-    assert name == "decode"
     causal.extend(cache, seq, x[0])
+    if name == "step":
+        other = cache.create()
+
+        def ragged_steps():  # a decode token and a 4-token chunk a step; truncated back, so it can repeat
+            cache.truncate(seq, 1024)
+            cache.truncate(other, 0)
+            for i in range(32):
+                causal.step(cache, [seq, other], [1, 4], x[0, 5 * i:5 * i + 5])
+        return ragged_steps
+    assert name == "decode"
 
     def steps():
         for i in range(32):
@@ -348,7 +442,7 @@ def _gil_test_call(name):
 
 
 @pytest.mark.parametrize("name", ["CausalSelfAttention.forward", "MultiHeadAttention.forward", "extend", "decode",
-                                  "reserve_serving", "reference_forward"])
+                                  "step", "reserve_serving", "reserve_step", "reference_forward"])
 def test_compute_releases_the_gil(name):
     """With a switch interval far longer than the test, Python hands the GIL over only where a thread blocks or
     releases it. A counting thread that yields the GIL every step can then advance during the calls only if they
