@@ -84,11 +84,17 @@ inline constexpr int kLinearKChunk = 256;
 inline constexpr int kLinearItemsPerThread = 1;
 
 // A ragged step (CausalSelfAttention::step): an entry of at most kStepDecodeTokens new tokens (a decode token, a
-// draft to verify) runs on the decode kernel, its tokens sharing each pass over its keys (DecodeArgs::tokens), split
-// across threads like a decode step's; a longer one on the tiled kernel by query tiles, whose lanes it fills. A step of
-// at most kStepFewRowTokens tokens runs its projections on the few-row kernel (one pass over the fused W_qkv), a
-// longer one on oneDNN's GEMMs.
-inline constexpr int64_t kStepDecodeTokens = 16;
+// draft to verify, a short chunk) runs on the decode kernel, its tokens sharing each pass over its keys
+// (DecodeArgs::tokens), split across threads like a decode step's; a longer one on the tiled kernel by query tiles.
+// Over a cold paged cache the decode kernel's block-order streaming with prefetch beats the tiled kernel's head-by-head
+// reads up to about 64 tokens and loses from 128 on. The step's attention stage, decode kernel against tiled kernel
+// (Zen 3, 2 threads, gpt2-small, 1024 cached tokens a sequence, `gpt2attn bench --mode step --cache cold`, timed
+// inside the step): 16 chunks of 32 tokens + 16 decode tokens 28 against 36 ms, 8 x 64 + 4 decode 19 against 25 ms,
+// 4 x 128 + 4 decode 31 against 19 ms. 32 keeps the decode kernel's scratch (H x 32 query rows) small.
+// A step of at most kStepFewRowTokens tokens runs its projections on the few-row kernel (one pass over the fused
+// W_qkv; no oneDNN, so nothing allocated), a longer one on oneDNN's GEMMs: at 64 and 128 tokens the two measured
+// alike, at 528 the few-row kernel took 72 ms a step against oneDNN's 57.
+inline constexpr int64_t kStepDecodeTokens = 32;
 inline constexpr int64_t kStepFewRowTokens = 64;
 
 // The decode kernel scores at most this many keys of a block at once (one head's run): it bounds the kernel's

@@ -847,8 +847,9 @@ TEST_P(KernelDecode, StoredKvMatchesNaive) {
 
 // Several new tokens of one sequence in one pass (DecodeArgs::tokens: a draft to verify, a short chunk), each token
 // seeing the cached keys and the new ones up to its own: every K/V format, a third of the f32 shapes (every grouping,
-// ragged splits, blocks of 1 to 300 keys) with 2 to 16 tokens, so that the causal cut falls inside runs, at their
-// edges and across splits, and a split may hold keys no token of a row sees.
+// ragged splits, blocks of 1 to 300 keys) with 2 to 32 tokens (a ragged step's short entries, kStepDecodeTokens), so
+// that the causal cut falls inside runs, at their edges and across splits, and a split may hold keys no token of a
+// row sees.
 TEST_P(KernelDecode, SeveralTokensMatchNaive) {
   for (DType kv : test::kv_formats()) {
     if (!own_row(kv)) continue;
@@ -858,7 +859,7 @@ TEST_P(KernelDecode, SeveralTokensMatchNaive) {
     const std::vector<DecodeCase> all = decode_cases(kv);
     for (size_t i = 0; i < all.size(); i += 3) {
       DecodeCase c = all[i];
-      c.tokens = std::min<int64_t>(c.n, std::array<int64_t, 4>{2, 3, 5, 16}[(i / 3) % 4]);
+      c.tokens = std::min<int64_t>(c.n, std::array<int64_t, 4>{2, 3, 5, 32}[(i / 3) % 4]);
       cases.push_back(c);
     }
     expect_all_cases(to_string(kern.isa), cases, [&](const DecodeCase& c) { return check_decode(kern, c); });

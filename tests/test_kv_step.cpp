@@ -39,8 +39,9 @@ std::vector<StepConfig> step_configs() {
           {"multi-query 4/1 heads, 64-token blocks", mqa, 64}};
 }
 
-// A token count as a server's step draws them: a decode token, a draft of 2-16, a chunk of 17-80, now and then a long
-// prompt chunk (up to 1030 where the context allows); at most `room` (what the sequence's context leaves).
+// A token count as a server's step draws them: a decode token, a draft of 2-16, a chunk of 17-80 (to 32 on the decode
+// kernel, kStepDecodeTokens, beyond on the tiled one), now and then a long prompt chunk (up to 1030 where the context
+// allows); at most `room` (what the sequence's context leaves).
 int64_t draw_tokens(Rng& r, int64_t room) {
   const int64_t u = r.between(0, 99);
   const int64_t n = u < 35 ? 1 : u < 65 ? r.between(2, 16) : u < 93 ? r.between(17, 80) : r.between(81, 1030);
