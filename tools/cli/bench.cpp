@@ -161,7 +161,7 @@ Request read_request(const Args& a) {
   // --kv-dtype, like --dtype, may repeat: every case runs with each cache, so one run compares them.
   r.kv_names = kv_dtype_names(a);
   r.B = a.integer<int64_t>("batch", 1, 1);
-  r.seqs = a.integers<int64_t>("seq", 1);
+  r.seqs = a.integers<int64_t>("seq", r.step ? 0 : 1);  // a step may start fresh prompts: 0 cached tokens
   if (r.seqs.empty()) r.seqs = {1024};
   r.threads = threads_option(a);
   r.repeats = a.integer<int>("repeats", 5, 1);
@@ -460,7 +460,7 @@ const Command& bench_command() {
           value("config", "config.json", "a layer of a Hugging Face GPT-2 config.json or configs/*.json, after any "
                                          "--preset (alone without one)."),
           value("batch", "B", "sequences; default 1."),
-          values("seq", "T", "tokens per sequence (decode: cached tokens); default 1024. Repeat to sweep."),
+          values("seq", "T", "tokens per sequence (decode, step: cached tokens, step from 0); default 1024. Repeat to sweep."),
           value("mode", "prefill|decode|step", "what is timed; default prefill."),
           value("prefill", "NxT", "step: N sequences each appending a chunk of T tokens."),
           value("decode", "N", "step: N sequences each appending one token."),
