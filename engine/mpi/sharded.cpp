@@ -581,32 +581,33 @@ void ShardedAttention::forward(const AttentionInputs& in, float* out, const RunO
 
 namespace {
 
-// What extend and decode share: the checks of any serving call (the cache belongs to this layer and is in step,
-// `validate` the call's own, the pool can take `tokens` more for each of seqs[0..n)), the allocations of the
-// computation, and the fingerprint, all agreed; then `compute` (this rank's heads) and the all-reduce of the
-// (rows, E) output. A failure while computing leaves the ranks' pools out of step, which the cache then says.
-template <class Validate, class Compute>
+// What extend, decode and step share: the checks of any serving call (the cache belongs to this layer and is in step,
+// `validate` the call's own, the pool can take tokens[i] more for each seqs[i], i < n), the allocations of the
+// computation (`bytes(threads)` of workspace), and the fingerprint, all agreed; then `compute` (this rank's heads) and
+// the all-reduce of the (rows, E) output, rows the tokens of all n. A failure while computing leaves the ranks' pools
+// out of step, which the cache then says.
+template <class Validate, class Bytes, class Compute>
 void serving_call(ShardedAttention::Impl& s, ShardedKvCache::Impl& c, const char* call, const char* op,
-                  const SequenceId* seqs,
-                  int64_t n, int64_t tokens, const float* x, float* out, const RunOptions& run, Validate&& validate,
-                  Compute&& compute) {
+                  const SequenceId* seqs, int64_t n, AppendTokens tokens, const float* x, float* out,
+                  const RunOptions& run, Validate&& validate, Bytes&& bytes, Compute&& compute) {
   std::lock_guard<std::mutex> lock(s.mu);
   const Clock::time_point t0 = Clock::now();
   const int threads = s.layer->threads_for(run);
-  const int64_t rows = n * tokens;  // extend: T tokens of one sequence; decode: one token of each of B
+  int64_t rows = 0;  // summed after validate() has bounded every count
   const Site site = s.site(call, op);
   check_and_agree(site, [&](Verdict& v) {
     if (c.layer != &s) invalid(std::string(call) + ": the sharded KV cache was built for another ShardedAttention");
     c.check_in_step(call);
     validate();
+    for (int64_t i = 0; i < n; ++i) rows += tokens[i];
     c.local->impl().check_append(seqs, n, tokens, s.layer->cfg.context_length);
-    // Enough for an extend of `tokens` and a decode of n sequences: the call is one of the two.
-    const int64_t bytes = s.layer->serving_bytes(tokens, n, threads);
-    s.layer->with_workspace(nullptr, call, [&](Workspace::Impl& w) { w.reserve(static_cast<size_t>(bytes)); });
+    const int64_t ws_bytes = bytes(threads);
+    s.layer->with_workspace(nullptr, call, [&](Workspace::Impl& w) { w.reserve(static_cast<size_t>(ws_bytes)); });
     s.reduce_buffer(rows * s.full.d_model);
     Fingerprint f;
     c.fingerprint_state(f, seqs, n);
-    f.value(n), f.value(tokens), f.value(run.check_finite);
+    f.value(n), f.value(run.check_finite);
+    for (int64_t i = 0; i < n; ++i) f.value(tokens[i]);
     f.bytes(seqs, static_cast<size_t>(n) * sizeof(SequenceId));
     f.bytes(x, static_cast<size_t>(rows * s.full.query_width()) * sizeof(float));
     v.fingerprint = f.digest();
@@ -626,6 +627,7 @@ void ShardedAttention::extend(ShardedKvCache& cache, SequenceId seq, const float
   KvCache& pool = *cache.impl_->local;
   serving_call(s, *cache.impl_, "extend", "ShardedAttention::extend", &seq, 1, T, x, out, run,
                [&] { detail::validate_extend(s.layer->cfg, pool, x, T, out, run, s.layer->threads_for(run)); },
+               [&](int threads) { return s.layer->serving_bytes(T, 0, threads); },
                [&](float* partial, const RunOptions& r, Workspace::Impl& w) {
                  s.layer->extend(pool, seq, x, T, partial, r, w);
                });
@@ -637,8 +639,25 @@ void ShardedAttention::decode(ShardedKvCache& cache, const SequenceId* seqs, int
   KvCache& pool = *cache.impl_->local;
   serving_call(s, *cache.impl_, "decode", "ShardedAttention::decode", seqs, B, 1, x, out, run,
                [&] { detail::validate_decode(s.layer->cfg, pool, seqs, B, x, out, run, s.layer->threads_for(run)); },
+               [&](int threads) { return s.layer->serving_bytes(0, B, threads); },
                [&](float* partial, const RunOptions& r, Workspace::Impl& w) {
                  s.layer->decode(pool, seqs, B, x, partial, r, w);
+               });
+}
+
+void ShardedAttention::step(ShardedKvCache& cache, const SequenceId* seqs, const int64_t* tokens, int64_t n,
+                            const float* x, float* out, const RunOptions& run) {
+  Impl& s = *impl_;
+  KvCache& pool = *cache.impl_->local;
+  int64_t M = 0;  // read only once validate_step has bounded every count
+  serving_call(s, *cache.impl_, "step", "ShardedAttention::step", seqs, n, AppendTokens(tokens), x, out, run,
+               [&] {
+                 M = detail::validate_step(s.layer->cfg, pool, seqs, tokens, n, x, out, run,
+                                           s.layer->threads_for(run)).T;
+               },
+               [&](int threads) { return s.layer->step_bytes(M, n, threads); },
+               [&](float* partial, const RunOptions& r, Workspace::Impl& w) {
+                 s.layer->step(pool, seqs, tokens, n, x, partial, r, w);
                });
 }
 

@@ -117,6 +117,8 @@ class GPT2ATTN_API ShardedAttention {
   void extend(ShardedKvCache& cache, SequenceId seq, const float* x, int64_t T, float* out, const RunOptions& run = {});
   void decode(ShardedKvCache& cache, const SequenceId* seqs, int64_t B, const float* x, float* out,
               const RunOptions& run = {});
+  void step(ShardedKvCache& cache, const SequenceId* seqs, const int64_t* tokens, int64_t n, const float* x,
+            float* out, const RunOptions& run = {});
 
   const Config& config() const;  // the whole layer's (what every rank agreed on)
   int rank() const;

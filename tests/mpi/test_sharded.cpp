@@ -784,6 +784,23 @@ struct ServingPair {
     expect_lengths(seqs, what);
   }
 
+  // A ragged step: tokens[i] new tokens for seqs[i].
+  void step(const std::vector<SequenceId>& seqs, const std::vector<int64_t>& tokens, const std::string& what) {
+    const int64_t n = static_cast<int64_t>(seqs.size());
+    int64_t M = 0, Tk = 0;
+    for (int64_t t : tokens) M += t;
+    const std::vector<float> x = random_x(M);
+    std::vector<float> want(static_cast<size_t>(M * config.d_model)), got(want.size(), kNaN);
+    single.step(cache, seqs.data(), tokens.data(), n, x.data(), want.data(), kRun);
+    EXPECT_EQ(outcome_of([&] { sharded.step(scache, seqs.data(), tokens.data(), n, x.data(), got.data(), kRun); }),
+              "ok")
+        << what;
+    for (SequenceId s : seqs) Tk = std::max(Tk, cache.length(s));
+    EXPECT_TRUE(close(got, want, Tk, what));
+    EXPECT_TRUE(bitwise_same_on_every_rank(got, comm, what));
+    expect_lengths(seqs, what);
+  }
+
   void expect_lengths(const std::vector<SequenceId>& seqs, const std::string& what) {
     for (SequenceId s : seqs) {
       EXPECT_TRUE(scache.contains(s)) << what << ": seq " << s;
@@ -824,6 +841,9 @@ void serve_script(const Config& c, const KvCacheOptions& kv, uint64_t seed) {
   p.truncate(f, 30);                   // rejected drafts: f's last 12 tokens
   p.decode({f, g}, "decode f after truncating it to 30, and g");
   p.extend(g, 6, "extend g past its shared prefix");
+  p.step({g, a, f, b}, {3, 1, 40, 7}, "a ragged step: a draft of 3, a decode token, a chunk of 40, a chunk of 7");
+  p.truncate(g, p.cache.length(g) - 2);  // two of the draft's tokens rejected
+  p.step({b, g}, {1, 1}, "a ragged step of single tokens (decode)");
   for (SequenceId s : {a, b, d, e, f, g}) p.release(s);
   EXPECT_EQ(p.scache.free_blocks(), p.scache.total_blocks());
   EXPECT_FALSE(p.scache.contains(s_c));
