@@ -102,6 +102,29 @@ TEST_P(KvStep, RandomMixesMatchTheReference) {
   EXPECT_GT(drafts, 10) << "few steps held drafts of 2-16 tokens";
 }
 
+// Wide steps: 64 entries a step (every sequence of a busy server at once), tokens drawn as draw_tokens draws them but
+// capped at 40, over cached lengths 0-150, K/V in f32 and int8, grouped heads, 2 threads.
+TEST_P(KvStep, SixtyFourEntriesMatchTheReference) {
+  Config c = test::serving_config(64, 4, 0, 300);  // D = 16
+  c.num_kv_heads = 2;
+  for (DType kv : {DType::f32, DType::i8}) {
+    Harness h(c, isa(), 16, 64 * 320, 11, 2, DType::f32, kv);
+    Rng r(5);
+    std::vector<SequenceId> ids;
+    for (int i = 0; i < 64; ++i) {
+      ids.push_back(h.create());
+      if (const int64_t T = r.between(0, 150); T > 0) h.extend(ids.back(), T);
+    }
+    for (int s = 0; s < 3; ++s) {
+      std::shuffle(ids.begin(), ids.end(), r.g);
+      std::vector<int64_t> n;
+      for (size_t i = 0; i < ids.size(); ++i) n.push_back(std::min<int64_t>(40, draw_tokens(r, 40)));
+      h.step(ids, n);
+    }
+    for (SequenceId id : ids) ASSERT_TRUE(h.matches_reference(id, std::string("64 entries, kv ") + to_string(kv)));
+  }
+}
+
 // The call's refusals: each names the problem and leaves every sequence, the pool and `out` as they were.
 TEST_P(KvStep, BadStepsChangeNothing) {
   Config c = test::serving_config(32, 2, 0, 64);
