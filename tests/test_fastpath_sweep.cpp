@@ -5,7 +5,8 @@
 //    stride-0 broadcast axes, key padding, strided and bf16 input views, fully masked rows, training-mode dropout
 //    (and its off states), f32 and bf16 compute, one or two threads;
 //  - serving: a CausalSelfAttention over a KvCache of each storage dtype: prefills, chunked extends, decode batches
-//    after them, forks and releases, every output checked against the reference over its sequence's history.
+//    after them, ragged steps (decode tokens, drafts and chunks of several sequences in one call), forks and
+//    releases, every output checked against the reference over its sequence's history.
 // Hand-picked shapes live in test_fastpath_tiles.cpp, run options in test_fastpath_run.cpp, and the long
 // randomized pool accounting (exhaustion, refused calls) in test_kv_soak.cpp.
 //
@@ -112,6 +113,7 @@ constexpr int64_t kLongLens[] = {511, 700, 1023, 1030};  // occasionally: a few 
 constexpr int64_t kHeadDims[] = {1, 2, 3, 4, 8, 16, 24, 32, 40, 64, 80, 96, 112, 128, 160, 192, 256};
 constexpr double kLongChance = 0.03;
 constexpr double kServingChance = 0.12;
+constexpr double kStepChance = 0.4;  // per decode batch of a serving script: a ragged step drawn after it
 
 enum class Kind : uint8_t { forward, serving };
 
@@ -139,10 +141,11 @@ struct ForwardPlan {
 };
 
 struct ServingOp {
-  enum Op : uint8_t { prefill, extend, decode, fork, release } op;
-  int slot = 0;             // prefill / extend / fork (parent) / release: a sequence by creation order
-  int64_t tokens = 0;       // prefill / extend
-  std::vector<int> slots;   // decode: one token for each, in this order
+  enum Op : uint8_t { prefill, extend, decode, fork, release, step } op;
+  int slot = 0;                 // prefill / extend / fork (parent) / release: a sequence by creation order
+  int64_t tokens = 0;           // prefill / extend
+  std::vector<int> slots;       // decode: one token for each, in this order; step: its entries' sequences, in order
+  std::vector<int64_t> counts;  // step: each entry's new tokens
 };
 
 struct ServingPlan {
@@ -263,7 +266,9 @@ ForwardPlan draw_forward(Rng& r, uint64_t seed) {
 }
 
 // A serving script: 1-3 prompts (decoded after), maybe a chunk appended, then decode batches of a random subset of
-// the live sequences, with a fork, a release and another chunk at random steps.
+// the live sequences, with a fork, a release and another chunk at random steps, and after a batch now and then a
+// ragged step: a random subset of the live sequences in random order, each with a decode token (half), a draft or
+// chunk of 2-32 tokens (the decode kernel) or a chunk of 33-100 (the tiled kernel).
 ServingPlan draw_serving(Rng& r) {
   ServingPlan p;
   Config& c = p.cfg;
@@ -287,13 +292,13 @@ ServingPlan draw_serving(Rng& r) {
   std::vector<int> live;
   auto live_slot = [&]() { return live[static_cast<size_t>(r.between(0, static_cast<int64_t>(live.size()) - 1))]; };
   auto extend = [&](int slot, int64_t n) {
-    p.ops.push_back({ServingOp::extend, slot, n, {}});
+    p.ops.push_back({ServingOp::extend, slot, n, {}, {}});
     len[slot] += n;
   };
   const int prompts = static_cast<int>(r.between(1, 3));
   for (int s = 0; s < prompts; ++s) {
     const int64_t P = draw_len(r);
-    p.ops.push_back({ServingOp::prefill, s, P, {}});
+    p.ops.push_back({ServingOp::prefill, s, P, {}, {}});
     len.push_back(P);
     live.push_back(s);
   }
@@ -305,17 +310,17 @@ ServingPlan draw_serving(Rng& r) {
   for (int64_t step = 0; step < steps; ++step) {
     if (step == fork_at) {
       const int parent = live_slot();
-      p.ops.push_back({ServingOp::fork, parent, 0, {}});
+      p.ops.push_back({ServingOp::fork, parent, 0, {}, {}});
       len.push_back(len[parent]);
       live.push_back(static_cast<int>(len.size()) - 1);
     }
     if (step == release_at && live.size() > 1) {
       const int victim = live_slot();
-      p.ops.push_back({ServingOp::release, victim, 0, {}});
+      p.ops.push_back({ServingOp::release, victim, 0, {}, {}});
       live.erase(std::find(live.begin(), live.end(), victim));
     }
     if (step == extend_at) extend(live_slot(), r.between(1, 20));
-    ServingOp d{ServingOp::decode, 0, 0, {}};
+    ServingOp d{ServingOp::decode, 0, 0, {}, {}};
     for (int s : live) {
       if (r.chance(0.7)) d.slots.push_back(s);
     }
@@ -323,6 +328,22 @@ ServingPlan draw_serving(Rng& r) {
     std::shuffle(d.slots.begin(), d.slots.end(), r.g);
     for (int s : d.slots) ++len[s];
     p.ops.push_back(std::move(d));
+    if (r.chance(kStepChance)) {
+      ServingOp st{ServingOp::step, 0, 0, {}, {}};
+      for (int s : live) {
+        if (r.chance(0.7)) st.slots.push_back(s);
+      }
+      if (st.slots.empty()) st.slots.push_back(live_slot());
+      std::shuffle(st.slots.begin(), st.slots.end(), r.g);
+      for (int s : st.slots) {
+        const int64_t u = r.between(0, 99);
+        const int64_t n = u < 50 ? 1 : u < 85 ? r.between(2, 32) : r.between(33, 100);
+        // Well inside the context, which the later decode batches and chunks must still fit in.
+        st.counts.push_back(std::clamp<int64_t>(n, 1, c.context_length - 64 - len[s]));
+        len[s] += st.counts.back();
+      }
+      p.ops.push_back(std::move(st));
+    }
   }
   // A pool that holds every sequence the script ever builds, each with a block to spare for a copy on write: this
   // sweep checks numerics; exhaustion and refusals are the soak's (test_kv_soak.cpp).
@@ -576,6 +597,11 @@ std::string describe(const ServingPlan& p) {
         for (size_t i = 0; i < o.slots.size(); ++i) d << (i ? "," : "") << o.slots[i];
         d << ")";
         break;
+      case ServingOp::step:  // entries as slot:tokens, in the call's order
+        d << " step(";
+        for (size_t i = 0; i < o.slots.size(); ++i) d << (i ? "," : "") << o.slots[i] << ":" << o.counts[i];
+        d << ")";
+        break;
     }
   }
   return d.str();
@@ -608,6 +634,12 @@ std::string describe(const ServingPlan& p) {
         std::vector<SequenceId> batch;
         for (int s : o.slots) batch.push_back(ids[s]);
         h.decode(batch);
+        break;
+      }
+      case ServingOp::step: {
+        std::vector<SequenceId> batch;
+        for (int s : o.slots) batch.push_back(ids[s]);
+        h.step(batch, o.counts);
         break;
       }
     }
@@ -677,17 +709,35 @@ TEST(FastPathSweepCoverage, EveryFeatureIsDrawn) {
       count("serving block_tokens 1", v.block_tokens == 1);
       count("serving prompt > 257 tokens", v.longest > 300);
       bool fork = false, chunk = false, release = false, decode_after_fork = false, batch3 = false;
+      bool step = false, ragged_decode_kernel = false, ragged_tiled = false, ragged_over_64 = false,
+           step_after_fork = false;
       for (const ServingOp& o : v.ops) {
         fork = fork || o.op == ServingOp::fork;
         chunk = chunk || o.op == ServingOp::extend;
         release = release || o.op == ServingOp::release;
         decode_after_fork = decode_after_fork || (fork && o.op == ServingOp::decode);
-        batch3 = batch3 || o.slots.size() >= 3;
+        batch3 = batch3 || (o.op == ServingOp::decode && o.slots.size() >= 3);
+        if (o.op != ServingOp::step) continue;
+        step = true;
+        step_after_fork = step_after_fork || fork;
+        // The ragged path: two entries or more, not all single tokens (those are decode()).
+        const int64_t most = *std::max_element(o.counts.begin(), o.counts.end());
+        if (o.counts.size() < 2 || most == 1) continue;
+        int64_t sum = 0;
+        for (int64_t n : o.counts) sum += n;
+        ragged_decode_kernel = ragged_decode_kernel || most <= 32;
+        ragged_tiled = ragged_tiled || most > 32;
+        ragged_over_64 = ragged_over_64 || sum > 64;
       }
       count("serving fork then decode", decode_after_fork);
       count("serving chunked extend", chunk);
       count("serving release", release);
       count("serving decode batch >= 3", batch3);
+      count("serving step", step);
+      count("serving step after a fork", step_after_fork);
+      count("serving ragged step, decode kernel only", ragged_decode_kernel);
+      count("serving ragged step with a tiled chunk", ragged_tiled);
+      count("serving ragged step of > 64 tokens", ragged_over_64);
       continue;
     }
     const ForwardPlan& f = p.f;
@@ -747,6 +797,11 @@ TEST(FastPathSweepCoverage, EveryFeatureIsDrawn) {
       {"serving chunked extend", 0.05},
       {"serving release", 0.025},
       {"serving decode batch >= 3", 0.02},
+      {"serving step", 0.08},
+      {"serving step after a fork", 0.03},
+      {"serving ragged step, decode kernel only", 0.02},
+      {"serving ragged step with a tiled chunk", 0.02},
+      {"serving ragged step of > 64 tokens", 0.015},
       {"length > 1000", 0.01},
       {"D = 1", 0.02},
       {"D = 256", 0.02},

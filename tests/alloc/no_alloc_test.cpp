@@ -3,7 +3,8 @@
 // does a bad argument met with an exhausted heap.
 // This program replaces malloc and its relatives (forwarding to glibc's __libc_* entry points) and operator
 // new/delete for the whole process, counts every allocation made while a flag is armed, and requires zero during
-// decode steps after reserve_serving(), on every instruction set this CPU runs. forward() and extend() run oneDNN
+// decode steps after reserve_serving() and during ragged steps of up to 64 tokens after reserve_step(), on every
+// instruction set this CPU runs. forward() and extend() run oneDNN
 // GEMMs, and oneDNN 2.6 builds an argument map on every primitive execution; for them the test requires no
 // allocation outside oneDNN and the same oneDNN count on a repeat of the same work (a primitive created on the first
 // run would make the counts differ).
@@ -358,7 +359,64 @@ void check_isa(Isa isa, DType compute) {
     });
   }
 
-  // 3. forward(): repeated calls of one shape after reserve and one warm-up call, and the first call of a shape
+  // 3. Ragged steps (step() of several entries, not all single tokens: neither decode() nor extend()) of up to 64
+  // tokens, whose projections run on the library's own kernel: after reserve_step() and no warm-up, nothing at all.
+  // Three mixes: drafts of 4 on two sequences, single tokens on four and a chunk of 20 (32 tokens over 7 entries, the
+  // decode kernel); drafts of 8, single tokens and a chunk of 40 (60 tokens, the tiled kernel for the chunk); four
+  // drafts of 16 (64 tokens, the most on the few-row kernel). The prompts (62 and 63 tokens among them) put block
+  // boundaries inside the steps. Each repeat truncates the sequences back to their prompts first (not counted), so
+  // the armed steps append into the same blocks again and again. Steps of more than 64 tokens run oneDNN, whose
+  // per-execution argument map allocates (see reserve_serving): not checked here.
+  {
+    constexpr int64_t kSeqs = 7, kMaxTokens = 64;
+    KvCache cache(block.config(), KvCacheOptions{.block_tokens = 64, .capacity_tokens = 2048});
+    const int64_t lens[kSeqs] = {3, 62, 63, 64, 90, 127, 10};
+    SequenceId ids[kSeqs];
+    for (int64_t s = 0; s < kSeqs; ++s) {
+      ids[s] = cache.create();
+      const std::vector<float> x = random_tokens(lens[s] * W, rng);
+      std::vector<float> out(static_cast<size_t>(lens[s] * E));
+      block.extend(cache, ids[s], x.data(), lens[s], out.data(), run);
+    }
+    struct Mix {
+      std::vector<SequenceId> seqs;
+      std::vector<int64_t> tokens;
+    };
+    const std::vector<Mix> mixes = {
+        {{ids[1], ids[0], ids[2], ids[3], ids[4], ids[5], ids[6]}, {4, 1, 4, 1, 1, 1, 20}},
+        {{ids[6], ids[1], ids[2], ids[0], ids[5]}, {40, 8, 8, 1, 3}},
+        {{ids[2], ids[3], ids[4], ids[1]}, {16, 16, 16, 16}},
+    };
+    const std::vector<float> x = random_tokens(kMaxTokens * W, rng);
+    std::vector<float> out(static_cast<size_t>(kMaxTokens * E));
+    const auto truncate_all = [&] {
+      for (int64_t s = 0; s < kSeqs; ++s) cache.truncate(ids[s], lens[s]);
+    };
+    const auto steps = [&](Workspace* ws) {
+      for (const Mix& m : mixes) {
+        block.step(cache, m.seqs.data(), m.tokens.data(), static_cast<int64_t>(m.seqs.size()), x.data(), out.data(),
+                   run, ws);
+      }
+    };
+    Workspace ws;
+    block.reserve_step(kMaxTokens, kSeqs, 2, &ws);
+    for (int repeat = 0; repeat < 4; ++repeat) {
+      truncate_all();
+      expect_no_allocation(tag + "ragged steps of 32, 60 and 64 tokens (7, 5 and 4 entries) after reserve_step, "
+                                 "own Workspace, repeat " + std::to_string(repeat + 1),
+                           [&] { steps(&ws); });
+    }
+    // The same with the layer's own workspace (reserve_step without ws).
+    block.reserve_step(kMaxTokens, kSeqs, 2);
+    for (int repeat = 0; repeat < 2; ++repeat) {
+      truncate_all();
+      expect_no_allocation(tag + "ragged steps of 32, 60 and 64 tokens after reserve_step, the layer's own "
+                                 "workspace, repeat " + std::to_string(repeat + 1),
+                           [&] { steps(nullptr); });
+    }
+  }
+
+  // 4. forward(): repeated calls of one shape after reserve and one warm-up call, and the first call of a shape
   // right after reserve() (which creates its primitives), compared with the second.
   {
     const int64_t FB = 2, T = 64;
