@@ -675,7 +675,7 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
     detail::check_projection(stage + E + KW, DType::f32, M, KW, ldstage, "step: the value");
   }
 
-  // Every new token's K and V rows into its block; a long entry's queries in the compute type for the tiled kernel.
+  // Every new token's K and V rows into its block.
   const auto entry_of = [&](int64_t row) { return std::upper_bound(first_row, first_row + B + 1, row) - first_row - 1; };
   constexpr int64_t kRowsPerItem = 32;
   detail::team_for(threads, ceil_div(M, kRowsPerItem), [&](int64_t c, int) {
@@ -687,12 +687,16 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
         kv.store_row(block, KvPart::key, h, pos % bt, src + E + h * D);
         kv.store_row(block, KvPart::value, h, pos % bt, src + E + KW + h * D);
       }
-      if (t == DType::bf16 && !is_short(tokens[b])) {
-        auto* dst = reinterpret_cast<kernels::bf16*>(q_t) + row * E;
-        for (int64_t e = 0; e < E; ++e) dst[e] = kernels::narrow<kernels::bf16>(src[e]);
-      }
     }
   });
+  // A long entry's queries in the compute type, for the tiled kernel (an f32 layer's read the stage in place).
+  if (t != DType::f32) {
+    for (int64_t k = 0; k < B_l; ++k) {
+      const int64_t b = long_entries[k], row = first_row[b];
+      detail::convert(TensorView::f32(stage + row * ldstage, {tokens[b], E}).with_strides({ldstage, 1}), t,
+                      q_t + row * E * tsize, threads);
+    }
+  }
 
   // Attention: the long entries' query tiles first (the longest items), then the short entries' key ranges.
   const DecodeAttention short_attention{
@@ -724,17 +728,14 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
 
   // The output projection reads one type: f32 on the few-row kernel, the compute type on oneDNN. Under bf16 compute the
   // rows the other kernel wrote are converted (the tiled kernel writes bf16, the decode kernel's merge f32).
-  if (t == DType::bf16) {
-    const auto* wide = reinterpret_cast<const kernels::bf16*>(ctx_t);
-    auto* narrowed = reinterpret_cast<kernels::bf16*>(ctx_t);
+  if (t != DType::f32) {
     for (int64_t b = 0; b < B; ++b) {
       if (is_short(tokens[b]) == few_rows) continue;  // already in the type the projection reads
-      for (int64_t e = first_row[b] * E; e < first_row[b + 1] * E; ++e) {
-        if (few_rows) {
-          ctx[e] = kernels::widen(wide[e]);
-        } else {
-          narrowed[e] = kernels::narrow<kernels::bf16>(ctx[e]);
-        }
+      const int64_t e0 = first_row[b] * E;
+      if (few_rows) {
+        detail::convert(TensorView::contiguous(ctx_t + e0 * tsize, t, {tokens[b], E}), DType::f32, ctx + e0);
+      } else {
+        detail::convert(TensorView::f32(ctx + e0, {tokens[b], E}), t, ctx_t + e0 * tsize);
       }
     }
   }
