@@ -75,8 +75,7 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
       isa(detail::resolve_isa(o.isa)),
       compute(o.compute),
       kset(detail::kernels_for(isa, compute, compute)),
-      default_threads(o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads())),
-      out(w.w_o, cfg.out_bias ? detail::f32_values(w.b_o).data() : nullptr, compute) {
+      default_threads(o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads())) {
   const int64_t D = cfg.head_dim();
   auto per_head = [&](std::vector<Linear>& dst, int64_t heads, const TensorView& weight, const TensorView& bias) {
     const std::vector<float> b = detail::f32_values(bias);
@@ -87,6 +86,23 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
   per_head(proj_q, cfg.num_heads, w.w_q, w.b_q);
   per_head(proj_k, cfg.kv_heads(), w.w_k, w.b_k);
   per_head(proj_v, cfg.kv_heads(), w.w_v, w.b_v);
+  const std::vector<float> b_o = cfg.out_bias ? detail::f32_values(w.b_o) : std::vector<float>{};
+  for (int64_t n = 0; n < out_width; n += D) {
+    out.emplace_back(detail::slice(w.w_o, 0, n, D), cfg.out_bias ? b_o.data() + n : nullptr, compute);
+  }
+}
+
+void MultiHeadAttention::Impl::run_out(detail::ExecContext& ctx, const void* x, int64_t M, void* y, DType dst,
+                                       int threads) const {
+  const int64_t D = cfg.head_dim(), E = cfg.d_model;
+  detail::team_for(threads, static_cast<int64_t>(out.size()), [&](int64_t p, int thread) {
+    out[static_cast<size_t>(p)].run(ctx, x, M, E, static_cast<std::byte*>(y) + p * D * size_of(dst), out_width, 1,
+                                    thread, dst);
+  });
+}
+
+void MultiHeadAttention::Impl::prepare_out(detail::ExecContext& ctx, int64_t M, int threads, DType dst) const {
+  for (int slot = 0; slot < threads; ++slot) out.front().prepare(ctx, M, cfg.d_model, out_width, 1, slot, dst);
 }
 
 int64_t MultiHeadAttention::Impl::scratch_stride(const kernels::AttentionKernel& k) const {
@@ -192,7 +208,7 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, void* out_data
     if (padding.data) a.key_padding = padding_row(padding, in.key_padding, b);
     a.dropout_base = static_cast<uint64_t>((b * total_heads + first_head + h) * T * Tk);
   });
-  out.run(ws.exec, ctx, s.B * T, E, out_data, out_width, threads, 0, out_dtype);
+  run_out(ws.exec, ctx, s.B * T, out_data, out_dtype, threads);
   if (run.check_finite) {
     detail::check_projection(out_data, out_dtype, s.B * T, out_width, out_width, "forward: the output", 0, threads);
   }
@@ -274,15 +290,15 @@ void MultiHeadAttention::reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws
   auto prepare = [&](Workspace::Impl& w) {
     w.reserve(bytes);
     // The GEMMs of a forward on contiguous inputs: per-head projections (one shape for all heads) on every
-    // thread of the team, and the output projection.
-    const int64_t D = L.cfg.head_dim(), E = L.cfg.d_model;
+    // thread of the team, and the output projection's panels on every thread too.
+    const int64_t D = L.cfg.head_dim();
     for (int slot = 0; slot < L.default_threads; ++slot) {
       L.proj_q[0].prepare(w.exec, T, L.cfg.query_width(), D, 1, slot, L.compute);
       L.proj_k[0].prepare(w.exec, Tk, L.cfg.key_width(), D, 1, slot, L.compute);
       L.proj_v[0].prepare(w.exec, Tk, L.cfg.value_width(), D, 1, slot, L.compute);
     }
-    L.out.prepare(w.exec, B * T, E, L.out_width, L.default_threads, 0);
-    if (L.compute == DType::bf16) L.out.prepare(w.exec, B * T, E, L.out_width, L.default_threads, 0, DType::bf16);
+    L.prepare_out(w.exec, B * T, L.default_threads, DType::f32);
+    if (L.compute == DType::bf16) L.prepare_out(w.exec, B * T, L.default_threads, DType::bf16);
   };
   impl_->with_workspace(ws, "reserve", prepare);
 }

@@ -6,6 +6,7 @@
 #include <string>
 #include <type_traits>
 
+#include "engine/team.hpp"
 #include "engine/util.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/bf16.hpp"
@@ -93,11 +94,12 @@ void convert_as(const TensorView& v, Dst* dst, int threads) {
       }
     }
   };
-  // No region at all below the threshold, rather than a region whose `if` is false: libgomp allocates a team even
-  // for that, and a bf16 Linear on f32 GEMMs converts its input on every call, which must not allocate.
   if (threads > 1 && s.B * s.N * s.W > kParallelElements) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t item = 0; item < items; ++item) convert_item(item);
+    // A few chunks of items per thread, taken dynamically: a thread that lost its core leaves its share to the others.
+    const int64_t chunk = ceil_div(items, int64_t{threads} * 8);
+    team_for(threads, ceil_div(items, chunk), [&](int64_t c, int) {
+      for (int64_t item = c * chunk; item < std::min(items, (c + 1) * chunk); ++item) convert_item(item);
+    });
   } else {
     for (int64_t item = 0; item < items; ++item) convert_item(item);
   }

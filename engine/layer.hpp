@@ -75,7 +75,10 @@ struct MultiHeadAttention::Impl {
   // exactly where attention reads them. Self-attention feeds the query to all three; cross-attention feeds query,
   // key, value.
   std::vector<detail::Linear> proj_q, proj_k, proj_v;
-  detail::Linear out;
+  // The output projection in panels of D output columns (W_o's rows), out_width / D of them: run_out takes them
+  // dynamically on the team, each GEMM single-threaded, so no GEMM starts an OpenMP team of its own (engine/team.hpp
+  // says why).
+  std::vector<detail::Linear> out;
 
   Workspace own_ws;  // for calls that bring no Workspace; serialised by mu
   std::mutex mu;
@@ -107,6 +110,10 @@ struct MultiHeadAttention::Impl {
       }
     });
   }
+  // y (M, out_width) of type dst = x (M, E) W_o^T + b_o, x of the compute type with row stride E: the panels of `out`
+  // on a team of `threads`; prepare_out makes every slot's primitive for M rows ahead of the call.
+  void run_out(detail::ExecContext& ctx, const void* x, int64_t M, void* y, DType dst, int threads) const;
+  void prepare_out(detail::ExecContext& ctx, int64_t M, int threads, DType dst) const;
   // Floats of the tiled kernel's scratch per thread (forward and extend).
   int64_t scratch_stride(const kernels::AttentionKernel& k) const;
   kernels::AttentionArgs base_args(int64_t T, int64_t Tk) const;

@@ -107,10 +107,10 @@ class Linear {
   // x: (M, K) of the compute type with row stride lda; y: (M, N) of type `dst` (f32, or bf16 when the compute type
   // is bf16) with row stride ldc. A bf16 Linear on f32 GEMMs (gemm_, below) converts x and y around them. M >= 1.
   // The first call for a given (M, lda, ldc, threads, dst, slot) in `ctx` creates its primitive; later calls
-  // allocate nothing. `slot`: the caller's thread number in the engine's own team running same-shape GEMMs at once
-  // (omp_get_thread_num() inside that region), 0 for a GEMM run alone. The
-  // engine says which, not the OpenMP runtime: a server calling from its own parallel region has a thread number
-  // there that is no slot of ours (it made the output projection miss what reserve() had prepared).
+  // allocate nothing. `slot`: the caller's thread number in the engine's team (engine/team.hpp) running same-shape
+  // GEMMs at once, 0 for a GEMM run alone. The engine says which, not the OpenMP runtime: a server calling from its
+  // own parallel region has a thread number there that is no slot of ours (it made the output projection miss what
+  // reserve() had prepared).
   void run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads, int slot,
            DType dst = DType::f32) const;
   // Creates the entry run() would use from `slot`, without running, and keeps it for good (ExecContext::trim).

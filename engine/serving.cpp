@@ -3,7 +3,6 @@
 // projected straight into the cache's blocks) and decode() (one token for each of B sequences: one fused QKV GEMM,
 // K/V rows stored into the blocks, split-KV attention, the output GEMM). Validation and the pool reservation come
 // first, so a failed call leaves the cache and `out` as they were.
-#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -436,7 +435,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
                                       const RunOptions& run, Workspace::Impl& ws) {
   const int threads = threads_for(run);
   AttnShape s = detail::validate_extend(cfg, cache, x, T, out_data, run, threads);
-  const int64_t d_in = s.d_in, E = s.E, H = s.H, D = s.D;
+  const int64_t d_in = s.d_in, H = s.H, D = s.D;
   KvCache::Impl& kv = cache.impl();
   const kernels::KvLayout& layout = kv.layout;
   const detail::KernelSet& ks = serving_kernels(layout.dtype, "extend");
@@ -463,9 +462,9 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   const detail::Rows xin = detail::as_rows(TensorView::f32(x, {1, T, d_in}), t, r.x.in(w), threads);
   std::byte* q = r.q.in(w);
   float* stage = r.kv_stage.in(w);
-  // Round robin (team_for_round_robin): the same call shape puts the same GEMMs on the same thread every time, so
-  // each thread's primitives (keyed by its slot in the team, see ExecContext) are created once and then found.
-  detail::team_for_round_robin(threads, H + 2 * H_kv * segments, [&](int64_t item, int thread) {
+  // Each thread's primitives are keyed by its slot (ExecContext): reserve_serving prepares a block's and a prompt's
+  // GEMMs on every slot, since any thread may take any item.
+  detail::team_for(threads, H + 2 * H_kv * segments, [&](int64_t item, int thread) {
     if (item < H) {
       proj_q[item].run(ws.exec, xin.data, T, xin.ld, q + item * T * D * tsize, D, 1, thread, t);
       if (run.check_finite) {
@@ -500,7 +499,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     a.out = ctx + h * D * tsize;
     a.kv.head = s.kv_head(h);
   });
-  out.run(ws.exec, ctx, T, E, out_data, out_width, threads, 0);
+  run_out(ws.exec, ctx, T, out_data, DType::f32, threads);
   if (run.check_finite) {
     detail::check_projection(out_data, DType::f32, T, out_width, out_width, "extend: the output", 0, threads);
   }
@@ -548,33 +547,28 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
                                   .store_rows = true};
   float* scratch_base = r.scratch.in(w);
   // With check_finite, each QKV item scans the columns it wrote, and an overflow there skips the other stages: the
-  // cache is not written, and the error is named after the region (which no exception may leave).
+  // cache is not written, and the error is named after the region by scans that find the projection, row and column.
   const bool check = run.check_finite;
   bool qkv_overflow = false;
-  // One parallel region for the whole step, three stages, each `omp for` ending in the barrier that orders them:
-  // the QKV projection, attention (which also stores the new K/V rows and merges the splits), the output
-  // projection. Every barrier costs a descheduled thread's whole time slice on a busy machine, so none is spent on
-  // work that can ride on a stage: the new token's K/V rows are stored by the one split that reads them (the
-  // sequence's last), and a sequence's partial softmax states are merged by whichever of its splits ends last.
-#pragma omp parallel num_threads(threads)
-  {
-    // The QKV projection of the B new tokens, split by weight panels: each thread streams its share of W once.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < qkv_items.count(); ++it) {
+  // One region for the whole step, three stages, each ending before the next begins: the QKV projection, attention
+  // (which also stores the new K/V rows and merges the splits), the output projection. Every stage's end costs a
+  // descheduled thread's time on a busy machine, so none is spent on work that can ride on a stage: the new token's
+  // K/V rows are stored by the one split that reads them (the sequence's last), and a sequence's partial softmax
+  // states are merged by whichever of its splits ends last.
+  detail::team_stages(threads, {qkv_items.count(), items, out_items.count()}, [&](int phase, int64_t it, int thread) {
+    if (phase == 0) {
+      // The QKV projection of the B new tokens, split by weight panels: each item streams its share of W once.
       lin->run(qkv, qkv_items.begin(it), qkv_items.end(it));
       if (check && columns_overflowed(stage, ldstage, B, qkv_items, it)) {
         std::atomic_ref<bool>(qkv_overflow).store(true, std::memory_order_relaxed);
       }
+      return;
     }
-    // Read after the barrier: every thread takes the same branch.
-    if (!std::atomic_ref<bool>(qkv_overflow).load(std::memory_order_relaxed)) {
-      float* scratch = scratch_base + omp_get_thread_num() * sstride;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t it = 0; it < items; ++it) attention.run(it, scratch);
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t it = 0; it < out_items.count(); ++it) lin->run(proj, out_items.begin(it), out_items.end(it));
-    }
-  }
+    // Read after the QKV stage has ended: the later stages' items all see the same value.
+    if (std::atomic_ref<bool>(qkv_overflow).load(std::memory_order_relaxed)) return;
+    if (phase == 1) return attention.run(it, scratch_base + thread * sstride);
+    lin->run(proj, out_items.begin(it), out_items.end(it));
+  });
   if (qkv_overflow) {  // the items found it; these scans name the projection, row and column
     detail::check_projection(stage, DType::f32, B, E, ldstage, "decode: the query");
     detail::check_projection(stage + E, DType::f32, B, KW, ldstage, "decode: the key");
@@ -664,7 +658,7 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   } else {
     const detail::Rows xin = detail::as_rows(TensorView::f32(x, {1, M, d_in}), t, r.x.in(w), threads);
     // Item i is Q head i, then K heads, then V heads: its columns start at i * D in [q | k | v].
-    detail::team_for_round_robin(threads, H + 2 * H_kv, [&](int64_t item, int thread) {
+    detail::team_for(threads, H + 2 * H_kv, [&](int64_t item, int thread) {
       const detail::Linear& L = item < H ? proj_q[item] : item < H + H_kv ? proj_k[item - H] : proj_v[item - H - H_kv];
       L.run(ws.exec, xin.data, M, xin.ld, stage + item * D, ldstage, 1, thread, DType::f32);
     });
@@ -745,7 +739,7 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
     const PanelItems items = panel_items(*lin, out_width, threads);
     detail::team_for(threads, items.count(), [&](int64_t it, int) { lin->run(proj, items.begin(it), items.end(it)); });
   } else {
-    out.run(ws.exec, ctx_t, M, E, out_data, out_width, threads, 0);
+    run_out(ws.exec, ctx_t, M, out_data, DType::f32, threads);
   }
   if (run.check_finite) {
     detail::check_projection(out_data, DType::f32, M, out_width, out_width, "step: the output", 0, threads);
@@ -797,7 +791,7 @@ void CausalSelfAttention::reserve_step(int64_t max_tokens, int64_t max_entries, 
     if (max_tokens <= kernels::tiles::kStepFewRowTokens) return;
     const int64_t d_in = L.cfg.query_width(), ldstage = L.cfg.d_model + 2 * L.cfg.kv_width();
     for (int slot = 0; slot < t; ++slot) L.proj_q[0].prepare(w.exec, max_tokens, d_in, ldstage, 1, slot, DType::f32);
-    L.out.prepare(w.exec, max_tokens, L.cfg.d_model, L.out_width, t, 0);
+    L.prepare_out(w.exec, max_tokens, t, DType::f32);
   });
 }
 
@@ -833,7 +827,7 @@ void CausalSelfAttention::reserve_serving(int64_t max_extend_tokens, int64_t max
       L.proj_k[0].prepare(w.exec, bt, d_in, D, 1, slot, DType::f32);
       if (L.compute != DType::f32) L.proj_k[0].prepare(w.exec, bt, d_in, D, 1, slot, L.compute);
     }
-    L.out.prepare(w.exec, max_extend_tokens, L.cfg.d_model, L.out_width, t, 0);
+    L.prepare_out(w.exec, max_extend_tokens, t, DType::f32);
   });
 }
 

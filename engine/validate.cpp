@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
 
+#include "engine/team.hpp"
 #include "engine/util.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/bf16.hpp"
@@ -133,10 +135,18 @@ NonFinite first_nonfinite(const TensorView& v, int threads) {
   // The first bad row: with a team, the least of every thread's finds (the same row a serial scan stops at).
   int64_t first = rows;
   if (threads > 1 && elements >= kParallelScanElements) {
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(min : first)
-    for (int64_t r = 0; r < rows; ++r) {
-      if (row_bad(r)) first = std::min(first, r);
-    }
+    // A few chunks of rows per thread, taken dynamically; each chunk stops at its first bad row.
+    std::atomic<int64_t> least{rows};
+    const int64_t chunk = ceil_div(rows, int64_t{threads} * 8);
+    team_for(threads, ceil_div(rows, chunk), [&](int64_t c, int) {
+      for (int64_t r = c * chunk; r < std::min(rows, (c + 1) * chunk); ++r) {
+        if (!row_bad(r)) continue;
+        for (int64_t seen = least.load(); r < seen && !least.compare_exchange_weak(seen, r);) {
+        }
+        return;
+      }
+    });
+    first = least.load();
   } else {
     for (int64_t r = 0; r < rows && first == rows; ++r) {
       if (row_bad(r)) first = r;
