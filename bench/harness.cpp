@@ -196,11 +196,11 @@ BenchSizes bench_sizes(const std::string& name, const Config& cfg, int64_t B, in
 // memory bus with the timed step (measured: it cost a gpt2-small B=16 int8-cache decode step a quarter of its time).
 // The buffer is written once, at its first use, so that its pages are real pages rather than the shared zero page.
 // The read runs on the step's `threads`, each a share of the buffer: so every core's private L2 is evicted, not only
-// the calling thread's, and the step finds the OpenMP team as a server's back-to-back layer calls leave it, awake.
-// Read by one thread, the flush left the other cores' L2 warm and their threads asleep long enough to fall back to
-// the kernel: every cold step then began with a futex wake-up, which cost 150-270 us on this 2-vCPU VM (measured by
-// timing each thread's entry into the step's parallel region; a server that idles between steps pays it too, and
-// OMP_WAIT_POLICY / GOMP_SPINCOUNT are its levers, README "Sharing cores").
+// the calling thread's, and the step finds the team as a server's back-to-back layer calls leave it, awake.
+// Read by one thread, the flush left the other cores' L2 warm and their threads asleep: every cold step then began
+// with a futex wake-up, which cost 150-270 us on this 2-vCPU VM under libgomp (measured by timing each thread's
+// entry into the step's parallel region; a server that idles between steps pays a wake-up too, docs/serving.md
+// "Sharing cores").
 // Its size: 256 MiB, or twice the last-level cache the CPU reports where that is more (a 2-vCPU VM on a 5th-generation
 // Xeon reports its host's 300 MiB L3).
 size_t flush_bytes() {

@@ -37,7 +37,8 @@ using test::reference_sequence;
 // Workspace, or none: the layer's own, serialised), give bit-identical results to the same work run
 // sequentially. Each thread also forks and releases a scratch sequence off its own, so the pool's shared
 // bookkeeping and copy on write race with the others' appends; and threads append to forks of one parent, whose
-// shared blocks they copy at once. Run under ThreadSanitizer by scripts/tsan.sh.
+// shared blocks they copy at once. Each call runs on a team of 2 (engine/team.hpp), so the callers' teams run at
+// once too. Run under ThreadSanitizer by scripts/tsan.sh.
 
 class KvCacheConcurrency : public IsaTest {};
 
@@ -86,7 +87,7 @@ std::vector<std::string> run_together(const std::function<void(int, Workspace&)>
 // One thread's work; returns the outputs of its two sequences, prefill rows then decode rows.
 std::vector<float> run_work(CausalSelfAttention& block, KvCache& cache, const ThreadWork& k, Workspace* ws) {
   const int64_t W = block.config().query_width(), E = block.config().d_model;
-  const RunOptions run{.threads = 1};
+  const RunOptions run{.threads = 2};
   std::vector<float> result;
   SequenceId ids[2] = {cache.create(), cache.create()};
   for (int s = 0; s < 2; ++s) {
@@ -135,7 +136,7 @@ void concurrent_matches_sequential(Isa isa, bool own_workspaces, DType kv = DTyp
   std::vector<std::vector<float>> got(kThreads);
   const std::vector<std::string> errors = run_together(
       [&](int t, Workspace& ws) { got[t] = run_work(block, cache, work[t], own_workspaces ? &ws : nullptr); });
-  const std::string ctx = label(isa, 1, std::string(own_workspaces ? "4 threads, own Workspaces" : "4 threads, no Workspace") +
+  const std::string ctx = label(isa, 2, std::string(own_workspaces ? "4 threads, own Workspaces" : "4 threads, no Workspace") +
                                             ", " + to_string(kv) + " cache");
   for (int t = 0; t < kThreads; ++t) {
     ASSERT_TRUE(errors[t].empty()) << ctx << ": thread " << t << " threw: " << errors[t];
@@ -180,7 +181,7 @@ void shared_parent_matches_sequential(Isa isa, DType kv) {
   const std::vector<float> prompt = random_uniform(static_cast<size_t>(T0 * W), rng, -2.0f, 2.0f);
   std::vector<std::vector<float>> tokens(kThreads);
   for (auto& t : tokens) t = random_uniform(static_cast<size_t>(kSteps * W), rng, -2.0f, 2.0f);
-  const RunOptions run{.threads = 1};
+  const RunOptions run{.threads = 2};
 
   // The parent and its forks, made before any thread starts (a sequence being appended to cannot be forked).
   const auto set_up = [&](KvCache& cache) {
@@ -211,7 +212,7 @@ void shared_parent_matches_sequential(Isa isa, DType kv) {
   const std::vector<SequenceId> ids = set_up(cache);
   const std::vector<std::string> errors =
       run_together([&](int t, Workspace& ws) { got[t] = work(cache, ids[static_cast<size_t>(t)], t, ws); });
-  const std::string ctx = label(isa, 1, "4 threads on one parent and its forks, " + std::string(to_string(kv)) + " cache");
+  const std::string ctx = label(isa, 2, "4 threads on one parent and its forks, " + std::string(to_string(kv)) + " cache");
   for (int t = 0; t < kThreads; ++t) {
     ASSERT_TRUE(errors[t].empty()) << ctx << ": thread " << t << " threw: " << errors[t];
     ASSERT_EQ(std::memcmp(got[t].data(), want[t].data(), got[t].size() * sizeof(float)), 0)
@@ -283,7 +284,7 @@ StepWork make_step_work(int t, int64_t W) {
 std::vector<std::vector<float>> run_step_work(CausalSelfAttention& block, KvCache& cache, const StepWork& k,
                                               SequenceId shared, bool release_shared, Workspace* ws) {
   const int64_t W = block.config().query_width(), E = block.config().d_model;
-  const RunOptions run{.threads = 1};
+  const RunOptions run{.threads = 2};
   std::vector<std::vector<float>> result(kSlots);
   const SequenceId ids[kSlots] = {shared, cache.create(), cache.create()};
   int64_t fed[kSlots] = {};  // tokens of k.x[s] fed so far
@@ -330,7 +331,7 @@ void concurrent_steps_match_sequential(Isa isa, DType kv) {
   const std::vector<float> prompt = random_uniform(static_cast<size_t>(kParentTokens * W), rng, -2.0f, 2.0f);
   std::vector<StepWork> work;
   for (int t = 0; t < kThreads; ++t) work.push_back(make_step_work(t, W));
-  const RunOptions run{.threads = 1};
+  const RunOptions run{.threads = 2};
 
   // The parent (thread 0's slot 0) and a fork of it for each other thread, made before any thread starts.
   std::vector<float> prompt_out(static_cast<size_t>(kParentTokens * E), kNaN);
@@ -357,7 +358,7 @@ void concurrent_steps_match_sequential(Isa isa, DType kv) {
   const std::vector<std::string> errors = run_together([&](int t, Workspace& ws) {
     got[t] = run_step_work(block, cache, work[t], ids[static_cast<size_t>(t)], t > 0, &ws);
   });
-  const std::string ctx = label(isa, 1, "4 threads stepping ragged mixes, one parent and its forks, " +
+  const std::string ctx = label(isa, 2, "4 threads stepping ragged mixes, one parent and its forks, " +
                                             std::string(to_string(kv)) + " cache");
   for (int t = 0; t < kThreads; ++t) {
     ASSERT_TRUE(errors[t].empty()) << ctx << ": thread " << t << " threw: " << errors[t];

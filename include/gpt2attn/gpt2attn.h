@@ -5,9 +5,11 @@
  * a one-line message naming the function and the argument, sequence, field or file. A failed call wrote nothing
  * (outputs, the cache, *out are as they were; GPT2ATTN_ERR_INTERNAL alone promises nothing about outputs). No C++
  * exception crosses this boundary and gpt2attn's code never exits or aborts. Two libraries under it can: the
- * OpenMP runtime (libgomp) exits the process when it cannot create a team's threads (a thread or pid limit, no
- * address space left), and oneDNN's code generator may crash when no memory is left for a new kernel; a server
- * whose first call at each thread count and shape happens at start-up (reserve, reserve_serving) meets both there.
+ * OpenMP runtime (libgomp), which oneDNN uses to reorder a new layer's weights, exits the process when it cannot
+ * create a team's threads (a thread or pid limit, no address space left), and oneDNN's code generator may crash
+ * when no memory is left for a new kernel; a server whose first call at each thread count and shape happens at
+ * start-up (reserve, reserve_serving) meets the second there. A call's own threads that cannot be started are
+ * GPT2ATTN_ERR_OUT_OF_MEMORY.
  * A null handle or pointer is GPT2ATTN_ERR_INVALID_ARGUMENT, never a crash.
  *
  * Shapes use one vocabulary: B batch (sequences in a decode step), T tokens, E model width (d_model),

@@ -16,21 +16,21 @@
 namespace gpt2attn {
 
 // The most threads one call may use: min(kMaxThreads, the OpenMP thread limit, OMP_THREAD_LIMIT). A larger
-// count in EngineOptions, RunOptions or reserve_serving is refused with invalid_argument: libgomp cannot start
-// a team that large (its stack overflows, or it calls exit() when thread creation fails). A default taken from
+// count in EngineOptions, RunOptions or reserve_serving is refused with invalid_argument. A default taken from
 // omp_get_max_threads() (OMP_NUM_THREADS) is clamped to it.
 inline constexpr int kMaxThreads = 1024;
 GPT2ATTN_API int max_threads();
 
 // Runs f(thread, team) once on each thread of a team of `threads` (1 <= threads <= max_threads(), else
-// invalid_argument), the OpenMP team the library's calls run on, every thread released together by a barrier. For
-// per-thread work a program wants on the threads its calls will use (pinning, first touch, a timed share: the
-// benchmarks' cache flush). team is the size OpenMP granted (OMP_THREAD_LIMIT may grant fewer), which a share must
-// be cut by; it is also returned. The first exception f throws is rethrown once every thread has returned.
+// invalid_argument): the calling thread's team, the threads the library's calls from this thread run on, every
+// thread released together. For per-thread work a program wants on the threads its calls will use (pinning, first
+// touch, a timed share: the benchmarks' cache flush). team is `threads`, or 1 when called from inside such a team
+// (f running on a team thread), which a share must be cut by; it is also returned. The first exception f throws is
+// rethrown once every thread has returned.
 GPT2ATTN_API int run_on_threads(int threads, const std::function<void(int thread, int team)>& f);
 
 struct EngineOptions {
-  int threads = 0;        // default thread count for forward(); 0 = omp_get_max_threads() at construction
+  int threads = 0;        // default thread count of a call; 0 = omp_get_max_threads() (OMP_NUM_THREADS) at construction
   Isa isa = Isa::best;    // GPT2ATTN_ISA=scalar|avx2|avx512|avx512_bf16 in the environment overrides `best`
   // The compute type: f32, or bf16 (weights rounded to bf16 once, here; activations rounded to bf16 where they
   // enter a GEMM or a dot product; every sum, the softmax and its running statistics in f32). An engine option,
