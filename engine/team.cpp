@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -45,14 +46,18 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// How long a thread spins before it sleeps. Inside a region (a stage's end, the region's end) a wait is the
-// imbalance of the last items, or a partner that lost its core: 50 us covers the first, and past it sleeping gives
-// the core to whoever needs it. Between regions, 200 us keeps the team awake across back-to-back calls (a
-// gpt2-small decode step of B=1 over 128 tokens takes 0.24 ms on 2 threads of a Zen 3 VM, and a futex wake-up costs
-// 10-50 us there), while a thread left spinning beside a busy process wastes at most that much of the core it holds
-// (libgomp's default spin wasted 5-9 ms after each region; bench/busy_machine.py).
-constexpr auto kStageSpin = std::chrono::microseconds(50);
-constexpr auto kIdleSpin = std::chrono::microseconds(200);
+// How long a thread spins before it sleeps. Inside a region, a thread that finds a stage's items all taken waits for
+// the others' last ones: about one item, so it spins up to twice the longest item it ran itself in this region (at
+// least kStageSpin, at most kMaxStageSpin); a partner that lost its core takes far longer, and past the spin sleeping
+// gives the core to whoever needs it. A sleep is dear on a VM: waking a halted vCPU cost 150-270 us on the 2-vCPU Zen 3
+// VM, and with a fixed 50 us spin a gpt2-small decode step of B=16 over 1024 tokens (attention items of ~1 ms) slept
+// at both stage ends and ran 8% slower than on libgomp's spinning team (bench/ab.py, 5 rounds). Between regions,
+// kIdleSpin keeps the team awake across back-to-back calls and a call's consecutive regions, while a thread left
+// spinning beside a busy process wastes at most that much of the core it holds (libgomp's default spin wasted 5-9 ms
+// after each region: bench/busy_machine.py).
+constexpr Clock::duration kStageSpin = std::chrono::microseconds(50);
+constexpr Clock::duration kMaxStageSpin = std::chrono::microseconds(1000);
+constexpr Clock::duration kIdleSpin = std::chrono::microseconds(200);
 
 void futex_wait(std::atomic<uint32_t>& word, uint32_t expected) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
@@ -112,10 +117,13 @@ struct Region {
     return s;
   }
 
-  void run_item(int stage, int64_t item, int thread) {
+  // Runs an item and keeps the longest one this thread ran (`longest`), which its waits spin for.
+  void run_item(int stage, int64_t item, int thread, Clock::duration& longest) {
     if (failed.load(std::memory_order_relaxed)) return;
     try {
+      const Clock::time_point t0 = Clock::now();
       work->call(work->f, stage, item, thread, team);
+      longest = std::max(longest, Clock::now() - t0);
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mu);
       if (!error) error = std::current_exception();
@@ -123,22 +131,28 @@ struct Region {
     }
   }
 
-  // Thread `thread`'s part: items until none is left, each stage's after the stage before has ended.
-  void take_part(int thread) {
+  static Clock::duration spin_for(Clock::duration longest) {
+    return std::clamp(2 * longest, kStageSpin, kMaxStageSpin);
+  }
+
+  // Thread `thread`'s part: items until none is left, each stage's after the stage before has ended. Returns the
+  // longest item it ran.
+  Clock::duration take_part(int thread) {
+    Clock::duration longest{0};
     if (work->each) {
       if (arrived.fetch_add(1) + 1 == team) wake(word, sleepers);
       wait_until([&] { return arrived.load() == team; }, word, sleepers, kStageSpin);
-      run_item(0, thread, thread);
+      run_item(0, thread, thread, longest);
       if (done.fetch_add(1) + 1 == team) wake(word, sleepers);
-      return;
+      return longest;
     }
     for (;;) {
       const int64_t g = next.fetch_add(1, std::memory_order_relaxed);
-      if (g >= total) return;
+      if (g >= total) return longest;
       const int s = stage_of(g);
       const int64_t stage_begin = work->starts[s];
-      if (s > 0) wait_until([&] { return done.load() >= stage_begin; }, word, sleepers, kStageSpin);
-      run_item(s, g - stage_begin, thread);
+      if (s > 0) wait_until([&] { return done.load() >= stage_begin; }, word, sleepers, spin_for(longest));
+      run_item(s, g - stage_begin, thread, longest);
       if (done.fetch_add(1) + 1 == work->starts[s + 1]) wake(word, sleepers);  // the stage's (or region's) end
     }
   }
@@ -171,8 +185,8 @@ class Pool {
     wake(epoch_, sleepers_);  // epoch_ becomes r.epoch
 
     t_in_region = true;
-    r.take_part(0);
-    wait_until([&] { return r.done.load() >= r.total; }, r.word, r.sleepers, kStageSpin);
+    const Clock::duration longest = r.take_part(0);
+    wait_until([&] { return r.done.load() >= r.total; }, r.word, r.sleepers, Region::spin_for(longest));
     gate_.fetch_and(kInside);  // closed: a worker that has not entered by now stays out
     wait_until([&] { return (gate_.load() & kInside) == 0; }, left_, left_sleepers_, kStageSpin);
     t_in_region = false;
