@@ -7,8 +7,13 @@
 # Decode feeds the contrib op's past_key / past_value (B, H, T, D) inputs and takes its present_key /
 # present_value (B, H, T + 1, D) outputs: ORT's own K/V cache form, in which every step writes a new present
 # holding the past plus the new token.
-# Variant (--variant) mha only. MultiHeadAttention has no grouped K/V heads (the key and value must have H heads;
-# GroupQueryAttention, which has them, is not driven here), so those cases get the error row.
+# Variants (--variant):
+#   mha  com.microsoft.MultiHeadAttention as above. It has no grouped K/V heads (its key and value carry all H
+#        heads), so those cases get the error row.
+#   gqa  com.microsoft.GroupQueryAttention (num_heads H, kv_num_heads KVH) in the same place: grouped K/V heads,
+#        causal by construction, and a K/V cache that can live in one buffer: decode binds the same OrtValue
+#        (B, KVH, T + 1, D) as past_key and present_key (likewise the values), ORT's shared-buffer form, so a step
+#        writes its token into slot T instead of copying the past (seqlens_k = T, total_sequence_length T + 1).
 # Inputs and outputs are bound once (IOBinding to preallocated OrtValues), so a timed call is session work only.
 # --dtype fp32, fp16 or bf16: the whole graph in that type. Where the CPU provider has no kernel for it, session
 # creation fails and its message is the row's error.
@@ -29,10 +34,11 @@ def build(a, inp):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    if a.variant != "mha":
+    if a.variant not in ("mha", "gqa"):
         raise ValueError("ort worker: unknown variant %s" % a.variant)
+    gqa = a.variant == "gqa"
     H, KVH = a.heads, a.kv_heads
-    if KVH != H:
+    if KVH != H and not gqa:
         raise ValueError("com.microsoft.MultiHeadAttention has no grouped K/V heads (its key and value carry all "
                          "H heads)")
     np_dt, onnx_dt = {"fp32": (np.float32, TensorProto.FLOAT), "fp16": (np.float16, TensorProto.FLOAT16),
@@ -40,28 +46,43 @@ def build(a, inp):
     x = inp["x"]
     B, S, E = x.shape
     D = E // H
+    KW = KVH * D
     decode = a.mode == "decode"
 
     def init(name, arr):
         return numpy_helper.from_array(np.ascontiguousarray(arr.astype(np_dt)), name)
 
     inits = [init("w_in_t", inp["w_in"].T), init("b_in", inp["b_in"]), init("w_out_t", inp["w_out"].T),
-             init("b_out", inp["b_out"]), numpy_helper.from_array(np.array([E, E, E], dtype=np.int64), "split")]
+             init("b_out", inp["b_out"]), numpy_helper.from_array(np.array([E, KW, KW], dtype=np.int64), "split")]
     nodes = [helper.make_node("MatMul", ["x", "w_in_t"], ["qkv0"]),
              helper.make_node("Add", ["qkv0", "b_in"], ["qkv"]),
              helper.make_node("Split", ["qkv", "split"], ["q", "k", "v"], axis=2)]
-    mha_in = ["q", "k", "v"] + (["", "", "", "past_key", "past_value"] if decode else [])
-    mha_out = ["attn"] + (["present_key", "present_value"] if decode else [])
-    nodes += [helper.make_node("MultiHeadAttention", mha_in, mha_out, domain="com.microsoft", num_heads=H,
-                               unidirectional=0 if decode else 1),
-              helper.make_node("MatMul", ["attn", "w_out_t"], ["y0"]),
+    if decode:
+        T = inp["past_k"].shape[2]
+    if gqa:
+        # seqlens_k: each sequence's total length - 1; the new tokens sit at the end of it.
+        total = T + 1 if decode else S
+        inits += [numpy_helper.from_array(np.full([B], total - 1, dtype=np.int32), "seqlens_k"),
+                  numpy_helper.from_array(np.array(total, dtype=np.int32), "total_sequence_length")]
+        attn_in = ["q", "k", "v"] + (["past_key", "past_value"] if decode else ["", ""]) + \
+            ["seqlens_k", "total_sequence_length"]
+        attn_out = ["attn"] + (["present_key", "present_value"] if decode else [])
+        nodes.append(helper.make_node("GroupQueryAttention", attn_in, attn_out, domain="com.microsoft",
+                                      num_heads=H, kv_num_heads=KVH))
+    else:
+        attn_in = ["q", "k", "v"] + (["", "", "", "past_key", "past_value"] if decode else [])
+        attn_out = ["attn"] + (["present_key", "present_value"] if decode else [])
+        nodes.append(helper.make_node("MultiHeadAttention", attn_in, attn_out, domain="com.microsoft", num_heads=H,
+                                      unidirectional=0 if decode else 1))
+    nodes += [helper.make_node("MatMul", ["attn", "w_out_t"], ["y0"]),
               helper.make_node("Add", ["y0", "b_out"], ["y"])]
     inputs = [helper.make_tensor_value_info("x", onnx_dt, [B, S, E])]
     outputs = [helper.make_tensor_value_info("y", onnx_dt, [B, S, E])]
     if decode:
-        T = inp["past_k"].shape[2]
-        inputs += [helper.make_tensor_value_info(n, onnx_dt, [B, H, T, D]) for n in ("past_key", "past_value")]
-        outputs += [helper.make_tensor_value_info(n, onnx_dt, [B, H, T + 1, D])
+        # GQA's past is the shared (T + 1)-slot buffer; MHA's past holds the T cached tokens.
+        past_len = T + 1 if gqa else T
+        inputs += [helper.make_tensor_value_info(n, onnx_dt, [B, KVH, past_len, D]) for n in ("past_key", "past_value")]
+        outputs += [helper.make_tensor_value_info(n, onnx_dt, [B, KVH, T + 1, D])
                     for n in ("present_key", "present_value")]
     graph = helper.make_graph(nodes, "attention_layer", inputs, outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
@@ -83,20 +104,28 @@ def build(a, inp):
 
     binding = sess.io_binding()
     feeds = {"x": x}
-    if decode:
+    if decode and gqa:  # the shared buffers: the T cached tokens, slot T for the step's token
+        for name, past in (("past_key", inp["past_k"]), ("past_value", inp["past_v"])):
+            buf = np.zeros((B, KVH, T + 1, D), dtype=np.float32)
+            buf[:, :, :T] = past
+            feeds[name] = buf
+    elif decode:
         feeds.update(past_key=inp["past_k"], past_value=inp["past_v"])
-    keep = []  # the OrtValues must outlive the binding
+    keep = []  # the OrtValues and their numpy arrays must outlive the binding
+    vals = {}
     for name, arr in feeds.items():
-        v = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr.astype(np_dt)))
-        keep.append(v)
-        binding.bind_ortvalue_input(name, v)
-    out_shapes = {"y": (B, S, E)}
+        arr = np.ascontiguousarray(arr.astype(np_dt))
+        vals[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+        keep += [arr, vals[name]]
+        binding.bind_ortvalue_input(name, vals[name])
+    outs = {"y": ort.OrtValue.ortvalue_from_shape_and_type([B, S, E], np_dt)}
     if decode:
-        out_shapes.update(present_key=(B, H, T + 1, D), present_value=(B, H, T + 1, D))
-    outs = {}
-    for name, shape in out_shapes.items():
-        outs[name] = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np_dt)
-        binding.bind_ortvalue_output(name, outs[name])
+        for name, past in (("present_key", "past_key"), ("present_value", "past_value")):
+            # GQA: present is past's own buffer (shared); MHA: a (T + 1)-token tensor of its own, written anew.
+            outs[name] = vals[past] if gqa else ort.OrtValue.ortvalue_from_shape_and_type([B, KVH, T + 1, D], np_dt)
+    for name, v in outs.items():
+        binding.bind_ortvalue_output(name, v)
+    keep.append(outs)
 
     def call():
         # The binding reads the OrtValues' numpy memory without a copy: naming `keep` here keeps it alive.

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 # bench/peers/run.py: our layer against the other CPU engines at their best, side by side in one run: PyTorch 2
 # (F.scaled_dot_product_attention between F.linear, and nn.MultiheadAttention), ONNX Runtime (MatMul projections
-# around com.microsoft.MultiHeadAttention) and OpenVINO (an opset13 ScaledDotProductAttention layer), on GPT-2
+# around com.microsoft.MultiHeadAttention or GroupQueryAttention) and OpenVINO (an opset13 ScaledDotProductAttention layer), on GPT-2
 # prefill and decode cases.
 #
 #   /usr/bin/python3 bench/peers/run.py [--quick] [--threads N] [--rounds R] [--out DIR] [--cli build/gpt2attn]
@@ -15,7 +15,7 @@
 #      are checked against it: max |out - ref| / max |ref| within 1e-4 (fp32) or 3e-2 (bf16, fp16). A peer that
 #      fails to build, to run or to match gets a row carrying the error and is not timed.
 #   2. rounds: ours (a `gpt2attn bench` process: a warm-up call, then K timed calls) and each peer (the worker's
-#      warm-up call, then K timed calls), one after the other, the order reversed every other round (A B C, C B A,
+#      warm-up call, dropped for calls over a second, then K timed calls), one after the other, the order reversed every other round (A B C, C B A,
 #      ...), so that all engines meet the same minutes of the machine. The first round takes one timed call each;
 #      later rounds take as many as fit in --budget-ms per engine (at most 25). Each round gives each engine the
 #      median of its calls; a row reports the median of its rounds' medians, their min and max, and the speedup =
@@ -53,15 +53,19 @@ from peer_torch import JEMALLOC, allocator_env  # noqa: E402
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 3e-2}
 PRESETS = ["gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"]
 MAX_CALLS = 25
+WARMUP_MS = 1000.0  # a peer whose call takes longer skips the per-round warm-up call (see Peer.time)
 PAUSE_S = 0.1  # between engines: lets the last one's idle worker threads stop spinning before the next is timed
 
 # (engine, worker file, variant, {case dtype: the dtype the peer computes in}). The ORT fp16 row sits in the bf16
-# cases: half precision is what both stand for, and ORT's CPU provider has no bf16 MultiHeadAttention.
+# cases: half precision is what both stand for, and ORT's CPU provider has no bf16 MultiHeadAttention (the bf16
+# ort-mha row records its error). ort-gqa is GroupQueryAttention: grouped K/V heads and a shared-buffer K/V cache.
 PEERS = [
     ("torch-sdpa", "torch2_worker.py", "sdpa", {"fp32": "fp32", "bf16": "bf16"}),
     ("torch-mha", "torch2_worker.py", "mha", {"fp32": "fp32", "bf16": "bf16"}),
     ("ort-mha", "ort_worker.py", "mha", {"fp32": "fp32", "bf16": "bf16"}),
     ("ort-mha-fp16", "ort_worker.py", "mha", {"bf16": "fp16"}),
+    ("ort-gqa", "ort_worker.py", "gqa", {"fp32": "fp32"}),
+    ("ort-gqa-fp16", "ort_worker.py", "gqa", {"bf16": "fp16"}),
     ("openvino-sdpa", "openvino_worker.py", "sdpa", {"fp32": "fp32", "bf16": "bf16"}),
 ]
 
@@ -264,7 +268,10 @@ class Peer:
         self.close()
 
     def time(self, calls):
-        self.proc.stdin.write("time %d\n" % calls)
+        # A warm-up call before the timed ones, as our CLI makes, unless a call takes long enough (WARMUP_MS) that
+        # warm caches no longer matter and the extra call would only double the run's time.
+        warm = 0 if self.rounds and self.rounds[0] > WARMUP_MS else 1
+        self.proc.stdin.write("time %d %d\n" % (calls, warm))
         self.proc.stdin.flush()
         r = self.read()
         if r is None or "ms" not in r:

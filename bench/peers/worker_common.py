@@ -7,8 +7,8 @@
 #   1. the worker builds its layer from the driver's .npy files (the same weights and input as ours), runs it once,
 #      writes the output to <dir>/out_<tag>.npy for the driver to check, and prints {"ready": true, "info": {...}}
 #      (versions, the kernel it ran), or {"error": "..."} and exits 0 when the peer cannot run the case;
-#   2. then, for each line "time K" on stdin: one untimed call (as our CLI makes one per process), K timed calls,
-#      and {"ms": [K times]}; "quit" or end of input ends it.
+#   2. then, for each line "time K W" on stdin: W (0 or 1) untimed calls (as our CLI makes one per process), K
+#      timed calls, and {"ms": [K times]}; "quit" or end of input ends it.
 # Only numpy is needed here: each worker imports its own runtime.
 import argparse
 import json
@@ -65,10 +65,11 @@ def serve(build):
         cmd = line.split()
         if not cmd or cmd[0] == "quit":
             break
-        if cmd[0] != "time" or len(cmd) != 2:
+        if cmd[0] != "time" or len(cmd) != 3:
             emit({"error": "unknown command %r" % line.strip()})
             break
-        call()  # untimed, as our CLI's warm-up call in each of its processes
+        for _ in range(int(cmd[2])):
+            call()  # untimed, as our CLI's warm-up call in each of its processes
         ms = []
         for _ in range(int(cmd[1])):
             t0 = time.perf_counter()
