@@ -92,7 +92,8 @@ def build(a, inp):
         prec = rt["runtimePrecision"].astype(str) if "runtimePrecision" in rt else ""
         layers.append("%s(%s,%s)" % (lt, prim, prec))
     info = {"openvino": ov.get_version(), "threads": int(compiled.get_property("INFERENCE_NUM_THREADS")),
-            "inference_precision": compiled.get_property("INFERENCE_PRECISION_HINT").to_string(), "runtime_layers": layers,
+            "inference_precision": compiled.get_property("INFERENCE_PRECISION_HINT").to_string(),
+            "runtime_layers": layers,
             "kv_tokens": L}
 
     def call():

@@ -85,7 +85,8 @@ def build(a, inp):
         outputs += [helper.make_tensor_value_info(n, onnx_dt, [B, KVH, T + 1, D])
                     for n in ("present_key", "present_value")]
     graph = helper.make_graph(nodes, "attention_layer", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 9
 
     so = ort.SessionOptions()

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 # bench/peers/run.py: our layer against the other CPU engines at their best, side by side in one run: PyTorch 2
 # (F.scaled_dot_product_attention between F.linear, and nn.MultiheadAttention), ONNX Runtime (MatMul projections
-# around com.microsoft.MultiHeadAttention or GroupQueryAttention) and OpenVINO (an opset13 ScaledDotProductAttention layer), on GPT-2
-# prefill and decode cases.
+# around com.microsoft.MultiHeadAttention or GroupQueryAttention) and OpenVINO (an opset13
+# ScaledDotProductAttention layer), on GPT-2 prefill and decode cases.
 #
 #   /usr/bin/python3 bench/peers/run.py [--quick] [--threads N] [--rounds R] [--out DIR] [--cli build/gpt2attn]
 #                                       [--python build/peers-venv/bin/python] [--only ENGINE ...]
@@ -15,10 +15,10 @@
 #      are checked against it: max |out - ref| / max |ref| within 1e-4 (fp32) or 3e-2 (bf16, fp16). A peer that
 #      fails to build, to run or to match gets a row carrying the error and is not timed.
 #   2. rounds: ours (a `gpt2attn bench` process: a warm-up call, then K timed calls) and each peer (the worker's
-#      warm-up call, dropped for calls over a second, then K timed calls), one after the other, the order reversed every other round (A B C, C B A,
-#      ...), so that all engines meet the same minutes of the machine. The first round takes one timed call each;
-#      later rounds take as many as fit in --budget-ms per engine (at most 25). Each round gives each engine the
-#      median of its calls; a row reports the median of its rounds' medians, their min and max, and the speedup =
+#      warm-up call, dropped for calls over a second, then K timed calls), one after the other, the order
+#      reversed every other round (A B C, C B A, ...), so that all engines meet the same minutes of the machine.
+#      The first round takes one timed call each; later rounds take as many as fit in --budget-ms per engine (at
+#      most 25). Each round gives each engine the median of its calls; a row reports the median of its rounds' medians, their min and max, and the speedup =
 #      the peer's ms / ours (> 1: ours faster), with the min and max of the per-round speedups.
 # Prefill cases compare ours in f32 with the peers in fp32, ours in bf16 compute with the peers in bf16 (and ORT in
 # fp16, its only half type with CPU kernels); decode cases time ours with each K/V cache storage (f32, bf16, int8,
@@ -275,7 +275,8 @@ class Peer:
         self.proc.stdin.flush()
         r = self.read()
         if r is None or "ms" not in r:
-            raise RuntimeError("%s: %s" % (self.name, r.get("error") if r else "the worker exited; see " + self.logpath))
+            why = r.get("error") if r else "the worker exited; see " + self.logpath
+            raise RuntimeError("%s: %s" % (self.name, why))
         self.rounds.append(statistics.median(r["ms"]))
         return self.rounds[-1]
 
@@ -440,7 +441,8 @@ def machine_header(a, versions):
 
 def peer_versions(python):
     code = ("import json, importlib.metadata as m\nv = {}\nfor p in ('torch', 'onnxruntime', 'onnx', 'openvino', "
-            "'numpy'):\n    try: v[p] = m.version(p)\n    except m.PackageNotFoundError: v[p] = None\nprint(json.dumps(v))")
+            "'numpy'):\n    try: v[p] = m.version(p)\n    except m.PackageNotFoundError: v[p] = None\n"
+            "print(json.dumps(v))")
     p = subprocess.run([python, "-c", code], capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit("peers: %s cannot run (%s); make the venv with scripts/bench.sh --peers" % (python, p.stderr.strip()))
