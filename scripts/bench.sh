@@ -10,11 +10,11 @@
 # (default build/plots/) and draws them there with scripts/plot.py. --quick runs the same commands on cases small
 # enough for a test (tests/python/test_plot.py) and --no-build takes the binaries already built.
 #
-# scripts/bench.sh --peers [--quick] [--threads N] [--rounds R] [--no-build]: ours against PyTorch 2, ONNX Runtime
-# and OpenVINO at their best (bench/peers/run.py), interleaved in one run. Needs PyPI: makes the venv
-# build/peers-venv (python3 -m venv) with the pinned bench/peers/requirements.txt (pip install --no-deps, see that
-# file for why), builds our CLI, runs the driver, keeps its JSON lines and table in build/peers/ and draws the
-# speedups there (scripts/plot.py --peers). The full run takes about half an hour on 2 cores; --quick seconds.
+# scripts/bench.sh --peers [--quick] [--threads N] [--rounds R] [--mode prefill|decode] [--no-build]: ours against
+# PyTorch 2, ONNX Runtime and OpenVINO at their best (bench/peers/run.py), interleaved in one run. Needs PyPI: makes
+# the venv build/peers-venv (python3 -m venv) with the pinned bench/peers/requirements.txt (pip install --no-deps,
+# see that file for why), builds our CLI, runs the driver, keeps its JSON lines and table in build/peers/ and draws
+# the speedups there (scripts/plot.py --peers). The full run takes about 20 minutes on 2 cores; --quick seconds.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${GPT2ATTN_BUILD_DIR:-$root/build}
@@ -25,9 +25,10 @@ if [ "${1:-}" = --peers ]; then
   while [ $# -gt 0 ]; do
     case "$1" in
       --quick) args+=(--quick) ;;
-      --threads|--rounds) args+=("$1" "$2"); shift ;;
+      --threads|--rounds|--mode) args+=("$1" "$2"); shift ;;
       --no-build) build_first=0 ;;
-      *) echo "bench.sh --peers: unknown argument '$1' (expected --quick, --threads N, --rounds R, --no-build)" >&2
+      *) echo "bench.sh --peers: unknown argument '$1' (expected --quick, --threads N, --rounds R," \
+              "--mode prefill|decode, --no-build)" >&2
          exit 2 ;;
     esac
     shift

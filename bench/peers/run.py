@@ -6,6 +6,7 @@
 #
 #   /usr/bin/python3 bench/peers/run.py [--quick] [--threads N] [--rounds R] [--out DIR] [--cli build/gpt2attn]
 #                                       [--python build/peers-venv/bin/python] [--only ENGINE ...]
+#                                       [--mode prefill|decode]
 #
 # Runs under Debian's python3 (numpy only). Each peer runs in a worker process under the peers venv's python
 # (scripts/bench.sh --peers makes it; bench/peers/requirements.txt pins it); ours runs through our CLI
@@ -466,6 +467,8 @@ def main():
     ap.add_argument("--rounds", type=int, help="interleaved rounds per case (default 3; --quick 2)")
     ap.add_argument("--budget-ms", type=float, help="per engine and round after the first (default 400; --quick 20)")
     ap.add_argument("--only", action="append", help="peer engines to run (default all), e.g. torch-sdpa")
+    ap.add_argument("--mode", action="append", choices=["prefill", "decode"],
+                    help="only the prefill or decode cases (default both)")
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "peers"))
     ap.add_argument("--cli", default=os.path.join(ROOT, "build", "gpt2attn"))
     ap.add_argument("--python", default=os.path.join(ROOT, "build", "peers-venv", "bin", "python"))
@@ -484,6 +487,8 @@ def main():
     with open(os.path.join(a.out, "peers.jsonl"), "w") as out:
         out.write(json.dumps(header) + "\n")
         for geometry, dtypes in cases(a.quick, a.threads):
+            if a.mode and geometry[0] not in a.mode:
+                continue
             E, H = shapes[geometry[1]]
             d = tempfile.mkdtemp(prefix="gpt2attn_peers_")
             try:
