@@ -307,7 +307,8 @@ def peers_speedup(rows, out, index):
     cases = list(dict.fromkeys(peers_case(r) for r in peers))  # run order
     engines = list(dict.fromkeys(r["engine"] for r in peers))
     width = 0.8 / len(engines)
-    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(cases) * max(1, len(engines) / 3)), 5.5))
+    # About a third of an inch per bar, between 8 and 20 inches wide (a full run has ~25 cases x 7 engines).
+    fig, ax = plt.subplots(figsize=(min(20, max(8, 0.3 * len(cases) * len(engines) / 2)), 6))
     failed = False
     for i, (e, c) in enumerate(zip(engines, colours(len(engines)))):
         xs, ys, lo, hi, fx = [], [], [], [], []
