@@ -71,6 +71,8 @@ PEERS = [
     ("ort-gqa", "ort_worker.py", "gqa", {"fp32": "fp32"}),
     ("ort-gqa-fp16", "ort_worker.py", "gqa", {"bf16": "fp16"}),
     ("openvino-sdpa", "openvino_worker.py", "sdpa", {"fp32": "fp32", "bf16": "bf16"}),
+    # llama.cpp: our layer as a one-block GGUF fed embeddings (llamacpp_worker.py says how, and what it returns).
+    ("llamacpp", "llamacpp_worker.py", "gguf", {"fp32": "fp32", "bf16": "bf16"}),
 ]
 
 
@@ -129,8 +131,9 @@ def attention64(q, k, v, causal):
 
 
 def make_case(d, geometry, E, H):
-    """Writes the case's inputs to folder d and returns (reference output float64 (B, S, E), ours' query): weights
-    N(0, 1/E) (scores of order 1), biases N(0, 0.01), tokens N(0, 1). Prefill: x (B, T, E), the reference over all
+    """Writes the case's inputs to folder d and returns the reference output, float64 (B, S, E): weights N(0, 1/E)
+    (scores of order 1), biases N(0, 0.01), tokens N(0, 1) rescaled to mean 0 and variance 1 per row (so that a peer
+    that runs the layer inside a pre-norm block, llama.cpp, can make its layer norm the identity). Prefill: x (B, T, E), the reference over all
     T rows. Decode: a history of T + 1 tokens per sequence; the peers get past_k, past_v (the first T tokens'
     keys and values, float32) and x, the last token; the reference is the last token's row, and ours runs
     `forward` over the whole history (its last row is what a decode step over T cached tokens returns)."""
@@ -145,7 +148,8 @@ def make_case(d, geometry, E, H):
     w_out = (rng.standard_normal((E, E)) / np.sqrt(E)).astype(np.float32)
     b_out = (0.1 * rng.standard_normal(E)).astype(np.float32)
     n = T if mode == "prefill" else T + 1
-    hist = rng.standard_normal((B, n, E)).astype(np.float32)
+    hist = rng.standard_normal((B, n, E))
+    hist = ((hist - hist.mean(axis=-1, keepdims=True)) / hist.std(axis=-1, keepdims=True)).astype(np.float32)
     for name, a in (("w_in", w_in), ("b_in", b_in), ("w_out", w_out), ("b_out", b_out)):
         np.save(os.path.join(d, name + ".npy"), a)
     write_safetensors(os.path.join(d, "w.safetensors"), {"in_proj_weight": w_in, "in_proj_bias": b_in,
@@ -265,6 +269,12 @@ class Peer:
         else:
             self.info = first["info"]
             out = np.load(os.path.join(d, "out_%s.npy" % tag))
+            if self.info.get("output") == "layernorm(x + y)":
+                # The worker returns its block's output norm of the residual sum (llamacpp_worker.py): check that
+                # against the same transform of the reference, x being the rows the output belongs to.
+                v = np.load(os.path.join(d, "x.npy")).astype(np.float64) + ref
+                v -= v.mean(axis=-1, keepdims=True)
+                ref = v / np.sqrt((v * v).mean(axis=-1, keepdims=True) + self.info["norm_eps"])
             self.err, self.rel, self.tol, msg = compare(out, ref, self.dtype)
             if msg:
                 self.fail(msg)
