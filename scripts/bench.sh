@@ -11,10 +11,11 @@
 # enough for a test (tests/python/test_plot.py) and --no-build takes the binaries already built.
 #
 # scripts/bench.sh --peers [--quick] [--threads N] [--rounds R] [--mode prefill|decode] [--no-build]: ours against
-# PyTorch 2, ONNX Runtime and OpenVINO at their best (bench/peers/run.py), interleaved in one run. Needs PyPI: makes
+# PyTorch 2, ONNX Runtime, OpenVINO and llama.cpp at their best (bench/peers/run.py), interleaved in one run. Needs PyPI: makes
 # the venv build/peers-venv (python3 -m venv) with the pinned bench/peers/requirements.txt (pip install --no-deps,
 # see that file for why), builds our CLI, runs the driver, keeps its JSON lines and table in build/peers/ and draws
-# the speedups there (scripts/plot.py --peers). The full run takes about 20 minutes on 2 cores; --quick seconds.
+# the speedups there (scripts/plot.py --peers). The full run takes about 20 minutes on 2 cores, --quick seconds;
+# making the venv about half an hour (pip builds llama-cpp-python from source).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${GPT2ATTN_BUILD_DIR:-$root/build}

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 # bench/peers/run.py: our layer against the other CPU engines at their best, side by side in one run: PyTorch 2
 # (F.scaled_dot_product_attention between F.linear, and nn.MultiheadAttention), ONNX Runtime (MatMul projections
-# around com.microsoft.MultiHeadAttention or GroupQueryAttention) and OpenVINO (an opset13
-# ScaledDotProductAttention layer), on GPT-2 prefill and decode cases.
+# around com.microsoft.MultiHeadAttention or GroupQueryAttention), OpenVINO (an opset13
+# ScaledDotProductAttention layer) and llama.cpp (a one-block GGUF), on GPT-2 prefill and decode cases.
 #
 #   /usr/bin/python3 bench/peers/run.py [--quick] [--threads N] [--rounds R] [--out DIR] [--cli build/gpt2attn]
 #                                       [--python build/peers-venv/bin/python] [--only ENGINE ...]
