@@ -461,7 +461,7 @@ def machine_header(a, versions):
 
 def peer_versions(python):
     code = ("import json, importlib.metadata as m\nv = {}\nfor p in ('torch', 'onnxruntime', 'onnx', 'openvino', "
-            "'numpy'):\n    try: v[p] = m.version(p)\n    except m.PackageNotFoundError: v[p] = None\n"
+            "'llama_cpp_python', 'numpy'):\n    try: v[p] = m.version(p)\n    except m.PackageNotFoundError: v[p] = None\n"
             "print(json.dumps(v))")
     p = subprocess.run([python, "-c", code], capture_output=True, text=True)
     if p.returncode != 0:
