@@ -133,8 +133,8 @@ def attention64(q, k, v, causal):
 def make_case(d, geometry, E, H):
     """Writes the case's inputs to folder d and returns the reference output, float64 (B, S, E): weights N(0, 1/E)
     (scores of order 1), biases N(0, 0.01), tokens N(0, 1) rescaled to mean 0 and variance 1 per row (so that a peer
-    that runs the layer inside a pre-norm block, llama.cpp, can make its layer norm the identity). Prefill: x (B, T, E), the reference over all
-    T rows. Decode: a history of T + 1 tokens per sequence; the peers get past_k, past_v (the first T tokens'
+    that runs the layer inside a pre-norm block, llama.cpp, can make its layer norm the identity). Prefill: x
+    (B, T, E), the reference over all T rows. Decode: a history of T + 1 tokens per sequence; the peers get past_k, past_v (the first T tokens'
     keys and values, float32) and x, the last token; the reference is the last token's row, and ours runs
     `forward` over the whole history (its last row is what a decode step over T cached tokens returns)."""
     mode, _, T, B, kvh = geometry
@@ -461,8 +461,8 @@ def machine_header(a, versions):
 
 def peer_versions(python):
     code = ("import json, importlib.metadata as m\nv = {}\nfor p in ('torch', 'onnxruntime', 'onnx', 'openvino', "
-            "'llama_cpp_python', 'numpy'):\n    try: v[p] = m.version(p)\n    except m.PackageNotFoundError: v[p] = None\n"
-            "print(json.dumps(v))")
+            "'llama_cpp_python', 'numpy'):\n    try: v[p] = m.version(p)\n"
+            "    except m.PackageNotFoundError: v[p] = None\nprint(json.dumps(v))")
     p = subprocess.run([python, "-c", code], capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit("peers: %s cannot run (%s); make the venv with scripts/bench.sh --peers" % (python, p.stderr.strip()))
