@@ -134,9 +134,10 @@ def make_case(d, geometry, E, H):
     """Writes the case's inputs to folder d and returns the reference output, float64 (B, S, E): weights N(0, 1/E)
     (scores of order 1), biases N(0, 0.01), tokens N(0, 1) rescaled to mean 0 and variance 1 per row (so that a peer
     that runs the layer inside a pre-norm block, llama.cpp, can make its layer norm the identity). Prefill: x
-    (B, T, E), the reference over all T rows. Decode: a history of T + 1 tokens per sequence; the peers get past_k, past_v (the first T tokens'
-    keys and values, float32) and x, the last token; the reference is the last token's row, and ours runs
-    `forward` over the whole history (its last row is what a decode step over T cached tokens returns)."""
+    (B, T, E), the reference over all T rows. Decode: a history of T + 1 tokens per sequence; the peers get past_k,
+    past_v (the first T tokens' keys and values, float32) and x, the last token; the reference is the last token's
+    row, and ours runs `forward` over the whole history (its last row is what a decode step over T cached tokens
+    returns)."""
     mode, _, T, B, kvh = geometry
     KVH = kvh or H
     D = E // H
