@@ -9,9 +9,49 @@
 # triad, in one run (with --peer also PyTorch, bench/peer_torch.py, several minutes), keeps the JSON lines in DIR
 # (default build/plots/) and draws them there with scripts/plot.py. --quick runs the same commands on cases small
 # enough for a test (tests/python/test_plot.py) and --no-build takes the binaries already built.
+#
+# scripts/bench.sh --peers [--quick] [--threads N] [--rounds R] [--mode prefill|decode] [--no-build]: ours against
+# PyTorch 2, ONNX Runtime, OpenVINO and llama.cpp at their best (bench/peers/run.py), interleaved in one run. Needs PyPI: makes
+# the venv build/peers-venv (python3 -m venv) with the pinned bench/peers/requirements.txt (pip install --no-deps,
+# see that file for why), builds our CLI, runs the driver, keeps its JSON lines and table in build/peers/ and draws
+# the speedups there (scripts/plot.py --peers). The full run takes about 20 minutes on 2 cores, --quick seconds;
+# making the venv about half an hour (pip builds llama-cpp-python from source).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${GPT2ATTN_BUILD_DIR:-$root/build}
+if [ "${1:-}" = --peers ]; then
+  shift
+  build_first=1
+  args=()
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --quick) args+=(--quick) ;;
+      --threads|--rounds|--mode) args+=("$1" "$2"); shift ;;
+      --no-build) build_first=0 ;;
+      *) echo "bench.sh --peers: unknown argument '$1' (expected --quick, --threads N, --rounds R," \
+              "--mode prefill|decode, --no-build)" >&2
+         exit 2 ;;
+    esac
+    shift
+  done
+  venv=$build/peers-venv
+  req=$root/bench/peers/requirements.txt
+  # The venv is made once and remade only when the pins change (a copy of the installed file is kept in it).
+  if ! cmp -s "$req" "$venv/requirements.installed"; then
+    rm -rf "$venv"
+    /usr/bin/python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install --no-deps -r "$req"
+    cp "$req" "$venv/requirements.installed"
+  fi
+  if [ "$build_first" = 1 ]; then
+    bash "$root/scripts/build.sh" gpt2attn_cli
+  fi
+  out=$build/peers
+  /usr/bin/python3 "$root/bench/peers/run.py" --cli "$build/gpt2attn" --python "$venv/bin/python" --out "$out" \
+    "${args[@]}"
+  "$root/scripts/plot.py" --out "$out" --peers "$out/peers.jsonl"
+  exit
+fi
 if [ "${1:-}" != --plot ]; then
   bash "$root/scripts/build.sh" gpt2attn_cli
   "$build/gpt2attn" bench "$@"

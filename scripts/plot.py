@@ -3,13 +3,14 @@
 display: the Agg backend writes PNG files).
 
     scripts/plot.py --out build/plots --bench bench.jsonl [--peak peak.jsonl] [--triad triad.jsonl]
-                    [--peer peer.jsonl] [--gbench gbench.json]
+                    [--peer peer.jsonl] [--peers peers.jsonl] [--gbench gbench.json]
 
 Inputs, each optional and repeatable where it makes sense:
   --bench   `gpt2attn bench --json` lines, prefill and decode rows
   --peak    `bench/fma_peak_cli` lines ("op": "fma" and, with --op bf16dot, "bf16dot")
   --triad   `bench/stream_triad_cli` lines
   --peer    `bench/peer_torch.py --json` lines (our f32 and bf16 ms and PyTorch's, per preset and T)
+  --peers   `bench/peers/run.py` lines (peers.jsonl: ours and PyTorch 2, ONNX Runtime, OpenVINO per case)
   --gbench  a Google Benchmark JSON file (`bench_gpt2attn --benchmark_format=json`): its layer and core rows
 Outputs (each when its inputs are there), in --out:
   roofline.png             GFLOP/s against FLOPs per byte: the FMA (and bf16) peak and the triad bandwidth roofs,
@@ -17,6 +18,9 @@ Outputs (each when its inputs are there), in --out:
                            bytes by dtype + f32 input and output; decode: the bytes per step the row reports)
   ms_vs_t.png              prefill ms against T, ours beside PyTorch (--peer) and the Google Benchmark rows
   decode_tokens_per_s.png  decode tokens/s against the batch
+  peers_speedup.png        --peers: per case, a bar per peer engine of its ms / ours (our speed over the peer's;
+                           above 1: ours faster), log scale, whiskers from the rounds' lowest to highest ratio; a
+                           peer that could not run the case (its row carries the error) is a grey cross at 1
   plots.json               per picture: its title, axis labels and legend entries, so that what a PNG shows can
                            be checked without looking at it
 Each series is one (engine, preset, compute dtype, ISA, K/V dtype and heads, cache mode, threads): rows that differ
@@ -81,14 +85,18 @@ NEEDS = {"prefill": ("preset", "dtype", "isa", "threads", "batch", "seq", "media
          "decode": ("preset", "dtype", "isa", "threads", "batch", "seq", "median_ms", "gflops", "busy",
                     "kv_dtype", "cache", "tokens_per_s", "bytes_per_step"),
          "peer": ("preset", "seq", "threads", "allocator_headline", "ours_f32_ms", "ours_bf16_ms", "torch",
-                  "torch_ms")}
+                  "torch_ms"),
+         "peers": ("mode", "preset", "seq", "batch", "heads", "kv_heads", "dtype", "threads", "engine", "error",
+                   "cpu", "timestamp")}
 
 
 def rows_of(path, kinds):
     """The rows of the given kinds (a bench row's mode, or "peer") in a file, each checked against NEEDS."""
     rows = []
     for r in json_lines(path):
-        kind = r.get("mode") or ("peer" if "torch_ms" in r else None)
+        # bench/peers/run.py's rows say "kind": "peers" (they carry a mode too); its header lines other kinds.
+        kind = "peers" if r.get("kind") == "peers" else None if "kind" in r else \
+            r.get("mode") or ("peer" if "torch_ms" in r else None)
         if kind in kinds:
             missing = [k for k in NEEDS[kind] if k not in r]
             if missing:
@@ -282,10 +290,61 @@ def decode_tokens(bench, out, index):
                   "tokens/s (B / median step time)", "decode throughput against batch\n%s" % machine(bench), index)
 
 
+def peers_case(r):
+    """A bench/peers/run.py case's name on the x axis: mode, preset, T (and B, grouped heads), dtype, threads."""
+    what = "%s %s T=%d" % (r["mode"], r["preset"].replace("gpt2-", ""), r["seq"])
+    if r["mode"] == "decode":
+        what += " B=%d" % r["batch"]
+    if r["kv_heads"] != r["heads"]:
+        what += " kvh=%d" % r["kv_heads"]
+    return "%s %s %dt" % (what, r["dtype"], r["threads"])
+
+
+def peers_speedup(rows, out, index):
+    peers = [r for r in rows if r["engine"] != "gpt2attn"]
+    if not peers:
+        return None
+    cases = list(dict.fromkeys(peers_case(r) for r in peers))  # run order
+    engines = list(dict.fromkeys(r["engine"] for r in peers))
+    width = 0.8 / len(engines)
+    # About a third of an inch per bar, between 8 and 20 inches wide (a full run has ~25 cases x 7 engines).
+    fig, ax = plt.subplots(figsize=(min(20, max(8, 0.3 * len(cases) * len(engines) / 2)), 6))
+    failed = False
+    for i, (e, c) in enumerate(zip(engines, colours(len(engines)))):
+        xs, ys, lo, hi, fx = [], [], [], [], []
+        for r in peers:
+            if r["engine"] != e:
+                continue
+            x = cases.index(peers_case(r)) - 0.4 + width * (i + 0.5)
+            if r["error"]:
+                fx.append(x)
+                continue
+            xs.append(x)
+            ys.append(r["speedup"])
+            lo.append(r["speedup"] - r.get("speedup_min", r["speedup"]))
+            hi.append(r.get("speedup_max", r["speedup"]) - r["speedup"])
+        ax.bar(xs, ys, width, color=c, label=e, yerr=[lo, hi], error_kw={"elinewidth": 0.8, "capsize": 1.5})
+        if fx:
+            failed = True
+            ax.plot(fx, [1.0] * len(fx), linestyle="none", marker="x", color="grey")
+    if failed:
+        ax.plot([], [], linestyle="none", marker="x", color="grey", label="could not run (its row has the error)")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(cases, rotation=60, ha="right", fontsize=7)
+    ax.set_xlim(-0.6, len(cases) - 0.4)
+    return finish(fig, ax, out, "peers_speedup.png", "case (mode, preset, T, batch, K/V heads, dtype, threads)",
+                  "peer ms / ours (above 1: ours faster)",
+                  "gpt2attn against the peers at their best, same run\n%s" % machine(rows), index)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    for name in ("bench", "peak", "triad", "peer", "gbench"):
+    for name in ("bench", "peak", "triad", "peer", "peers", "gbench"):
         ap.add_argument("--" + name, action="append", default=[])
     a = ap.parse_args(argv)
     try:
@@ -293,6 +352,7 @@ def main(argv=None):
         peaks = [r for p in a.peak for r in json_lines(p)]
         triads = [r for p in a.triad for r in json_lines(p)]
         peer = [r for p in a.peer for r in rows_of(p, ("peer",))]
+        peers = [r for p in a.peers for r in rows_of(p, ("peers",))]
         gbench = [r for p in a.gbench for r in gbench_rows(p)]
     except InputError as e:
         print("plot.py: %s" % e, file=sys.stderr)
@@ -300,9 +360,9 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     index = {}
     written = [p for p in (roofline(bench, peaks, triads, a.out, index), ms_vs_t(bench, peer, gbench, a.out, index),
-                           decode_tokens(bench, a.out, index)) if p]
+                           decode_tokens(bench, a.out, index), peers_speedup(peers, a.out, index)) if p]
     if not written:
-        print("plot.py: nothing to draw (no bench, peer or Google Benchmark rows)", file=sys.stderr)
+        print("plot.py: nothing to draw (no bench, peer, peers or Google Benchmark rows)", file=sys.stderr)
         return 2
     written.append(os.path.join(a.out, "plots.json"))
     with open(written[-1], "w") as f:

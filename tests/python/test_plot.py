@@ -2,7 +2,8 @@
 # are written as PNGs whose legends hold one series per (engine, preset, compute dtype, K/V dtype, threads) of the
 # rows the run printed (so f32 and bf16 are never one line, and threads are named), with units on the axes and the
 # rows' CPU and date in the titles (read from the plots.json plot.py writes beside them); busy rows are flagged;
-# Google Benchmark's rows are drawn per dtype; input plot.py cannot read is refused with exit 2. The cases that need
+# Google Benchmark's rows are drawn per dtype; bench/peers/run.py's rows (--peers) give a bar per peer engine and a
+# cross for a peer that could not run; input plot.py cannot read is refused with exit 2. The cases that need
 # build/bench/'s programs are skipped, saying so, where they are not built (GPT2ATTN_BUILD_BENCH=OFF).
 import json
 import os
@@ -168,6 +169,38 @@ def google_benchmark_rows(r):
     return "%d series" % len(fig["legend"])
 
 
+def peers_rows(r):
+    """bench/peers/run.py's lines (written here as it writes them: the run header, our rows, peer rows, a peer's
+    error row): peers_speedup.png alone, a legend entry per peer engine and one for the peer that could not run,
+    ours never a bar, the rows' CPU and date in the title."""
+    wd = r.workdir()
+    path = os.path.join(wd, "peers.jsonl")
+    base = {"kind": "peers", "mode": "prefill", "preset": "gpt2-small", "seq": 1024, "batch": 1, "heads": 12,
+            "kv_heads": 12, "threads": 2, "cpu": "Test CPU", "timestamp": "2026-11-29T08:00:00Z"}
+    lines = [{"kind": "run", "cpu": "Test CPU", "date": "2026-11-29T08:00:00Z"},
+             dict(base, dtype="fp32", engine="gpt2attn", error=None, median_ms=70.0, speedup=1.0),
+             dict(base, dtype="fp32", engine="torch-sdpa", error=None, median_ms=140.0, speedup=2.0,
+                  speedup_min=1.8, speedup_max=2.2),
+             dict(base, dtype="fp32", engine="openvino-sdpa", error=None, median_ms=63.0, speedup=0.9),
+             dict(base, dtype="bf16", engine="gpt2attn", error=None, median_ms=60.0, speedup=1.0),
+             dict(base, dtype="bf16", engine="ort-mha", error="NOT_IMPLEMENTED: no bf16 kernel", median_ms=None)]
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(x) + "\n" for x in lines))
+    p = plot(["--out", os.path.join(wd, "o"), "--peers", path])
+    check(p.returncode == 0, "plot.py exit %d: %s" % (p.returncode, p.stderr[-300:]))
+    names = [os.path.basename(w) for w in p.stdout.split()]
+    check(names == ["peers_speedup.png", "plots.json"], "wrote %r" % p.stdout)
+    png_size(p.stdout.split()[0])
+    with open(os.path.join(wd, "o", "plots.json")) as f:
+        fig = json.load(f)["peers_speedup.png"]
+    for e in ("torch-sdpa", "openvino-sdpa", "ort-mha"):
+        check(e in fig["legend"], "peers: no legend entry for %s: %s" % (e, fig["legend"]))
+    check("gpt2attn" not in fig["legend"], "peers: ours drawn as a peer: %s" % fig["legend"])
+    check(any(label.startswith("could not run") for label in fig["legend"]), "peers: no cross: %s" % fig["legend"])
+    check("Test CPU" in fig["title"] and "2026-11-29" in fig["title"], "peers: title %r" % fig["title"])
+    return None
+
+
 def only_what_inputs_allow(r):
     """Decode rows alone: the decode picture and nothing that needs prefill, peer or peak rows."""
     wd = r.workdir()
@@ -212,6 +245,7 @@ def main():
     r.case("bench_sh_pictures", lambda: bench_sh_pictures(r))
     r.case("busy_rows_flagged", lambda: busy_rows_flagged(r))
     r.case("google_benchmark_rows", lambda: google_benchmark_rows(r))
+    r.case("peers_rows", lambda: peers_rows(r))
     r.case("only_what_inputs_allow", lambda: only_what_inputs_allow(r))
     r.case("bad_input", lambda: bad_input(r))
     r.finish()
