@@ -247,17 +247,7 @@ class Pool {
 
 int run_region(int threads, const RegionWork& work) {
   const int64_t total = work.each ? threads : work.starts[work.stages];
-  if (threads <= 1 || t_in_region || (!work.each && total <= 1)) {
-    // One thread: every item in order, here. The first exception ends the region.
-    if (work.each) {
-      work.call(work.f, 0, 0, 0, 1);
-      return 1;
-    }
-    for (int s = 0; s < work.stages; ++s) {
-      for (int64_t i = 0; i < work.starts[s + 1] - work.starts[s]; ++i) work.call(work.f, s, i, 0, 1);
-    }
-    return 1;
-  }
+  if (threads <= 1 || t_in_region || (!work.each && total <= 1)) return run_serial(work);
   thread_local std::unique_ptr<Pool> pool;
   if (!pool) pool = std::make_unique<Pool>();
   return pool->run(threads, work);

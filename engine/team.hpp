@@ -37,6 +37,8 @@ struct RegionWork {
 // Runs `work` on a team of `threads` (the caller is thread 0); returns the team's size. The first exception an item
 // throws is rethrown here once the region has ended; after it, the items not yet started are skipped.
 int run_region(int threads, const RegionWork& work);
+// Runs `work` on the calling thread alone, items in order (a region of one thread); the first exception ends it.
+int run_serial(const RegionWork& work);
 
 // Runs f(item, thread) for items [0, n) on a team of `threads`, taken dynamically one at a time (thread: 0 ..
 // threads - 1, the slot of per-thread scratch and of ExecContext's primitives).
