@@ -90,11 +90,16 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
   for (int64_t n = 0; n < out_width; n += D) {
     out.emplace_back(detail::slice(w.w_o, 0, n, D), cfg.out_bias ? b_o.data() + n : nullptr, compute);
   }
+  operand = out.front().operand();
 }
 
 void MultiHeadAttention::Impl::run_out(detail::ExecContext& ctx, const void* x, int64_t M, void* y, DType dst,
-                                       int threads) const {
+                                       int threads, float* wide) const {
   const int64_t D = cfg.head_dim(), E = cfg.d_model;
+  if (widens()) {  // bf16 values, widened exactly once for all the panels
+    detail::convert(TensorView::contiguous(x, compute, {M, E}), DType::f32, wide, threads);
+    x = wide;
+  }
   detail::team_for(threads, static_cast<int64_t>(out.size()), [&](int64_t p, int thread) {
     out[static_cast<size_t>(p)].run(ctx, x, M, E, static_cast<std::byte*>(y) + p * D * size_of(dst), out_width, 1,
                                     thread, dst);
@@ -130,9 +135,10 @@ ForwardPlan MultiHeadAttention::Impl::forward_plan(const AttnShape& s, bool pack
   r.k = p.region(t, {s.B, s.H_kv, s.Tk, s.D}, "forward: k");
   r.v = p.region(t, {s.B, s.H_kv, s.Tk, s.D}, "forward: v");
   r.ctx = p.region(t, {s.B, s.T, s.E}, "forward: attention output");
-  r.packed_q = p.region(t, {pack_q, s.B, s.T, s.d_in}, "forward: packed query");
-  r.packed_k = p.region(t, {pack_k, s.B, s.Tk, s.kdim}, "forward: packed key");
-  r.packed_v = p.region(t, {pack_v, s.B, s.Tk, s.vdim}, "forward: packed value");
+  r.ctx_wide = p.region<float>({widens(), s.B, s.T, s.E}, "forward: attention output, widened");
+  r.packed_q = p.region(operand, {pack_q, s.B, s.T, s.d_in}, "forward: packed query");
+  r.packed_k = p.region(operand, {pack_k, s.B, s.Tk, s.kdim}, "forward: packed key");
+  r.packed_v = p.region(operand, {pack_v, s.B, s.Tk, s.vdim}, "forward: packed value");
   r.scratch = p.region<float>({threads, scratch_stride(*kset.prefill)}, "forward: kernel scratch");
   r.bytes = p.bytes();
   return r;
@@ -174,15 +180,15 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, void* out_data
   const AttnShape s = detail::validate_inputs(cfg, in, run, threads);
   if (!out_data) invalid("output: null pointer");
   check_output_dtype(out_dtype);
-  const bool pack_q = needs_packing(in.query, compute);
-  const bool pack_k = !s.self_attention && needs_packing(in.key, compute);
-  const bool pack_v = !s.self_attention && needs_packing(in.value, compute);
+  const bool pack_q = needs_packing(in.query, compute, operand);
+  const bool pack_k = !s.self_attention && needs_packing(in.key, compute, operand);
+  const bool pack_v = !s.self_attention && needs_packing(in.value, compute, operand);
   const ForwardPlan r = forward_plan(s, pack_q, pack_k, pack_v, threads);
   std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
 
-  const Rows xq = as_rows(in.query, compute, r.packed_q.in(w), threads);
-  const Rows xk = s.self_attention ? xq : as_rows(in.key, compute, r.packed_k.in(w), threads);
-  const Rows xv = s.self_attention ? xq : as_rows(in.value, compute, r.packed_v.in(w), threads);
+  const Rows xq = as_rows(in.query, compute, operand, r.packed_q.in(w), threads);
+  const Rows xk = s.self_attention ? xq : as_rows(in.key, compute, operand, r.packed_k.in(w), threads);
+  const Rows xv = s.self_attention ? xq : as_rows(in.value, compute, operand, r.packed_v.in(w), threads);
   project(*this, ws.exec, s, xq, xk, xv, r.q.in(w), r.k.in(w), r.v.in(w), run.check_finite, threads);
 
   // The attention core: (B, H, query tiles) split across threads.
@@ -208,7 +214,7 @@ void MultiHeadAttention::Impl::forward(const AttentionInputs& in, void* out_data
     if (padding.data) a.key_padding = padding_row(padding, in.key_padding, b);
     a.dropout_base = static_cast<uint64_t>((b * total_heads + first_head + h) * T * Tk);
   });
-  run_out(ws.exec, ctx, s.B * T, out_data, out_dtype, threads);
+  run_out(ws.exec, ctx, s.B * T, out_data, out_dtype, threads, r.ctx_wide.in(w));
   if (run.check_finite) {
     detail::check_projection(out_data, out_dtype, s.B * T, out_width, out_width, "forward: the output", 0, threads);
   }

@@ -29,18 +29,36 @@ float load(const std::byte* p) {
   }
 }
 
+// An f32 element holding a bf16 value (convert_bf16_values): same layout as float.
+struct Bf16InF32 {
+  float f;
+};
+static_assert(sizeof(Bf16InF32) == sizeof(float));
+
+// Whether an element of type S is copied bit for bit into Dst: the same type (a bf16 widened into Bf16InF32 is not).
+template <DType S, class Dst>
+constexpr bool same_type = (S == DType::f32 && std::is_same_v<Dst, float>) ||
+                           (S == DType::bf16 && std::is_same_v<Dst, kernels::bf16>);
+
+// An f32 value stored as Dst: itself, rounded to the nearest bf16, or rounded to it and widened back.
 template <class Dst>
-constexpr DType dtype_of_dst = std::is_same_v<Dst, float> ? DType::f32 : DType::bf16;
+Dst store(float x) {
+  if constexpr (std::is_same_v<Dst, Bf16InF32>) {
+    return {kernels::widen(kernels::to_bf16(x))};
+  } else {
+    return kernels::narrow<Dst>(x);
+  }
+}
 
 // Element of type S at p as Dst: its bits where the types agree (a NaN's payload too), else rounded once.
 template <DType S, class Dst>
 Dst element(const std::byte* p) {
-  if constexpr (S == dtype_of_dst<Dst>) {
+  if constexpr (same_type<S, Dst>) {
     Dst x{};
     std::memcpy(&x, p, sizeof x);
     return x;
   } else {
-    return kernels::narrow<Dst>(load<S>(p));
+    return store<Dst>(load<S>(p));
   }
 }
 
@@ -68,7 +86,7 @@ void convert_as(const TensorView& v, Dst* dst, int threads) {
   const Shape3 s = shape3(v);
   const auto* base = static_cast<const std::byte*>(v.data);
   constexpr int64_t bytes = static_cast<int64_t>(size_of(S));
-  constexpr bool same = S == dtype_of_dst<Dst>;
+  constexpr bool same = same_type<S, Dst>;
   const bool adjacent = s.sw == 1;
   const int64_t rows = adjacent ? 1 : kTile, cols = kTile;
   const int64_t per_b = ceil_div(s.N, rows), items = s.B * per_b;
@@ -82,7 +100,7 @@ void convert_as(const TensorView& v, Dst* dst, int threads) {
       if constexpr (same) {
         std::memcpy(o, row, static_cast<size_t>(s.W * bytes));
       } else {
-        for (int64_t c = 0; c < s.W; ++c) o[c] = kernels::narrow<Dst>(load<S>(row + c * bytes));
+        for (int64_t c = 0; c < s.W; ++c) o[c] = store<Dst>(load<S>(row + c * bytes));
       }
       return;
     }
@@ -117,6 +135,10 @@ void convert_to(const TensorView& v, Dst* dst, int threads) {
 
 }  // namespace
 
+void convert_bf16_values(const TensorView& v, float* dst, int threads) {
+  convert_to(v, reinterpret_cast<Bf16InF32*>(dst), threads);
+}
+
 void convert(const TensorView& v, DType to, void* dst, int threads) {
   if (to == DType::bf16) {
     convert_to(v, static_cast<kernels::bf16*>(dst), threads);
@@ -143,19 +165,23 @@ std::vector<float> f32_values(const TensorView& v) {
   return out;
 }
 
-bool needs_packing(const TensorView& x, DType compute) {
+bool needs_packing(const TensorView& x, DType compute, DType operand) {
   const int64_t N = x.shape[1], W = x.shape[2];
-  return x.dtype != compute ||
+  return x.dtype != operand || operand != compute ||
          !(x.strides[2] == 1 && x.strides[1] >= W && (x.shape[0] == 1 || x.strides[0] == N * x.strides[1]));
 }
 
 // A (B, N, W) view of the compute type whose rows are evenly spaced with unit element stride is read in place as a
-// 2-D (B*N, W) matrix; anything else (other strides, or an f32 view into a bf16 layer and the reverse) is converted
-// contiguously into `scratch` first (O(B*N*W), once per call, across the team).
-Rows as_rows(const TensorView& x, DType compute, std::byte* scratch, int threads) {
-  if (!needs_packing(x, compute)) return {x.data, x.strides[1], compute};
-  convert(x, compute, scratch, threads);
-  return {scratch, x.shape[2], compute};
+// 2-D (B*N, W) matrix; anything else (other strides, an f32 view into a bf16 layer and the reverse, or any view into a
+// bf16 layer on f32 GEMMs) is converted contiguously into `scratch` first (O(B*N*W), once per call, across the team).
+Rows as_rows(const TensorView& x, DType compute, DType operand, std::byte* scratch, int threads) {
+  if (!needs_packing(x, compute, operand)) return {x.data, x.strides[1], operand};
+  if (operand == compute) {
+    convert(x, compute, scratch, threads);
+  } else {
+    convert_bf16_values(x, reinterpret_cast<float*>(scratch), threads);
+  }
+  return {scratch, x.shape[2], operand};
 }
 
 }  // namespace gpt2attn::detail

@@ -1,6 +1,6 @@
 // engine/convert.hpp: strided views read into the contiguous rows the layer computes on. One converter serves the
 // weights (once, at construction: into oneDNN's reorder and decode's packed panels), the activations oneDNN cannot
-// read in place (per call: as_rows), and a bf16 Linear on f32 GEMMs (per call: its input, widened).
+// read in place (per call: as_rows), and the operands of a bf16 layer on f32 GEMMs (per call, once per matrix).
 #pragma once
 
 #include <cstddef>
@@ -20,6 +20,11 @@ namespace gpt2attn::detail {
 // read once, not once per row. A view of more than 65536 elements is split across a team of `threads`.
 void convert(const TensorView& v, DType to, void* dst, int threads = 1);
 
+// The view v as contiguous f32 elements holding bf16 values: each rounded to the nearest bf16 as convert(v, bf16)
+// rounds it, then widened exactly (a bf16 view is widened only). The operands of a bf16 layer whose GEMMs multiply in
+// f32 (Linear::operand).
+void convert_bf16_values(const TensorView& v, float* dst, int threads = 1);
+
 // Indices [i0, i0 + n) of dimension `dim` of view v, as a view of the same memory (an empty view stays empty).
 TensorView slice(const TensorView& v, int dim, int64_t i0, int64_t n);
 
@@ -31,16 +36,18 @@ inline void copy_rows(const TensorView& w, int64_t r0, int64_t n, DType to, void
 // A rank-1 or rank-2 view as f32 values in row-major order of its shape, exactly; empty for an empty view.
 std::vector<float> f32_values(const TensorView& v);
 
-// A (rows, width) matrix as oneDNN reads it: base pointer (elements of the compute type) and row stride.
+// A (rows, width) matrix as oneDNN reads it: base pointer (elements of the Linears' operand type) and row stride.
 struct Rows {
   const void* data;
   int64_t ld;
   DType dtype;
   const void* row(int64_t i) const { return static_cast<const std::byte*>(data) + i * ld * size_of(dtype); }
 };
-// Whether as_rows must copy the (B, N, W) view x for a layer computing in `compute`.
-bool needs_packing(const TensorView& x, DType compute);
-// x (B, N, W) as a (B*N, W) matrix of the compute type: in place, or converted into `scratch` across the team.
-Rows as_rows(const TensorView& x, DType compute, std::byte* scratch, int threads);
+// Whether as_rows must copy the (B, N, W) view x for a layer computing in `compute` on GEMMs reading `operand`
+// (Linear::operand: the compute type, or f32 holding bf16 values where oneDNN has no bf16 matmul).
+bool needs_packing(const TensorView& x, DType compute, DType operand);
+// x (B, N, W) as a (B*N, W) matrix of `operand` (values of the compute type): in place, or converted into `scratch`
+// (B*N*W elements of `operand`) across the team.
+Rows as_rows(const TensorView& x, DType compute, DType operand, std::byte* scratch, int threads);
 
 }  // namespace gpt2attn::detail

@@ -34,7 +34,7 @@ namespace gpt2attn {
 //   scratch (threads, scratch_stride(kernel)): the tiled kernel's per-thread slices
 struct ForwardPlan {
   detail::Region<std::byte> q, k, v, ctx, packed_q, packed_k, packed_v;
-  detail::Region<float> scratch;
+  detail::Region<float> scratch, ctx_wide;
   int64_t bytes = 0;
 };
 
@@ -79,6 +79,10 @@ struct MultiHeadAttention::Impl {
   // dynamically on the team, each GEMM single-threaded, so no GEMM starts an OpenMP team of its own (engine/team.hpp
   // says why).
   std::vector<detail::Linear> out;
+  // The type the projections read their inputs in (Linear::operand): the compute type, or f32 holding bf16 values
+  // for a bf16 layer where oneDNN has no bf16 matmul (a CPU without AVX-512). Each input is converted to it once per
+  // call: once per per-head GEMM cost gpt2-xl's bf16 prefill (T=1024, 2 threads) 333 ms against f32's 204 (bench/peers).
+  DType operand;
 
   Workspace own_ws;  // for calls that bring no Workspace; serialised by mu
   std::mutex mu;
@@ -111,8 +115,11 @@ struct MultiHeadAttention::Impl {
     });
   }
   // y (M, out_width) of type dst = x (M, E) W_o^T + b_o, x of the compute type with row stride E: the panels of `out`
-  // on a team of `threads`; prepare_out makes every slot's primitive for M rows ahead of the call.
-  void run_out(detail::ExecContext& ctx, const void* x, int64_t M, void* y, DType dst, int threads) const;
+  // on a team of `threads`; prepare_out makes every slot's primitive for M rows ahead of the call. Where the operand
+  // type is not the compute type, x is first widened into `wide` (M * E floats; unused, may be null, otherwise).
+  void run_out(detail::ExecContext& ctx, const void* x, int64_t M, void* y, DType dst, int threads, float* wide) const;
+  // Whether run_out needs its `wide` buffer.
+  bool widens() const { return operand != compute; }
   void prepare_out(detail::ExecContext& ctx, int64_t M, int threads, DType dst) const;
   // Floats of the tiled kernel's scratch per thread (forward and extend).
   int64_t scratch_stride(const kernels::AttentionKernel& k) const;

@@ -222,11 +222,9 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
   }
   const ExecContext::Key key{N_, K_, has_bias_, compute_, dst_type, M, lda, ldc, threads, slot};
   std::lock_guard<std::mutex> lock(ctx.mu_);
-  if (gemm_ != compute_) {  // the slot's f32 buffers, grown (only) when an entry of a larger shape is made
+  if (gemm_ != compute_ && dst_type != DType::f32) {  // the slot's f32 result, grown (only) for a larger shape
     ExecContext::Wide& wd = ctx.wide_[slot];
-    const auto src_floats = static_cast<size_t>(M * K_), dst_floats = static_cast<size_t>(M * N_);
-    if (wd.src.size() < src_floats) wd.src.resize(src_floats);
-    if (dst_type != DType::f32 && wd.dst.size() < dst_floats) wd.dst.resize(dst_floats);
+    if (const auto floats = static_cast<size_t>(M * N_); wd.dst.size() < floats) wd.dst.resize(floats);
     if (wide_out) *wide_out = &wd;
   }
   if (auto it = ctx.entries_.find(key); it != ctx.entries_.end()) {
@@ -238,9 +236,9 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
   }
   try {
     auto& eng = cpu_engine();
-    // A bf16 Linear on f32 GEMMs reads x from a dense f32 copy, and writes a bf16 y through a dense f32 one.
+    // A bf16 Linear on f32 GEMMs reads x as f32 (operand()), and writes a bf16 y through a dense f32 one.
     const bool wide = gemm_ != compute_, wide_dst = wide && dst_type != DType::f32;
-    const memory::desc src({M, K_}, dnnl_type(gemm_), memory::dims{wide ? K_ : lda, 1}),
+    const memory::desc src({M, K_}, dnnl_type(gemm_), memory::dims{lda, 1}),
         dst({M, N_}, dt::f32, memory::dims{wide_dst ? N_ : ldc, 1});
     const memory::desc dst_desc = wide ? dst : memory::desc({M, N_}, dnnl_type(dst_type), memory::dims{ldc, 1});
     dnnl::primitive_attr attr;
@@ -287,12 +285,7 @@ void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* 
                  DType dst) const {
   ExecContext::Wide* wide = nullptr;
   ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst, /*pin=*/false, &wide);
-  if (wide) {  // bf16 x widened (exactly) into the slot's f32 copy
-    convert(TensorView::contiguous(x, DType::bf16, {M, K_}).with_strides({lda, 1}), DType::f32, wide->src.data());
-    e.src.set_data_handle(wide->src.data());
-  } else {
-    e.src.set_data_handle(const_cast<void*>(x));
-  }
+  e.src.set_data_handle(const_cast<void*>(x));
   e.weights.set_data_handle(weights_.get_data_handle());
   if (has_bias_) e.bias.set_data_handle(bias_.get_data_handle());
   e.dst.set_data_handle(e.narrow_dst ? wide->dst.data() : y);

@@ -81,11 +81,11 @@ class ExecContext {
   struct KeyHash {
     size_t operator()(const Key& k) const;
   };
-  // A bf16 Linear on f32 GEMMs (Linear::gemm_): each slot's f32 copy of x and f32 result before a bf16 y, grown to the
-  // largest shape the slot's entries were made for (never per call, never shrunk; trim() keeps them). Node-based, so
-  // a slot's buffers stay put while another slot's are added; a slot's GEMMs are its thread's, one at a time.
+  // A bf16 Linear on f32 GEMMs (Linear::gemm_): each slot's f32 result before a bf16 y, grown to the largest shape
+  // the slot's entries were made for (never per call, never shrunk; trim() keeps them). Node-based, so a slot's
+  // buffer stays put while another slot's is added; a slot's GEMMs are its thread's, one at a time.
   struct Wide {
-    std::vector<float> src, dst;
+    std::vector<float> dst;
   };
   std::mutex mu_;  // the team's threads look up and add entries concurrently
   std::unordered_map<Key, std::unique_ptr<Entry>, KeyHash> entries_;
@@ -104,8 +104,8 @@ class Linear {
   Linear& operator=(Linear&&) noexcept;
   ~Linear();
 
-  // x: (M, K) of the compute type with row stride lda; y: (M, N) of type `dst` (f32, or bf16 when the compute type
-  // is bf16) with row stride ldc. A bf16 Linear on f32 GEMMs (gemm_, below) converts x and y around them. M >= 1.
+  // x: (M, K) of operand() with row stride lda; y: (M, N) of type `dst` (f32, or bf16 when the compute type is
+  // bf16) with row stride ldc. A bf16 Linear on f32 GEMMs (gemm_, below) rounds a bf16 y from its f32 result. M >= 1.
   // The first call for a given (M, lda, ldc, threads, dst, slot) in `ctx` creates its primitive; later calls
   // allocate nothing. `slot`: the caller's thread number in the engine's team (engine/team.hpp) running same-shape
   // GEMMs at once, 0 for a GEMM run alone. The engine says which, not the OpenMP runtime: a server calling from its
@@ -120,6 +120,9 @@ class Linear {
   int64_t N() const { return N_; }
   int64_t K() const { return K_; }
   DType compute() const { return compute_; }
+  // The type run() reads x in: the compute type, or f32 holding bf16 values (convert_bf16_values) where the GEMMs
+  // multiply in f32 (gemm_). The caller converts each input once per call, not once per GEMM that reads it.
+  DType operand() const { return gemm_; }
   const std::string& implementation() const { return impl_; }  // oneDNN's name, e.g. "brg:avx512_core"
 
  private:
@@ -134,9 +137,8 @@ class Linear {
   // The type oneDNN multiplies in: the compute type, except where oneDNN has no bf16 matmul (a CPU without
   // AVX-512, or oneDNN capped below it by ONEDNN_MAX_CPU_ISA): there a bf16 layer's GEMMs run in f32 on the
   // bf16-rounded weights and activations, which gives the products a bf16 GEMM forms (a product of two bf16 values
-  // is exact in f32) summed in f32 as it sums them, in an order of oneDNN's choosing. Each call then widens x into
-  // its slot's f32 buffer (ExecContext::Wide) on the calling thread and, for a bf16 y, rounds the f32 result into it:
-  // a fallback, not a fast path (each per-head projection widens the whole input again).
+  // is exact in f32) summed in f32 as it sums them, in an order of oneDNN's choosing. x then comes as f32 (operand)
+  // and a bf16 y is rounded from the slot's f32 result (ExecContext::Wide) on the calling thread.
   DType gemm_ = DType::f32;
   bool has_bias_ = false;
   dnnl::memory::desc weights_desc_;

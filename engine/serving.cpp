@@ -99,29 +99,32 @@ class AppendLease {
   bool committed_ = false;
 };
 
-// Workspace regions of extend() (64-byte aligned); x, q and ctx are of the compute type t:
-//   x (T, d_in): the input in bf16 (empty for f32 compute, whose GEMMs read the caller's x) | q (H, T, D) |
-//   kv_stage (2, H_kv, T, D) f32 K and V rows before they are stored in a cache whose format no GEMM writes (empty
-//   when the GEMMs write the blocks in place: an f32 cache, or a bf16 cache under bf16 compute) | ctx (T, E) |
+// Workspace regions of extend() (64-byte aligned); q and ctx are of the compute type t:
+//   x (T, d_in): the input in the GEMMs' operand type (empty for f32 compute, whose GEMMs read the caller's x) |
+//   q (H, T, D) | kv_stage (2, H_kv, T, D) f32 K and V rows before they are stored in a cache whose format no GEMM
+//   writes (empty when the GEMMs write the blocks in place: an f32 cache, or a bf16 cache under bf16 compute) |
+//   ctx (T, E) | ctx_wide (T, E) f32: ctx widened for GEMMs whose operand is f32 under bf16 compute (else empty) |
 //   tables (table_entries block pointers) | length (1) | scratch (threads, stride)
 // table_entries: the most blocks a sequence's table holds, ceil(context / block_tokens).
 struct ExtendPlan {
   Region<std::byte> x, q;
   Region<float> kv_stage;
   Region<std::byte> ctx;
+  Region<float> ctx_wide;
   Region<std::byte*> tables;
   Region<int64_t> length;
   Region<float> scratch;
   int64_t bytes = 0;
 };
-ExtendPlan extend_plan(const AttnShape& s, DType t, bool stage, int threads, int64_t table_entries,
+ExtendPlan extend_plan(const AttnShape& s, DType t, DType operand, bool stage, int threads, int64_t table_entries,
                        int64_t scratch_stride) {
   detail::WorkspacePlan p;
   ExtendPlan r;
-  r.x = p.region(t, {t != DType::f32, s.T, s.d_in}, "extend: converted input");
+  r.x = p.region(operand, {t != DType::f32, s.T, s.d_in}, "extend: converted input");
   r.q = p.region(t, {s.H, s.T, s.D}, "extend: q");
   r.kv_stage = p.region<float>({stage, 2, s.H_kv, s.T, s.D}, "extend: K/V staging");
   r.ctx = p.region(t, {s.T, s.E}, "extend: attention output");
+  r.ctx_wide = p.region<float>({operand != t, s.T, s.E}, "extend: attention output, widened");
   r.tables = p.region<std::byte*>({table_entries}, "extend: block table");
   r.length = p.region<int64_t>({1}, "extend: length");
   r.scratch = p.region<float>({threads, scratch_stride}, "extend: kernel scratch");
@@ -294,23 +297,25 @@ struct StepPlan {
   Region<std::byte> q;
   Region<float> ctx;
   Region<std::byte> ctx_t;
+  Region<float> ctx_wide;
   Region<std::byte*> tables, short_tables;
   Region<int64_t> lengths, short_lengths, short_tokens, short_rows, long_entries, first_row, item_base, state_base,
       pending, tiled_base;
   Region<float> m, l, acc, scratch;
   int64_t bytes = 0;
 };
-StepPlan step_plan(const AttnShape& s, int64_t M, int64_t B, DType t, int threads, int64_t table_entries,
-                   int64_t state_rows, int64_t scratch_stride) {
+StepPlan step_plan(const AttnShape& s, int64_t M, int64_t B, DType t, DType operand, int threads,
+                   int64_t table_entries, int64_t state_rows, int64_t scratch_stride) {
   const bool narrow = t != DType::f32;
   const int64_t KW = s.H_kv * s.D;
   detail::WorkspacePlan p;
   StepPlan r;
-  r.x = p.region(t, {narrow, M, s.d_in}, "step: converted input");
+  r.x = p.region(operand, {narrow, M, s.d_in}, "step: converted input");
   r.stage = p.region<float>({M, s.E + 2 * KW}, "step: qkv");
   r.q = p.region(t, {narrow, M, s.E}, "step: queries of the long entries");
   r.ctx = p.region<float>({M, s.E}, "step: attention output");
   r.ctx_t = p.region(t, {narrow, M, s.E}, "step: attention output, compute type");
+  r.ctx_wide = p.region<float>({operand != t, M, s.E}, "step: attention output, widened");
   r.tables = p.region<std::byte*>({B, table_entries}, "step: block tables");
   r.short_tables = p.region<std::byte*>({B, table_entries}, "step: block tables of the short entries");
   r.lengths = p.region<int64_t>({B}, "step: lengths");
@@ -403,7 +408,7 @@ int64_t MultiHeadAttention::Impl::serving_bytes(int64_t max_extend_tokens, int64
     if (!row) continue;
     if (max_extend_tokens) {
       s.B = 1, s.T = max_extend_tokens;
-      bytes = std::max(bytes, extend_plan(s, compute, true, threads, C, scratch_stride(*row->prefill)).bytes);
+      bytes = std::max(bytes, extend_plan(s, compute, operand, true, threads, C, scratch_stride(*row->prefill)).bytes);
     }
     if (max_decode_batch) {
       s.B = max_decode_batch, s.T = 1;
@@ -425,7 +430,7 @@ int64_t MultiHeadAttention::Impl::step_bytes(int64_t max_tokens, int64_t max_ent
     if (!row) continue;
     const int64_t run = kernels::tiles::kDecodeMaxScoreKeys;
     const int64_t sstride = std::max(scratch_stride(*row->prefill), decode_scratch_stride(*row->decode, run, short_max));
-    bytes = std::max(bytes, step_plan(s, max_tokens, max_entries, compute, threads, C,
+    bytes = std::max(bytes, step_plan(s, max_tokens, max_entries, compute, operand, threads, C,
                                       step_state_rows(H, max_tokens, short_max, threads), sstride).bytes);
   }
   return bytes;
@@ -442,7 +447,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   // The GEMMs can write the cache's rows themselves: an f32 cache, or one of the compute type.
   const bool in_place = layout.dtype == DType::f32 || layout.dtype == compute;
 
-  const ExtendPlan r = extend_plan(s, compute, !in_place, threads, ceil_div(max_length(cfg, cache), kv.block_tokens),
+  const ExtendPlan r = extend_plan(s, compute, operand, !in_place, threads, ceil_div(max_length(cfg, cache), kv.block_tokens),
                                    scratch_stride(*ks.prefill));
   std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
   std::byte** tables = r.tables.in(w);
@@ -458,8 +463,8 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   const int64_t segments = ceil_div(P + T, bt) - first_block;
   const DType t = compute;
   const size_t tsize = size_of(t);
-  // The input in the compute type: the caller's rows, or (bf16) converted once into r.x.
-  const detail::Rows xin = detail::as_rows(TensorView::f32(x, {1, T, d_in}), t, r.x.in(w), threads);
+  // The input in the GEMMs' operand type: the caller's rows, or (bf16) converted once into r.x.
+  const detail::Rows xin = detail::as_rows(TensorView::f32(x, {1, T, d_in}), t, operand, r.x.in(w), threads);
   std::byte* q = r.q.in(w);
   float* stage = r.kv_stage.in(w);
   // Each thread's primitives are keyed by its slot (ExecContext): reserve_serving prepares a block's and a prompt's
@@ -499,7 +504,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     a.out = ctx + h * D * tsize;
     a.kv.head = s.kv_head(h);
   });
-  run_out(ws.exec, ctx, T, out_data, DType::f32, threads);
+  run_out(ws.exec, ctx, T, out_data, DType::f32, threads, r.ctx_wide.in(w));
   if (run.check_finite) {
     detail::check_projection(out_data, DType::f32, T, out_width, out_width, "extend: the output", 0, threads);
   }
@@ -601,7 +606,7 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   const int64_t sstride = std::max(scratch_stride(*ks.prefill),
                                    short_max ? decode_scratch_stride(*ks.decode, bt, short_max) : int64_t{0});
   const StepPlan r =
-      step_plan(s, M, B, compute, threads, stride, step_state_rows(H, short_tokens, short_max, threads), sstride);
+      step_plan(s, M, B, compute, operand, threads, stride, step_state_rows(H, short_tokens, short_max, threads), sstride);
   std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
   std::byte** tables = r.tables.in(w);
   int64_t* lengths = r.lengths.in(w);  // tokens cached before this step
@@ -656,7 +661,7 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
     const PanelItems items = panel_items(*lin, ldstage, threads);
     detail::team_for(threads, items.count(), [&](int64_t it, int) { lin->run(qkv, items.begin(it), items.end(it)); });
   } else {
-    const detail::Rows xin = detail::as_rows(TensorView::f32(x, {1, M, d_in}), t, r.x.in(w), threads);
+    const detail::Rows xin = detail::as_rows(TensorView::f32(x, {1, M, d_in}), t, operand, r.x.in(w), threads);
     // Item i is Q head i, then K heads, then V heads: its columns start at i * D in [q | k | v].
     detail::team_for(threads, H + 2 * H_kv, [&](int64_t item, int thread) {
       const detail::Linear& L = item < H ? proj_q[item] : item < H + H_kv ? proj_k[item - H] : proj_v[item - H - H_kv];
@@ -739,7 +744,7 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
     const PanelItems items = panel_items(*lin, out_width, threads);
     detail::team_for(threads, items.count(), [&](int64_t it, int) { lin->run(proj, items.begin(it), items.end(it)); });
   } else {
-    run_out(ws.exec, ctx_t, M, out_data, DType::f32, threads);
+    run_out(ws.exec, ctx_t, M, out_data, DType::f32, threads, r.ctx_wide.in(w));
   }
   if (run.check_finite) {
     detail::check_projection(out_data, DType::f32, M, out_width, out_width, "step: the output", 0, threads);

@@ -436,12 +436,16 @@ TEST(Bf16Linear, SumsTheProductsOfRoundedValuesInF32) {
   std::vector<kernels::bf16> x(static_cast<size_t>(M * lda));
   for (kernels::bf16& v : x) v = kernels::to_bf16(nd(rng));
   const detail::Linear lin(TensorView::f32(w.data(), {N, K}), bias.data(), DType::bf16);
+  // x as the Linear reads it (operand()): bf16, or the same values widened to f32 on f32 GEMMs.
+  std::vector<float> x_wide(x.size());
+  for (size_t i = 0; i < x.size(); ++i) x_wide[i] = kernels::widen(x[i]);
+  const void* x_in = lin.operand() == DType::bf16 ? static_cast<const void*>(x.data()) : x_wide.data();
   detail::ExecContext ctx;
   constexpr uint16_t kPad = 0x7fc1;
   std::vector<float> y(static_cast<size_t>(M * ldc), std::nanf(""));
   std::vector<kernels::bf16> yb(y.size(), kernels::bf16{kPad});
-  lin.run(ctx, x.data(), M, lda, y.data(), ldc, 1, 0, DType::f32);
-  lin.run(ctx, x.data(), M, lda, yb.data(), ldc, 1, 0, DType::bf16);
+  lin.run(ctx, x_in, M, lda, y.data(), ldc, 1, 0, DType::f32);
+  lin.run(ctx, x_in, M, lda, yb.data(), ldc, 1, 0, DType::bf16);
   double worst_unrounded = 0;  // how far unrounded weights would land, in units of the bound
   for (int64_t i = 0; i < M; ++i) {
     for (int64_t n = 0; n < ldc; ++n) {
