@@ -100,14 +100,27 @@ void MultiHeadAttention::Impl::run_out(detail::ExecContext& ctx, const void* x, 
     detail::convert(TensorView::contiguous(x, compute, {M, E}), DType::f32, wide, threads);
     x = wide;
   }
-  detail::team_for(threads, static_cast<int64_t>(out.size()), [&](int64_t p, int thread) {
-    out[static_cast<size_t>(p)].run(ctx, x, M, E, static_cast<std::byte*>(y) + p * D * size_of(dst), out_width, 1,
+  const size_t xsize = size_of(operand), ysize = size_of(dst);
+  const int64_t panels = static_cast<int64_t>(out.size());
+  // Item = (row block, panel), row blocks outermost: the threads take one block's panels together.
+  detail::team_for(threads, detail::ceil_div(M, kRowBlock) * panels, [&](int64_t item, int thread) {
+    const int64_t p = item % panels, r0 = item / panels * kRowBlock, rows = std::min(kRowBlock, M - r0);
+    out[static_cast<size_t>(p)].run(ctx, static_cast<const std::byte*>(x) + r0 * E * xsize, rows, E,
+                                    static_cast<std::byte*>(y) + (r0 * out_width + p * D) * ysize, out_width, 1,
                                     thread, dst);
   });
 }
 
+void MultiHeadAttention::Impl::prepare_rows(const detail::Linear& lin, detail::ExecContext& ctx, int64_t n,
+                                            int64_t lda, int64_t ldc, int threads, DType dst) {
+  for (int slot = 0; slot < threads; ++slot) {
+    if (n >= kRowBlock) lin.prepare(ctx, kRowBlock, lda, ldc, 1, slot, dst);
+    if (n % kRowBlock != 0) lin.prepare(ctx, n % kRowBlock, lda, ldc, 1, slot, dst);
+  }
+}
+
 void MultiHeadAttention::Impl::prepare_out(detail::ExecContext& ctx, int64_t M, int threads, DType dst) const {
-  for (int slot = 0; slot < threads; ++slot) out.front().prepare(ctx, M, cfg.d_model, out_width, 1, slot, dst);
+  prepare_rows(out.front(), ctx, M, cfg.d_model, out_width, threads, dst);
 }
 
 int64_t MultiHeadAttention::Impl::scratch_stride(const kernels::AttentionKernel& k) const {
@@ -147,9 +160,9 @@ ForwardPlan MultiHeadAttention::Impl::forward_plan(const AttnShape& s, bool pack
 namespace {
 
 // Q (B, H, T, D), K and V (B, H_kv, Tk, D) from inputs read as (B*N, width) row matrices. The H + 2 H_kv
-// per-head GEMMs run in parallel, one thread each: they are independent, so this scales without oneDNN's
-// per-GEMM barriers. `check`: each head's output is scanned for an overflow (detail::check_projection) while it is
-// still in cache.
+// per-head GEMMs of each row block (Impl::kRowBlock) run in parallel, one thread each: they are independent, so
+// this scales without oneDNN's per-GEMM barriers. `check`: each GEMM's output is scanned for an overflow
+// (detail::check_projection) while it is still in cache.
 void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnShape& s, Rows xq, Rows xk, Rows xv,
              std::byte* q, std::byte* k, std::byte* v, bool check, int threads) {
   const int64_t D = s.D, B = s.B;
@@ -158,16 +171,18 @@ void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnSh
   std::byte* dst[3] = {q, k, v};
   const int64_t n[3] = {s.T, s.Tk, s.Tk};
   const int64_t heads[3] = {s.H, s.H_kv, s.H_kv};
-  detail::team_for(threads, s.H + 2 * s.H_kv, [&](int64_t item, int thread) {
-    const int64_t which = item < s.H ? 0 : 1 + (item - s.H) / s.H_kv;
-    const int64_t h = which == 0 ? item : (item - s.H) % s.H_kv;
-    for (int64_t b = 0; b < B; ++b) {
-      std::byte* y = elem(dst[which], L.compute, (b * heads[which] + h) * n[which] * D);
-      lin[which][h].run(ctx, x[which].row(b * n[which]), n[which], x[which].ld, y, D, 1, thread, L.compute);
-      if (check) {
-        static constexpr const char* kNames[3] = {"forward: the query", "forward: the key", "forward: the value"};
-        detail::check_projection(y, L.compute, n[which], D, D, kNames[which], h * D);
-      }
+  // Item = (batch entry, row block, GEMM), the GEMMs innermost: the threads take one block's heads together.
+  const int64_t per_block = s.H + 2 * s.H_kv, blocks = detail::ceil_div(std::max(s.T, s.Tk), L.kRowBlock);
+  detail::team_for(threads, B * blocks * per_block, [&](int64_t item, int thread) {
+    const int64_t b = item / (blocks * per_block), r0 = item / per_block % blocks * L.kRowBlock;
+    const int64_t j = item % per_block, which = j < s.H ? 0 : 1 + (j - s.H) / s.H_kv;
+    const int64_t h = which == 0 ? j : (j - s.H) % s.H_kv, rows = std::min(L.kRowBlock, n[which] - r0);
+    if (rows <= 0) return;  // a block past the shorter of query and key
+    std::byte* y = elem(dst[which], L.compute, ((b * heads[which] + h) * n[which] + r0) * D);
+    lin[which][h].run(ctx, x[which].row(b * n[which] + r0), rows, x[which].ld, y, D, 1, thread, L.compute);
+    if (check) {
+      static constexpr const char* kNames[3] = {"forward: the query", "forward: the key", "forward: the value"};
+      detail::check_projection(y, L.compute, rows, D, D, kNames[which], h * D);
     }
   });
 }
@@ -298,11 +313,10 @@ void MultiHeadAttention::reserve(int64_t B, int64_t T, int64_t Tk, Workspace* ws
     // The GEMMs of a forward on contiguous inputs: per-head projections (one shape for all heads) on every
     // thread of the team, and the output projection's panels on every thread too.
     const int64_t D = L.cfg.head_dim();
-    for (int slot = 0; slot < L.default_threads; ++slot) {
-      L.proj_q[0].prepare(w.exec, T, L.cfg.query_width(), D, 1, slot, L.compute);
-      L.proj_k[0].prepare(w.exec, Tk, L.cfg.key_width(), D, 1, slot, L.compute);
-      L.proj_v[0].prepare(w.exec, Tk, L.cfg.value_width(), D, 1, slot, L.compute);
-    }
+    const int n = L.default_threads;
+    Impl::prepare_rows(L.proj_q[0], w.exec, T, L.cfg.query_width(), D, n, L.compute);
+    Impl::prepare_rows(L.proj_k[0], w.exec, Tk, L.cfg.key_width(), D, n, L.compute);
+    Impl::prepare_rows(L.proj_v[0], w.exec, Tk, L.cfg.value_width(), D, n, L.compute);
     L.prepare_out(w.exec, B * T, L.default_threads, DType::f32);
     if (L.compute == DType::bf16) L.prepare_out(w.exec, B * T, L.default_threads, DType::bf16);
   };

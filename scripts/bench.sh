@@ -10,12 +10,13 @@
 # (default build/plots/) and draws them there with scripts/plot.py. --quick runs the same commands on cases small
 # enough for a test (tests/python/test_plot.py) and --no-build takes the binaries already built.
 #
-# scripts/bench.sh --peers [--quick] [--threads N] [--rounds R] [--mode prefill|decode] [--no-build]: ours against
-# PyTorch 2, ONNX Runtime, OpenVINO and llama.cpp at their best (bench/peers/run.py), interleaved in one run. Needs PyPI: makes
-# the venv build/peers-venv (python3 -m venv) with the pinned bench/peers/requirements.txt (pip install --no-deps,
-# see that file for why), builds our CLI, runs the driver, keeps its JSON lines and table in build/peers/ and draws
-# the speedups there (scripts/plot.py --peers). The full run takes about 20 minutes on 2 cores, --quick seconds;
-# making the venv about half an hour (pip builds llama-cpp-python from source).
+# scripts/bench.sh --peers [--quick] [--threads N] [--rounds R] [--decode-rounds R] [--mode prefill|decode]
+# [--no-build]: ours against PyTorch 2, ONNX Runtime, OpenVINO and llama.cpp at their best (bench/peers/run.py),
+# interleaved in one run. Needs PyPI: makes the venv build/peers-venv (python3 -m venv) with the pinned
+# bench/peers/requirements.txt (pip install --no-deps, see that file for why), builds our CLI and the roof probes,
+# runs the driver, keeps its JSON lines and table in build/peers/ and draws the speedups and the roofline there
+# (scripts/plot.py --peers). The full run takes about 40 minutes on 2 cores, --quick a minute; making the venv about
+# half an hour (pip builds llama-cpp-python from source).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${GPT2ATTN_BUILD_DIR:-$root/build}
@@ -26,10 +27,10 @@ if [ "${1:-}" = --peers ]; then
   while [ $# -gt 0 ]; do
     case "$1" in
       --quick) args+=(--quick) ;;
-      --threads|--rounds|--mode) args+=("$1" "$2"); shift ;;
+      --threads|--rounds|--decode-rounds|--mode) args+=("$1" "$2"); shift ;;
       --no-build) build_first=0 ;;
       *) echo "bench.sh --peers: unknown argument '$1' (expected --quick, --threads N, --rounds R," \
-              "--mode prefill|decode, --no-build)" >&2
+              "--decode-rounds R, --mode prefill|decode, --no-build)" >&2
          exit 2 ;;
     esac
     shift
@@ -44,7 +45,7 @@ if [ "${1:-}" = --peers ]; then
     cp "$req" "$venv/requirements.installed"
   fi
   if [ "$build_first" = 1 ]; then
-    bash "$root/scripts/build.sh" gpt2attn_cli
+    bash "$root/scripts/build.sh" gpt2attn_cli stream_triad_cli fma_peak_cli
   fi
   out=$build/peers
   /usr/bin/python3 "$root/bench/peers/run.py" --cli "$build/gpt2attn" --python "$venv/bin/python" --out "$out" \

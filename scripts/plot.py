@@ -21,6 +21,9 @@ Outputs (each when its inputs are there), in --out:
   peers_speedup.png        --peers: per case, a bar per peer engine of its ms / ours (our speed over the peer's;
                            above 1: ours faster), log scale, whiskers from the rounds' lowest to highest ratio; a
                            peer that could not run the case (its row carries the error) is a grey cross at 1
+  peers_roofline.png       --peers: every engine's cases on one roofline (GFLOP/s against FLOPs per byte moved, as
+                           run.py counts them), a marker per engine, a colour per case kind, with the FMA peak and
+                           triad roofs the same run measured at each thread count
   plots.json               per picture: its title, axis labels and legend entries, so that what a PNG shows can
                            be checked without looking at it
 Each series is one (engine, preset, compute dtype, ISA, K/V dtype and heads, cache mode, threads): rows that differ
@@ -341,6 +344,42 @@ def peers_speedup(rows, out, index):
                   "gpt2attn against the peers at their best, same run\n%s" % machine(rows), index)
 
 
+def peers_roofline(rows, runs, out, index):
+    """Every engine's timed rows (those carrying flops and bytes) at their arithmetic intensity, with the roofs of the
+    run header(s) in `runs`."""
+    pts = [r for r in rows if r.get("gflops") and r.get("bytes")]
+    if not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 6))
+    xs = [r["flops"] / r["bytes"] for r in pts]
+    x = [min(xs) / 3, max(xs) * 3]
+    for h in runs:
+        for n, grey in zip(sorted(h.get("roofs", {}).get("peak", {}), key=int), ("black", "dimgray", "darkgray")):
+            g = h["roofs"]["peak"][n]
+            ax.plot(x, [g] * 2, "-", color=grey, label="fp32 FMA peak, %s: %.0f GFLOP/s" % (nthreads(int(n)), g))
+        for n, grey in zip(sorted(h.get("roofs", {}).get("triad", {}), key=int), ("black", "dimgray", "darkgray")):
+            b = h["roofs"]["triad"][n]
+            ax.plot(x, [b * xi for xi in x], ":", color=grey, label="triad, %s: %.1f GB/s" % (nthreads(int(n)), b))
+    engines = list(dict.fromkeys(r["engine"] for r in pts))
+    markers = dict(zip(engines, "o^svDP*XhpH<>"))
+    kinds = list(dict.fromkeys("%s %s %dt" % (r["mode"], r["dtype"], r["threads"]) for r in pts))
+    colour = dict(zip(kinds, colours(len(kinds))))
+    for r in pts:
+        k = "%s %s %dt" % (r["mode"], r["dtype"], r["threads"])
+        ax.plot([r["flops"] / r["bytes"]], [r["gflops"]], linestyle="none", marker=markers[r["engine"]],
+                color=colour[k], markersize=6, markerfacecolor="white" if r.get("busy") else colour[k])
+    for e in engines:
+        ax.plot([], [], linestyle="none", marker=markers[e], color="gray", label=e)
+    for k in kinds:
+        ax.plot([], [], linestyle="none", marker="s", color=colour[k], label=k)
+    if any(r.get("busy") for r in pts):
+        ax.plot([], [], linestyle="none", marker="o", color="gray", markerfacecolor="white", label=BUSY_NOTE)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    return finish(fig, ax, out, "peers_roofline.png", "arithmetic intensity (FLOP per byte the case must move)",
+                  "GFLOP/s (median)", "every engine on the roofline, same run\n%s" % machine(pts), index)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -353,6 +392,7 @@ def main(argv=None):
         triads = [r for p in a.triad for r in json_lines(p)]
         peer = [r for p in a.peer for r in rows_of(p, ("peer",))]
         peers = [r for p in a.peers for r in rows_of(p, ("peers",))]
+        peer_runs = [r for p in a.peers for r in json_lines(p) if r.get("kind") == "run"]
         gbench = [r for p in a.gbench for r in gbench_rows(p)]
     except InputError as e:
         print("plot.py: %s" % e, file=sys.stderr)
@@ -360,7 +400,8 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     index = {}
     written = [p for p in (roofline(bench, peaks, triads, a.out, index), ms_vs_t(bench, peer, gbench, a.out, index),
-                           decode_tokens(bench, a.out, index), peers_speedup(peers, a.out, index)) if p]
+                           decode_tokens(bench, a.out, index), peers_speedup(peers, a.out, index),
+                           peers_roofline(peers, peer_runs, a.out, index)) if p]
     if not written:
         print("plot.py: nothing to draw (no bench, peer, peers or Google Benchmark rows)", file=sys.stderr)
         return 2

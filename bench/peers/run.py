@@ -19,7 +19,9 @@
 #      warm-up call, dropped for calls over a second, then K timed calls), one after the other, the order
 #      reversed every other round (A B C, C B A, ...), so that all engines meet the same minutes of the machine.
 #      The first round takes one timed call each; later rounds take as many as fit in --budget-ms per engine (at
-#      most 25). Each round gives each engine the median of its calls; a row reports the median of its rounds'
+#      most 200). Decode cases take --decode-rounds rounds (default 9), prefill --rounds (default 3): a decode call
+#      is under a few milliseconds, and on a shared 2-vCPU VM its rounds varied 2-3x (gpt2-small B=1, 2 threads:
+#      ours 0.37-0.89 ms, ORT 0.51-1.14 ms over 3 rounds), a prefill call's rounds about 1.3x. Each round gives each engine the median of its calls; a row reports the median of its rounds'
 #      medians, their min and max, and the speedup = the peer's ms / ours (> 1: ours faster), with the min and max
 #      of the per-round speedups.
 # Prefill cases compare ours in f32 with the peers in fp32, ours in bf16 compute with the peers in bf16 (and ORT in
@@ -29,9 +31,13 @@
 # engine runs at the same thread count: ours --threads N, torch set_num_threads(N) and OMP_NUM_THREADS, ORT
 # intra_op_num_threads, OpenVINO INFERENCE_NUM_THREADS.
 #
+# The same run measures the machine's roofs at its start, and again at its end to show any drift (bench/stream_triad_cli
+# and bench/fma_peak_cli, at each of the run's thread counts): every row carries its case's FLOPs and the bytes it must
+# move at least (the weights in the engine's type, the K/V cache in its type for decode, the f32 input and output),
+# and with them its fraction of the FMA peak (prefill) or of the triad bound, bytes / triad bandwidth (decode).
 # Output in DIR (default build/peers): peers.jsonl, a header line ("kind": "run": machine, date, commit, command,
-# versions) and one line per (case, engine) ("kind": "peers"); table.md, the table of the run; logs/, each
-# worker's stderr. scripts/plot.py --peers DIR/peers.jsonl draws the speedups.
+# versions, the roofs) and one line per (case, engine) ("kind": "peers"); table.md, the table of the run; logs/, each
+# worker's stderr. scripts/plot.py --peers DIR/peers.jsonl draws the speedups and a roofline of every engine.
 import argparse
 import json
 import os
@@ -54,7 +60,7 @@ from peer_torch import JEMALLOC, allocator_env  # noqa: E402
 
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 3e-2}
 PRESETS = ["gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"]
-MAX_CALLS = 25
+MAX_CALLS = 200
 WARMUP_MS = 1000.0  # a peer whose call takes longer skips the per-round warm-up call (see Peer.time)
 PAUSE_S = 0.1  # between engines: lets the last one's idle worker threads stop spinning before the next is timed
 
@@ -334,11 +340,64 @@ def ours_check(cli, d, geometry, H, dtype, ref):
     return compare(out, ref, dtype)
 
 
+def work(geometry, E, H, dtype, kv_bytes):
+    """(FLOPs, bytes) of one call of the case: the projections' and the attention core's multiply-adds (2 FLOPs
+    each; the causal core over T (T + 1) / 2 query-key pairs per head in prefill, T + 1 keys per token in decode), and
+    the bytes it must move at least: the weights in `dtype` (4 bytes in fp32, else 2), the f32 input and output and,
+    in decode, the T + 1 cached keys and values per sequence at kv_bytes each."""
+    mode, _, T, B, kvh = geometry
+    KW = (kvh or H) * (E // H)
+    params = E * (E + 2 * KW) + E * E
+    weights = params * (4 if dtype == "fp32" else 2)
+    if mode == "prefill":
+        rows, keys = B * T, B * H * T * (T + 1) // 2
+        return 2 * rows * params + 4 * (E // H) * keys, weights + 8 * rows * E
+    return 2 * B * params + 4 * E * B * (T + 1), weights + 8 * B * E + B * (T + 1) * 2 * KW * kv_bytes
+
+
+KV_BYTES = {"fp32": 4, "f32": 4, "bf16": 2, "fp16": 2, "int8": 1, "fp8": 1}
+
+
+def roofs(a, threads):
+    """The machine's roofs now: {"triad": {threads: GB/s}, "peak": {threads: GFLOP/s}}; {} where a probe is missing or
+    fails (its error is logged, and the rows then carry no fraction)."""
+    out = {}
+    for name, tool, key in (("triad", a.triad_cli, "gbps"), ("peak", a.peak_cli, "gflops")):
+        cmd = [tool] + [x for n in threads for x in ("--threads", str(n))]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log("%s: %s" % (" ".join(cmd), e))
+            continue
+        if p.returncode != 0:
+            log("%s failed (%d): %s" % (" ".join(cmd), p.returncode, p.stderr.strip()))
+            continue
+        out[name] = {json.loads(l)["threads"]: json.loads(l)[key] for l in p.stdout.splitlines() if l.startswith("{")}
+    return out
+
+
+def with_roofs(row, flops, nbytes, probes):
+    """row plus its case's flops and bytes and, where the run measured the roofs at its thread count, gflops, gbps and
+    its fraction of the FMA peak (prefill) or of the triad bound (decode: bytes / triad over its time)."""
+    row.update(flops=flops, bytes=nbytes)
+    ms = row.get("median_ms")
+    if ms is None:
+        return row
+    row.update(gflops=flops / ms * 1e-6, gbps=nbytes / ms * 1e-6)
+    n = row["threads"]
+    if row["mode"] == "decode" and n in probes.get("triad", {}):
+        row["triad_bound_ms"] = nbytes / probes["triad"][n] * 1e-6
+        row["of_triad"] = row["triad_bound_ms"] / ms
+    if row["mode"] == "prefill" and n in probes.get("peak", {}):
+        row["of_peak"] = row["gflops"] / probes["peak"][n]
+    return row
+
+
 def spread(xs):
     return {"median_ms": statistics.median(xs), "min_ms": min(xs), "max_ms": max(xs), "round_ms": xs}
 
 
-def measure(a, geometry, H, dtype, threads, d, ref, ours_err, header, out):
+def measure(a, geometry, E, H, dtype, threads, d, ref, ours_err, header, out):
     mode, preset, T, B, kvh = geometry
     base = {"kind": "peers", "mode": mode, "preset": preset, "seq": T, "batch": B, "heads": H,
             "kv_heads": kvh or H, "dtype": dtype, "threads": threads}
@@ -354,7 +413,7 @@ def measure(a, geometry, H, dtype, threads, d, ref, ours_err, header, out):
     engines = [ours] + live
     calls = {e: 1 for e in engines}
     try:
-        for r in range(a.rounds):
+        for r in range(a.decode_rounds if mode == "decode" else a.rounds):
             for e in (engines if r % 2 == 0 else engines[::-1]):
                 ms = e.time(calls[e])
                 if r == 0:  # the probe round sets how many calls fit the budget
@@ -376,7 +435,8 @@ def measure(a, geometry, H, dtype, threads, d, ref, ours_err, header, out):
                    max_abs_err=ours_err[0], rel_err=ours_err[1], tolerance=ours_err[2], **spread(rounds))
         if mode == "decode" and kv not in ("f32", "bf16"):
             row["checked"] = "the f32-cache forward; this cache's error is bounded by the library's tests"
-        rows.append(row)
+        flops, nbytes = work(geometry, E, H, dtype, KV_BYTES.get(row["kv_dtype"], 4))
+        rows.append(with_roofs(row, flops, r0.get("bytes_per_step", nbytes), header["roofs"]))
     for p in peers:
         row = dict(base, engine=p.name, engine_dtype=p.dtype, kv_dtype=p.dtype, variant=p.variant, info=p.info,
                    allocator=p.allocator, error=p.error, max_abs_err=p.err, rel_err=p.rel, tolerance=p.tol,
@@ -385,7 +445,7 @@ def measure(a, geometry, H, dtype, threads, d, ref, ours_err, header, out):
             per_round = [pm / om for pm, om in zip(p.rounds, ours_rounds)]
             row.update(spread(p.rounds), calls_per_round=calls[p], speedup=statistics.median(p.rounds) / ours_ms,
                        speedup_min=min(per_round), speedup_max=max(per_round))
-        rows.append(row)
+        rows.append(with_roofs(row, *work(geometry, E, H, p.dtype, KV_BYTES[p.dtype]), header["roofs"]))
     for row in rows:
         row.update(cpu=header["cpu"], timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         out.write(json.dumps(row) + "\n")
@@ -408,7 +468,8 @@ def table(rows, header):
     """The run as a markdown table: a line per case (and our K/V cache in decode), a column per engine: median ms
     and, for a peer, its ms over ours (x > 1: ours faster); errors in a list below."""
     engines = ["gpt2attn"] + [s[0] for s in PEERS if any(r["engine"] == s[0] for r in rows)]
-    lines = ["| case | threads | " + " | ".join(engines) + " |", "|---|---|" + "---|" * len(engines)]
+    lines = ["| case | threads | " + " | ".join(engines) + " | ours: of peak / triad bound |",
+             "|---|---|" + "---|" * (len(engines) + 1)]
     errors = {}
     keyed = {}
     for r in rows:
@@ -431,8 +492,14 @@ def table(rows, header):
                 else:
                     cells.append("%.3g (%.2fx)" % (pr[0]["median_ms"], pr[0]["speedup"]))
             kvtxt = " (ours: %s K/V)" % o["kv_dtype"] if mode == "decode" else ""
-            lines.append("| %s%s | %d | %s |" % (what, kvtxt, n, " | ".join(cells)))
+            roof = ("%.2f of triad" % o["of_triad"]) if "of_triad" in o else \
+                ("%.2f of peak" % o["of_peak"]) if "of_peak" in o else ""
+            lines.append("| %s%s | %d | %s | %s |" % (what, kvtxt, n, " | ".join(cells), roof))
     lines.append("")
+    roofs = header.get("roofs", {})
+    lines.append("Roofs at the run's start: triad %s GB/s, FMA peak %s GFLOP/s (by thread count); of peak = the case's "
+                 "FLOPs (causal core) / ms / peak; of triad = bytes it must move / triad / ms (above 1: caches held "
+                 "part of them)." % (roofs.get("triad"), roofs.get("peak")))
     lines.append("ms: median over rounds of each round's median call; (Nx): the peer's ms / ours (ours with the f32 "
                  "K/V cache in fp32 decode, bf16 in bf16), > 1 = ours faster; * = `gpt2attn bench` saw its threads "
                  "wait for a CPU (busy machine).")
@@ -456,6 +523,7 @@ def machine_header(a, versions):
             "isa_flags": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit,
             "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]), "rounds": a.rounds,
+            "decode_rounds": a.decode_rounds,
             "budget_ms": a.budget_ms, "loadavg_start": os.getloadavg(), "versions": versions,
             "python": platform.python_version()}
 
@@ -475,7 +543,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny cases, 2 rounds: a smoke test")
     ap.add_argument("--threads", type=int, action="append",
                     help="repeatable; every case at each (default: 2, and 1 for gpt2-small; --quick: 2)")
-    ap.add_argument("--rounds", type=int, help="interleaved rounds per case (default 3; --quick 2)")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds per prefill case (default 3; --quick 2)")
+    ap.add_argument("--decode-rounds", type=int, help="interleaved rounds per decode case (default 9; --quick 2)")
     ap.add_argument("--budget-ms", type=float, help="per engine and round after the first (default 400; --quick 20)")
     ap.add_argument("--only", action="append", help="peer engines to run (default all), e.g. torch-sdpa")
     ap.add_argument("--mode", action="append", choices=["prefill", "decode"],
@@ -483,16 +552,23 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "peers"))
     ap.add_argument("--cli", default=os.path.join(ROOT, "build", "gpt2attn"))
     ap.add_argument("--python", default=os.path.join(ROOT, "build", "peers-venv", "bin", "python"))
+    ap.add_argument("--triad-cli", help="default: bench/stream_triad_cli beside --cli")
+    ap.add_argument("--peak-cli", help="default: bench/fma_peak_cli beside --cli")
     a = ap.parse_args()
+    a.triad_cli = a.triad_cli or os.path.join(os.path.dirname(a.cli), "bench", "stream_triad_cli")
+    a.peak_cli = a.peak_cli or os.path.join(os.path.dirname(a.cli), "bench", "fma_peak_cli")
     a.rounds = a.rounds or (2 if a.quick else 3)
+    a.decode_rounds = a.decode_rounds or (2 if a.quick else 9)
     a.budget_ms = a.budget_ms or (20.0 if a.quick else 400.0)
-    if a.rounds < 1 or min(a.threads or [1]) < 1:
-        sys.exit("peers: --rounds and --threads must be >= 1")
+    if min(a.rounds, a.decode_rounds) < 1 or min(a.threads or [1]) < 1:
+        sys.exit("peers: --rounds, --decode-rounds and --threads must be >= 1")
     os.makedirs(a.out, exist_ok=True)
     a.logdir = os.path.join(a.out, "logs")
     os.makedirs(a.logdir, exist_ok=True)
     shapes = presets_table(a.cli)
     header = machine_header(a, peer_versions(a.python))
+    counts = sorted({n for _, dtypes in cases(a.quick, a.threads) for _, ns in dtypes for n in ns})
+    header["roofs"] = roofs(a, counts)  # what the rows are divided by
     log("%s, %s; %s" % (header["cpu"], header["date"], ", ".join("%s %s" % kv for kv in header["versions"].items())))
     rows = []
     with open(os.path.join(a.out, "peers.jsonl"), "w") as out:
@@ -510,10 +586,10 @@ def main():
                         sys.exit("peers: ours does not match the reference on %s %s: %s"
                                  % (geometry, dtype, ours_err[3]))
                     for n in threads:
-                        rows += measure(a, geometry, H, dtype, n, d, ref, ours_err, header, out)
+                        rows += measure(a, geometry, E, H, dtype, n, d, ref, ours_err, header, out)
             finally:
                 shutil.rmtree(d, ignore_errors=True)
-        header_end = dict(header, kind="run_end", loadavg_end=os.getloadavg(),
+        header_end = dict(header, kind="run_end", loadavg_end=os.getloadavg(), roofs_end=roofs(a, counts),
                           date_end=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         out.write(json.dumps(header_end) + "\n")
     md = table(rows, header)

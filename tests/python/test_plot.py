@@ -170,29 +170,41 @@ def google_benchmark_rows(r):
 
 
 def peers_rows(r):
-    """bench/peers/run.py's lines (written here as it writes them: the run header, our rows, peer rows, a peer's
-    error row): peers_speedup.png alone, a legend entry per peer engine and one for the peer that could not run,
-    ours never a bar, the rows' CPU and date in the title."""
+    """bench/peers/run.py's lines (written here as it writes them: the run header with its roofs, our rows, peer rows,
+    a peer's error row): peers_speedup.png with a legend entry per peer engine and one for the peer that could not
+    run, ours never a bar, the rows' CPU and date in the title; and peers_roofline.png with every engine that has a
+    timed row (ours too, the failed peer not) and the header's roofs at its thread count."""
     wd = r.workdir()
     path = os.path.join(wd, "peers.jsonl")
     base = {"kind": "peers", "mode": "prefill", "preset": "gpt2-small", "seq": 1024, "batch": 1, "heads": 12,
             "kv_heads": 12, "threads": 2, "cpu": "Test CPU", "timestamp": "2026-11-29T08:00:00Z"}
-    lines = [{"kind": "run", "cpu": "Test CPU", "date": "2026-11-29T08:00:00Z"},
-             dict(base, dtype="fp32", engine="gpt2attn", error=None, median_ms=70.0, speedup=1.0),
+    work = {"flops": 6.4e9, "bytes": 1.6e7}
+    lines = [{"kind": "run", "cpu": "Test CPU", "date": "2026-11-29T08:00:00Z",
+              "roofs": {"triad": {"2": 13.5}, "peak": {"2": 185.0}}},
+             dict(base, dtype="fp32", engine="gpt2attn", error=None, median_ms=70.0, speedup=1.0, gflops=91.0, **work),
              dict(base, dtype="fp32", engine="torch-sdpa", error=None, median_ms=140.0, speedup=2.0,
-                  speedup_min=1.8, speedup_max=2.2),
-             dict(base, dtype="fp32", engine="openvino-sdpa", error=None, median_ms=63.0, speedup=0.9),
-             dict(base, dtype="bf16", engine="gpt2attn", error=None, median_ms=60.0, speedup=1.0),
+                  speedup_min=1.8, speedup_max=2.2, gflops=46.0, **work),
+             dict(base, dtype="fp32", engine="openvino-sdpa", error=None, median_ms=63.0, speedup=0.9, gflops=101.0,
+                  **work),
+             dict(base, dtype="bf16", engine="gpt2attn", error=None, median_ms=60.0, speedup=1.0, gflops=107.0,
+                  **work),
              dict(base, dtype="bf16", engine="ort-mha", error="NOT_IMPLEMENTED: no bf16 kernel", median_ms=None)]
     with open(path, "w") as f:
         f.write("".join(json.dumps(x) + "\n" for x in lines))
     p = plot(["--out", os.path.join(wd, "o"), "--peers", path])
     check(p.returncode == 0, "plot.py exit %d: %s" % (p.returncode, p.stderr[-300:]))
     names = [os.path.basename(w) for w in p.stdout.split()]
-    check(names == ["peers_speedup.png", "plots.json"], "wrote %r" % p.stdout)
+    check(names == ["peers_speedup.png", "peers_roofline.png", "plots.json"], "wrote %r" % p.stdout)
     png_size(p.stdout.split()[0])
+    png_size(p.stdout.split()[1])
     with open(os.path.join(wd, "o", "plots.json")) as f:
-        fig = json.load(f)["peers_speedup.png"]
+        figs = json.load(f)
+    roof = figs["peers_roofline.png"]["legend"]
+    for label in ("gpt2attn", "torch-sdpa", "openvino-sdpa", "prefill fp32 2t", "prefill bf16 2t",
+                  "fp32 FMA peak, 2 threads: 185 GFLOP/s", "triad, 2 threads: 13.5 GB/s"):
+        check(label in roof, "roofline: no legend entry %r: %s" % (label, roof))
+    check("ort-mha" not in roof, "roofline: the failed peer drawn: %s" % roof)
+    fig = figs["peers_speedup.png"]
     for e in ("torch-sdpa", "openvino-sdpa", "ort-mha"):
         check(e in fig["legend"], "peers: no legend entry for %s: %s" % (e, fig["legend"]))
     check("gpt2attn" not in fig["legend"], "peers: ours drawn as a peer: %s" % fig["legend"])
