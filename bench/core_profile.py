@@ -70,9 +70,14 @@ def stage_of(frames):
                 if key in name:
                     return stage
     for func, loc in frames:
-        if "step<" in func:
+        if "step<" in func or "group<" in func:
             return "softmax and masking in step(): " + loc.split("/")[-1].split(" ")[0]
     return "other: " + frames[0][0][:60]
+
+
+# The core's functions as perf names them: which of them the compiler keeps out of line changes from build to build
+# (step and with_units, or group and the micro-kernel's scores), so all are taken.
+CORE = re.compile(r"TiledAttention<.*::(step|with_units|group)<|MicroF32<.*::(scores|pv_rows|score_rows)")
 
 
 def main():
@@ -88,11 +93,11 @@ def main():
         if len(parts) < 2:
             continue
         all_samples += 1
-        if "TiledAttention<" in parts[1] and ("::step<" in parts[1] or "::with_units<" in parts[1]):
+        if CORE.search(parts[1]):
             ips[int(parts[0], 16) - start + pgoff] += 1
     core = sum(ips.values())
     if core == 0:
-        sys.exit("core_profile: no samples in TiledAttention::step or ::with_units")
+        sys.exit("core_profile: no samples in the core (TiledAttention's step, group or with_units, MicroF32's steps)")
     stages = collections.Counter()
     for addr, n in ips.items():
         text = subprocess.run(["addr2line", "-i", "-f", "-C", "-e", binary, hex(addr)], capture_output=True,
