@@ -64,7 +64,8 @@ MAX_CALLS = 200
 WARMUP_MS = 1000.0  # a peer whose call takes longer skips the per-round warm-up call (see Peer.time)
 PAUSE_S = 0.1  # between engines: lets the last one's idle worker threads stop spinning before the next is timed
 
-# (engine, worker file, variant, {case dtype: the dtype the peer computes in}). The ORT fp16 row sits in the bf16
+# (engine, worker file, variant, {case dtype: the dtype the peer computes in}[, the modes it runs; default both]).
+# The ORT fp16 row sits in the bf16
 # cases: half precision is what both stand for, and ORT's CPU provider has no bf16 MultiHeadAttention (the bf16
 # ort-mha row records its error). ort-gqa is GroupQueryAttention: grouped K/V heads and a shared-buffer K/V cache.
 PEERS = [
@@ -77,6 +78,8 @@ PEERS = [
     ("ort-gqa", "ort_worker.py", "gqa", {"fp32": "fp32"}),
     ("ort-gqa-fp16", "ort_worker.py", "gqa", {"bf16": "fp16"}),
     ("openvino-sdpa", "openvino_worker.py", "sdpa", {"fp32": "fp32", "bf16": "bf16"}),
+    # OpenVINO's decode with the K/V cache as model state (ReadValue/Assign), which its CPU plugin appends in place.
+    ("openvino-stateful", "openvino_worker.py", "stateful", {"fp32": "fp32", "bf16": "bf16"}, ("decode",)),
     # llama.cpp: our layer as a one-block GGUF fed embeddings (llamacpp_worker.py says how, and what it returns).
     ("llamacpp", "llamacpp_worker.py", "gguf", {"fp32": "fp32", "bf16": "bf16"}),
 ]
@@ -248,7 +251,7 @@ class Peer:
     """A peer worker process (worker_common.py's protocol)."""
 
     def __init__(self, spec, python, d, geometry, H, dtype, threads, logdir, ref):
-        self.name, worker, self.variant, dtypes = spec
+        self.name, worker, self.variant, dtypes = spec[:4]
         self.dtype = dtypes[dtype]
         mode, preset, T, B, kvh = geometry
         self.error, self.info, self.rounds, self.proc = None, {}, [], None
@@ -404,7 +407,7 @@ def measure(a, geometry, E, H, dtype, threads, d, ref, ours_err, header, out):
     ours = Ours(a.cli, geometry, dtype, threads)
     peers = []
     for spec in PEERS:
-        if dtype not in spec[3] or (a.only and spec[0] not in a.only):
+        if dtype not in spec[3] or (a.only and spec[0] not in a.only) or mode not in (spec[4:] or [("prefill", "decode")])[0]:
             continue
         peers.append(Peer(spec, a.python, d, geometry, H, dtype, threads, a.logdir, ref))
         if peers[-1].error:

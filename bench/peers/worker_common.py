@@ -47,14 +47,19 @@ def emit(obj):
 
 
 def serve(build):
-    """Runs the protocol. build(args, inputs) -> (call, output, info): call() runs one layer call (timed),
-    output() gives the last call's result as a float32 array (B, T or 1, E) (not timed), info a dict for the row.
-    An exception in build or in the first call becomes the row's error message."""
+    """Runs the protocol. build(args, inputs) -> (call, output, info[, after]): call() runs one layer call (timed),
+    output() gives the last call's result as a float32 array (B, T or 1, E) (not timed), info a dict for the row;
+    after(), where given, runs untimed after every call (a stateful peer puts its K/V cache back to the T cached
+    tokens there, as the others' calls leave theirs). An exception in build or in the first call becomes the row's
+    error message."""
     a = parse_args()
     try:
-        call, output, info = build(a, load_inputs(a))
+        built = build(a, load_inputs(a))
+        call, output, info = built[:3]
+        after = built[3] if len(built) > 3 else (lambda: None)
         call()
         np.save(os.path.join(a.dir, "out_%s.npy" % a.tag), np.asarray(output(), dtype=np.float32))
+        after()
     except Exception as e:  # noqa: BLE001 - any failure of the peer is reported as its row's message
         msg = "%s: %s" % (type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
         emit({"error": msg[:500]})
@@ -70,9 +75,11 @@ def serve(build):
             break
         for _ in range(int(cmd[2])):
             call()  # untimed, as our CLI's warm-up call in each of its processes
+            after()
         ms = []
         for _ in range(int(cmd[1])):
             t0 = time.perf_counter()
             call()
             ms.append((time.perf_counter() - t0) * 1e3)
+            after()
         emit({"ms": ms})
