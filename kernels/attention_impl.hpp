@@ -117,8 +117,24 @@ struct MicroF32 {
   }
   // Whether the transposes go through registers: f32 queries and outputs, on a vector instruction set.
   static constexpr bool kBlocked = std::is_same_v<QT, float> && W > 1;
-  // Scratch of accumulate_pv beyond the tile driver's own: none (P and V are read where they lie).
-  static int64_t pv_scratch_floats(int64_t) { return 0; }
+  // K/V stored narrower than f32 (bf16, int8, fp8) are widened a tile at a time into the micro-kernel's scratch
+  // (widen_tile), so that the inner loops broadcast f32 from memory, one load each: widening an element where it is
+  // broadcast takes a scalar load, a shift or conversion and a move to a vector, for each of the R broadcasts per
+  // QV x R FMAs. A bf16 layer on AVX2 (Zen 3) ran gpt2-large's T=1024 prefill at 179 ms against f32's 140 with the
+  // per-broadcast widening (bench/peers, 2 threads). f32 K/V are read where they lie.
+  static constexpr bool kWidenTiles = !std::is_same_v<KvT, float>;
+  using TileElem = std::conditional_t<kWidenTiles, float, KvT>;  // what the inner loops read
+  // Scratch of scores and accumulate_pv beyond the tile driver's own: one widened key tile (kWidenTiles).
+  static int64_t pv_scratch_floats(int64_t D) { return kWidenTiles ? tiles::kKeyTile * D : 0; }
+  // Rows [0, n) of x (row stride ld, D elements each, n <= tiles::kKeyTile) as f32 at w, row stride D; exact.
+  static const float* widen_tile(const KvT* x, int64_t ld, int64_t n, int64_t D, float* w) {
+    for (int64_t j = 0; j < n; ++j) {
+      int64_t d = 0;
+      for (; d + W <= D; d += W) V::store(w + j * D + d, V::load(x + j * ld + d));
+      for (; d < D; ++d) w[j * D + d] = widen(x[j * ld + d]);
+    }
+    return w;
+  }
 
   // out[i][d] = acc[d][i] * inv[i] for the nq queries, in the compute type: the tile's result, transposed.
   // f32 outputs in W x W blocks through registers, the rest one element at a time (the same products).
@@ -161,8 +177,8 @@ struct MicroF32 {
   // where scores are large (score error 1.1-1.3e-4 -> 4-6e-5; "Accuracy" in attention.hpp has the figures).
   // Row-scaled K (int8): each key's score is multiplied by its scale kscale[r] before it is stored and maxed.
   // Vectors v < F are masked for all RR keys (Visible): not computed, their scores set to -inf.
-  template <int RR, int F = 0>
-  static void score_rows(const KvT* k, int64_t ldk, const float* kscale, const float* qt, int64_t D, float* s,
+  template <int RR, int F = 0, class E>
+  static void score_rows(const E* k, int64_t ldk, const float* kscale, const float* qt, int64_t D, float* s,
                          B* mx) {
     B acc[RR][QV] = {};  // vectors v < F are never read; initialised so no compiler has to prove it
     for (int64_t d0 = 0;;) {
@@ -202,8 +218,8 @@ struct MicroF32 {
   // acc[d][lane] = alpha[lane] * acc[d][lane] + sum_j V[j][d] * p[j][lane] for RR consecutive d; row-scaled V
   // (int8) multiplies p[j] by the value's scale vscale[j]. Keys go in the spans of `span` (QV + 1 bounds, see
   // Visible): keys [span[f], span[f + 1]) add to vectors f.. only, the others' p being 0.
-  template <int RR>
-  static void pv_rows(const KvT* vcol, int64_t ldv, const float* vscale, const float* p, const int64_t* span,
+  template <int RR, class E>
+  static void pv_rows(const E* vcol, int64_t ldv, const float* vscale, const float* p, const int64_t* span,
                       const float* alpha, float* acc) {
     B c[RR][QV];
     for (int v = 0; v < QV; ++v) {
@@ -236,9 +252,17 @@ struct MicroF32 {
 
   // The whole score tile s (nk, BQ) = K (nk rows, stride ldk) . qt, register block by register block; kscale: the
   // keys' scales (row-scaled K only; null otherwise). qscale was applied by pack_queries. On a diagonal tile a
-  // block of keys leaves out the vectors masked for its first key (vis), whose scores read -inf.
-  static void scores(const KvT* k, int64_t ldk, const float* kscale, int64_t nk, const float* qt, int64_t D,
-                     float /*qscale*/, float* s, B* mx, const Visible& vis) {
+  // block of keys leaves out the vectors masked for its first key (vis), whose scores read -inf. work: the
+  // widened tile (pv_scratch_floats).
+  static void scores(const KvT* k_in, int64_t ldk_in, const float* kscale, int64_t nk, const float* qt, int64_t D,
+                     float /*qscale*/, float* s, B* mx, const Visible& vis, float* work) {
+    const TileElem* k = nullptr;
+    int64_t ldk = ldk_in;
+    if constexpr (kWidenTiles) {
+      k = widen_tile(k_in, ldk_in, nk, D, work), ldk = D;
+    } else {
+      k = k_in;
+    }
     const auto block = [&]<int RR>(int64_t j, std::integral_constant<int, RR>) {
       with_first<QV>(vis.first(j, W, QV), [&]<int F>(std::integral_constant<int, F>) {
         score_rows<RR, F>(k + j * ldk, ldk, scales_from(kscale, j), qt, D, s + j * BQ, mx);
@@ -251,8 +275,15 @@ struct MicroF32 {
 
   // acc (D, BQ) = alpha * acc + V^T (D x nk, V rows of stride ldv) . p (nk, BQ), R head dimensions at a time.
   // vscale: the values' scales (row-scaled V only; null otherwise). vis: which vectors each key reaches.
-  static void accumulate_pv(const KvT* v, int64_t ldv, const float* vscale, int64_t nk, const float* p,
-                            const float* alpha, int64_t D, float* acc, float* /*work*/, const Visible& vis) {
+  static void accumulate_pv(const KvT* v_in, int64_t ldv_in, const float* vscale, int64_t nk, const float* p,
+                            const float* alpha, int64_t D, float* acc, float* work, const Visible& vis) {
+    const TileElem* v = nullptr;
+    int64_t ldv = ldv_in;
+    if constexpr (kWidenTiles) {
+      v = widen_tile(v_in, ldv_in, nk, D, work), ldv = D;
+    } else {
+      v = v_in;
+    }
     int64_t span[QV + 1];
     for (int f = 0; f < QV; ++f) span[f] = vis.span(f, nk, W);
     span[QV] = nk;
@@ -364,7 +395,7 @@ struct MicroBf16Dot {
 
   // As MicroF32's: on a diagonal tile a block of keys leaves out the vectors masked for its first key.
   static void scores(const bf16* k, int64_t ldk, const float* /*kscale*/, int64_t nk, const float* qt_raw, int64_t D,
-                     float qscale, float* s, B* mx, const Visible& vis) {
+                     float qscale, float* s, B* mx, const Visible& vis, float* /*work*/) {
     const uint32_t* qt = reinterpret_cast<const uint32_t*>(qt_raw);
     const auto block = [&]<int RR>(int64_t j, std::integral_constant<int, RR>) {
       with_first<QV>(vis.first(j, W, QV), [&]<int F>(std::integral_constant<int, F>) {
@@ -638,7 +669,7 @@ struct TiledAttention {
     const Visible vis = diagonal ? Visible{j0 - i0 - a.causal_offset, true} : Visible::all();
     B mx[QV];
     for (int v = 0; v < QV; ++v) mx[v] = V::load(m + v * W);
-    M::scores(kt, ldk, src.key_scales(j0), nk, qt, D, qscale, s, mx, vis);
+    M::scores(kt, ldk, src.key_scales(j0), nk, qt, D, qscale, s, mx, vis, pv_work);
     for (int64_t j = 0; j < nk1; ++j) {
       for (int64_t b = 0; b < row_bytes; b += 64) {
         prefetch_l2(kn + j * ldk, static_cast<size_t>(b));
