@@ -82,7 +82,8 @@ struct MultiHeadAttention::Impl {
   std::vector<detail::Linear> out;
   // The type the projections read their inputs in (Linear::operand): the compute type, or f32 holding bf16 values
   // for a bf16 layer where oneDNN has no bf16 matmul (a CPU without AVX-512). Each input is converted to it once per
-  // call: once per per-head GEMM cost gpt2-xl's bf16 prefill (T=1024, 2 threads) 333 ms against f32's 204 (bench/peers).
+  // call: once per per-head GEMM cost gpt2-xl's bf16 prefill (T=1024, 2 threads) 333 ms against f32's 204
+  // (bench/peers).
   DType operand;
 
   Workspace own_ws;  // for calls that bring no Workspace; serialised by mu
@@ -126,7 +127,8 @@ struct MultiHeadAttention::Impl {
   // rather than the whole input from memory. gpt2-small's 36 per-head GEMMs at T=4096 (1 thread, Zen 3, oneDNN 2.6
   // gemm:jit) ran at 39 GFLOP/s over all rows and 66-79 over 512-row blocks; at T=1024, 81-84 either way.
   static constexpr int64_t kRowBlock = 512;
-  // Prepares `lin`'s GEMMs for an input of n rows as the blocks cut it (kRowBlock rows and the remainder) on every slot.
+  // Prepares `lin`'s GEMMs for an input of n rows as the blocks cut it (kRowBlock rows and the remainder), on every
+  // slot.
   static void prepare_rows(const detail::Linear& lin, detail::ExecContext& ctx, int64_t n, int64_t lda, int64_t ldc,
                            int threads, DType dst);
   void prepare_out(detail::ExecContext& ctx, int64_t M, int threads, DType dst) const;

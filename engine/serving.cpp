@@ -447,7 +447,8 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   // The GEMMs can write the cache's rows themselves: an f32 cache, or one of the compute type.
   const bool in_place = layout.dtype == DType::f32 || layout.dtype == compute;
 
-  const ExtendPlan r = extend_plan(s, compute, operand, !in_place, threads, ceil_div(max_length(cfg, cache), kv.block_tokens),
+  const ExtendPlan r = extend_plan(s, compute, operand, !in_place, threads,
+                                   ceil_div(max_length(cfg, cache), kv.block_tokens),
                                    scratch_stride(*ks.prefill));
   std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
   std::byte** tables = r.tables.in(w);
@@ -606,7 +607,8 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   const int64_t sstride = std::max(scratch_stride(*ks.prefill),
                                    short_max ? decode_scratch_stride(*ks.decode, bt, short_max) : int64_t{0});
   const StepPlan r =
-      step_plan(s, M, B, compute, operand, threads, stride, step_state_rows(H, short_tokens, short_max, threads), sstride);
+      step_plan(s, M, B, compute, operand, threads, stride, step_state_rows(H, short_tokens, short_max, threads),
+                sstride);
   std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
   std::byte** tables = r.tables.in(w);
   int64_t* lengths = r.lengths.in(w);  // tokens cached before this step

@@ -1,9 +1,9 @@
 // kernels/attention_impl.hpp: the tiled attention algorithm described in attention.hpp, written once: the tile
 // driver (TiledAttention: query packing, masks, online softmax, dropout, normalisation) over a micro-kernel that
 // does the arithmetic of a score tile and a P.V tile (MicroF32: f32 products of f32 queries with K/V elements of
-// type KvT widened on load). A bf16 compute type is a second micro-kernel, nothing else. Included only by the
-// one-line instantiation files; everything here has internal linkage so code compiled with AVX-512 flags can never
-// be linked into the scalar path.
+// type KvT widened to f32, a key tile at a time). A bf16 compute type is a second micro-kernel, nothing else.
+// Included only by the one-line instantiation files; everything here has internal linkage so code compiled with
+// AVX-512 flags can never be linked into the scalar path.
 #pragma once
 
 #include <algorithm>
@@ -118,7 +118,7 @@ struct MicroF32 {
   // Whether the transposes go through registers: f32 queries and outputs, on a vector instruction set.
   static constexpr bool kBlocked = std::is_same_v<QT, float> && W > 1;
   // K/V stored narrower than f32 (bf16, int8, fp8) are widened a tile at a time into the micro-kernel's scratch
-  // (widen_tile), so that the inner loops broadcast f32 from memory, one load each: widening an element where it is
+  // (tile_rows), so that the inner loops broadcast f32 from memory, one load each: widening an element where it is
   // broadcast takes a scalar load, a shift or conversion and a move to a vector, for each of the R broadcasts per
   // QV x R FMAs. A bf16 layer on AVX2 (Zen 3) ran gpt2-large's T=1024 prefill at 179 ms against f32's 140 with the
   // per-broadcast widening (bench/peers, 2 threads). f32 K/V are read where they lie.
@@ -126,14 +126,19 @@ struct MicroF32 {
   using TileElem = std::conditional_t<kWidenTiles, float, KvT>;  // what the inner loops read
   // Scratch of scores and accumulate_pv beyond the tile driver's own: one widened key tile (kWidenTiles).
   static int64_t pv_scratch_floats(int64_t D) { return kWidenTiles ? tiles::kKeyTile * D : 0; }
-  // Rows [0, n) of x (row stride ld, D elements each, n <= tiles::kKeyTile) as f32 at w, row stride D; exact.
-  static const float* widen_tile(const KvT* x, int64_t ld, int64_t n, int64_t D, float* w) {
-    for (int64_t j = 0; j < n; ++j) {
-      int64_t d = 0;
-      for (; d + W <= D; d += W) V::store(w + j * D + d, V::load(x + j * ld + d));
-      for (; d < D; ++d) w[j * D + d] = widen(x[j * ld + d]);
+  // The key tile's rows [0, n) (row stride ld, D elements each, n <= tiles::kKeyTile) as the inner loops read them,
+  // with their row stride: where they lie, or widened (exactly) into w with stride D.
+  static std::pair<const TileElem*, int64_t> tile_rows(const KvT* x, int64_t ld, int64_t n, int64_t D, float* w) {
+    if constexpr (kWidenTiles) {
+      for (int64_t j = 0; j < n; ++j) {
+        int64_t d = 0;
+        for (; d + W <= D; d += W) V::store(w + j * D + d, V::load(x + j * ld + d));
+        for (; d < D; ++d) w[j * D + d] = widen(x[j * ld + d]);
+      }
+      return {w, D};
+    } else {
+      return {x, ld};
     }
-    return w;
   }
 
   // out[i][d] = acc[d][i] * inv[i] for the nq queries, in the compute type: the tile's result, transposed.
@@ -256,13 +261,7 @@ struct MicroF32 {
   // widened tile (pv_scratch_floats).
   static void scores(const KvT* k_in, int64_t ldk_in, const float* kscale, int64_t nk, const float* qt, int64_t D,
                      float /*qscale*/, float* s, B* mx, const Visible& vis, float* work) {
-    const TileElem* k = nullptr;
-    int64_t ldk = ldk_in;
-    if constexpr (kWidenTiles) {
-      k = widen_tile(k_in, ldk_in, nk, D, work), ldk = D;
-    } else {
-      k = k_in;
-    }
+    const auto [k, ldk] = tile_rows(k_in, ldk_in, nk, D, work);
     const auto block = [&]<int RR>(int64_t j, std::integral_constant<int, RR>) {
       with_first<QV>(vis.first(j, W, QV), [&]<int F>(std::integral_constant<int, F>) {
         score_rows<RR, F>(k + j * ldk, ldk, scales_from(kscale, j), qt, D, s + j * BQ, mx);
@@ -277,13 +276,7 @@ struct MicroF32 {
   // vscale: the values' scales (row-scaled V only; null otherwise). vis: which vectors each key reaches.
   static void accumulate_pv(const KvT* v_in, int64_t ldv_in, const float* vscale, int64_t nk, const float* p,
                             const float* alpha, int64_t D, float* acc, float* work, const Visible& vis) {
-    const TileElem* v = nullptr;
-    int64_t ldv = ldv_in;
-    if constexpr (kWidenTiles) {
-      v = widen_tile(v_in, ldv_in, nk, D, work), ldv = D;
-    } else {
-      v = v_in;
-    }
+    const auto [v, ldv] = tile_rows(v_in, ldv_in, nk, D, work);
     int64_t span[QV + 1];
     for (int f = 0; f < QV; ++f) span[f] = vis.span(f, nk, W);
     span[QV] = nk;

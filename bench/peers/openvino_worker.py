@@ -12,7 +12,8 @@
 # untimed (worker_common's after()), so every step sees T keys as every other engine's does. Grouped K/V
 # heads (KVH < H): the query viewed as (B, KVH, H/KVH, S, D) against keys and values unsqueezed to
 # (B, KVH, 1, S, D), which SDPA broadcasts (query head h uses K/V head h // (H/KVH), as torch's enable_gqa does).
-# Variant (--variant): sdpa (prefill and decode) or stateful (decode). --dtype fp32 or bf16 sets INFERENCE_PRECISION_HINT (f32, bf16); the plugin may
+# Variant (--variant): sdpa (prefill and decode) or stateful (decode). --dtype fp32 or bf16 sets
+# INFERENCE_PRECISION_HINT (f32, bf16); the plugin may
 # not honour bf16 on a CPU without bf16 instructions, so info reports the precision the compiled model took and
 # the runtime graph's layer types and precisions (whether SDPA ran as one fused ScaledAttn node).
 # Threads: INFERENCE_NUM_THREADS, one stream, the latency hint.
@@ -90,7 +91,10 @@ def build(a, inp):
     o = ops.reshape(o, shape(B, H, S, D), False)
     o = ops.reshape(ops.transpose(o, shape(0, 2, 1, 3)), shape(B, S, E), False)
     y = ops.add(ops.matmul(o, const(inp["w_out"].T), False, False), const(inp["b_out"]))
-    model = ov.Model([y.output(0)], sinks, params, "attention_layer") if sinks else ov.Model([y], params, "attention_layer")
+    if sinks:
+        model = ov.Model([y.output(0)], sinks, params, "attention_layer")
+    else:
+        model = ov.Model([y], params, "attention_layer")
 
     core = ov.Core()
     # KV_CACHE_PRECISION: the plugin's K/V cache type where it fuses one (it may default to u8 or f16), held to

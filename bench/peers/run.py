@@ -21,7 +21,8 @@
 #      The first round takes one timed call each; later rounds take as many as fit in --budget-ms per engine (at
 #      most 200). Decode cases take --decode-rounds rounds (default 9), prefill --rounds (default 3): a decode call
 #      is under a few milliseconds, and on a shared 2-vCPU VM its rounds varied 2-3x (gpt2-small B=1, 2 threads:
-#      ours 0.37-0.89 ms, ORT 0.51-1.14 ms over 3 rounds), a prefill call's rounds about 1.3x. Each round gives each engine the median of its calls; a row reports the median of its rounds'
+#      ours 0.37-0.89 ms, ORT 0.51-1.14 ms over 3 rounds), a prefill call's rounds about 1.3x. Each round gives
+#      each engine the median of its calls; a row reports the median of its rounds'
 #      medians, their min and max, and the speedup = the peer's ms / ours (> 1: ours faster), with the min and max
 #      of the per-round speedups.
 # Prefill cases compare ours in f32 with the peers in fp32, ours in bf16 compute with the peers in bf16 (and ORT in
@@ -407,7 +408,8 @@ def measure(a, geometry, E, H, dtype, threads, d, ref, ours_err, header, out):
     ours = Ours(a.cli, geometry, dtype, threads)
     peers = []
     for spec in PEERS:
-        if dtype not in spec[3] or (a.only and spec[0] not in a.only) or mode not in (spec[4:] or [("prefill", "decode")])[0]:
+        modes = spec[4] if len(spec) > 4 else ("prefill", "decode")
+        if dtype not in spec[3] or (a.only and spec[0] not in a.only) or mode not in modes:
             continue
         peers.append(Peer(spec, a.python, d, geometry, H, dtype, threads, a.logdir, ref))
         if peers[-1].error:
