@@ -66,9 +66,8 @@ WARMUP_MS = 1000.0  # a peer whose call takes longer skips the per-round warm-up
 PAUSE_S = 0.1  # between engines: lets the last one's idle worker threads stop spinning before the next is timed
 
 # (engine, worker file, variant, {case dtype: the dtype the peer computes in}[, the modes it runs; default both]).
-# The ORT fp16 row sits in the bf16
-# cases: half precision is what both stand for, and ORT's CPU provider has no bf16 MultiHeadAttention (the bf16
-# ort-mha row records its error). ort-gqa is GroupQueryAttention: grouped K/V heads and a shared-buffer K/V cache.
+# The ORT fp16 row sits in the bf16 cases: half precision is what both stand for, and ORT's CPU provider has no bf16
+# MultiHeadAttention (the bf16 ort-mha row records its error). ort-gqa is GroupQueryAttention: grouped K/V heads and a shared-buffer K/V cache.
 PEERS = [
     ("torch-sdpa", "torch2_worker.py", "sdpa", {"fp32": "fp32", "bf16": "bf16"}),
     # nn.MultiheadAttention in fp32 only: in bf16 it runs the same kernels as torch-sdpa (it calls F.linear and
@@ -79,7 +78,8 @@ PEERS = [
     ("ort-gqa", "ort_worker.py", "gqa", {"fp32": "fp32"}),
     ("ort-gqa-fp16", "ort_worker.py", "gqa", {"bf16": "fp16"}),
     ("openvino-sdpa", "openvino_worker.py", "sdpa", {"fp32": "fp32", "bf16": "bf16"}),
-    # OpenVINO's decode with the K/V cache as model state (ReadValue/Assign), which its CPU plugin appends in place.
+    # OpenVINO's decode with the K/V cache as model state (ReadValue/Assign), the form its CPU plugin can append to in
+    # place (on the Zen 3 VM it concatenated instead: each row records the runtime graph).
     ("openvino-stateful", "openvino_worker.py", "stateful", {"fp32": "fp32", "bf16": "bf16"}, ("decode",)),
     # llama.cpp: our layer as a one-block GGUF fed embeddings (llamacpp_worker.py says how, and what it returns).
     ("llamacpp", "llamacpp_worker.py", "gguf", {"fp32": "fp32", "bf16": "bf16"}),
