@@ -216,6 +216,20 @@ def prefill_bytes(r):
     return (2.0 if r["dtype"] == "bf16" else 4.0) * ((E + 2 * KW) * E + E * E) + 4.0 * 2 * B * T * E
 
 
+def draw_roofs(ax, x, peaks, triads, threads):
+    """The FMA (and bf16 dot) peak and triad roofs over the x range, a grey per thread count: the highest of the
+    peak rows ({"threads", "gflops"[, "op"]}) and triad rows ({"threads", "gbps"}) at each count."""
+    for n, grey in zip(threads, ("black", "dimgray", "darkgray", "silver") * len(threads)):
+        for op, style, name in (("fma", "-", "fp32 FMA peak"), ("bf16dot", "--", "bf16 dot peak (vdpbf16ps)")):
+            p = [q["gflops"] for q in peaks if q.get("op", "fma") == op and q["threads"] == n]
+            if p:
+                ax.plot(x, [max(p)] * 2, style, color=grey, label="%s, %s: %.0f GFLOP/s" % (name, nthreads(n), max(p)))
+        t = [q["gbps"] for q in triads if q["threads"] == n]
+        if t:
+            ax.plot(x, [max(t) * xi for xi in x], ":", color=grey,
+                    label="triad bandwidth, %s: %.0f GB/s" % (nthreads(n), max(t)))
+
+
 def roofline(bench, peaks, triads, out, index):
     # A series per case; its points run along T (prefill) or B (decode), which the label lists, so that no point
     # needs a text of its own (the old per-point labels overlapped).
@@ -234,16 +248,7 @@ def roofline(bench, peaks, triads, out, index):
     fig, ax = plt.subplots(figsize=(8, 5.5))
     xs = [p[0] for pts in series.values() for p in pts]
     x = [min(xs) / 4, max(xs) * 4]
-    threads = sorted({p[3]["threads"] for pts in series.values() for p in pts})
-    for n, grey in zip(threads, ("black", "dimgray", "darkgray", "silver") * len(threads)):
-        for op, style, name in (("fma", "-", "fp32 FMA peak"), ("bf16dot", "--", "bf16 dot peak (vdpbf16ps)")):
-            p = [q["gflops"] for q in peaks if q.get("op", "fma") == op and q["threads"] == n]
-            if p:
-                ax.plot(x, [max(p)] * 2, style, color=grey, label="%s, %s: %.0f GFLOP/s" % (name, nthreads(n), max(p)))
-        t = [q["gbps"] for q in triads if q["threads"] == n]
-        if t:
-            ax.plot(x, [max(t) * xi for xi in x], ":", color=grey,
-                    label="triad bandwidth, %s: %.0f GB/s" % (nthreads(n), max(t)))
+    draw_roofs(ax, x, peaks, triads, sorted({p[3]["threads"] for pts in series.values() for p in pts}))
     draw(ax, {"%s: %s=%s" % (k[0], k[1], ", ".join(map(str, sorted(swept[k])))): [p[:3] for p in v]
               for k, v in series.items()}, marker=lambda label: "o" if label.startswith("prefill") else "s")
     ax.set_xscale("log")
@@ -353,13 +358,10 @@ def peers_roofline(rows, runs, out, index):
     fig, ax = plt.subplots(figsize=(9, 6))
     xs = [r["flops"] / r["bytes"] for r in pts]
     x = [min(xs) / 3, max(xs) * 3]
-    for h in runs:
-        for n, grey in zip(sorted(h.get("roofs", {}).get("peak", {}), key=int), ("black", "dimgray", "darkgray")):
-            g = h["roofs"]["peak"][n]
-            ax.plot(x, [g] * 2, "-", color=grey, label="fp32 FMA peak, %s: %.0f GFLOP/s" % (nthreads(int(n)), g))
-        for n, grey in zip(sorted(h.get("roofs", {}).get("triad", {}), key=int), ("black", "dimgray", "darkgray")):
-            b = h["roofs"]["triad"][n]
-            ax.plot(x, [b * xi for xi in x], ":", color=grey, label="triad, %s: %.1f GB/s" % (nthreads(int(n)), b))
+    # The run headers' roofs ({"peak": {threads: GFLOP/s}, "triad": {threads: GB/s}}) as the probes' rows.
+    peaks = [{"threads": int(n), "gflops": g} for h in runs for n, g in h.get("roofs", {}).get("peak", {}).items()]
+    triads = [{"threads": int(n), "gbps": b} for h in runs for n, b in h.get("roofs", {}).get("triad", {}).items()]
+    draw_roofs(ax, x, peaks, triads, sorted({q["threads"] for q in peaks + triads}))
     engines = list(dict.fromkeys(r["engine"] for r in pts))
     markers = dict(zip(engines, "o^svDP*XhpH<>"))
     kinds = list(dict.fromkeys("%s %s %dt" % (r["mode"], r["dtype"], r["threads"]) for r in pts))

@@ -376,7 +376,8 @@ def roofs(a, threads):
         if p.returncode != 0:
             log("%s failed (%d): %s" % (" ".join(cmd), p.returncode, p.stderr.strip()))
             continue
-        out[name] = {json.loads(l)["threads"]: json.loads(l)[key] for l in p.stdout.splitlines() if l.startswith("{")}
+        rows = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+        out[name] = {r["threads"]: r[key] for r in rows}
     return out
 
 
