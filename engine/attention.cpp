@@ -74,13 +74,21 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
       total_heads(shard ? shard->total_heads : c.num_heads),
       isa(detail::resolve_isa(o.isa)),
       compute(o.compute),
+      weights(o.weights),
       kset(detail::kernels_for(isa, compute, compute)),
       default_threads(o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads())) {
   const int64_t D = cfg.head_dim();
+  // D rows of a matrix as one GEMM's weights: as given, or for quantized weights the values the format gives them
+  // (each row quantized alone, so a slice of rows quantizes as the whole matrix would: decode's panels agree).
+  auto linear = [&](const TensorView& rows, const float* bias) {
+    if (weights == WeightFormat::compute) return Linear(rows, bias, compute);
+    const std::vector<float> values = detail::dequantized_values(rows, weights);
+    return Linear(TensorView::f32(values.data(), {rows.shape[0], rows.shape[1]}), bias, compute);
+  };
   auto per_head = [&](std::vector<Linear>& dst, int64_t heads, const TensorView& weight, const TensorView& bias) {
     const std::vector<float> b = detail::f32_values(bias);
     for (int64_t h = 0; h < heads; ++h) {
-      dst.emplace_back(detail::slice(weight, 0, h * D, D), cfg.qkv_bias ? b.data() + h * D : nullptr, compute);
+      dst.push_back(linear(detail::slice(weight, 0, h * D, D), cfg.qkv_bias ? b.data() + h * D : nullptr));
     }
   };
   per_head(proj_q, cfg.num_heads, w.w_q, w.b_q);
@@ -88,7 +96,7 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
   per_head(proj_v, cfg.kv_heads(), w.w_v, w.b_v);
   const std::vector<float> b_o = cfg.out_bias ? detail::f32_values(w.b_o) : std::vector<float>{};
   for (int64_t n = 0; n < out_width; n += D) {
-    out.emplace_back(detail::slice(w.w_o, 0, n, D), cfg.out_bias ? b_o.data() + n : nullptr, compute);
+    out.push_back(linear(detail::slice(w.w_o, 0, n, D), cfg.out_bias ? b_o.data() + n : nullptr));
   }
   operand = out.front().operand();
 }
@@ -270,6 +278,11 @@ std::unique_ptr<MultiHeadAttention::Impl> MultiHeadAttention::Impl::create(const
       invalid(std::string("MultiHeadAttention: EngineOptions.compute ") + to_string(options.compute) +
               " is not a compute type (expected f32 or bf16)");
     }
+    if (options.weights != WeightFormat::compute && options.weights != WeightFormat::int8 &&
+        options.weights != WeightFormat::int4) {
+      invalid("MultiHeadAttention: EngineOptions.weights " +
+              std::to_string(static_cast<int>(options.weights)) + " is not a weight format (compute, int8, int4)");
+    }
     // oneDNN's weight reorders run OpenMP teams: at the layer's thread count, not the process default (a threads =
     // 1 layer built in a process with OMP_NUM_THREADS=2 would otherwise start a second thread).
     detail::ScopedOmpThreads scope(options.threads);
@@ -330,10 +343,12 @@ Isa MultiHeadAttention::isa() const { return impl_->kset.isa; }
 int MultiHeadAttention::default_threads() const { return impl_->default_threads; }
 std::string MultiHeadAttention::implementation() const {
   const std::string row = impl_->kset.name;
+  const bool quantized = impl_->weights != WeightFormat::compute;
   std::string s = "kernels " + row + " (prefill: tiled-online-softmax + onednn-matmul/" +
-                  impl_->proj_q.front().implementation();
+                  impl_->proj_q.front().implementation() + (quantized ? " on dequantized weights" : "");
   if (impl_->serving) {
-    s += std::string("; decode: split-kv-one-query + few-row-linear/") + to_string(impl_->compute) + " weights";
+    s += std::string("; decode: split-kv-one-query + few-row-linear/") +
+         (quantized ? to_string(impl_->weights) : to_string(impl_->compute)) + " weights";
   }
   s += ")";
   return s;

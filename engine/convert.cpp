@@ -10,6 +10,7 @@
 #include "engine/util.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/linear.hpp"
 #include "support/file_io.hpp"
 
 namespace gpt2attn::detail {
@@ -162,6 +163,22 @@ std::vector<float> f32_values(const TensorView& v) {
   if (v.empty()) return out;
   out.resize(static_cast<size_t>(v.numel()));
   convert(v, DType::f32, out.data());
+  return out;
+}
+
+std::vector<float> dequantized_values(const TensorView& w, WeightFormat f) {
+  std::vector<float> out = f32_values(w);
+  if (f == WeightFormat::compute || out.empty()) return out;
+  const int64_t N = w.shape[0], K = w.shape[1];
+  const int64_t group = f == WeightFormat::int8 ? K : kWeightGroup;
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k0 = 0; k0 < K; k0 += group) {
+      float* g = out.data() + n * K + k0;
+      const int64_t len = std::min(group, K - k0);
+      const float scale = kernels::quant_scale(f, g, len);
+      for (int64_t k = 0; k < len; ++k) g[k] = static_cast<float>(kernels::quant_code(f, g[k], scale)) * scale;
+    }
+  }
   return out;
 }
 

@@ -50,5 +50,10 @@ inline const kernels::DecodeKernel& decode_kernel(Isa resolved, DType kv = DType
 inline const kernels::LinearKernel& linear_kernel(Isa resolved) {
   return *kernels_for(resolved, DType::f32, DType::f32).few_row_linear;
 }
+// Decode's few-row projection kernel at level `resolved` for weights in `format` (compute: the compute type's).
+inline const kernels::LinearKernel& linear_kernel(Isa resolved, WeightFormat format, DType compute) {
+  if (format == WeightFormat::compute) return *kernels_for(resolved, compute, compute).few_row_linear;
+  return *isa_kernels(resolved).quantized_linear[static_cast<size_t>(format)];
+}
 
 }  // namespace gpt2attn::detail

@@ -40,6 +40,12 @@ struct ForwardPlan {
 };
 
 namespace detail {
+// One of decode's panel-packed matrices (kernels/linear.hpp): the codes or values, and a quantized format's scales.
+struct PackedLinear {
+  Buffer packed;
+  std::vector<float> scales;
+};
+
 // What a layer that serves a KV cache holds beyond a plain MultiHeadAttention (serving.cpp builds and reads it).
 struct ServingState {
   // The row serving a KV cache of each storage dtype (indexed by DType; null where the table has none), looked up
@@ -50,9 +56,11 @@ struct ServingState {
   // tokens reads the QKV weights once, and the (E, E) output projection. In the compute type (pack_linear_weights;
   // bf16 halves the bytes a step streams); the biases stay f32. A plain MultiHeadAttention has none of this, so it
   // holds one copy of its weights, not two.
-  Buffer qkv_packed;                      // W_qkv (E + 2 H_kv D, d_in)
-  Buffer out_packed;                      // W_o (out_width, E)
+  // With quantized weights (EngineOptions::weights) the panels hold int8 or int4 codes, and their scales beside them.
+  PackedLinear qkv;                       // W_qkv (E + 2 H_kv D, d_in)
+  PackedLinear out;                       // W_o (out_width, E)
   std::vector<float> qkv_bias, out_bias;  // (E + 2 H_kv D) and (out_width), or empty
+  const kernels::LinearKernel* linear = nullptr;  // the few-row kernel for the layer's level and weight format
 };
 }  // namespace detail
 
@@ -65,6 +73,8 @@ struct MultiHeadAttention::Impl {
                                     // draws are indexed by the full layer's head
   Isa isa;
   DType compute;                  // f32 or bf16 (EngineOptions::compute): the projections' and the core's type
+  WeightFormat weights;           // EngineOptions::weights: decode packs its projections so; prefill's GEMMs take the
+                                  // dequantized values (dequantized(), weights.cpp) in the compute type
   const detail::KernelSet& kset;  // the dispatch table's row for (isa, compute, compute): forward
   // What serving a KV cache needs beyond this: built by add_serving for a CausalSelfAttention (and a causal shard of
   // one), null in a plain MultiHeadAttention.

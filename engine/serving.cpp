@@ -34,22 +34,40 @@ int64_t max_length(const Config& layer, const KvCache& cache) {
   return std::min(layer.context_length, cache.config().context_length);
 }
 
-// Decode's panel-packed copy (kernels/linear.hpp) in the compute type t of the (N, K) matrix whose rows [n0, n0 + n)
-// rows(n0, n, dst) writes contiguously in t: one panel of rows at a time, so no (N, K) copy is ever made.
+// Decode's panel-packed copy (kernels/linear.hpp) in weight format f (the compute type t, int8 or int4) of the (N, K)
+// matrix whose rows [n0, n0 + n) rows(n0, n, rt, dst) writes contiguously in type rt (t, or f32 for the quantized
+// formats, which quantize each row from its values as given): one panel of rows at a time, so no (N, K) copy is ever
+// made. The quantized formats' scales go to *scales.
 template <class Rows>
-detail::Buffer pack_linear(int64_t N, int64_t K, DType t, Rows&& rows, const char* what) {
-  const int64_t P = kernels::kLinearPanel, bytes = static_cast<int64_t>(size_of(t));
-  detail::Buffer out = detail::allocate_buffer(static_cast<size_t>(kernels::linear_packed_elements(N, K) * bytes), what);
-  std::vector<std::byte> panel(static_cast<size_t>(P * K * bytes));
+detail::Buffer pack_linear(int64_t N, int64_t K, WeightFormat f, DType t, Rows&& rows, std::vector<float>* scales,
+                           const char* what) {
+  const int64_t P = kernels::kLinearPanel, per_k = kernels::linear_bytes_per_k(f, t);
+  const DType rt = f == WeightFormat::compute ? t : DType::f32;
+  detail::Buffer out = detail::allocate_buffer(static_cast<size_t>(kernels::linear_packed_bytes(N, K, f, t)), what);
+  scales->assign(static_cast<size_t>(kernels::linear_scales(N, K, f)), 0.0f);
+  const int64_t panel_scales = scales->size() / std::max<int64_t>(1, kernels::linear_panels(N));
+  std::vector<std::byte> panel(static_cast<size_t>(P * K) * size_of(rt));
   for (int64_t p = 0; p < kernels::linear_panels(N); ++p) {
     const int64_t n0 = p * P, n = std::min(P, N - n0);
-    rows(n0, n, panel.data());
-    std::byte* dst = out.get() + p * K * P * bytes;
-    if (t == DType::bf16) {
-      kernels::pack_linear_weights(reinterpret_cast<const kernels::bf16*>(panel.data()), n, K,
-                                   reinterpret_cast<kernels::bf16*>(dst));
-    } else {
-      kernels::pack_linear_weights(reinterpret_cast<const float*>(panel.data()), n, K, reinterpret_cast<float*>(dst));
+    rows(n0, n, rt, panel.data());
+    std::byte* dst = out.get() + p * K * per_k;
+    const auto* rows_f32 = reinterpret_cast<const float*>(panel.data());
+    float* s = scales->data() + p * panel_scales;
+    switch (f) {
+      case WeightFormat::int8:
+        kernels::pack_linear_panel_int8(rows_f32, n, K, K, reinterpret_cast<int8_t*>(dst), s);
+        break;
+      case WeightFormat::int4:
+        kernels::pack_linear_panel_int4(rows_f32, n, K, K, reinterpret_cast<kernels::int4x2*>(dst), s);
+        break;
+      case WeightFormat::compute:
+        if (t == DType::bf16) {
+          kernels::pack_linear_weights(reinterpret_cast<const kernels::bf16*>(panel.data()), n, K,
+                                       reinterpret_cast<kernels::bf16*>(dst));
+        } else {
+          kernels::pack_linear_weights(rows_f32, n, K, reinterpret_cast<float*>(dst));
+        }
+        break;
     }
   }
   return out;
@@ -182,10 +200,11 @@ int64_t plan_splits(const int64_t* lengths, const int64_t* tokens, int64_t B, in
 }
 
 // The few-row kernel's arguments for y (M, N) = x (M, K) W^T + b, W one of decode's panel-packed matrices.
-kernels::LinearArgs few_row_args(const float* x, int64_t ldx, const detail::Buffer& w, const std::vector<float>& bias,
-                                 float* y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+kernels::LinearArgs few_row_args(const float* x, int64_t ldx, const detail::PackedLinear& w,
+                                 const std::vector<float>& bias, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
   kernels::LinearArgs a;
-  a.x = x, a.ldx = ldx, a.w_packed = w.get();
+  a.x = x, a.ldx = ldx, a.w_packed = w.packed.get();
+  a.scales = w.scales.empty() ? nullptr : w.scales.data();
   a.bias = bias.empty() ? nullptr : bias.data();
   a.y = y, a.ldy = ldy, a.M = M, a.N = N, a.K = K;
   return a;
@@ -355,14 +374,20 @@ void MultiHeadAttention::Impl::add_serving(const WeightsView& w) {
   }
   const int64_t E = cfg.d_model, KW = cfg.kv_width();
   const int64_t d_in = cfg.query_width(), N = E + 2 * KW;  // [q | k | v] per token
-  const int64_t row_bytes = d_in * static_cast<int64_t>(size_of(compute));
-  // Rows [n0, n0 + n) of the fused W_qkv (N, d_in), each read from whichever of W_q, W_k, W_v holds it.
-  st->qkv_packed = pack_linear(N, d_in, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
+  st->linear = &detail::linear_kernel(isa, weights, compute);
+  const auto pack = [&](int64_t rows, int64_t cols, auto&& read, const char* what) {
+    detail::PackedLinear m;
+    m.packed = pack_linear(rows, cols, weights, compute, read, &m.scales, what);
+    return m;
+  };
+  // Rows [n0, n0 + n) of the fused W_qkv (N, d_in) in type rt, each read from whichever of W_q, W_k, W_v holds it.
+  st->qkv = pack(N, d_in, [&](int64_t n0, int64_t n, DType rt, std::byte* dst) {
+    const int64_t row_bytes = d_in * static_cast<int64_t>(size_of(rt));
     for (int64_t r = n0; r < n0 + n;) {
       const auto [view, first] = r < E ? std::pair{&w.w_q, r} : r < E + KW ? std::pair{&w.w_k, r - E}
                                                                             : std::pair{&w.w_v, r - E - KW};
       const int64_t take = std::min(n0 + n - r, view->shape[0] - first);
-      detail::copy_rows(*view, first, take, compute, dst + (r - n0) * row_bytes);
+      detail::copy_rows(*view, first, take, rt, dst + (r - n0) * row_bytes);
       r += take;
     }
   }, "decode's packed W_qkv");
@@ -372,8 +397,8 @@ void MultiHeadAttention::Impl::add_serving(const WeightsView& w) {
       st->qkv_bias.insert(st->qkv_bias.end(), v.begin(), v.end());
     }
   }
-  st->out_packed = pack_linear(out_width, E, compute, [&](int64_t n0, int64_t n, std::byte* dst) {
-    detail::copy_rows(w.w_o, n0, n, compute, dst);
+  st->out = pack(out_width, E, [&](int64_t n0, int64_t n, DType rt, std::byte* dst) {
+    detail::copy_rows(w.w_o, n0, n, rt, dst);
   }, "decode's packed W_o");
   if (cfg.out_bias) st->out_bias = detail::f32_values(w.b_o);
   serving = std::move(st);
@@ -539,10 +564,10 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   const detail::ServingState& sv = *serving;
   // stage (B, E + 2 KW) = [q | k | v] per row = x (B, d_in) W_qkv^T + b_qkv; out (B, out_width) = ctx W_o^T + b_o.
   const kernels::LinearArgs qkv =
-      few_row_args(x, d_in, sv.qkv_packed, sv.qkv_bias, stage, ldstage, B, ldstage, d_in);
+      few_row_args(x, d_in, sv.qkv, sv.qkv_bias, stage, ldstage, B, ldstage, d_in);
   const kernels::LinearArgs proj =
-      few_row_args(ctx, E, sv.out_packed, sv.out_bias, out_data, out_width, B, out_width, E);
-  const kernels::LinearKernel* lin = ks.few_row_linear;
+      few_row_args(ctx, E, sv.out, sv.out_bias, out_data, out_width, B, out_width, E);
+  const kernels::LinearKernel* lin = sv.linear;
   const PanelItems qkv_items = panel_items(*lin, ldstage, threads), out_items = panel_items(*lin, out_width, threads);
   const DecodeAttention attention{.kv = kv, .tables = tables, .stride = stride, .lengths = lengths,
                                   .new_tokens = nullptr, .first_row = nullptr, .item_base = item_base,
@@ -654,12 +679,12 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   std::byte* ctx_t = t == DType::f32 ? reinterpret_cast<std::byte*>(ctx) : r.ctx_t.in(w);
   std::byte* q_t = r.q.in(w);
   const detail::ServingState& sv = *serving;
-  const kernels::LinearKernel* lin = ks.few_row_linear;
+  const kernels::LinearKernel* lin = sv.linear;
   // A step of a few tokens streams the weights once through the few-row kernel; a longer one runs oneDNN's GEMMs,
   // one per head (as extend), each writing its columns of the stage.
   const bool few_rows = M <= kernels::tiles::kStepFewRowTokens;
   if (few_rows) {
-    const kernels::LinearArgs qkv = few_row_args(x, d_in, sv.qkv_packed, sv.qkv_bias, stage, ldstage, M, ldstage, d_in);
+    const kernels::LinearArgs qkv = few_row_args(x, d_in, sv.qkv, sv.qkv_bias, stage, ldstage, M, ldstage, d_in);
     const PanelItems items = panel_items(*lin, ldstage, threads);
     detail::team_for(threads, items.count(), [&](int64_t it, int) { lin->run(qkv, items.begin(it), items.end(it)); });
   } else {
@@ -742,7 +767,7 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   }
   if (few_rows) {
     const kernels::LinearArgs proj =
-        few_row_args(ctx, E, sv.out_packed, sv.out_bias, out_data, out_width, M, out_width, E);
+        few_row_args(ctx, E, sv.out, sv.out_bias, out_data, out_width, M, out_width, E);
     const PanelItems items = panel_items(*lin, out_width, threads);
     detail::team_for(threads, items.count(), [&](int64_t it, int) { lin->run(proj, items.begin(it), items.end(it)); });
   } else {

@@ -98,6 +98,22 @@ DType dtype_from_string(const std::string& s) {
   invalid("unknown dtype '" + s + "' (known: " + known + ")");
 }
 
+const char* to_string(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::compute: return "compute";
+    case WeightFormat::int8: return "int8";
+    case WeightFormat::int4: return "int4";
+  }
+  return "?";
+}
+
+WeightFormat weight_format_from_string(const std::string& s) {
+  for (WeightFormat f : {WeightFormat::compute, WeightFormat::int8, WeightFormat::int4}) {
+    if (s == to_string(f)) return f;
+  }
+  invalid("unknown weight format '" + s + "' (known: compute, int8, int4)");
+}
+
 const char* to_string(MaskKind k) {
   switch (k) {
     case MaskKind::keep: return "keep";

@@ -4,6 +4,7 @@
 // concatenates the levels best first into its dispatch table (engine/dispatch.hpp) and names the rows.
 #pragma once
 
+#include <array>
 #include <cstddef>
 
 #include "gpt2attn/dtype.hpp"
@@ -25,9 +26,14 @@ struct KernelRow {
   const LinearKernel* few_row_linear;  // decode's projections
 };
 
+inline constexpr size_t kNumWeightFormats = static_cast<size_t>(WeightFormat::int4) + 1;
+
 struct IsaKernels {
   const KernelRow* rows;  // this level's lines of kernel_list.def, in the list's order
   size_t count;
+  // Decode's projections over quantized weights, indexed by WeightFormat (the second list of kernel_list.def); null
+  // at WeightFormat::compute, whose kernels are the rows' few_row_linear.
+  std::array<const LinearKernel*, kNumWeightFormats> quantized_linear;
   const IntDotKernel* int_dot;  // the int8 K/V score dot products, for the tests
   const VecProbe* vec;          // Vec<Arch>'s element-wise functions, for the tests
 };

@@ -57,7 +57,9 @@ template <class L>
 const IsaKernels& make_isa_kernels() {
   static constexpr size_t kCount = 0
 #define GPT2ATTN_KERNEL_SET(level, Compute, Kv, why) +size_t{Isa::level == L::kLevel}
+#define GPT2ATTN_WEIGHT_FORMAT(format, Packed, why)
 #include "kernels/kernel_list.def"
+#undef GPT2ATTN_WEIGHT_FORMAT
 #undef GPT2ATTN_KERNEL_SET
       ;
   static_assert(kCount > 0, "a compiled level has at least one line in kernels/kernel_list.def");
@@ -68,11 +70,22 @@ const IsaKernels& make_isa_kernels() {
       if constexpr (Line == L::kLevel) r[n++] = make_kernel_set<L, C, Kv>(why);
     };
 #define GPT2ATTN_KERNEL_SET(level, Compute, Kv, why) add.template operator()<Isa::level, Compute, Kv>(why);
+#define GPT2ATTN_WEIGHT_FORMAT(format, Packed, why)
 #include "kernels/kernel_list.def"
+#undef GPT2ATTN_WEIGHT_FORMAT
 #undef GPT2ATTN_KERNEL_SET
     return r;
   }();
-  static const IsaKernels kernels{rows.data(), rows.size(), &make_int_dot_kernel<L::kLevel, typename L::ArchT>(),
+  std::array<const LinearKernel*, kNumWeightFormats> quantized{};
+#define GPT2ATTN_KERNEL_SET(level, Compute, Kv, why)
+#define GPT2ATTN_WEIGHT_FORMAT(format, Packed, why)                       \
+  static_assert(PackedWeights<Packed>::kFormat == WeightFormat::format); \
+  quantized[static_cast<size_t>(WeightFormat::format)] = &make_linear_kernel<L::kLevel, typename L::ArchT, Packed>();
+#include "kernels/kernel_list.def"
+#undef GPT2ATTN_WEIGHT_FORMAT
+#undef GPT2ATTN_KERNEL_SET
+  static const IsaKernels kernels{rows.data(), rows.size(), quantized,
+                                  &make_int_dot_kernel<L::kLevel, typename L::ArchT>(),
                                   &make_vec_probe<L::kLevel, typename L::ArchT>()};
   return kernels;
 }

@@ -1,31 +1,88 @@
 // kernels/linear.hpp: y = x W^T + b for a few rows (decode: one row per sequence), reading W once from a
-// panel-packed copy held as f32 or bf16 (a bf16 layer's decode streams half the weight bytes; the weights are
-// widened to f32 as they are loaded, and x, the bias, the sums and y stay f32). Pure compute on pointers: no
-// allocation, threads or oneDNN; the engine packs the weights once at construction and splits the panels across
-// threads.
+// panel-packed copy held as f32, bf16, int8 or int4 (a bf16 layer's decode streams half the f32 weight bytes, int8 a
+// quarter, int4 about a sixth with its scales; every format is widened to f32 in registers as it is loaded, and x,
+// the bias, the scales, the sums and y stay f32). Pure compute on pointers: no allocation, threads or oneDNN; the
+// engine packs the weights once at construction and splits the panels across threads.
 //
 // Why not oneDNN here: a decode step's GEMMs have M = B (1..64), so they are bound by streaming W, which any
 // register-blocked loop does at memory speed; and oneDNN 2.6's primitive execute allocates its argument map
 // on every call, which a decode step must not do.
 //
 // Packed layout: W (N, K) row-major becomes ceil(N / kLinearPanel) panels, each (K, kLinearPanel): panel p
-// holds outputs [p*16, p*16 + 16) with, for every k, their 16 weights contiguous (zero past N). The micro-
-// kernel keeps a block of rows x a group of adjacent panels in registers (tiles.hpp) and streams the group's
-// panels side by side, 16 weights of each per k (a 64-byte line in f32, half of one in bf16).
+// holds outputs [p*16, p*16 + 16) with, for every k, their 16 weights contiguous (zero past N): 64 bytes in f32, 32 in
+// bf16, 16 in int8, 8 in int4 (byte c holds output c's code in its low nibble and output c + 8's in its high one, so
+// that one vector of 8 lanes takes either half). The micro-kernel keeps a block of rows x a group of adjacent panels
+// in registers (tiles.hpp) and streams the group's panels side by side.
+// Quantized formats (gpt2attn/dtype.hpp, WeightFormat) carry f32 scales beside the codes: int8 one per output,
+// linear_scales(N, K, f) floats in panel order ([panel][16]), applied to the sum once; int4 one per output and group
+// of kWeightGroup inputs, [panel][group][16], applied to the codes as they are widened.
 #pragma once
 
 #include <cstdint>
 
 #include "gpt2attn/dtype.hpp"
 #include "gpt2attn/isa.hpp"
+#include <algorithm>
+#include <cmath>
+
 #include "kernels/bf16.hpp"
 
 namespace gpt2attn::kernels {
 
 inline constexpr int64_t kLinearPanel = 16;  // outputs per panel: one AVX-512 vector, two AVX2 vectors
 
+// Two int4 codes in a byte (q + 8 in each nibble, q in [-8, 7]): the packed element of an int4 panel.
+struct int4x2 {
+  uint8_t bits;
+};
+
 inline int64_t linear_panels(int64_t N) { return (N + kLinearPanel - 1) / kLinearPanel; }
 inline int64_t linear_packed_elements(int64_t N, int64_t K) { return linear_panels(N) * K * kLinearPanel; }
+inline int64_t weight_groups(int64_t K) { return (K + kWeightGroup - 1) / kWeightGroup; }
+// Bytes of one panel per k, and of the whole packed matrix, in format f (f32 or bf16 for WeightFormat::compute).
+inline int64_t linear_bytes_per_k(WeightFormat f, DType compute) {
+  switch (f) {
+    case WeightFormat::int8: return kLinearPanel;
+    case WeightFormat::int4: return kLinearPanel / 2;
+    case WeightFormat::compute: break;
+  }
+  return kLinearPanel * static_cast<int64_t>(size_of(compute));
+}
+inline int64_t linear_packed_bytes(int64_t N, int64_t K, WeightFormat f, DType compute) {
+  return linear_panels(N) * K * linear_bytes_per_k(f, compute);
+}
+// Floats of scales beside the codes: none for the compute types.
+inline int64_t linear_scales(int64_t N, int64_t K, WeightFormat f) {
+  switch (f) {
+    case WeightFormat::int8: return linear_panels(N) * kLinearPanel;
+    case WeightFormat::int4: return linear_panels(N) * weight_groups(K) * kLinearPanel;
+    case WeightFormat::compute: break;
+  }
+  return 0;
+}
+
+// The quantization of gpt2attn/dtype.hpp's WeightFormat, one row (int8) or group (int4) of n values at a time: the
+// scale, and a value's code under it (division, not a reciprocal's product, so the value the scale was taken from gets
+// its extreme code exactly). dequantized() and the packing below both use these, so the codes the kernels read are the
+// ones the references are given.
+//   int8: s = max|w| / 127, taken one float down where 127 s would overflow; codes round(w / s) in [-127, 127].
+//   int4: s = m / -8, m the value of largest magnitude (the first of equal ones), so m's code is -8 and all 16 codes
+//         serve (llama.cpp's q4_0 takes its scale so); codes round(w / s) in [-8, 7].
+inline float quant_scale(WeightFormat f, const float* w, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::fabs(w[i]) > std::fabs(m)) m = w[i];
+  }
+  if (f == WeightFormat::int4) return m / -8.0f;
+  float s = std::fabs(m) / 127.0f;
+  if (std::isinf(s * 127.0f)) s = std::nextafter(s, 0.0f);
+  return s;
+}
+inline int quant_code(WeightFormat f, float w, float scale) {
+  if (scale == 0.0f) return 0;  // a row (group) of zeros, or of values too small for the scale to be represented
+  const float lo = f == WeightFormat::int4 ? -8.0f : -127.0f, hi = f == WeightFormat::int4 ? 7.0f : 127.0f;
+  return static_cast<int>(std::clamp(std::nearbyint(w / scale), lo, hi));
+}
 
 // w (N, K) row-major of S (f32 or bf16) -> packed (linear_packed_elements(N, K) elements of T, f32 or bf16), the
 // layout above; f32 -> bf16 rounds each weight to nearest even, once (the engine packs one panel at a time, N <= 16,
@@ -42,10 +99,40 @@ void pack_linear_weights(const S* w, int64_t N, int64_t K, T* packed) {
   }
 }
 
+// Panel p of a quantized matrix from its rows [p*16, p*16 + n) (n <= 16, f32, row stride ld): int8 or int4 codes
+// (codes: K * 16 int8_t or K * 8 int4x2, the panel's share of the packed layout) and scales (16 or groups * 16
+// floats), the outputs past n zero.
+inline void pack_linear_panel_int8(const float* rows, int64_t n, int64_t K, int64_t ld, int8_t* codes, float* scales) {
+  constexpr WeightFormat f = WeightFormat::int8;
+  for (int64_t c = 0; c < kLinearPanel; ++c) scales[c] = c < n ? quant_scale(f, rows + c * ld, K) : 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t c = 0; c < kLinearPanel; ++c) {
+      codes[k * kLinearPanel + c] = static_cast<int8_t>(c < n ? quant_code(f, rows[c * ld + k], scales[c]) : 0);
+    }
+  }
+}
+inline void pack_linear_panel_int4(const float* rows, int64_t n, int64_t K, int64_t ld, int4x2* codes, float* scales) {
+  constexpr int64_t half = kLinearPanel / 2;
+  for (int64_t g = 0; g < weight_groups(K); ++g) {
+    const int64_t k0 = g * kWeightGroup, len = std::min(kWeightGroup, K - k0);
+    float* s = scales + g * kLinearPanel;
+    for (int64_t c = 0; c < kLinearPanel; ++c) {
+      s[c] = c < n ? quant_scale(WeightFormat::int4, rows + c * ld + k0, len) : 0.0f;
+    }
+    for (int64_t k = k0; k < k0 + len; ++k) {
+      for (int64_t c = 0; c < half; ++c) {
+        const auto code = [&](int64_t o) { return o < n ? quant_code(WeightFormat::int4, rows[o * ld + k], s[o]) + 8 : 8; };
+        codes[k * half + c].bits = static_cast<uint8_t>(code(c) | code(c + half) << 4);
+      }
+    }
+  }
+}
+
 struct LinearArgs {
   const float* x = nullptr;         // (M, K), row stride ldx
   int64_t ldx = 0;
-  const void* w_packed = nullptr;   // pack_linear_weights(W (N, K)) in the kernel's weight type
+  const void* w_packed = nullptr;   // the packed W (N, K) in the kernel's weight format
+  const float* scales = nullptr;    // the quantized formats' scales (linear_scales floats), else null
   const float* bias = nullptr;      // (N) or null
   float* y = nullptr;               // (M, N), row stride ldy
   int64_t ldy = 0;
@@ -54,7 +141,8 @@ struct LinearArgs {
 
 struct LinearKernel {
   Isa isa;        // the level whose flags compiled it
-  DType weights;  // the packed weights' type, f32 or bf16: the layer's compute type
+  WeightFormat format;  // the packed weights' format: compute (f32 or bf16, `compute`), int8 or int4
+  DType compute;        // for WeightFormat::compute, the packed weights' type; else f32
   int64_t panel_group;  // panels computed together: a range split at multiples of it keeps whole groups
   // Computes y's columns of panels [panel_begin, panel_end) for all M rows.
   void (*run)(const LinearArgs& args, int64_t panel_begin, int64_t panel_end);

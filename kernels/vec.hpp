@@ -1,7 +1,7 @@
 // kernels/vec.hpp: the few vector operations the kernels use, over xsimd::batch<float, Arch>, with a
 // plain-float twin (ScalarArch) so the scalar fallback runs the very same algorithm without SIMD flags; and the
 // element conversions into f32 arithmetic (widen, Vec::load), the one place a new storage element type (bf16, int8 or
-// fp8 K/V) adds its loads: the kernels call them by overload, generic over the element type.
+// fp8 K/V, int4 weights) adds its loads: the kernels call them by overload, generic over the element type.
 #pragma once
 
 #include <cmath>
@@ -83,6 +83,21 @@ struct Vec {
       static_assert(W == 8, "int8 loads are written for AVX-512 (16 lanes) and AVX2 (8 lanes)");
       const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
       return B(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    }
+  }
+  // Lanes [v W, v W + W) of an int4 panel's 16 codes at p (kernels/linear.hpp: byte c holds code c in its low nibble,
+  // code c + 8 in its high one, each q + 8) as the f32 values q. AVX-512 takes all 16 (v = 0), AVX2 the low (v = 0)
+  // or high (v = 1) nibbles of the 8 bytes. The scalar twin is load_int4 below.
+  static B load_int4(const uint8_t* p, [[maybe_unused]] int v) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), low4 = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+    if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
+      const __m128i q = _mm_sub_epi8(_mm_unpacklo_epi64(lo, hi), _mm_set1_epi8(8));
+      return B(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+    } else {
+      static_assert(W == 8, "int4 loads are written for AVX-512 (16 lanes) and AVX2 (8 lanes)");
+      const __m128i q = _mm_sub_epi8(v == 0 ? lo : hi, _mm_set1_epi8(8));
+      return B(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
     }
   }
   // W fp8 e4m3 codes as the kernels read them (widen(), kernels/fp8.hpp): each byte sign-extended to 16 bits and
@@ -272,6 +287,9 @@ struct Vec<ScalarArch> {
   static B load(const int8_t* p) { return widen(*p); }
   static B load(const fp8_e4m3* p) { return widen(*p); }
   static B load(const int32_t* p) { return static_cast<float>(*p); }
+  static B load_int4(const uint8_t* p, int v) {
+    return static_cast<float>((v < 8 ? p[v] & 0x0f : p[v - 8] >> 4) - 8);
+  }
   static void store(float* p, B v) { *p = v; }
   static constexpr bool kStreamsLines = false;
   static void stream(float* p, B v) { *p = v; }

@@ -79,7 +79,8 @@ TEST(KernelTable, OrderedBestFirstWithAScalarRowForEveryDtypePair) {
     EXPECT_TRUE(row.prefill && row.decode && row.few_row_linear) << row.name;
     EXPECT_GT(std::string(row.why).size(), 10u) << row.name << " says why it exists";
     // The layer packs decode's weights in its compute type: the row's projection kernel must read that type.
-    EXPECT_EQ(row.few_row_linear->weights, row.compute) << row.name;
+    EXPECT_EQ(row.few_row_linear->format, WeightFormat::compute) << row.name;
+    EXPECT_EQ(row.few_row_linear->compute, row.compute) << row.name;
     const auto& fallback = detail::kernels_for(Isa::scalar, row.compute, row.kv);
     EXPECT_EQ(fallback.isa, Isa::scalar) << "no scalar twin for " << row.name;
   }
@@ -134,6 +135,14 @@ TEST(KernelTable, EveryRowsKernelsAreOfItsLevelAndTypes) {
     const kernels::IsaKernels& level = detail::isa_kernels(isa);
     EXPECT_EQ(level.int_dot->isa, isa);
     EXPECT_EQ(level.vec->isa, isa);
+    // Every level compiles the quantized weight formats of the list's second part, each reading its own format.
+    EXPECT_EQ(level.quantized_linear[static_cast<size_t>(WeightFormat::compute)], nullptr);
+    for (WeightFormat f : {WeightFormat::int8, WeightFormat::int4}) {
+      const kernels::LinearKernel* k = level.quantized_linear[static_cast<size_t>(f)];
+      ASSERT_NE(k, nullptr) << to_string(isa) << " " << to_string(f);
+      EXPECT_EQ(k->isa, isa);
+      EXPECT_EQ(k->format, f);
+    }
     for (size_t i = 0; i < level.count; ++i) {
       EXPECT_EQ(level.rows[i].isa, isa);
       ASSERT_LT(rows, table.size());

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/convert.hpp"
 #include "engine/dispatch.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/bf16.hpp"
@@ -1232,29 +1233,54 @@ std::vector<LinearCase> linear_cases() {
   return cases;
 }
 
-// WT: the packed weight type (float, or kernels::bf16 for a bf16 layer's decode). The naive loops run on the
-// weights as packed (bf16-rounded), so the f32 tolerance applies: only the kernel's arithmetic is under test.
-template <class WT>
+// The kernel's weight format: f32 or bf16 (a bf16 layer's decode) packed as the compute type, or int8 / int4 codes
+// with their scales, packed panel by panel as the engine packs them. The naive loops run on the weights as packed
+// (bf16-rounded, or dequantized: code x scale), so the f32 tolerance applies: only the kernel's arithmetic is under
+// test.
 ::testing::AssertionResult check_linear(const kernels::LinearKernel& kern, const LinearCase& c) {
   const int64_t M = c.M, N = c.N, K = c.K;
   std::mt19937_64 rng(c.seed);
   const std::vector<float> x = random_uniform(M * K, rng);
   std::vector<float> w = random_uniform(N * K, rng);
-  const std::vector<float> b = c.bias ? random_uniform(N, rng) : std::vector<float>{};
-  if (sizeof(WT) != size_of(kern.weights)) {
-    return ::testing::AssertionFailure() << "kernel reads " << size_of(kern.weights) << "-byte weights, test packs "
-                                         << sizeof(WT);
+  if (N > 2 && K > 2) {  // a row of zeros (scale 0) and a weight at the row's largest magnitude, negated
+    std::fill_n(w.begin() + K, K, 0.0f);
+    w[2 * K + 1] = -1.0f;
   }
-  // NaN-filled first, so an element the packing skips poisons the result.
-  std::vector<WT> packed(static_cast<size_t>(kernels::linear_packed_elements(N, K)), kernels::narrow<WT>(kNaN));
-  kernels::pack_linear_weights(w.data(), N, K, packed.data());
-  if constexpr (std::is_same_v<WT, kernels::bf16>) test::round_bf16(w);
+  const std::vector<float> b = c.bias ? random_uniform(N, rng) : std::vector<float>{};
+  const WeightFormat f = kern.format;
+  // NaN-filled first (codes: a pattern, scales: NaN), so an element the packing skips poisons the result.
+  std::vector<std::byte> packed(static_cast<size_t>(kernels::linear_packed_bytes(N, K, f, kern.compute)), std::byte{0x55});
+  std::vector<float> scales(static_cast<size_t>(kernels::linear_scales(N, K, f)), kNaN);
+  const int64_t per_k = kernels::linear_bytes_per_k(f, kern.compute), per_panel = kernels::linear_panels(N) > 0
+      ? static_cast<int64_t>(scales.size()) / kernels::linear_panels(N) : 0;
+  for (int64_t p = 0; p < kernels::linear_panels(N); ++p) {
+    const int64_t n0 = p * kernels::kLinearPanel, n = std::min(kernels::kLinearPanel, N - n0);
+    std::byte* dst = packed.data() + p * K * per_k;
+    if (f == WeightFormat::int8) {
+      kernels::pack_linear_panel_int8(w.data() + n0 * K, n, K, K, reinterpret_cast<int8_t*>(dst), scales.data() + p * per_panel);
+    } else if (f == WeightFormat::int4) {
+      kernels::pack_linear_panel_int4(w.data() + n0 * K, n, K, K, reinterpret_cast<kernels::int4x2*>(dst),
+                                      scales.data() + p * per_panel);
+    } else if (kern.compute == DType::bf16) {
+      std::vector<kernels::bf16> rows(static_cast<size_t>(n * K));
+      for (size_t i = 0; i < rows.size(); ++i) rows[i] = kernels::to_bf16(w[static_cast<size_t>(n0 * K) + i]);
+      kernels::pack_linear_weights(rows.data(), n, K, reinterpret_cast<kernels::bf16*>(dst));
+    } else {
+      kernels::pack_linear_weights(w.data() + n0 * K, n, K, reinterpret_cast<float*>(dst));
+    }
+  }
+  if (f != WeightFormat::compute) {
+    w = detail::dequantized_values(TensorView::f32(w.data(), {N, K}), f);
+  } else if (kern.compute == DType::bf16) {
+    test::round_bf16(w);
+  }
 
   kernels::LinearArgs a;
   const std::vector<float> x_mem = strided(x, M, K, c.ldx());
   std::vector<float> y_mem = output_buffer(M, N, c.ldy());
   a.x = x_mem.data(), a.ldx = c.ldx();
   a.w_packed = packed.data();
+  a.scales = scales.empty() ? nullptr : scales.data();
   a.bias = c.bias ? b.data() : nullptr;
   a.y = y_mem.data(), a.ldy = c.ldy();
   a.M = M, a.N = N, a.K = K;
@@ -1290,7 +1316,25 @@ class KernelLinear : public KernelTest {};
 TEST_P(KernelLinear, AllPanelsMatchNaive) {
   const kernels::LinearKernel& kern = detail::linear_kernel(isa());
   ASSERT_EQ(kern.isa, isa());
-  expect_all_cases(to_string(kern.isa), linear_cases(), [&](const LinearCase& c) { return check_linear<float>(kern, c); });
+  expect_all_cases(to_string(kern.isa), linear_cases(), [&](const LinearCase& c) { return check_linear(kern, c); });
+}
+
+// Quantized weights (the second list of kernel_list.def): int8 codes with a scale per output, int4 nibbles with a
+// scale per output and 32 inputs (K = 5, 300, 293, 513: partial last groups). Every level compiles its own, avx512_bf16
+// included (its layers use them), so no level is skipped.
+class KernelQuantizedLinear : public KernelTest {
+ protected:
+  KernelQuantizedLinear() : KernelTest(std::nullopt) {}
+};
+
+TEST_P(KernelQuantizedLinear, AllPanelsMatchNaiveOnDequantizedWeights) {
+  for (WeightFormat f : {WeightFormat::int8, WeightFormat::int4}) {
+    const kernels::LinearKernel& kern = detail::linear_kernel(isa(), f, DType::f32);
+    ASSERT_EQ(kern.isa, isa());
+    ASSERT_EQ(kern.format, f);
+    expect_all_cases(std::string(to_string(kern.isa)) + " " + to_string(f), linear_cases(),
+                     [&](const LinearCase& c) { return check_linear(kern, c); });
+  }
 }
 
 // The bf16-compute rows' kernel: half the weight bytes, widened as they are loaded.
@@ -1298,9 +1342,10 @@ TEST_P(KernelLinear, Bf16WeightsMatchNaive) {
   const kernels::LinearKernel& kern = *detail::kernels_for(isa(), DType::bf16, DType::bf16).few_row_linear;
   ASSERT_EQ(kern.isa, isa());
   expect_all_cases(to_string(kern.isa), linear_cases(),
-                   [&](const LinearCase& c) { return check_linear<kernels::bf16>(kern, c); });
+                   [&](const LinearCase& c) { return check_linear(kern, c); });
 }
 GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelLinear);
+GPT2ATTN_INSTANTIATE_ISAS(Kernel, KernelQuantizedLinear);
 
 }  // namespace
 }  // namespace gpt2attn

@@ -37,4 +37,20 @@ GPT2ATTN_API const char* to_string(DType t);  // "f32", "bf16", "f16", "i8", "u8
 // The inverse; throws invalid_argument naming the known ones.
 GPT2ATTN_API DType dtype_from_string(const std::string& s);
 
+// How a layer holds its projection weights (EngineOptions::weights). Each output row (channel) of a matrix is
+// quantized alone, from the values given, once at construction:
+//   compute  the compute type (f32, or bf16 rounded to nearest even).
+//   int8     symmetric, one f32 scale per output row: s = max|w| / 127, q = round(w / s) in [-127, 127], the weight
+//            the layer computes with q * s. A row of zeros has s = 0.
+//   int4     symmetric, one f32 scale per group of kWeightGroup consecutive inputs of a row (the last group of a row
+//            whose width is not a multiple takes the rest): s = m / -8 with m the group's value of largest magnitude,
+//            q = round(w / s) in [-8, 7] (m's code is -8: all 16 codes serve, as in llama.cpp's q4_0), two to a byte.
+// dequantized() (gpt2attn/weights.hpp) gives the weights a layer of each format computes with.
+enum class WeightFormat : uint8_t { compute, int8, int4 };
+inline constexpr int64_t kWeightGroup = 32;  // int4 inputs per scale (llama.cpp's q4_0 blocks are 32 too)
+
+GPT2ATTN_API const char* to_string(WeightFormat f);  // "compute", "int8", "int4"
+// The inverse; throws invalid_argument naming the known ones.
+GPT2ATTN_API WeightFormat weight_format_from_string(const std::string& s);
+
 }  // namespace gpt2attn

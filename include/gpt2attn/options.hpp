@@ -39,6 +39,11 @@ struct EngineOptions {
   // instruction set: on avx512_bf16 (vdpbf16ps) at twice the f32 multiply rate, elsewhere widened to f32 with the
   // same roundings. Accuracy: tolerance_for(DType::bf16, ...) in gpt2attn/tolerance.hpp.
   DType compute = DType::f32;
+  // The projection weights' format (gpt2attn/dtype.hpp, WeightFormat): compute, or int8 / int4 quantized from the
+  // given weights once, here. Decode's projections stream the quantized panels (a quarter / about a third of bf16's
+  // bytes) and widen them in registers; prefill's GEMMs multiply the dequantized values in the compute type. Accuracy:
+  // weights_tolerance() in gpt2attn/tolerance.hpp.
+  WeightFormat weights = WeightFormat::compute;
 };
 
 // One call's inputs. Shapes in the B/T/Tk/E/H vocabulary; every view may be strided.

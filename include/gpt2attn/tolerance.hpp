@@ -134,4 +134,31 @@ inline Tolerance layer_tolerance(DType compute, DType kv, int64_t head_dim, int6
   return {b.rtol + s, b.atol + s * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
 }
 
+// The relative error a quantized weight (EngineOptions::weights, gpt2attn/dtype.hpp) carries against the typical
+// weight of the values sharing its scale: half a step, max|group| / (2 q) with q = 127 (int8) or 8 (int4), over the
+// group's rms, taken as sqrt(2 ln 2n) for n roughly Gaussian values (as kv_storage_roundoff's int8 rows). int8: the
+// row of d_in values (d_in = 768: 1.5e-2); int4: kWeightGroup = 32 values (0.18; int4 clips values of the other sign
+// beyond 7.5 steps by up to one more half step, a few of each group at most). compute: none.
+inline double weights_roundoff(WeightFormat f, int64_t row_length) {
+  if (f == WeightFormat::compute) return 0.0;
+  const double n = static_cast<double>(f == WeightFormat::int4 ? kWeightGroup : (row_length < 1 ? 1 : row_length));
+  return std::sqrt(2.0 * std::log(2.0 * n)) / (2.0 * (f == WeightFormat::int4 ? 8.0 : 127.0));
+}
+
+// A layer holding weights in format f against the reference over the f32 weights: layer_tolerance plus the weights'
+// rounding. Unlike the cache's values, every output sums d_in products of rounded weights, so the rounding errors,
+// independent and of mean zero, grow like sqrt(d_in) while the output itself does too: relative to the output's
+// scale they stay at about weights_roundoff / sqrt(3) (a uniform error's rms) per projection. Four projections chain
+// (Q and K through the scores, V, the output projection), and the bound allows kWeightChain times the roundoff against
+// the output's largest value: at the four GPT-2 widths with GPT-2's initialization (tests/test_quantized_weights.cpp,
+// ErrorAgainstF32WeightsBesideLlamaCppFormats) the largest error took at most 0.41 of that term (int8 0.32-0.41, int4
+// 0.29-0.37).
+inline constexpr double kWeightChain = 2.0;
+inline Tolerance weights_tolerance(WeightFormat f, DType compute, DType kv, int64_t head_dim, int64_t reduction_length,
+                                   double max_abs_reference) {
+  const Tolerance l = layer_tolerance(compute, kv, head_dim, reduction_length, max_abs_reference);
+  const double s = kWeightChain * weights_roundoff(f, reduction_length);
+  return {l.rtol, l.atol + s * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
+}
+
 }  // namespace gpt2attn

@@ -55,6 +55,11 @@ struct GPT2ATTN_API Weights {
   static Weights copy_of(const WeightsView& v);
 };
 
+// The weights a layer built with EngineOptions::weights = f computes with, as f32 (widened exactly): for int8 and
+// int4 each matrix row quantized (gpt2attn/dtype.hpp, WeightFormat) and dequantized, code x scale; the biases, and
+// every tensor for WeightFormat::compute, as given. For measuring a format's error, and for references.
+GPT2ATTN_API Weights dequantized(const WeightsView& w, WeightFormat f);
+
 // The sizes one attention layer of a file has, read from its tensors' shapes.
 struct LayerShapes {
   int64_t d_model = 0, d_in = 0, kdim = 0, vdim = 0;
