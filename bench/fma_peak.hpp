@@ -35,6 +35,18 @@ inline double measured_bf16_dot_peak_gflops(int threads) {
   return bf16_dot_peak_gflops_avx512bf16(threads);
 }
 
+// GOP/s of vpdpbusd (AVX512-VNNI: 64 u8 x s8 products summed in fours into 16 int32 lanes, 128 operations), measured
+// as the FMA peak is: the ceiling of int8 weights' integer GEMMs. Defined in int8_dot_peak_avx512vnni.cpp; call only
+// where the CPU has AVX512-VNNI.
+double int8_dot_peak_gops_avx512vnni(int threads);
+
+inline double measured_int8_dot_peak_gops(int threads) {
+  if (!__builtin_cpu_supports("avx512vnni")) {
+    throw std::invalid_argument("int8 dot peak: this CPU lacks avx512vnni (vpdpbusd)");
+  }
+  return int8_dot_peak_gops_avx512vnni(threads);
+}
+
 // The f32 FMA peak for an instruction set (best = the strongest this CPU runs; avx512_bf16's f32 FMAs are
 // avx512's). Scalar has no FMA instruction in the baseline x86-64 flags the scalar kernel is built with, so it
 // has no peak of its own: that is refused.

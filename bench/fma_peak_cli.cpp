@@ -2,7 +2,8 @@
 // (peer_torch.py) that need the peak_frac denominator:
 //   {"threads": n, "gflops": x, "isa": "avx512", "op": "fma"}       fp32 FMA (default)
 //   {"threads": n, "gflops": x, "isa": "avx512_bf16", "op": "bf16dot"}   vdpbf16ps (--op bf16dot)
-// Usage: fma_peak_cli [--threads N]... [--isa best|avx512|avx2] [--op fma|bf16dot]   (threads default: 1 .. nproc)
+//   {"threads": n, "gflops": x, "isa": "avx512_vnni", "op": "int8dot"}   vpdpbusd, GOP/s (--op int8dot)
+// Usage: fma_peak_cli [--threads N]... [--isa best|avx512|avx2] [--op fma|bf16dot|int8dot]   (threads: 1 .. nproc)
 #include <omp.h>
 
 #include <cstdio>
@@ -27,7 +28,9 @@ int main(int argc, char** argv) {
         if (a == "--isa") {
           isa = ga::isa_from_string(v);
         } else if (a == "--op") {
-          if (v != "fma" && v != "bf16dot") throw std::invalid_argument("--op is fma or bf16dot, got '" + v + "'");
+          if (v != "fma" && v != "bf16dot" && v != "int8dot") {
+            throw std::invalid_argument("--op is fma, bf16dot or int8dot, got '" + v + "'");
+          }
           op = v;
         } else {
           const int n = std::atoi(v.c_str());
@@ -36,18 +39,19 @@ int main(int argc, char** argv) {
         }
       } else {
         throw std::invalid_argument("unknown argument '" + a +
-                                    "' (usage: fma_peak_cli [--threads N]... [--isa ISA] [--op fma|bf16dot])");
+                                    "' (usage: fma_peak_cli [--threads N]... [--isa ISA] [--op fma|bf16dot|int8dot])");
       }
     }
     if (threads.empty())
       for (int n = 1; n <= omp_get_num_procs(); ++n) threads.push_back(n);
     if (isa == ga::Isa::best) isa = ga::best_supported_isa();
     for (int n : threads) {
-      const bool bf16 = op == "bf16dot";
-      const double g = bf16 ? gpt2attn::bench::measured_bf16_dot_peak_gflops(n)
-                            : gpt2attn::bench::measured_fma_peak_gflops(n, isa);
+      const bool bf16 = op == "bf16dot", int8 = op == "int8dot";
+      const double g = bf16   ? gpt2attn::bench::measured_bf16_dot_peak_gflops(n)
+                       : int8 ? gpt2attn::bench::measured_int8_dot_peak_gops(n)
+                              : gpt2attn::bench::measured_fma_peak_gflops(n, isa);
       std::printf("{\"threads\": %d, \"gflops\": %.3f, \"isa\": \"%s\", \"op\": \"%s\"}\n", n, g,
-                  bf16 ? "avx512_bf16" : ga::to_string(isa), op.c_str());
+                  bf16 ? "avx512_bf16" : int8 ? "avx512_vnni" : ga::to_string(isa), op.c_str());
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {

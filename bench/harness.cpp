@@ -143,10 +143,26 @@ double decode_step_flops(const Config& c, int64_t B, int64_t T) {
   return 2 * b * d_in * (E + 2 * KW) + 2 * b * E * E + 4 * E * b * (t + 1);
 }
 
-double decode_weight_bytes(const Config& c, DType compute) {
+std::string Precision::name() const {
+  std::string s = to_string(compute);
+  if (weights != WeightFormat::compute) s += std::string("/") + to_string(weights) + "w";
+  return s;
+}
+
+double decode_weight_bytes(const Config& c, Precision p) {
   const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
   const double KW = static_cast<double>(c.kv_width());
-  return ((E + 2 * KW) * d_in + E * E) * static_cast<double>(size_of(compute));
+  // Per matrix of N rows and K inputs: the codes, and the quantized formats' f32 scales (int8 one a row, int4 one a
+  // row per 32 inputs).
+  const auto matrix = [&](double N, double K) {
+    switch (p.weights) {
+      case WeightFormat::int8: return N * K + 4 * N;
+      case WeightFormat::int4: return N * K / 2 + 4 * N * std::ceil(K / static_cast<double>(kWeightGroup));
+      case WeightFormat::compute: break;
+    }
+    return N * K * static_cast<double>(size_of(p.compute));
+  };
+  return matrix(E + 2 * KW, d_in) + matrix(E, E);
 }
 
 double decode_kv_bytes(const Config& c, int64_t B, int64_t T, DType kv_dtype) {
@@ -160,8 +176,8 @@ double decode_kv_bytes(const Config& c, int64_t B, int64_t T, DType kv_dtype) {
   return static_cast<double>(B) * static_cast<double>(T) * per_token;
 }
 
-double decode_step_bytes(const Config& c, int64_t B, int64_t T, DType compute, DType kv_dtype) {
-  return decode_weight_bytes(c, compute) + decode_kv_bytes(c, B, T, kv_dtype);
+double decode_step_bytes(const Config& c, int64_t B, int64_t T, Precision p, DType kv_dtype) {
+  return decode_weight_bytes(c, p) + decode_kv_bytes(c, B, T, kv_dtype);
 }
 
 BenchSizes bench_sizes(const std::string& name, const Config& cfg, int64_t B, int64_t T, bool decode, int repeats) {
@@ -226,9 +242,9 @@ void flush_caches(int threads) {
   });
 }
 
-EngineOptions engine_options(DType compute, int threads, Isa isa) {
+EngineOptions engine_options(Precision p, int threads, Isa isa) {
   EngineOptions o;
-  o.threads = threads, o.isa = isa, o.compute = compute;
+  o.threads = threads, o.isa = isa, o.compute = p.compute, o.weights = p.weights;
   return o;
 }
 
@@ -236,7 +252,7 @@ void check_rows(BenchResult& r, const float* got, const std::vector<double>& ref
                 int64_t head_dim) {
   double max_ref = 0;
   for (double e : ref) max_ref = std::max(max_ref, std::fabs(e));
-  const Tolerance tol = layer_tolerance(r.compute, kv, head_dim, reduction_length, max_ref);
+  const Tolerance tol = weights_tolerance(r.weights, r.compute, kv, head_dim, reduction_length, max_ref);
   r.checked = true;
   r.allowed = tol.atol;
   r.bound = tol.atol + tol.rtol * max_ref;
@@ -257,20 +273,21 @@ void check_prefill(BenchResult& r, const Config& cfg, const Weights& w, const st
   check_rows(r, y.data(), reference_forward(cfg, w, in), std::max(cfg.query_width(), T));
 }
 
-BenchResult bench_prefill(const std::string& name, Config cfg, int64_t B, int64_t T, DType compute, int threads,
+BenchResult bench_prefill(const std::string& name, Config cfg, int64_t B, int64_t T, Precision p, int threads,
                           Isa isa, int repeats, bool check) {
   const BenchSizes sizes = bench_sizes(name, cfg, B, T, false, repeats);
   cfg.context_length = std::max(cfg.context_length, T);
   Weights w = Weights::random(cfg, 1234);
-  CausalSelfAttention layer(cfg, w, engine_options(compute, threads, isa));
+  CausalSelfAttention layer(cfg, w, engine_options(p, threads, isa));
   if (!check) w = {};  // the layer holds its own copies; without --check the process holds no more than a server
   std::vector<float> y(static_cast<size_t>(sizes.y));
   std::mt19937 rng(42);
   const std::vector<float> x = random_normal(static_cast<size_t>(sizes.x), rng);
   layer.layer().reserve(B, T, T);  // the workspace and every thread's GEMM primitives
   const Timings t = time_prefill(repeats, [&] { layer.forward(x.data(), B, T, y.data()); }, [] {}, [] { return 0.0; });
-  BenchResult r{name, compute, B, T, layer.layer().default_threads(), 0, 0,
+  BenchResult r{name, p.compute, B, T, layer.layer().default_threads(), 0, 0,
                 to_string(layer.layer().isa()), layer.layer().implementation()};
+  r.weights = p.weights;
   set_times(r, t.ms);
   r.gflops = causal_layer_flops(cfg, B, T) / (r.median_ms * 1e6);
   if (check) check_prefill(r, cfg, w, x, y, T);
@@ -278,10 +295,10 @@ BenchResult bench_prefill(const std::string& name, Config cfg, int64_t B, int64_
 }
 
 void finish_decode(BenchResult& r, const Config& cfg, const DecodeRun& run, int64_t B, int64_t T, bool check,
-                   DType compute, DType kv_dtype, const std::function<Weights()>& weights) {
+                   Precision p, DType kv_dtype, const std::function<Weights()>& weights) {
   r.gflops = decode_step_flops(cfg, B, T) / (r.median_ms * 1e6);
   r.tokens_per_s = static_cast<double>(B) / (r.median_ms * 1e-3);
-  r.bytes_per_step = decode_step_bytes(cfg, B, T, compute, kv_dtype);
+  r.bytes_per_step = decode_step_bytes(cfg, B, T, p, kv_dtype);
   r.gb_per_s = r.bytes_per_step / (r.median_ms * 1e6);
   if (!check) return;
   const int64_t d_in = cfg.query_width(), E = cfg.d_model, n = static_cast<int64_t>(run.history.size()) / d_in;
@@ -298,14 +315,14 @@ namespace {
 // sequences of T tokens.
 class DecodeCase {
  public:
-  DecodeCase(const std::string& name, Config cfg, int64_t B, int64_t T, DType compute, int threads, Isa isa,
+  DecodeCase(const std::string& name, Config cfg, int64_t B, int64_t T, Precision p, int threads, Isa isa,
              int repeats, bool check, DType kv_dtype)
-      : name_(name), B_(B), T_(T), compute_(compute), kv_dtype_(kv_dtype), check_(check) {
+      : name_(name), B_(B), T_(T), precision_(p), kv_dtype_(kv_dtype), check_(check) {
     const BenchSizes sizes = bench_sizes(name, cfg, B, T, true, repeats);
     cfg.context_length = std::max(cfg.context_length, T + kDecodeWarmup + repeats + 1);
     cfg_ = cfg;
     w_ = Weights::random(cfg, 1234);
-    layer_ = std::make_unique<CausalSelfAttention>(cfg, w_, engine_options(compute, threads, isa));
+    layer_ = std::make_unique<CausalSelfAttention>(cfg, w_, engine_options(p, threads, isa));
     if (!check) w_ = {};  // the layer holds its own copies; without --check the process holds no more than a server
     // Blocks are per sequence, so each needs ceil((T + steps) / block_tokens) of them.
     KvCacheOptions kv_opts;
@@ -319,10 +336,11 @@ class DecodeCase {
   void step(bool cold) { steps_->step(layer_->layer().default_threads(), cold, [] {}, [] { return 0.0; }); }
   const std::vector<double>& step_ms() const { return steps_->run().t.ms; }
   BenchResult result() const {
-    BenchResult r{name_, compute_, B_, T_, layer_->layer().default_threads(), 0, 0,
+    BenchResult r{name_, precision_.compute, B_, T_, layer_->layer().default_threads(), 0, 0,
                   to_string(layer_->layer().isa()), layer_->layer().implementation()};
+    r.weights = precision_.weights;
     set_times(r, step_ms());
-    finish_decode(r, cfg_, steps_->run(), B_, T_, check_, compute_, kv_dtype_, [&] { return w_; });
+    finish_decode(r, cfg_, steps_->run(), B_, T_, check_, precision_, kv_dtype_, [&] { return w_; });
     return r;
   }
 
@@ -330,7 +348,8 @@ class DecodeCase {
   std::string name_;
   Config cfg_;
   int64_t B_, T_;
-  DType compute_, kv_dtype_;
+  Precision precision_;
+  DType kv_dtype_;
   bool check_;
   Weights w_;
   std::unique_ptr<CausalSelfAttention> layer_;
@@ -340,9 +359,9 @@ class DecodeCase {
 
 }  // namespace
 
-BenchResult bench_decode(const std::string& name, const Config& cfg, int64_t B, int64_t T, DType compute, int threads,
+BenchResult bench_decode(const std::string& name, const Config& cfg, int64_t B, int64_t T, Precision p, int threads,
                          Isa isa, int repeats, bool check, bool cold, DType kv_dtype) {
-  DecodeCase c(name, cfg, B, T, compute, threads, isa, repeats, check, kv_dtype);
+  DecodeCase c(name, cfg, B, T, p, threads, isa, repeats, check, kv_dtype);
   for (int64_t s = 0; s < kDecodeWarmup + repeats; ++s) c.step(cold);
   return c.result();
 }
@@ -352,7 +371,7 @@ std::vector<BenchResult> bench_decode_interleaved(const std::vector<DecodeSpec>&
   std::vector<std::unique_ptr<DecodeCase>> cases;
   for (const DecodeSpec& c : specs) {
     cases.push_back(
-        std::make_unique<DecodeCase>(c.name, c.cfg, B, c.T, c.compute, threads, isa, repeats, check, c.kv_dtype));
+        std::make_unique<DecodeCase>(c.name, c.cfg, B, c.T, c.precision, threads, isa, repeats, check, c.kv_dtype));
   }
   for (int64_t s = 0; s < kDecodeWarmup + repeats; ++s) {
     for (const auto& c : cases) c->step(cold);
@@ -378,14 +397,14 @@ std::string StepMix::describe() const {
   return s;
 }
 
-BenchResult bench_step(const std::string& name, Config cfg, const StepMix& mix, int64_t T, DType compute, int threads,
+BenchResult bench_step(const std::string& name, Config cfg, const StepMix& mix, int64_t T, Precision p, int threads,
                        Isa isa, int repeats, bool check, bool cold, DType kv_dtype) {
   const int64_t B = mix.entries(), M = mix.tokens(), d_in = cfg.query_width(), E = cfg.d_model;
   if (B < 1) invalid("bench: a step needs at least one entry (--prefill, --decode or --draft)");
   const int64_t most = std::max({mix.prefill_t, mix.draft_k, int64_t{1}});
   cfg.context_length = std::max(cfg.context_length, checked_add(T, most, "--seq plus a step's tokens"));
   const Weights w = Weights::random(cfg, 1234);
-  CausalSelfAttention layer(cfg, w, engine_options(compute, threads, isa));
+  CausalSelfAttention layer(cfg, w, engine_options(p, threads, isa));
   const int team = layer.layer().default_threads();
   KvCacheOptions kv_opts;
   const int64_t bt = KvCache::default_block_tokens(cfg);
@@ -469,7 +488,8 @@ BenchResult bench_step(const std::string& name, Config cfg, const StepMix& mix, 
     if (r < 0) continue;
     step_ms.push_back(a), separate_ms.push_back(b), ratios.push_back(b / a);
   }
-  BenchResult res{name, compute, B, T, team, 0, 0, to_string(layer.layer().isa()), layer.layer().implementation()};
+  BenchResult res{name, p.compute, B, T, team, 0, 0, to_string(layer.layer().isa()), layer.layer().implementation()};
+  res.weights = p.weights;
   set_times(res, step_ms);
   res.step_tokens = M, res.entries = B;
   res.separate_ms = median(separate_ms);
@@ -511,9 +531,10 @@ bool rank0() {
   return rank == 0;
 }
 
-BenchResult sharded_result(const std::string& name, DType compute, int64_t B, int64_t T, int threads,
+BenchResult sharded_result(const std::string& name, Precision p, int64_t B, int64_t T, int threads,
                            const ShardedAttention& layer, const Timings& t) {
-  BenchResult r{name, compute, B, T, sharded_team(threads), 0, 0, to_string(layer.isa()), layer.implementation()};
+  BenchResult r{name, p.compute, B, T, sharded_team(threads), 0, 0, to_string(layer.isa()), layer.implementation()};
+  r.weights = p.weights;
   set_times(r, t.ms);
   r.ranks = layer.ranks();
   r.allreduce_ms = median(t.allreduce_ms);
@@ -522,12 +543,12 @@ BenchResult sharded_result(const std::string& name, DType compute, int64_t B, in
 
 }  // namespace
 
-BenchResult bench_prefill_sharded(const std::string& name, Config cfg, int64_t B, int64_t T, DType compute,
+BenchResult bench_prefill_sharded(const std::string& name, Config cfg, int64_t B, int64_t T, Precision p,
                                   int threads, Isa isa, int repeats, bool check, double deadline_s) {
   const BenchSizes sizes = bench_sizes(name, cfg, B, T, false, repeats);
   cfg.context_length = std::max(cfg.context_length, T);
   ShardedAttention layer =
-      ShardedAttention::random(cfg, 1234, MPI_COMM_WORLD, engine_options(compute, threads, isa), deadline_s);
+      ShardedAttention::random(cfg, 1234, MPI_COMM_WORLD, engine_options(p, threads, isa), deadline_s);
   std::vector<float> y(static_cast<size_t>(sizes.y));
   std::mt19937 rng(42);
   const std::vector<float> x = random_normal(static_cast<size_t>(sizes.x), rng);
@@ -536,19 +557,19 @@ BenchResult bench_prefill_sharded(const std::string& name, Config cfg, int64_t B
   const Timings t = time_prefill(
       repeats, [&] { layer.forward(in, y.data()); }, [&] { barrier(deadline_s); },
       [&] { return layer.last_call_times().allreduce_s * 1e3; });
-  BenchResult r = sharded_result(name, compute, B, T, threads, layer, t);
+  BenchResult r = sharded_result(name, p, B, T, threads, layer, t);
   r.gflops = causal_layer_flops(cfg, B, T) / (r.median_ms * 1e6);
   if (check && rank0()) check_prefill(r, cfg, Weights::random(cfg, 1234), x, y, T);
   return r;
 }
 
-BenchResult bench_decode_sharded(const std::string& name, Config cfg, int64_t B, int64_t T, DType compute,
+BenchResult bench_decode_sharded(const std::string& name, Config cfg, int64_t B, int64_t T, Precision p,
                                  int threads, Isa isa, int repeats, bool check, bool cold, DType kv_dtype,
                                  double deadline_s) {
   const BenchSizes sizes = bench_sizes(name, cfg, B, T, true, repeats);
   cfg.context_length = std::max(cfg.context_length, T + kDecodeWarmup + repeats + 1);
   ShardedAttention layer =
-      ShardedAttention::random(cfg, 1234, MPI_COMM_WORLD, engine_options(compute, threads, isa), deadline_s);
+      ShardedAttention::random(cfg, 1234, MPI_COMM_WORLD, engine_options(p, threads, isa), deadline_s);
   KvCacheOptions kv_opts;
   kv_opts.capacity_tokens = sizes.kv_tokens;
   kv_opts.dtype = kv_dtype;
@@ -556,8 +577,8 @@ BenchResult bench_decode_sharded(const std::string& name, Config cfg, int64_t B,
   const DecodeRun run = time_decode(
       layer, cache, sizes, B, T, cfg.query_width(), cfg.d_model, sharded_team(threads), repeats, check, cold,
       [&] { barrier(deadline_s); }, [&] { return layer.last_call_times().allreduce_s * 1e3; });
-  BenchResult r = sharded_result(name, compute, B, T, threads, layer, run.t);
-  finish_decode(r, cfg, run, B, T, check && rank0(), compute, kv_dtype, [&] { return Weights::random(cfg, 1234); });
+  BenchResult r = sharded_result(name, p, B, T, threads, layer, run.t);
+  finish_decode(r, cfg, run, B, T, check && rank0(), p, kv_dtype, [&] { return Weights::random(cfg, 1234); });
   return r;
 }
 #endif

@@ -56,9 +56,19 @@ double decode_step_flops(const Config& c, int64_t B, int64_t T);
 // the compute type, and the cached K and V of every sequence (plus int8's two f32 scales per token and K/V head). T
 // is the nominal cached length; the cache grows by one token per step, which the figure ignores (it understates the
 // traffic by (warm-up + repeats) / T at most).
-double decode_weight_bytes(const Config& c, DType compute);
+// How a case's layer holds its numbers: the compute type, and the projection weights' format (EngineOptions). A plain
+// DType converts to one with weights in the compute type.
+struct Precision {
+  DType compute = DType::f32;
+  WeightFormat weights = WeightFormat::compute;
+  Precision(DType c = DType::f32, WeightFormat w = WeightFormat::compute) : compute(c), weights(w) {}  // NOLINT
+  // "f32", "bf16", or with quantized weights "bf16/int8w"
+  std::string name() const;
+};
+
+double decode_weight_bytes(const Config& c, Precision p);
 double decode_kv_bytes(const Config& c, int64_t B, int64_t T, DType kv_dtype);
-double decode_step_bytes(const Config& c, int64_t B, int64_t T, DType compute, DType kv_dtype);  // the two above
+double decode_step_bytes(const Config& c, int64_t B, int64_t T, Precision p, DType kv_dtype);  // the two above
 
 constexpr int kDecodeWarmup = 2;  // untimed decode steps: the first touches the new blocks and the decode primitives
 
@@ -111,6 +121,7 @@ struct BenchResult {
   double waited_share = 0;
   bool busy() const { return waited_share > kBusyShare; }
   static constexpr double kBusyShare = 0.15;
+  WeightFormat weights = WeightFormat::compute;  // the layer's weight format (set after the positional fields)
 };
 
 // Seconds this process's threads have spent runnable but not running, as the scheduler counts them
@@ -120,8 +131,8 @@ double run_delay_s();
 // r's median, min, max and repeats from its timed runs.
 void set_times(BenchResult& r, const std::vector<double>& ms);
 
-// The bench's layers run at the given compute type, thread count and instruction set.
-EngineOptions engine_options(DType compute, int threads, Isa isa);
+// The bench's layers run at the given precision, thread count and instruction set.
+EngineOptions engine_options(Precision p, int threads, Isa isa);
 
 // The check both modes share: `got` against the reference rows `ref`, with the library's one tolerance for
 // chained reductions of `reduction_length`, scaled by the largest reference value compared.
@@ -157,7 +168,7 @@ void check_prefill(BenchResult& r, const Config& cfg, const Weights& w, const st
 
 // B sequences of T tokens through forward() of a CausalSelfAttention on random weights: a warm-up, then `repeats`
 // timed calls; with `check`, the first rows of batch 0 against the naive reference.
-BenchResult bench_prefill(const std::string& name, Config cfg, int64_t B, int64_t T, DType compute, int threads,
+BenchResult bench_prefill(const std::string& name, Config cfg, int64_t B, int64_t T, Precision p, int threads,
                           Isa isa, int repeats, bool check);
 
 // B sequences of T cached tokens in a paged cache (prefilled one by one with extend()), then warm-up and `repeats`
@@ -227,10 +238,10 @@ DecodeRun time_decode(Layer& layer, Cache& cache, const BenchSizes& sizes, int64
 // The decode figures of a timed run, and with `check` sequence 0's first timed output against the last row of the
 // reference run causally over its whole token history: exactly what decode computed for it.
 void finish_decode(BenchResult& r, const Config& cfg, const DecodeRun& run, int64_t B, int64_t T, bool check,
-                   DType compute, DType kv_dtype, const std::function<Weights()>& weights);
+                   Precision p, DType kv_dtype, const std::function<Weights()>& weights);
 
 // One process's decode case: B sequences of T cached tokens, `repeats` timed steps after kDecodeWarmup.
-BenchResult bench_decode(const std::string& name, const Config& cfg, int64_t B, int64_t T, DType compute, int threads,
+BenchResult bench_decode(const std::string& name, const Config& cfg, int64_t B, int64_t T, Precision p, int threads,
                          Isa isa, int repeats, bool check, bool cold, DType kv_dtype);
 
 // Interleaved decode: every case is set up first, then the cases take their steps in turn (step s of each, then
@@ -241,7 +252,8 @@ struct DecodeSpec {
   std::string name;
   Config cfg;
   int64_t T;
-  DType compute, kv_dtype;
+  Precision precision;
+  DType kv_dtype;
 };
 std::vector<BenchResult> bench_decode_interleaved(const std::vector<DecodeSpec>& specs, int64_t B, int threads,
                                                   Isa isa, int repeats, bool check, bool cold);
@@ -260,7 +272,7 @@ struct StepMix {
 // draft sequences), one right after the other, each sequence truncated back to T after each (KvCache::truncate), so
 // every repeat does the same work. With `cold`, the caches are flushed before the step and before each separate call.
 // With `check`, the step's rows of its first entry against the naive reference over that sequence's history.
-BenchResult bench_step(const std::string& name, Config cfg, const StepMix& mix, int64_t T, DType compute, int threads,
+BenchResult bench_step(const std::string& name, Config cfg, const StepMix& mix, int64_t T, Precision p, int threads,
                        Isa isa, int repeats, bool check, bool cold, DType kv_dtype);
 
 #ifdef GPT2ATTN_HAVE_MPI
@@ -270,10 +282,10 @@ BenchResult bench_step(const std::string& name, Config cfg, const StepMix& mix, 
 // all-reduce, which waits for the slowest rank. `check` compares on rank 0 against the reference over the whole
 // layer's weights, which it then generates. `deadline_s` bounds every wait in a collective (the layer's, and the
 // barrier's).
-BenchResult bench_prefill_sharded(const std::string& name, Config cfg, int64_t B, int64_t T, DType compute,
+BenchResult bench_prefill_sharded(const std::string& name, Config cfg, int64_t B, int64_t T, Precision p,
                                   int threads, Isa isa, int repeats, bool check,
                                   double deadline_s = kCollectiveDeadlineS);
-BenchResult bench_decode_sharded(const std::string& name, Config cfg, int64_t B, int64_t T, DType compute,
+BenchResult bench_decode_sharded(const std::string& name, Config cfg, int64_t B, int64_t T, Precision p,
                                  int threads, Isa isa, int repeats, bool check, bool cold, DType kv_dtype,
                                  double deadline_s = kCollectiveDeadlineS);
 #endif

@@ -80,8 +80,11 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
   const int64_t D = cfg.head_dim();
   // D rows of a matrix as one GEMM's weights: as given, or for quantized weights the values the format gives them
   // (each row quantized alone, so a slice of rows quantizes as the whole matrix would: decode's panels agree).
+  // int8 weights run oneDNN's integer GEMMs where it has VNNI (Linear::int8_available), every Linear alike.
+  const bool int8 = weights == WeightFormat::int8 && Linear::int8_available();
   auto linear = [&](const TensorView& rows, const float* bias) {
     if (weights == WeightFormat::compute) return Linear(rows, bias, compute);
+    if (int8) return Linear(rows, bias, compute, /*int8=*/true);
     const std::vector<float> values = detail::dequantized_values(rows, weights);
     return Linear(TensorView::f32(values.data(), {rows.shape[0], rows.shape[1]}), bias, compute);
   };
@@ -102,9 +105,13 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
 }
 
 void MultiHeadAttention::Impl::run_out(detail::ExecContext& ctx, const void* x, int64_t M, void* y, DType dst,
-                                       int threads, float* wide) const {
+                                       int threads, std::byte* wide) const {
   const int64_t D = cfg.head_dim(), E = cfg.d_model;
-  if (widens()) {  // bf16 values, widened exactly once for all the panels
+  const float* scales = nullptr;
+  if (operand == DType::u8) {  // int8 GEMMs: each row quantized once for all the panels
+    const Rows q = detail::quantize_rows(TensorView::contiguous(x, compute, {1, M, E}), wide, threads);
+    x = q.data, scales = q.scales;
+  } else if (widens()) {  // bf16 values, widened exactly once for all the panels
     detail::convert(TensorView::contiguous(x, compute, {M, E}), DType::f32, wide, threads);
     x = wide;
   }
@@ -115,7 +122,7 @@ void MultiHeadAttention::Impl::run_out(detail::ExecContext& ctx, const void* x, 
     const int64_t p = item % panels, r0 = item / panels * kRowBlock, rows = std::min(kRowBlock, M - r0);
     out[static_cast<size_t>(p)].run(ctx, static_cast<const std::byte*>(x) + r0 * E * xsize, rows, E,
                                     static_cast<std::byte*>(y) + (r0 * out_width + p * D) * ysize, out_width, 1,
-                                    thread, dst);
+                                    thread, dst, scales ? scales + r0 : nullptr);
   });
 }
 
@@ -156,10 +163,11 @@ ForwardPlan MultiHeadAttention::Impl::forward_plan(const AttnShape& s, bool pack
   r.k = p.region(t, {s.B, s.H_kv, s.Tk, s.D}, "forward: k");
   r.v = p.region(t, {s.B, s.H_kv, s.Tk, s.D}, "forward: v");
   r.ctx = p.region(t, {s.B, s.T, s.E}, "forward: attention output");
-  r.ctx_wide = p.region<float>({widens(), s.B, s.T, s.E}, "forward: attention output, widened");
-  r.packed_q = p.region(operand, {pack_q, s.B, s.T, s.d_in}, "forward: packed query");
-  r.packed_k = p.region(operand, {pack_k, s.B, s.Tk, s.kdim}, "forward: packed key");
-  r.packed_v = p.region(operand, {pack_v, s.B, s.Tk, s.vdim}, "forward: packed value");
+  r.ctx_wide = p.region<std::byte>({ctx_operand_bytes(s.B * s.T)}, "forward: attention output, widened or quantized");
+  r.packed_q = p.region<std::byte>({pack_q, detail::operand_bytes(operand, s.B * s.T, s.d_in)}, "forward: packed query");
+  r.packed_k = p.region<std::byte>({pack_k, detail::operand_bytes(operand, s.B * s.Tk, s.kdim)}, "forward: packed key");
+  r.packed_v = p.region<std::byte>({pack_v, detail::operand_bytes(operand, s.B * s.Tk, s.vdim)},
+                                   "forward: packed value");
   r.scratch = p.region<float>({threads, scratch_stride(*kset.prefill)}, "forward: kernel scratch");
   r.bytes = p.bytes();
   return r;
@@ -187,7 +195,8 @@ void project(MultiHeadAttention::Impl& L, detail::ExecContext& ctx, const AttnSh
     const int64_t h = which == 0 ? j : (j - s.H) % s.H_kv, rows = std::min(L.kRowBlock, n[which] - r0);
     if (rows <= 0) return;  // a block past the shorter of query and key
     std::byte* y = elem(dst[which], L.compute, ((b * heads[which] + h) * n[which] + r0) * D);
-    lin[which][h].run(ctx, x[which].row(b * n[which] + r0), rows, x[which].ld, y, D, 1, thread, L.compute);
+    lin[which][h].run(ctx, x[which].row(b * n[which] + r0), rows, x[which].ld, y, D, 1, thread, L.compute,
+                      x[which].scale(b * n[which] + r0));
     if (check) {
       static constexpr const char* kNames[3] = {"forward: the query", "forward: the key", "forward: the value"};
       detail::check_projection(y, L.compute, rows, D, D, kNames[which], h * D);
@@ -344,8 +353,9 @@ int MultiHeadAttention::default_threads() const { return impl_->default_threads;
 std::string MultiHeadAttention::implementation() const {
   const std::string row = impl_->kset.name;
   const bool quantized = impl_->weights != WeightFormat::compute;
+  const bool dequantized = quantized && impl_->operand != DType::u8;
   std::string s = "kernels " + row + " (prefill: tiled-online-softmax + onednn-matmul/" +
-                  impl_->proj_q.front().implementation() + (quantized ? " on dequantized weights" : "");
+                  impl_->proj_q.front().implementation() + (dequantized ? " on dequantized weights" : "");
   if (impl_->serving) {
     s += std::string("; decode: split-kv-one-query + few-row-linear/") +
          (quantized ? to_string(impl_->weights) : to_string(impl_->compute)) + " weights";

@@ -263,6 +263,7 @@ ga::EngineOptions to_cpp(const gpt2attn_engine_options_t* options) {
   o.threads = c.threads;
   if (c.isa) o.isa = ga::isa_from_string(c.isa);
   if (c.compute) o.compute = ga::dtype_from_string(c.compute);
+  if (c.weights) o.weights = ga::weight_format_from_string(c.weights);
   return o;
 }
 

@@ -2,6 +2,7 @@
 #include "engine/convert.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -184,14 +185,55 @@ std::vector<float> dequantized_values(const TensorView& w, WeightFormat f) {
 
 bool needs_packing(const TensorView& x, DType compute, DType operand) {
   const int64_t N = x.shape[1], W = x.shape[2];
+  // Dense rows only: oneDNN 2.6's brgemm matmul refuses a row stride past the width, and what takes it instead with
+  // blocked weights is its reference loop (hundreds of times slower on an Intel Xeon, model 207).
   return x.dtype != operand || operand != compute ||
-         !(x.strides[2] == 1 && x.strides[1] >= W && (x.shape[0] == 1 || x.strides[0] == N * x.strides[1]));
+         !(x.strides[2] == 1 && x.strides[1] == W && (x.shape[0] == 1 || x.strides[0] == N * x.strides[1]));
 }
 
-// A (B, N, W) view of the compute type whose rows are evenly spaced with unit element stride is read in place as a
-// 2-D (B*N, W) matrix; anything else (other strides, an f32 view into a bf16 layer and the reverse, or any view into a
+int64_t operand_bytes(DType operand, int64_t rows, int64_t width) {
+  const int64_t elements = rows * width * static_cast<int64_t>(size_of(operand));
+  return operand == DType::u8 ? round_up(elements, 64) + rows * static_cast<int64_t>(sizeof(float)) : elements;
+}
+
+namespace {
+template <DType S>
+void quantize_row(const std::byte* x, int64_t stride, int64_t W, uint8_t* q, float* scale) {
+  const int64_t step = stride * static_cast<int64_t>(size_of(S));
+  float amax = 0.0f;
+  for (int64_t k = 0; k < W; ++k) amax = std::max(amax, std::fabs(load<S>(x + k * step)));
+  const float s = amax / 127.0f, inv = s == 0.0f ? 0.0f : 1.0f / s;
+  *scale = s;
+  for (int64_t k = 0; k < W; ++k) {
+    const float v = std::clamp(std::nearbyint(load<S>(x + k * step) * inv), -127.0f, 127.0f);
+    q[k] = static_cast<uint8_t>(static_cast<int>(v) + 128);
+  }
+}
+}  // namespace
+
+Rows quantize_rows(const TensorView& x, std::byte* scratch, int threads) {
+  const int64_t N = x.shape[1], W = x.shape[2], rows = x.shape[0] * N;
+  auto* q = reinterpret_cast<uint8_t*>(scratch);
+  auto* scales = reinterpret_cast<float*>(scratch + round_up(rows * W, 64));
+  const auto* base = static_cast<const std::byte*>(x.data);
+  const int64_t es = static_cast<int64_t>(size_of(x.dtype));
+  team_for(threads, rows, [&](int64_t i, int) {
+    const std::byte* r = base + ((i / N) * x.strides[0] + (i % N) * x.strides[1]) * es;
+    switch (x.dtype) {
+      case DType::f32: quantize_row<DType::f32>(r, x.strides[2], W, q + i * W, scales + i); break;
+      case DType::bf16: quantize_row<DType::bf16>(r, x.strides[2], W, q + i * W, scales + i); break;
+      case DType::f16: quantize_row<DType::f16>(r, x.strides[2], W, q + i * W, scales + i); break;
+      default: fail(ErrorCode::internal, std::string("quantize_rows: a ") + to_string(x.dtype) + " view");
+    }
+  });
+  return {scratch, W, DType::u8, scales};
+}
+
+// A (B, N, W) view of the compute type whose rows are dense and evenly spaced is read in place as a 2-D (B*N, W)
+// matrix; anything else (other strides, an f32 view into a bf16 layer and the reverse, or any view into a
 // bf16 layer on f32 GEMMs) is converted contiguously into `scratch` first (O(B*N*W), once per call, across the team).
 Rows as_rows(const TensorView& x, DType compute, DType operand, std::byte* scratch, int threads) {
+  if (operand == DType::u8) return quantize_rows(x, scratch, threads);
   if (!needs_packing(x, compute, operand)) return {x.data, x.strides[1], operand};
   if (operand == compute) {
     convert(x, compute, scratch, threads);

@@ -41,18 +41,28 @@ std::vector<float> f32_values(const TensorView& v);
 // packing does) and dequantized (code x scale, rounded once); for WeightFormat::compute, f32_values(w).
 std::vector<float> dequantized_values(const TensorView& w, WeightFormat f);
 
-// A (rows, width) matrix as oneDNN reads it: base pointer (elements of the Linears' operand type) and row stride.
+// A (rows, width) matrix as oneDNN reads it: base pointer (elements of the Linears' operand type) and row stride; for
+// quantized activations (operand u8) the scale of each row.
 struct Rows {
   const void* data;
   int64_t ld;
   DType dtype;
+  const float* scales = nullptr;  // u8 rows: x[i][k] = (q[i][k] - 128) * scales[i]
   const void* row(int64_t i) const { return static_cast<const std::byte*>(data) + i * ld * size_of(dtype); }
+  const float* scale(int64_t i) const { return scales ? scales + i : nullptr; }
 };
 // Whether as_rows must copy the (B, N, W) view x for a layer computing in `compute` on GEMMs reading `operand`
-// (Linear::operand: the compute type, or f32 holding bf16 values where oneDNN has no bf16 matmul).
+// (Linear::operand: the compute type, f32 holding bf16 values where oneDNN has no bf16 matmul, or u8 for int8 GEMMs).
 bool needs_packing(const TensorView& x, DType compute, DType operand);
-// x (B, N, W) as a (B*N, W) matrix of `operand` (values of the compute type): in place, or converted into `scratch`
-// (B*N*W elements of `operand`) across the team.
+// Bytes of scratch as_rows (and quantize_rows) needs for `rows` rows of `width` in `operand`: the elements, and for u8
+// the rows' scales after them (64-byte aligned).
+int64_t operand_bytes(DType operand, int64_t rows, int64_t width);
+// x (B, N, W) as a (B*N, W) matrix of `operand` (values of the compute type, or u8 codes): in place, or converted into
+// `scratch` (operand_bytes(operand, B*N, W)) across the team.
 Rows as_rows(const TensorView& x, DType compute, DType operand, std::byte* scratch, int threads);
+// The activations of an int8 GEMM: each row of x (B, N, W; f32, bf16 or f16, any strides) quantized symmetrically on
+// its own, s = max|row| / 127, codes round(x / s) in [-127, 127] stored as u8 with 128 added (oneDNN's u8 x s8 GEMM on
+// VNNI; the GEMM's epilogue takes 128 x the weights' column sums back off), into `scratch` as as_rows lays it out.
+Rows quantize_rows(const TensorView& x, std::byte* scratch, int threads);
 
 }  // namespace gpt2attn::detail

@@ -29,13 +29,14 @@ namespace gpt2attn {
 // the compute type (f32 or bf16), the packed inputs of the GEMMs' operand type (Impl::operand):
 //   q (B, H, T, D) | k, v (B, H_kv, Tk, D): the projections, head-major
 //   ctx (B, T, E): attention output, heads concatenated, read by the output projection
-//   ctx_wide (B, T, E) f32: ctx widened for GEMMs whose operand is f32 under bf16 compute, or empty
+//   ctx_wide (B, T, E) of the operand type: ctx widened for GEMMs whose operand is f32 under bf16 compute, or quantized
+//     for int8 GEMMs (with its row scales: detail::operand_bytes), or empty
 //   packed_*: copies of inputs oneDNN cannot read in place (query | key | value), or empty: inputs whose strides it
-//     cannot follow, and every input of a bf16 layer (converted once, here)
+//     cannot follow, every input of a bf16 layer (converted once, here) and of int8 GEMMs (quantized once)
 //   scratch (threads, scratch_stride(kernel)): the tiled kernel's per-thread slices
 struct ForwardPlan {
-  detail::Region<std::byte> q, k, v, ctx, packed_q, packed_k, packed_v;
-  detail::Region<float> scratch, ctx_wide;
+  detail::Region<std::byte> q, k, v, ctx, packed_q, packed_k, packed_v, ctx_wide;
+  detail::Region<float> scratch;
   int64_t bytes = 0;
 };
 
@@ -90,8 +91,8 @@ struct MultiHeadAttention::Impl {
   // dynamically on the team, each GEMM single-threaded, so no GEMM starts an OpenMP team of its own (engine/team.hpp
   // says why).
   std::vector<detail::Linear> out;
-  // The type the projections read their inputs in (Linear::operand): the compute type, or f32 holding bf16 values
-  // for a bf16 layer where oneDNN has no bf16 matmul (a CPU without AVX-512). Each input is converted to it once per
+  // The type the projections read their inputs in (Linear::operand): the compute type, f32 holding bf16 values for a
+  // bf16 layer where oneDNN has no bf16 matmul (a CPU without AVX-512), or u8 codes (quantize_rows) for int8 GEMMs. Each input is converted to it once per
   // call: once per per-head GEMM cost gpt2-xl's bf16 prefill (T=1024, 2 threads) 333 ms against f32's 204
   // (bench/peers).
   DType operand;
@@ -129,9 +130,13 @@ struct MultiHeadAttention::Impl {
   // y (M, out_width) of type dst = x (M, E) W_o^T + b_o, x of the compute type with row stride E: the panels of `out`
   // on a team of `threads`; prepare_out makes every slot's primitive for M rows ahead of the call. Where the operand
   // type is not the compute type, x is first widened into `wide` (M * E floats; unused, may be null, otherwise).
-  void run_out(detail::ExecContext& ctx, const void* x, int64_t M, void* y, DType dst, int threads, float* wide) const;
-  // Whether run_out needs its `wide` buffer.
+  void run_out(detail::ExecContext& ctx, const void* x, int64_t M, void* y, DType dst, int threads,
+               std::byte* wide) const;
+  // Whether run_out needs its `wide` buffer, and its bytes for M rows (widened f32, or u8 codes and row scales).
   bool widens() const { return operand != compute; }
+  int64_t ctx_operand_bytes(int64_t M) const {
+    return widens() ? detail::operand_bytes(operand, M, cfg.d_model) : 0;
+  }
   // The projections' GEMMs take at most this many rows each: a longer input is cut into blocks, each block's GEMMs
   // (every head's, every output panel's) taken one after the other, so that they re-read a block still in cache
   // rather than the whole input from memory. gpt2-small's 36 per-head GEMMs at T=4096 (1 thread, Zen 3, oneDNN 2.6

@@ -7,15 +7,18 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <optional>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "engine/convert.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/linear.hpp"
 
 namespace gpt2attn::detail {
 
@@ -32,6 +35,7 @@ dt dnnl_type(DType t) {
   switch (t) {
     case DType::f32: return dt::f32;
     case DType::bf16: return dt::bf16;
+    case DType::u8: return dt::u8;
     default: fail(ErrorCode::internal, std::string("linear: no oneDNN GEMM computes in ") + to_string(t));
   }
 }
@@ -44,11 +48,12 @@ dt dnnl_type(DType t) {
 // up to 4096 crashed in a scan over M, N and 1-2 threads (bench/README, "oneDNN 2.6 on AMX").
 // For such a GEMM, steps pd past the implementations that use AMX, leaving it on the first one that does not.
 void skip_amx(dnnl::matmul::primitive_desc& pd, DType compute, int64_t K) {
-  if (compute != DType::bf16 || K % 32 == 0) return;
+  // int8 AMX tiles hold 64 bytes of a row as bf16's hold 32 elements: the same rule at 64 (untested on AMX here).
+  if (compute == DType::u8 ? K % 64 == 0 : compute != DType::bf16 || K % 32 == 0) return;
   while (std::string_view(pd.impl_info_str()).find("amx") != std::string_view::npos) {
     if (!pd.next_impl()) {
-      fail(ErrorCode::internal, "oneDNN: no bf16 matmul without AMX for K=" + std::to_string(K) +
-                                    " (oneDNN 2.6's AMX kernel is not safe where K is not a multiple of 32)");
+      fail(ErrorCode::internal, std::string("oneDNN: no ") + to_string(compute) + " matmul without AMX for K=" +
+                                    std::to_string(K) + " (oneDNN 2.6's AMX kernels are not safe for this K)");
     }
   }
 }
@@ -89,17 +94,84 @@ struct ExecContext::Entry {
   dnnl::stream stream;
   memory src, weights, bias, dst, scratch;  // handles set per call: one entry serves every Linear of its shape
   memory::desc weights_desc;
-  bool narrow_dst = false;              // a bf16 Linear on f32 GEMMs writing bf16: the result goes through Wide::dst
+  // Where the GEMM writes: y itself, or the slot's dense Wide::dst, from which run() finishes y: an int8 Linear's int32
+  // sums (rescaled), a bf16 Linear on f32 GEMMs writing bf16 (rounded), or a y whose row stride oneDNN's fast
+  // kernels refuse (copied; see entry()).
+  enum class Via : uint8_t { direct, int8_sums, f32_to_bf16, dense_copy } via = Via::direct;
   std::vector<memory> keep_alive;       // the memory objects c_args points into
   std::vector<dnnl_exec_arg_t> c_args;  // built once: the C++ execute() would build a vector per call
+  std::string impl;                     // oneDNN's implementation, e.g. "brg:avx512_core"
   uint64_t last_use = 0;                // ExecContext::uses_ at its latest lookup
   bool reserved = false;                // made or found by prepare(): trim() keeps it
 };
 
-Linear::Linear(const TensorView& w, const float* bias, DType compute)
-    : N_(w.shape[0]), K_(w.shape[1]), compute_(compute), gemm_(compute), has_bias_(bias != nullptr) {
+namespace {
+// oneDNN's u8 x s8 -> s32 matmul for (M, K) x (K, N), weights in the layout it prefers.
+dnnl::matmul::primitive_desc int8_matmul(int64_t M, int64_t K, int64_t N, std::optional<dnnl::matmul::desc>& op,
+                                         const dnnl::primitive_attr& attr = {}) {
+  const memory::desc src({M, K}, dt::u8, tag::ab), w({K, N}, dt::s8, tag::any), dst({M, N}, dt::s32, tag::ab);
+  op.emplace(src, w, dst);
+  return dnnl::matmul::primitive_desc(*op, attr, cpu_engine());
+}
+bool on_vnni(const dnnl::matmul::primitive_desc& pd) {
+  const std::string_view impl = pd.impl_info_str();
+  return impl.find("vnni") != std::string_view::npos || impl.find("amx") != std::string_view::npos;
+}
+}  // namespace
+
+bool Linear::int8_available() {
+  static const bool available = [] {
+    try {
+      std::optional<dnnl::matmul::desc> op;
+      return on_vnni(int8_matmul(64, 64, 64, op));
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return available;
+}
+
+Linear::Linear(const TensorView& w, const float* bias, DType compute, bool int8)
+    : N_(w.shape[0]), K_(w.shape[1]), compute_(compute), gemm_(int8 ? DType::u8 : compute),
+      has_bias_(bias != nullptr) {
   const int64_t N = N_, K = K_;
   dnnl_type(compute);  // refuses a type that is not a compute type
+  if (int8) {
+    try {
+      // Codes per row as decode packs them; oneDNN reads our (N, K) codes as its (K, N) matrix.
+      const std::vector<float> values = f32_values(w);
+      std::vector<int8_t> codes(static_cast<size_t>(N * K));
+      w_scales_.resize(static_cast<size_t>(N));
+      w_sums_.assign(static_cast<size_t>(N), 0);
+      for (int64_t n = 0; n < N; ++n) {
+        const float* row = values.data() + n * K;
+        w_scales_[n] = kernels::quant_scale(WeightFormat::int8, row, K);
+        for (int64_t k = 0; k < K; ++k) {
+          codes[n * K + k] = static_cast<int8_t>(kernels::quant_code(WeightFormat::int8, row[k], w_scales_[n]));
+          w_sums_[n] += codes[n * K + k];
+        }
+      }
+      if (bias) bias_host_.assign(bias, bias + N);
+      std::optional<dnnl::matmul::desc> op;
+      auto pd = int8_matmul(128, K, N, op);
+      skip_amx(pd, gemm_, K);
+      if (!on_vnni(pd)) {
+        fail(ErrorCode::internal, std::string("oneDNN: its u8 x s8 matmul here is ") + pd.impl_info_str() +
+                                      ", not VNNI (Linear::int8_available() said otherwise)");
+      }
+      weights_desc_ = pd.weights_desc();
+      impl_ = std::string(pd.impl_info_str()) + " (u8 x s8, activations per row)";
+      weights_ = memory(weights_desc_, cpu_engine());
+      memory user_w(memory::desc({K, N}, dt::s8, memory::dims{1, K}), cpu_engine(), codes.data());
+      dnnl::stream s(cpu_engine());
+      dnnl::reorder(user_w, weights_).execute(s, user_w, weights_);
+      s.wait();
+    } catch (const dnnl::error& e) {
+      fail(code_of(e.status), std::string("oneDNN: creating a ") + std::to_string(N) + "x" + std::to_string(K) +
+                                    " int8 linear layer failed: " + e.what());
+    }
+    return;
+  }
   try {
     auto& eng = cpu_engine();
     // Let oneDNN choose the weights' blocked layout for a representative M; every later primitive is
@@ -207,7 +279,7 @@ size_t ExecContext::reserved() {
 size_t ExecContext::KeyHash::operator()(const Key& k) const {
   size_t h = 0;
   for (int64_t v : {k.N, k.K, static_cast<int64_t>(k.bias), static_cast<int64_t>(k.compute),
-                    static_cast<int64_t>(k.dst), k.M, k.lda, k.ldc, static_cast<int64_t>(k.threads),
+                    static_cast<int64_t>(k.gemm), static_cast<int64_t>(k.dst), k.M, k.lda, k.ldc, static_cast<int64_t>(k.threads),
                     static_cast<int64_t>(k.slot)}) {
     h = h * 0x9e3779b97f4a7c15ull + std::hash<int64_t>()(v);
   }
@@ -220,36 +292,58 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     fail(ErrorCode::internal,
          std::string("linear: a ") + to_string(compute_) + " GEMM cannot write " + to_string(dst_type));
   }
-  const ExecContext::Key key{N_, K_, has_bias_, compute_, dst_type, M, lda, ldc, threads, slot};
+  const ExecContext::Key key{N_, K_, has_bias_, compute_, gemm_, dst_type, M, lda, ldc, threads, slot};
+  const bool int8 = gemm_ == DType::u8;
   std::lock_guard<std::mutex> lock(ctx.mu_);
-  if (gemm_ != compute_ && dst_type != DType::f32) {  // the slot's f32 result, grown (only) for a larger shape
-    ExecContext::Wide& wd = ctx.wide_[slot];
-    if (const auto floats = static_cast<size_t>(M * N_); wd.dst.size() < floats) wd.dst.resize(floats);
-    if (wide_out) *wide_out = &wd;
-  }
+  // The slot's dense result buffer, grown (only) for a larger shape, when the entry writes through it.
+  const auto via_wide = [&](ExecContext::Entry& e) -> ExecContext::Entry& {
+    if (e.via != ExecContext::Entry::Via::direct) {
+      ExecContext::Wide& wd = ctx.wide_[slot];
+      if (const auto floats = static_cast<size_t>(M * N_); wd.dst.size() < floats) wd.dst.resize(floats);
+      if (wide_out) *wide_out = &wd;
+    }
+    return e;
+  };
   if (auto it = ctx.entries_.find(key); it != ctx.entries_.end()) {
     // oneDNN picks the blocked weights layout from the shape alone, so every Linear of this shape has it.
     if (it->second->weights_desc != weights_desc_) fail(ErrorCode::internal, "oneDNN: weights layouts differ for one shape");
     it->second->last_use = ++ctx.uses_;
     it->second->reserved = it->second->reserved || pin;
-    return *it->second;
+    return via_wide(*it->second);
   }
   try {
     auto& eng = cpu_engine();
-    // A bf16 Linear on f32 GEMMs reads x as f32 (operand()), and writes a bf16 y through a dense f32 one.
-    const bool wide = gemm_ != compute_, wide_dst = wide && dst_type != DType::f32;
-    const memory::desc src({M, K_}, dnnl_type(gemm_), memory::dims{lda, 1}),
-        dst({M, N_}, dt::f32, memory::dims{wide_dst ? N_ : ldc, 1});
-    const memory::desc dst_desc = wide ? dst : memory::desc({M, N_}, dnnl_type(dst_type), memory::dims{ldc, 1});
-    dnnl::primitive_attr attr;
-    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    // Created under the caller's thread count: oneDNN plans its work split for it.
-    ScopedOmpThreads scope(threads);
-    // Named, so that it outlives pd: skip_amx's next_impl() reads it in place.
-    const dnnl::matmul::desc op = has_bias_ ? dnnl::matmul::desc(src, weights_desc_, bias_.get_desc(), dst_desc)
-                                            : dnnl::matmul::desc(src, weights_desc_, dst_desc);
-    dnnl::matmul::primitive_desc pd(op, attr, eng);
-    skip_amx(pd, gemm_, K_);
+    using Via = ExecContext::Entry::Via;
+    // A bf16 Linear on f32 GEMMs reads x as f32 (operand()), and writes a bf16 y through a dense f32 one; an int8 one
+    // reads u8 codes and writes its int32 sums there, which run() rescales into y.
+    const Via first = int8 ? Via::int8_sums : gemm_ != compute_ && dst_type != DType::f32 ? Via::f32_to_bf16 : Via::direct;
+    const memory::desc src({M, K_}, dnnl_type(gemm_), memory::dims{lda, 1});
+    const auto make = [&](Via via) {
+      const bool dense = via != Via::direct;
+      const dt out = int8 ? dt::s32 : via == Via::f32_to_bf16 || gemm_ != compute_ ? dt::f32 : dnnl_type(dst_type);
+      const memory::desc dst_desc({M, N_}, out, memory::dims{dense ? N_ : ldc, 1});
+      dnnl::primitive_attr attr;
+      attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+      // Created under the caller's thread count: oneDNN plans its work split for it.
+      ScopedOmpThreads scope(threads);
+      // Named, so that it outlives pd: skip_amx's next_impl() reads it in place. int8 adds its bias itself.
+      const dnnl::matmul::desc op = has_bias_ && !int8
+                                        ? dnnl::matmul::desc(src, weights_desc_, bias_.get_desc(), dst_desc)
+                                        : dnnl::matmul::desc(src, weights_desc_, dst_desc);
+      dnnl::matmul::primitive_desc pd(op, attr, eng);
+      skip_amx(pd, gemm_, K_);
+      return std::pair{pd, dst_desc};
+    };
+    auto [pd, dst_desc] = make(first);
+    Via via = first;
+    // oneDNN 2.6's brgemm matmul takes dense rows only, and with its blocked weights the one implementation left for a
+    // strided y is the reference loop: on an Intel Xeon (family 6, model 207) gpt2-small's output projection panels,
+    // written at row stride d_model, took 20.4 s of a 48.8 ms prefill (T = 1024, 2 threads). Such a y is written
+    // densely into the slot's buffer and copied.
+    if (via == Via::direct && ldc != N_ && std::string_view(pd.impl_info_str()).rfind("ref:", 0) == 0) {
+      via = Via::dense_copy;
+      std::tie(pd, dst_desc) = make(via);
+    }
     auto e = std::make_unique<ExecContext::Entry>();
     e->prim = dnnl::matmul(pd);
     e->stream = dnnl::stream(eng);
@@ -257,11 +351,12 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     e->weights = memory(weights_desc_, eng, DNNL_MEMORY_NONE);
     e->weights_desc = weights_desc_;
     e->dst = memory(dst_desc, eng, DNNL_MEMORY_NONE);
-    e->narrow_dst = wide_dst;
+    e->via = via;
+    e->impl = pd.impl_info_str();
     e->scratch = memory(pd.scratchpad_desc(), eng);
     std::vector<std::pair<int, memory>> args = {{DNNL_ARG_SRC, e->src}, {DNNL_ARG_WEIGHTS, e->weights},
                                                 {DNNL_ARG_DST, e->dst}, {DNNL_ARG_SCRATCHPAD, e->scratch}};
-    if (has_bias_) {
+    if (has_bias_ && !int8) {
       e->bias = memory(bias_.get_desc(), eng, DNNL_MEMORY_NONE);
       args.emplace_back(DNNL_ARG_BIAS, e->bias);
     }
@@ -271,7 +366,7 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     }
     e->last_use = ++ctx.uses_;
     e->reserved = pin;
-    return *ctx.entries_.emplace(key, std::move(e)).first->second;
+    return via_wide(*ctx.entries_.emplace(key, std::move(e)).first->second);
   } catch (const dnnl::error& e) {
     fail(code_of(e.status), "oneDNN: creating a matmul for M=" + std::to_string(M) + " failed: " + e.what());
   }
@@ -282,24 +377,61 @@ void Linear::prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int 
 }
 
 void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads, int slot,
-                 DType dst) const {
+                 DType dst, const float* row_scales) const {
+  const bool int8 = gemm_ == DType::u8;
+  if (int8 != (row_scales != nullptr)) {
+    fail(ErrorCode::internal, int8 ? "linear: an int8 GEMM without its activations' row scales"
+                                   : "linear: row scales given to a GEMM that reads no int8 activations");
+  }
   ExecContext::Wide* wide = nullptr;
   ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst, /*pin=*/false, &wide);
   e.src.set_data_handle(const_cast<void*>(x));
   e.weights.set_data_handle(weights_.get_data_handle());
-  if (has_bias_) e.bias.set_data_handle(bias_.get_data_handle());
-  e.dst.set_data_handle(e.narrow_dst ? wide->dst.data() : y);
+  if (has_bias_ && !int8) e.bias.set_data_handle(bias_.get_data_handle());
+  using Via = ExecContext::Entry::Via;
+  e.dst.set_data_handle(e.via != Via::direct ? wide->dst.data() : y);
   ScopedOmpThreads scope(threads);
   const dnnl_status_t st =
       dnnl_primitive_execute(e.prim.get(), e.stream.get(), static_cast<int>(e.c_args.size()), e.c_args.data());
   if (st != dnnl_success) fail(code_of(st), "oneDNN: matmul execution failed (status " + std::to_string(st) + ")");
   e.stream.wait();
-  if (e.narrow_dst) {  // the f32 result rounded into the bf16 y
+  if (e.via == Via::int8_sums) {  // y = (sum - 128 colsum) x_scale w_scale + b, in f32, stored as dst
+    const auto* acc = reinterpret_cast<const int32_t*>(wide->dst.data());
+    for (int64_t i = 0; i < M; ++i) {
+      const float sx = row_scales[i];
+      const int32_t* a = acc + i * N_;
+      float* yf = dst == DType::f32 ? static_cast<float*>(y) + i * ldc : nullptr;
+      auto* yb = dst == DType::bf16 ? static_cast<kernels::bf16*>(y) + i * ldc : nullptr;
+      for (int64_t n = 0; n < N_; ++n) {
+        const float v = static_cast<float>(a[n] - 128 * w_sums_[n]) * (sx * w_scales_[n]) +
+                        (has_bias_ ? bias_host_[n] : 0.0f);
+        if (yf) {
+          yf[n] = v;
+        } else {
+          yb[n] = kernels::to_bf16(v);
+        }
+      }
+    }
+    return;
+  }
+  if (e.via == Via::f32_to_bf16) {  // the f32 result rounded into the bf16 y
     auto* yb = static_cast<kernels::bf16*>(y);
     const float* y32 = wide->dst.data();
     for (int64_t i = 0; i < M; ++i)
       for (int64_t n = 0; n < N_; ++n) yb[i * ldc + n] = kernels::to_bf16(y32[i * N_ + n]);
+  } else if (e.via == Via::dense_copy) {  // dense rows of dst's type into the strided y
+    const size_t row = static_cast<size_t>(N_) * size_of(dst);
+    for (int64_t i = 0; i < M; ++i) {
+      std::memcpy(static_cast<std::byte*>(y) + i * ldc * size_of(dst),
+                  reinterpret_cast<const std::byte*>(wide->dst.data()) + i * row, row);
+    }
   }
+}
+
+size_t ExecContext::reference_entries() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto ref = [](const auto& e) { return e.second->impl.rfind("ref:", 0) == 0; };
+  return static_cast<size_t>(std::count_if(entries_.begin(), entries_.end(), ref));
 }
 
 }  // namespace gpt2attn::detail

@@ -66,6 +66,9 @@ class ExecContext {
   void trim() noexcept;
   size_t entries();   // how many are held now
   size_t reserved();  // how many of them prepare() made (never trimmed)
+  // How many run on oneDNN's reference implementation ("ref:"), hundreds of times slower than its JIT kernels: a
+  // shape or layout none of those takes (the tests expect none).
+  size_t reference_entries();
 
  private:
   friend class Linear;
@@ -73,7 +76,7 @@ class ExecContext {
   struct Key {
     int64_t N, K;
     bool bias;
-    DType compute, dst;
+    DType compute, gemm, dst;
     int64_t M, lda, ldc;
     int threads, slot;
     bool operator==(const Key&) const = default;
@@ -81,9 +84,10 @@ class ExecContext {
   struct KeyHash {
     size_t operator()(const Key& k) const;
   };
-  // A bf16 Linear on f32 GEMMs (Linear::gemm_): each slot's f32 result before a bf16 y, grown to the largest shape
-  // the slot's entries were made for (never per call, never shrunk; trim() keeps them). Node-based, so a slot's
-  // buffer stays put while another slot's is added; a slot's GEMMs are its thread's, one at a time.
+  // Each slot's dense result before run() finishes y (Entry::Via: a bf16 Linear on f32 GEMMs writing bf16, an int8
+  // Linear's int32 sums, a y of a row stride oneDNN's fast kernels refuse), grown to the largest shape the slot's
+  // entries were made for (never per call, never shrunk; trim() keeps them). Node-based, so a slot's buffer stays put
+  // while another slot's is added; a slot's GEMMs are its thread's, one at a time.
   struct Wide {
     std::vector<float> dst;
   };
@@ -99,7 +103,15 @@ class Linear {
  public:
   // w: an (N, K) view (torch layout) of f32, bf16 or f16 with any strides, bias: (N) f32 or null. Both are copied,
   // the weights converted to `compute` (f32 or bf16: rounded to nearest even once, or exact; see convert).
-  Linear(const TensorView& w, const float* bias, DType compute = DType::f32);
+  // int8: the weights quantized per row as WeightFormat::int8 (kernels/linear.hpp's quant_scale and quant_code, so
+  // decode's panels hold the same codes) for oneDNN's u8 x s8 GEMM on VNNI (int8_available()); run() then reads
+  // quantize_rows' u8 activations with their row scales and rescales the int32 sums into y (f32, or bf16 for a bf16
+  // layer) itself: y = (sum - 128 colsum_n) x_scale_m w_scale_n + b_n.
+  Linear(const TensorView& w, const float* bias, DType compute = DType::f32, bool int8 = false);
+  // Whether oneDNN runs u8 x s8 matmuls on VNNI (or AMX) here: elsewhere (AVX2, or oneDNN capped below VNNI) its int8
+  // kernels sum byte products in saturating 16-bit pairs, which full-range codes overflow, so an int8 layer's GEMMs
+  // take the dequantized weights instead. Probed once per process.
+  static bool int8_available();
   Linear(Linear&&) noexcept;
   Linear& operator=(Linear&&) noexcept;
   ~Linear();
@@ -111,8 +123,9 @@ class Linear {
   // GEMMs at once, 0 for a GEMM run alone. The engine says which, not the OpenMP runtime: a server calling from its
   // own parallel region has a thread number there that is no slot of ours (it made the output projection miss what
   // reserve() had prepared).
+  // row_scales: an int8 Linear's activation scales (M of them, Rows::scale), else null.
   void run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* y, int64_t ldc, int threads, int slot,
-           DType dst = DType::f32) const;
+           DType dst = DType::f32, const float* row_scales = nullptr) const;
   // Creates the entry run() would use from `slot`, without running, and keeps it for good (ExecContext::trim).
   void prepare(ExecContext& ctx, int64_t M, int64_t lda, int64_t ldc, int threads, int slot,
                DType dst = DType::f32) const;
@@ -120,8 +133,9 @@ class Linear {
   int64_t N() const { return N_; }
   int64_t K() const { return K_; }
   DType compute() const { return compute_; }
-  // The type run() reads x in: the compute type, or f32 holding bf16 values (convert_bf16_values) where the GEMMs
-  // multiply in f32 (gemm_). The caller converts each input once per call, not once per GEMM that reads it.
+  // The type run() reads x in: the compute type, f32 holding bf16 values (convert_bf16_values) where the GEMMs
+  // multiply in f32 (gemm_), or u8 codes (quantize_rows) for int8. The caller converts each input once per call, not
+  // once per GEMM that reads it.
   DType operand() const { return gemm_; }
   const std::string& implementation() const { return impl_; }  // oneDNN's name, e.g. "brg:avx512_core"
 
@@ -144,6 +158,9 @@ class Linear {
   dnnl::memory::desc weights_desc_;
   dnnl::memory weights_, bias_;
   std::string impl_;
+  // int8 (gemm_ == u8): per output row, the weights' scale and the sum of its codes; the bias, added by run().
+  std::vector<float> w_scales_, bias_host_;
+  std::vector<int32_t> w_sums_;
 };
 
 dnnl::engine& cpu_engine();

@@ -118,17 +118,18 @@ class AppendLease {
 };
 
 // Workspace regions of extend() (64-byte aligned); q and ctx are of the compute type t:
-//   x (T, d_in): the input in the GEMMs' operand type (empty for f32 compute, whose GEMMs read the caller's x) |
+//   x (T, d_in): the input in the GEMMs' operand type, with u8 codes' row scales (empty for f32 compute on f32 GEMMs,
+//   which read the caller's x) |
 //   q (H, T, D) | kv_stage (2, H_kv, T, D) f32 K and V rows before they are stored in a cache whose format no GEMM
 //   writes (empty when the GEMMs write the blocks in place: an f32 cache, or a bf16 cache under bf16 compute) |
-//   ctx (T, E) | ctx_wide (T, E) f32: ctx widened for GEMMs whose operand is f32 under bf16 compute (else empty) |
+//   ctx (T, E) | ctx_wide (T, E) of the operand type: ctx widened for GEMMs whose operand is f32 under bf16 compute,
+//   or quantized for int8 GEMMs (else empty) |
 //   tables (table_entries block pointers) | length (1) | scratch (threads, stride)
 // table_entries: the most blocks a sequence's table holds, ceil(context / block_tokens).
 struct ExtendPlan {
   Region<std::byte> x, q;
   Region<float> kv_stage;
-  Region<std::byte> ctx;
-  Region<float> ctx_wide;
+  Region<std::byte> ctx, ctx_wide;
   Region<std::byte*> tables;
   Region<int64_t> length;
   Region<float> scratch;
@@ -138,11 +139,13 @@ ExtendPlan extend_plan(const AttnShape& s, DType t, DType operand, bool stage, i
                        int64_t scratch_stride) {
   detail::WorkspacePlan p;
   ExtendPlan r;
-  r.x = p.region(operand, {t != DType::f32, s.T, s.d_in}, "extend: converted input");
+  r.x = p.region<std::byte>({t != DType::f32 || operand != DType::f32, detail::operand_bytes(operand, s.T, s.d_in)},
+                            "extend: converted input");
   r.q = p.region(t, {s.H, s.T, s.D}, "extend: q");
   r.kv_stage = p.region<float>({stage, 2, s.H_kv, s.T, s.D}, "extend: K/V staging");
   r.ctx = p.region(t, {s.T, s.E}, "extend: attention output");
-  r.ctx_wide = p.region<float>({operand != t, s.T, s.E}, "extend: attention output, widened");
+  r.ctx_wide = p.region<std::byte>({operand != t, detail::operand_bytes(operand, s.T, s.E)},
+                                   "extend: attention output, widened or quantized");
   r.tables = p.region<std::byte*>({table_entries}, "extend: block table");
   r.length = p.region<int64_t>({1}, "extend: length");
   r.scratch = p.region<float>({threads, scratch_stride}, "extend: kernel scratch");
@@ -315,8 +318,7 @@ struct StepPlan {
   Region<float> stage;
   Region<std::byte> q;
   Region<float> ctx;
-  Region<std::byte> ctx_t;
-  Region<float> ctx_wide;
+  Region<std::byte> ctx_t, ctx_wide;
   Region<std::byte*> tables, short_tables;
   Region<int64_t> lengths, short_lengths, short_tokens, short_rows, long_entries, first_row, item_base, state_base,
       pending, tiled_base;
@@ -329,12 +331,14 @@ StepPlan step_plan(const AttnShape& s, int64_t M, int64_t B, DType t, DType oper
   const int64_t KW = s.H_kv * s.D;
   detail::WorkspacePlan p;
   StepPlan r;
-  r.x = p.region(operand, {narrow, M, s.d_in}, "step: converted input");
+  r.x = p.region<std::byte>({narrow || operand != DType::f32, detail::operand_bytes(operand, M, s.d_in)},
+                            "step: converted input");
   r.stage = p.region<float>({M, s.E + 2 * KW}, "step: qkv");
   r.q = p.region(t, {narrow, M, s.E}, "step: queries of the long entries");
   r.ctx = p.region<float>({M, s.E}, "step: attention output");
   r.ctx_t = p.region(t, {narrow, M, s.E}, "step: attention output, compute type");
-  r.ctx_wide = p.region<float>({operand != t, M, s.E}, "step: attention output, widened");
+  r.ctx_wide = p.region<std::byte>({operand != t, detail::operand_bytes(operand, M, s.E)},
+                                   "step: attention output, widened or quantized");
   r.tables = p.region<std::byte*>({B, table_entries}, "step: block tables");
   r.short_tables = p.region<std::byte*>({B, table_entries}, "step: block tables of the short entries");
   r.lengths = p.region<int64_t>({B}, "step: lengths");
@@ -497,7 +501,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
   // GEMMs on every slot, since any thread may take any item.
   detail::team_for(threads, H + 2 * H_kv * segments, [&](int64_t item, int thread) {
     if (item < H) {
-      proj_q[item].run(ws.exec, xin.data, T, xin.ld, q + item * T * D * tsize, D, 1, thread, t);
+      proj_q[item].run(ws.exec, xin.data, T, xin.ld, q + item * T * D * tsize, D, 1, thread, t, xin.scales);
       if (run.check_finite) {
         detail::check_projection(q + item * T * D * tsize, t, T, D, D, "extend: the query", item * D);
       }
@@ -510,7 +514,7 @@ void MultiHeadAttention::Impl::extend(KvCache& cache, SequenceId seq, const floa
     float* staged = stage + ((part == KvPart::value ? H_kv : 0) + h) * T * D + t0 * D;
     void* dst = in_place ? static_cast<void*>(layout.row<std::byte>(tables[blk], part, h, (P + t0) % bt)) : staged;
     (part == KvPart::value ? proj_v : proj_k)[h].run(ws.exec, xin.row(t0), t1 - t0, xin.ld, dst, D, 1, thread,
-                                                      in_place ? layout.dtype : DType::f32);
+                                                      in_place ? layout.dtype : DType::f32, xin.scale(t0));
     if (run.check_finite) {  // before the rows reach the cache's format; a refused call commits none of them
       detail::check_projection(dst, in_place ? layout.dtype : DType::f32, t1 - t0, D, D,
                                part == KvPart::value ? "extend: the value" : "extend: the key", h * D);
@@ -692,7 +696,7 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
     // Item i is Q head i, then K heads, then V heads: its columns start at i * D in [q | k | v].
     detail::team_for(threads, H + 2 * H_kv, [&](int64_t item, int thread) {
       const detail::Linear& L = item < H ? proj_q[item] : item < H + H_kv ? proj_k[item - H] : proj_v[item - H - H_kv];
-      L.run(ws.exec, xin.data, M, xin.ld, stage + item * D, ldstage, 1, thread, DType::f32);
+      L.run(ws.exec, xin.data, M, xin.ld, stage + item * D, ldstage, 1, thread, DType::f32, xin.scales);
     });
   }
   if (run.check_finite) {  // before anything reaches the cache: a refused step commits none of it

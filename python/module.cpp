@@ -210,12 +210,21 @@ py::array_t<float> cached_row(const ga::KvCache& c,
   return a;
 }
 
-ga::EngineOptions engine_options(int threads, const std::string& isa, const std::string& compute) {
+// weights_dtype: None (the compute type's), "int8" or "int4", or the compute type's own name.
+ga::EngineOptions engine_options(int threads, const std::string& isa, const std::string& compute,
+                                 const std::optional<std::string>& weights_dtype) {
   ga::EngineOptions o;
   o.threads = threads;
   o.isa = ga::isa_from_string(isa);
   if (compute != "f32" && compute != "bf16") invalid("compute '" + compute + "' (supported: f32, bf16)");
   o.compute = ga::dtype_from_string(compute);
+  if (weights_dtype && *weights_dtype != compute) {
+    if (*weights_dtype != "int8" && *weights_dtype != "int4") {
+      invalid("weights_dtype '" + *weights_dtype + "' (supported: None or '" + compute +
+              "' for the compute type, 'int8', 'int4')");
+    }
+    o.weights = ga::weight_format_from_string(*weights_dtype);
+  }
   return o;
 }
 
@@ -333,9 +342,11 @@ ga::AttentionInputs attention_inputs(int64_t num_heads, const py::object& query,
 // reaches a bf16 layer without an f32 copy); `config` gives num_heads and context_length, the file the sizes.
 template <class L>
 L layer_from_safetensors(const std::string& path, const ga::Config& config, const std::string& prefix, int threads,
-                         const std::string& isa, const std::string& compute) {
+                         const std::string& isa, const std::string& compute,
+                         const std::optional<std::string>& weights_dtype) {
   const ga::StoredLayer stored = ga::open_safetensors_layer(path, prefix);
-  return L(ga::apply_loaded_shapes(config, stored), stored.weights, engine_options(threads, isa, compute));
+  return L(ga::apply_loaded_shapes(config, stored), stored.weights,
+           engine_options(threads, isa, compute, weights_dtype));
 }
 
 PYBIND11_MODULE(_gpt2attn, m) {
@@ -465,15 +476,17 @@ PYBIND11_MODULE(_gpt2attn, m) {
   py::class_<ga::MultiHeadAttention>(m, "MultiHeadAttention",
                                      "torch.nn.MultiheadAttention's computation (gpt2attn/attention.hpp).")
       .def(py::init([](const ga::Config& c, const PyWeights& w, int threads, const std::string& isa,
-                       const std::string& compute) {
-             return ga::MultiHeadAttention(c, w.for_config(c), engine_options(threads, isa, compute));
+                       const std::string& compute, const std::optional<std::string>& weights_dtype) {
+             return ga::MultiHeadAttention(c, w.for_config(c), engine_options(threads, isa, compute, weights_dtype));
            }),
            py::arg("config"), py::arg("weights"), py::arg("threads") = 0, py::arg("isa") = "best",
-           py::arg("compute") = "f32",
+           py::arg("compute") = "f32", py::arg("weights_dtype") = py::none(),
            "compute: 'f32' or 'bf16' (bf16 weights, projections and attention core with f32 accumulation; "
-           "inputs and outputs stay float32 arrays).")
+           "inputs and outputs stay float32 arrays). weights_dtype: None (the compute type), 'int8' (one scale per "
+           "output row) or 'int4' (one per row and 32 inputs), quantized once here.")
       .def_static("from_safetensors", &layer_from_safetensors<ga::MultiHeadAttention>, py::arg("path"), py::arg("config"),
                   py::arg("prefix") = "", py::arg("threads") = 0, py::arg("isa") = "best", py::arg("compute") = "f32",
+                  py::arg("weights_dtype") = py::none(),
                   "The layer of a safetensors file (torch or Hugging Face GPT-2 names after prefix), its tensors read "
                   "as stored: F32, F16 or BF16, converted once into the layer's compute type. config gives num_heads "
                   "and context_length, the file the sizes.")
@@ -525,15 +538,17 @@ PYBIND11_MODULE(_gpt2attn, m) {
   py::class_<ga::CausalSelfAttention>(m, "CausalSelfAttention",
                                       "GPT-2's attention block: fused QKV, causal, with KV-cache serving.")
       .def(py::init([](const ga::Config& c, const PyWeights& w, int threads, const std::string& isa,
-                       const std::string& compute) {
-             return ga::CausalSelfAttention(c, w.for_config(c), engine_options(threads, isa, compute));
+                       const std::string& compute, const std::optional<std::string>& weights_dtype) {
+             return ga::CausalSelfAttention(c, w.for_config(c), engine_options(threads, isa, compute, weights_dtype));
            }),
            py::arg("config"), py::arg("weights"), py::arg("threads") = 0, py::arg("isa") = "best",
-           py::arg("compute") = "f32",
+           py::arg("compute") = "f32", py::arg("weights_dtype") = py::none(),
            "compute: 'f32' or 'bf16' (bf16 weights, projections and attention core with f32 accumulation; "
-           "inputs and outputs stay float32 arrays).")
+           "inputs and outputs stay float32 arrays). weights_dtype: None (the compute type), 'int8' (one scale per "
+           "output row) or 'int4' (one per row and 32 inputs), quantized once here.")
       .def_static("from_safetensors", &layer_from_safetensors<ga::CausalSelfAttention>, py::arg("path"), py::arg("config"),
                   py::arg("prefix") = "", py::arg("threads") = 0, py::arg("isa") = "best", py::arg("compute") = "f32",
+                  py::arg("weights_dtype") = py::none(),
                   "The layer of a safetensors file (torch or Hugging Face GPT-2 names after prefix), its tensors read "
                   "as stored: F32, F16 or BF16, converted once into the layer's compute type. config gives num_heads "
                   "and context_length, the file the sizes.")

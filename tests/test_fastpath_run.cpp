@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "engine/linear.hpp"
+#include "engine/workspace.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/bf16.hpp"
 #include "tests/fastpath_util.hpp"
@@ -420,6 +421,39 @@ TEST_P(FastPathBf16Io, RaggedInnerDimensionStaysOffAmx) {
   }
 }
 GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathBf16Io);
+
+// oneDNN 2.6 runs a GEMM none of its JIT kernels takes on its reference loop ("ref:any"), hundreds of times slower: on an
+// Intel Xeon (model 207) the output projection's strided panels did, 20.4 s of gpt2-small's prefill. No projection of
+// forward (a dense and a row-strided input), extend or a long ragged step may land there, in f32 and bf16 compute,
+// with compute-type and int8 weights (oneDNN's choices do not depend on the layer's instruction set).
+TEST(OneDnnGemms, NoneRunsOnTheReferenceImplementation) {
+  Config c = make_config(128, 2, 0, 0, 0, true);
+  c.context_length = 256;
+  const Weights w = Weights::random(c, 77);
+  std::mt19937_64 rng(78);
+  const int64_t T = 70, W = 128, ld = W + 2;
+  const std::vector<float> x = test::random_uniform(static_cast<size_t>(2 * T * ld), rng);
+  for (DType compute : {DType::f32, DType::bf16}) {
+    for (WeightFormat f : {WeightFormat::compute, WeightFormat::int8}) {
+      CausalSelfAttention block(c, w, EngineOptions{.threads = 2, .compute = compute, .weights = f});
+      Workspace ws;
+      std::vector<float> out(static_cast<size_t>(2 * T * W));
+      block.forward(x.data(), 2, T, out.data(), {}, &ws);
+      AttentionInputs in;
+      in.query = TensorView::f32(x.data(), {2, T, W}).with_strides({T * ld, ld, 1});
+      block.layer().forward(in, out.data(), {}, &ws);
+      KvCacheOptions opts;
+      opts.capacity_tokens = 512;
+      KvCache cache(block.config(), opts);
+      const SequenceId ids[2] = {cache.create(), cache.create()};
+      block.extend(cache, ids[0], x.data(), T, out.data(), {}, &ws);
+      const int64_t tokens[2] = {1, 79};
+      block.step(cache, ids, tokens, 2, x.data(), out.data(), {}, &ws);
+      EXPECT_EQ(ws.impl().exec.reference_entries(), 0u)
+          << to_string(compute) << " compute, " << to_string(f) << " weights: " << block.layer().implementation();
+    }
+  }
+}
 
 // A bf16 Linear multiplies the bf16-rounded weights and inputs and sums the products in f32, whichever GEMM oneDNN has:
 // a bf16 one, or f32 on the bf16 values where it has none (ctest's bf16_on_f32_gemms). Checked against a double sum of

@@ -17,7 +17,9 @@
 
 #include "engine/convert.hpp"
 #include "gpt2attn/gpt2attn.hpp"
+#include "engine/linear.hpp"
 #include "kernels/linear.hpp"
+#include "kernels/tiles.hpp"
 #include "tests/isa_param.hpp"
 #include "tests/kv_harness.hpp"
 #include "tests/test_util.hpp"
@@ -33,10 +35,11 @@ using test::serving_config;
 constexpr WeightFormat kFormats[] = {WeightFormat::int8, WeightFormat::int4};
 
 // The bound of a layer computing in `compute` over a `kv` cache against the reference on its dequantized weights: the
-// quantization is exact there, so what is left is the compute type's and the cache's (layer_tolerance, whose bf16 part
-// counts the rounding of the weights to bf16 that prefill's GEMMs make).
-Tolerance bound(DType compute, DType kv, int64_t D, int64_t K, double m) {
-  return layer_tolerance(compute, kv, D, K, m);
+// weights' quantization is exact there, so what is left is the compute type's and the cache's (layer_tolerance, whose
+// bf16 part counts the rounding of the weights to bf16 that prefill's GEMMs make), and int8's integer GEMMs' rounding
+// of their inputs (dequantized_tolerance).
+Tolerance bound(WeightFormat f, DType compute, DType kv, int64_t D, int64_t K, double m) {
+  return dequantized_tolerance(f, compute, kv, D, K, m);
 }
 
 Config grouped(Config c, int64_t kv_heads) {
@@ -64,6 +67,10 @@ TEST_P(QuantizedWeights, EveryPathMatchesReferenceOnDequantizedWeights) {
         const int64_t W = cc.query_width(), E = cc.d_model, D = cc.head_dim();
         const std::string ctx = test::label(isa(), 2, std::string(to_string(f)) + " weights, " + to_string(compute) +
                                                            " compute | " + test::describe(cc));
+        // int8 prefill runs integer GEMMs wherever oneDNN has VNNI, and says so; int4 never does.
+        const bool int8_gemms = f == WeightFormat::int8 && detail::Linear::int8_available();
+        EXPECT_EQ(block.layer().implementation().find("u8 x s8") != std::string::npos, int8_gemms)
+            << block.layer().implementation();
         std::mt19937_64 rng(seed + 1);
 
         // forward: two sequences of 37 tokens.
@@ -76,7 +83,7 @@ TEST_P(QuantizedWeights, EveryPathMatchesReferenceOnDequantizedWeights) {
           in.query = TensorView::f32(x.data(), {B, T, W});
           const std::vector<double> ref = reference_forward(cc, deq, in);
           const int64_t K = test::reduction_length(cc, T);
-          EXPECT_TRUE(test::all_close_within(got, ref, [&](double m) { return bound(compute, DType::f32, D, K, m); },
+          EXPECT_TRUE(test::all_close_within(got, ref, [&](double m) { return bound(f, compute, DType::f32, D, K, m); },
                                              ctx + " | forward B=2 T=37"));
         }
 
@@ -86,7 +93,8 @@ TEST_P(QuantizedWeights, EveryPathMatchesReferenceOnDequantizedWeights) {
           KvCache cache(cc, opts);
           const SequenceId ids[2] = {cache.create(), cache.create()};
           const int64_t first[2] = {23, 6};  // prompt lengths; the first in two chunks (15 + 8)
-          const int64_t steps = 3, ragged[2] = {1, 3}, N[2] = {first[0] + steps + ragged[0], first[1] + steps + ragged[1]};
+          const int64_t steps = 3, ragged[2] = {1, kernels::tiles::kStepFewRowTokens + 2};
+          const int64_t N[2] = {first[0] + steps + ragged[0], first[1] + steps + ragged[1]};
           std::vector<float> xs[2], outs[2];
           for (int s = 0; s < 2; ++s) {
             xs[s] = test::random_uniform(static_cast<size_t>(N[s] * W), rng, -2.0f, 2.0f);
@@ -103,7 +111,7 @@ TEST_P(QuantizedWeights, EveryPathMatchesReferenceOnDequantizedWeights) {
             block.decode(cache, ids, 2, x2.data(), y2.data());
             for (int s = 0; s < 2; ++s) std::copy_n(y2.begin() + s * E, E, outs[s].begin() + (first[s] + t) * E);
           }
-          {  // a ragged step: 1 token of the first sequence, 3 of the second
+          {  // a ragged step: 1 token of the first sequence, ragged[1] of the second (past kStepFewRowTokens: GEMMs)
             const int64_t M = ragged[0] + ragged[1];
             std::vector<float> xm(static_cast<size_t>(M * W)), ym(static_cast<size_t>(M * E), test::kNaN);
             const int64_t at[2] = {first[0] + steps, first[1] + steps};
@@ -117,7 +125,7 @@ TEST_P(QuantizedWeights, EveryPathMatchesReferenceOnDequantizedWeights) {
             const std::vector<double> ref = reference_sequence(cc, deq, xs[s]);
             const int64_t K = test::reduction_length(cc, N[s]);
             EXPECT_TRUE(test::all_close_within(
-                outs[s], ref, [&](double m) { return bound(compute, kv, D, K, m); },
+                outs[s], ref, [&](double m) { return bound(f, compute, kv, D, K, m); },
                 ctx + " | " + to_string(kv) + " cache, sequence " + std::to_string(s) +
                     ": extend, 3 decode steps of B=2, a ragged step; index t*E+e"));
           }

@@ -126,6 +126,10 @@ typedef struct gpt2attn_engine_options {
   int32_t threads;     /* threads of a call that passes 0; 0: every core OpenMP offers */
   const char* isa;     /* instruction-set cap: NULL or "best", "avx512_bf16", "avx512", "avx2", "scalar" */
   const char* compute; /* NULL or "f32"; "bf16": weights, projections and attention in bf16, sums in f32 */
+  /* Appended after the first release (struct_size): the projection weights' format. NULL or "compute": the
+   * compute type; "int8" (one scale per output row) or "int4" (one per row and 32 inputs), quantized when the layer
+   * is built (gpt2attn/dtype.hpp, WeightFormat). */
+  const char* weights;
 } gpt2attn_engine_options_t;
 
 /* The struct_size of a struct as this header declares it. */

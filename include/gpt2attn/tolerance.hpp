@@ -154,9 +154,27 @@ inline double weights_roundoff(WeightFormat f, int64_t row_length) {
 // ErrorAgainstF32WeightsBesideLlamaCppFormats) the largest error took at most 0.41 of that term (int8 0.32-0.41, int4
 // 0.29-0.37).
 inline constexpr double kWeightChain = 2.0;
+
+// int8 weights on integer GEMMs (prefill, extend and long steps, where oneDNN has VNNI) round the GEMMs' inputs too:
+// the layer's input and the attention output, each row to 8 bits on its own scale (half a step, max|row| / 254), an
+// error of the same shape as an int8 weight row's, so it takes the same figure and chain factor. None otherwise.
+inline double activations_roundoff(WeightFormat f, int64_t width) {
+  return f == WeightFormat::int8 ? weights_roundoff(WeightFormat::int8, width) : 0.0;
+}
+
+// A layer holding weights in format f against the reference over the weights it computes with (dequantized()):
+// layer_tolerance, plus for int8 the activations' rounding of its integer GEMMs.
+inline Tolerance dequantized_tolerance(WeightFormat f, DType compute, DType kv, int64_t head_dim,
+                                       int64_t reduction_length, double max_abs_reference) {
+  const Tolerance l = layer_tolerance(compute, kv, head_dim, reduction_length, max_abs_reference);
+  const double s = kWeightChain * activations_roundoff(f, reduction_length);
+  return {l.rtol, l.atol + s * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
+}
+
+// Against the f32 weights: the weights' rounding as well.
 inline Tolerance weights_tolerance(WeightFormat f, DType compute, DType kv, int64_t head_dim, int64_t reduction_length,
                                    double max_abs_reference) {
-  const Tolerance l = layer_tolerance(compute, kv, head_dim, reduction_length, max_abs_reference);
+  const Tolerance l = dequantized_tolerance(f, compute, kv, head_dim, reduction_length, max_abs_reference);
   const double s = kWeightChain * weights_roundoff(f, reduction_length);
   return {l.rtol, l.atol + s * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
 }

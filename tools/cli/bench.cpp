@@ -40,8 +40,12 @@ const char* kAbout = R"(bench    times the whole layer (QKV projection, causal a
          is decode() of one new token for each of the B sequences (QKV projection, attention over the cache,
          output projection); every step appends, so the cache grows by 2 + repeats tokens per sequence
          (context length raised to fit). GFLOP/s: 2*B*d_in*(E+2KW) + 2*B*E*E + 4*E*B*(T+1); tokens/s = B / step;
-         bytes per step = weights ((E+2KW)*d_in + E*E)*(4 or 2 by --dtype) + K/V read B*T*2*KW*(4, 2 or 1 by
-         --kv-dtype), plus for int8 and fp8 B*T*2*N*4 of scales (N K/V heads); GB/s = bytes per step / step.
+         bytes per step = weights ((E+2KW)*d_in + E*E)*(4 or 2 by --dtype; 1 with --weights-dtype int8, 0.5 with
+         int4, plus their f32 scales: one per output row, int4 one per row and 32 inputs) + K/V read
+         B*T*2*KW*(4, 2 or 1 by --kv-dtype), plus for int8 and fp8 B*T*2*N*4 of scales (N K/V heads); GB/s =
+         bytes per step / step. --weights-dtype int8 or int4 quantizes the projection weights when the layer is
+         built (gpt2attn/dtype.hpp, WeightFormat); f32 or bf16 (the --dtype) keeps them in the compute type;
+         given more than once, every case runs with each, and the dtype column says "bf16/int8w".
          --kv-dtype bf16 stores the cache's K/V in bf16 (half the K/V bytes); int8 in symmetric int8 with one
          f32 scale per token and K/V head (about a quarter); fp8 in e4m3, rounded to nearest even after a
          power-of-two scale per token and K/V head (about a quarter); default f32. Given more than once (like
@@ -80,6 +84,7 @@ const char* kAbout = R"(bench    times the whole layer (QKV projection, causal a
 // The options, checked.
 struct Request {
   std::vector<DType> computes;
+  std::vector<std::string> weights;  // --weights-dtype as given
   std::string mode, cache;
   bool decode = false, step = false, interleave = false, json = false, check = false;
   bench::StepMix mix;  // --mode step
@@ -96,9 +101,9 @@ struct Request {
   std::optional<Config> config;
 };
 
-// One case: a preset with one --kv-heads value, in one --kv-dtype, in one --dtype.
+// One case: a preset with one --kv-heads value, in one --kv-dtype, in one --dtype, with one --weights-dtype.
 struct Case {
-  DType compute;
+  bench::Precision precision;
   std::string kv_name, preset;
   Config cfg;  // the preset with this case's --kv-heads
   int64_t T;
@@ -135,6 +140,10 @@ std::pair<int64_t, int64_t> count_pair(const Args& a, const std::string& k) {
 Request read_request(const Args& a) {
   Request r;
   r.computes = compute_dtypes(a);
+  r.weights = weights_dtype_names(a);
+  for (const DType c : r.computes) {
+    for (const std::string& w : r.weights) (void)weight_format_for(w, c);  // a mismatch fails before any timing
+  }
   r.mode = choice("mode", a.get("mode", "prefill"), {"prefill", "decode", "step"});
   r.decode = r.mode == "decode";
   r.step = r.mode == "step";
@@ -199,12 +208,15 @@ Request read_request(const Args& a) {
 std::vector<Case> expand(const Request& r) {
   std::vector<Case> cases;
   for (const DType compute : r.computes) {
-    for (const std::string& kv : r.kv_names) {
-      for (const int64_t h : r.kv_heads) {
-        for (const auto& name : r.presets) {
-          for (const int64_t seq : r.seqs) {
-            const int64_t T = (!r.explicit_presets && name == "gpt3-175b") ? std::min<int64_t>(seq, 128) : seq;
-            cases.push_back({compute, kv, name, config_for(r, name, h), T});
+    for (const std::string& weights : r.weights) {
+      const bench::Precision p(compute, weight_format_for(weights, compute));
+      for (const std::string& kv : r.kv_names) {
+        for (const int64_t h : r.kv_heads) {
+          for (const auto& name : r.presets) {
+            for (const int64_t seq : r.seqs) {
+              const int64_t T = (!r.explicit_presets && name == "gpt3-175b") ? std::min<int64_t>(seq, 128) : seq;
+              cases.push_back({p, kv, name, config_for(r, name, h), T});
+            }
           }
         }
       }
@@ -245,19 +257,19 @@ bench::BenchResult run_case(const Request& r, const Case& c) {
   const bool cold = r.cache == "cold";
 #ifdef GPT2ATTN_HAVE_MPI
   if (world().parallel()) {
-    return r.decode ? bench::bench_decode_sharded(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa, r.repeats,
+    return r.decode ? bench::bench_decode_sharded(c.preset, c.cfg, r.B, c.T, c.precision, r.threads, r.isa, r.repeats,
                                                   r.check, cold, kv_dtype_of(c.kv_name), r.mpi_timeout_s)
-                    : bench::bench_prefill_sharded(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa,
+                    : bench::bench_prefill_sharded(c.preset, c.cfg, r.B, c.T, c.precision, r.threads, r.isa,
                                                    r.repeats, r.check, r.mpi_timeout_s);
   }
 #endif
   if (r.step) {
-    return bench::bench_step(c.preset, c.cfg, r.mix, c.T, c.compute, r.threads, r.isa, r.repeats, r.check, cold,
+    return bench::bench_step(c.preset, c.cfg, r.mix, c.T, c.precision, r.threads, r.isa, r.repeats, r.check, cold,
                              kv_dtype_of(c.kv_name));
   }
-  return r.decode ? bench::bench_decode(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa, r.repeats, r.check,
+  return r.decode ? bench::bench_decode(c.preset, c.cfg, r.B, c.T, c.precision, r.threads, r.isa, r.repeats, r.check,
                                         cold, kv_dtype_of(c.kv_name))
-                  : bench::bench_prefill(c.preset, c.cfg, r.B, c.T, c.compute, r.threads, r.isa, r.repeats, r.check);
+                  : bench::bench_prefill(c.preset, c.cfg, r.B, c.T, c.precision, r.threads, r.isa, r.repeats, r.check);
 }
 
 // The rows, on rank 0: a table or JSON lines on stdout, and progress on stderr, never on stdout: a line per
@@ -273,12 +285,12 @@ class Report {
     if (r_.json || !world().prints()) return;
     if (r_.step) {
       std::printf("step: %s over T cached tokens each\n", r_.mix.describe().c_str());
-      std::printf("%-12s %-5s %-4s %3s %6s %6s %7s %10s %11s %6s %10s %-11s %s\n", "preset", "dtype", "kv", "kvh", "T",
+      std::printf("%-12s %-10s %-4s %3s %6s %6s %7s %10s %11s %6s %10s %-11s %s\n", "preset", "dtype", "kv", "kvh", "T",
                   "tokens", "threads", "median_ms", "separate_ms", "x_sep", "tokens/s", "ISA",
                   r_.check ? "max_err (allowed)" : "");
       return;
     }
-    std::printf("%-12s %-8s %-5s %3s %3s %6s %7s %10s %9s ", "preset", "mode", "dtype", "kvh", "B", "T", "threads",
+    std::printf("%-12s %-8s %-10s %3s %3s %6s %7s %10s %9s ", "preset", "mode", "dtype", "kvh", "B", "T", "threads",
                 "median_ms", "GFLOP/s");
     if (r_.decode) std::printf("%-4s %10s %9s %7s ", "kv", "tokens/s", "MB/step", "GB/s");
     if (r_.interleave) std::printf("%7s ", "x_first");
@@ -290,11 +302,13 @@ class Report {
 
   void row(const Case& c, const bench::BenchResult& res) {
     if (!world().prints()) return;
-    const char* dtype = to_string(c.compute);
+    const std::string dtype_name = c.precision.name();  // "bf16", or "bf16/int8w" with quantized weights
+    const char* dtype = dtype_name.c_str();
     const bool ok = !res.checked || res.allowed >= 0;
     all_ok_ = all_ok_ && ok;
     if (r_.json) {
-      nlohmann::json j = {{"preset", res.preset}, {"mode", r_.mode}, {"dtype", dtype}, {"kv_heads", c.cfg.kv_heads()},
+      nlohmann::json j = {{"preset", res.preset}, {"mode", r_.mode}, {"dtype", to_string(c.precision.compute)},
+                          {"weights_dtype", to_string(c.precision.weights)}, {"kv_heads", c.cfg.kv_heads()},
                           {"batch", res.B}, {"seq", res.T}, {"threads", res.threads}, {"median_ms", res.median_ms},
                           {"min_ms", res.min_ms}, {"max_ms", res.max_ms}, {"repeats", res.repeats},
                           {"busy", res.busy()}, {"waited_share", res.waited_share}, {"gflops", res.gflops},
@@ -338,14 +352,14 @@ class Report {
         std::snprintf(err, sizeof err, "%.2e (%.1e) %s", res.max_abs_err, res.bound, ok ? "ok" : "FAIL");
       }
       if (r_.step) {
-        std::printf("%-12s %-5s %-4s %3ld %6ld %6ld %7d %9.3f%s %11.3f %6.2f %10.0f %-11s %s\n", res.preset.c_str(), dtype,
+        std::printf("%-12s %-10s %-4s %3ld %6ld %6ld %7d %9.3f%s %11.3f %6.2f %10.0f %-11s %s\n", res.preset.c_str(), dtype,
                     c.kv_name.c_str(), static_cast<long>(c.cfg.kv_heads()), static_cast<long>(res.T),
                     static_cast<long>(res.step_tokens), res.threads, res.median_ms, res.busy() ? "*" : " ",
                     res.separate_ms, res.x_separate, res.tokens_per_s, res.isa.c_str(), err);
         std::fflush(stdout);
         return;
       }
-      std::printf("%-12s %-8s %-5s %3ld %3ld %6ld %7d %9.3f%s %9.1f ", res.preset.c_str(), r_.mode.c_str(), dtype,
+      std::printf("%-12s %-8s %-10s %3ld %3ld %6ld %7d %9.3f%s %9.1f ", res.preset.c_str(), r_.mode.c_str(), dtype,
                   static_cast<long>(c.cfg.kv_heads()), static_cast<long>(res.B), static_cast<long>(res.T), res.threads,
                   res.median_ms, res.busy() ? "*" : " ", res.gflops);
       if (r_.decode) {
@@ -371,13 +385,16 @@ class Report {
     }
   }
 
-  // The table ends with the implementation each compute type runs on.
+  // The table ends with the implementation each compute type (and weight format) runs on.
   void footer() const {
     if (r_.json || !world().prints()) return;
     for (const DType compute : r_.computes) {
-      const bench::BenchResult res =
-          bench::bench_prefill("gpt2-small", preset("gpt2-small"), 1, 1, compute, r_.threads, r_.isa, 1, false);
-      std::printf("implementation (%s): %s\n", to_string(compute), res.impl.c_str());
+      for (const std::string& w : r_.weights) {
+        const bench::Precision p(compute, weight_format_for(w, compute));
+        const bench::BenchResult res =
+            bench::bench_prefill("gpt2-small", preset("gpt2-small"), 1, 1, p, r_.threads, r_.isa, 1, false);
+        std::printf("implementation (%s): %s\n", p.name().c_str(), res.impl.c_str());
+      }
     }
   }
 
@@ -423,7 +440,7 @@ int run_bench(const Args& a) {
   report.header();
   if (r.interleave) {
     std::vector<bench::DecodeSpec> specs;
-    for (const Case& c : cases) specs.push_back({c.preset, c.cfg, c.T, c.compute, kv_dtype_of(c.kv_name)});
+    for (const Case& c : cases) specs.push_back({c.preset, c.cfg, c.T, c.precision, kv_dtype_of(c.kv_name)});
     report.start_case();
     const Waited waited;
     std::vector<bench::BenchResult> results =
@@ -466,6 +483,7 @@ const Command& bench_command() {
           value("decode", "N", "step: N sequences each appending one token."),
           value("draft", "NxK", "step: N sequences each appending K draft tokens to verify."),
           compute_row(true),
+          weights_row(true),
           values("kv-heads", "N", "K/V heads of every preset (grouped-query attention); default: as many as heads."),
           kv_dtype_row(),
           flag("interleave", "decode --cache cold: one step of each case in turn (the x_first column)."),

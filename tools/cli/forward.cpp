@@ -238,6 +238,7 @@ void refuse_output_over_an_input(const Request& r) {
 Request read_request(const Args& a) {
   Request r;
   r.opts.compute = compute_dtypes(a).front();
+  r.opts.weights = weight_format_for(weights_dtype_names(a).front(), r.opts.compute);
   r.output = a.required("output");
   if (!a.has("heads") && !a.has("config")) throw UsageError("missing required option --heads (or --config)");
   r.config_path = a.get("config");
@@ -381,6 +382,7 @@ const Command& forward_command() {
                             "--config)."),
           value("context-length", "N", "the layer's context length; default max(1024, T, Tk) or --config's."),
           compute_row(false),
+          weights_row(false),
           threads_row(),
           isa_row(),
           mpi_timeout_row(),

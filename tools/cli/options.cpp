@@ -160,6 +160,31 @@ Option compute_row(bool repeatable) {
   return o;
 }
 
+Option weights_row(bool repeatable) {
+  Option o = value("weights-dtype", "f32|bf16|int8|int4",
+                   "the projection weights: the compute type (default), or int8 / int4 quantized at load.");
+  o.repeatable = repeatable;
+  return o;
+}
+
+std::vector<std::string> weights_dtype_names(const Args& a) {
+  std::vector<std::string> given = a.distinct<std::string>("weights-dtype", [](const std::string& n) {
+    return choice("weights-dtype", n, {"f32", "bf16", "int8", "int4"});
+  });
+  if (given.empty()) given = {"compute"};
+  return given;
+}
+
+WeightFormat weight_format_for(const std::string& name, DType compute) {
+  if (name == "int8" || name == "int4") return weight_format_from_string(name);
+  if (name != "compute" && name != to_string(compute)) {
+    throw UsageError("--weights-dtype " + name + " with --dtype " + to_string(compute) +
+                     ": unquantized weights are held in the compute type (give --weights-dtype " +
+                     to_string(compute) + ", int8 or int4)");
+  }
+  return WeightFormat::compute;
+}
+
 Option kv_dtype_row() {
   return values("kv-dtype", joined(kv_names(), "|"), "decode: the KV cache's storage type; default f32.");
 }

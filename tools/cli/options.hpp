@@ -48,6 +48,7 @@ Option threads_row();
 Option isa_row();
 Option compute_row(bool repeatable);  // --dtype
 Option kv_dtype_row();                // --kv-dtype, repeatable
+Option weights_row(bool repeatable);  // --weights-dtype
 
 class Args;
 struct Command {
@@ -119,6 +120,10 @@ std::vector<DType> compute_dtypes(const Args& a);
 // The K/V storage types --kv-dtype asks for, by the names given ("int8" or "i8" as given), in order; {"f32"} when
 // absent. A name that is not a K/V format of the library is a usage error listing those.
 std::vector<std::string> kv_dtype_names(const Args& a);
+// --weights-dtype's values as given ("compute" when absent), and one of them for a case computing in `compute`: f32 or
+// bf16 must name the compute type (a UsageError otherwise), int8 and int4 quantize.
+std::vector<std::string> weights_dtype_names(const Args& a);
+WeightFormat weight_format_for(const std::string& name, DType compute);
 // --threads: 1 to the library's max_threads() limit; 0 (every core OpenMP offers) when absent.
 int threads_option(const Args& a);
 
