@@ -31,7 +31,7 @@ namespace gpt2attn::kernels {
 
 inline constexpr int64_t kLinearPanel = 16;  // outputs per panel: one AVX-512 vector, two AVX2 vectors
 
-// Two int4 codes in a byte (q + 8 in each nibble, q in [-8, 7]): the packed element of an int4 panel.
+// Two int4 codes in a byte (each nibble a 4-bit two's complement q in [-8, 7]): the packed element of an int4 panel.
 struct int4x2 {
   uint8_t bits;
 };
@@ -121,7 +121,9 @@ inline void pack_linear_panel_int4(const float* rows, int64_t n, int64_t K, int6
     }
     for (int64_t k = k0; k < k0 + len; ++k) {
       for (int64_t c = 0; c < half; ++c) {
-        const auto code = [&](int64_t o) { return o < n ? quant_code(WeightFormat::int4, rows[o * ld + k], s[o]) + 8 : 8; };
+        const auto code = [&](int64_t o) {
+          return o < n ? quant_code(WeightFormat::int4, rows[o * ld + k], s[o]) & 0x0f : 0;
+        };
         codes[k * half + c].bits = static_cast<uint8_t>(code(c) | code(c + half) << 4);
       }
     }

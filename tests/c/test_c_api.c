@@ -659,11 +659,26 @@ static void test_engine_options(void) {
   CHECK(impl && strstr(impl, "kernels f32") != NULL, "NULL options: f32 compute, got %s", impl ? impl : "(null)");
   gpt2attn_layer_destroy(layer);
 
+  /* The field appended after the first release: quantized weights, named in the implementation. */
+  layer = NULL;
+  o = gpt2attn_engine_options_init();
+  o.weights = "int4";
+  CHECK_OK(gpt2attn_layer_create_random_with(&c, 7, &o, &layer));
+  if (layer) {
+    CHECK_OK(gpt2attn_layer_describe(layer, NULL, &impl));
+    CHECK(impl && strstr(impl, "int4 weights") != NULL, "options.weights = int4: the layer runs %s",
+          impl ? impl : "(null)");
+    gpt2attn_layer_destroy(layer);
+  }
+
   gpt2attn_layer_t* untouched_layer = (gpt2attn_layer_t*)&o; /* any non-NULL value: must survive each failure */
   layer = untouched_layer;
   o = gpt2attn_engine_options_init();
   o.compute = "f16";
   CHECK_ERR(gpt2attn_layer_create_random_with(&c, 7, &o, &layer), GPT2ATTN_ERR_INVALID_ARGUMENT, "f16");
+  o = gpt2attn_engine_options_init();
+  o.weights = "int3";
+  CHECK_ERR(gpt2attn_layer_create_random_with(&c, 7, &o, &layer), GPT2ATTN_ERR_INVALID_ARGUMENT, "int3");
   o = gpt2attn_engine_options_init();
   o.isa = "sse9";
   CHECK_ERR(gpt2attn_layer_create_random_with(&c, 7, &o, &layer), GPT2ATTN_ERR_INVALID_ARGUMENT, "sse9");

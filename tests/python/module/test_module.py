@@ -123,6 +123,30 @@ def test_hf_gpt2_block_reads_what_its_causal_buffer_says():
                                         context_length=64)
 
 
+@pytest.mark.parametrize("weights_dtype, bound", [("int8", 0.05), ("int4", 0.6)])
+def test_quantized_weights_decode_and_forward(weights_dtype, bound):
+    """weights_dtype= quantizes the projections once: the layer says so, its forward and decode agree with each other
+    (the same quantized values) and stay near the unquantized layer (int8 ~1e-2 of the output's rms, int4 ~1e-1); a
+    name that is no format is refused."""
+    rng = np.random.default_rng(31)
+    cfg = gpt2attn.Config(64, 4, context_length=64)
+    w = gpt2attn.Weights.random(cfg, 32)
+    dense = gpt2attn.CausalSelfAttention(cfg, w)
+    q = gpt2attn.CausalSelfAttention(cfg, w, weights_dtype=weights_dtype)
+    assert weights_dtype + " weights" in q.implementation
+    x = rand(rng, 1, 9, 64)
+    want, got = dense.forward(x), q.forward(x)
+    rms = float(np.sqrt(np.mean(want.astype(np.float64) ** 2)))
+    assert float(np.abs(got - want).max()) / rms < bound
+    cache = gpt2attn.KvCache(q.config, block_tokens=16, capacity_tokens=64)
+    seq = cache.create()
+    q.extend(cache, seq, x[0, :8])
+    step = q.decode(cache, [seq], x[0, 8:9])
+    np.testing.assert_allclose(step[0], got[0, 8], rtol=2e-2, atol=2e-2 * rms)
+    with pytest.raises(gpt2attn.InvalidArgument, match="weights_dtype"):
+        gpt2attn.CausalSelfAttention(cfg, w, weights_dtype="int3")
+
+
 def test_bf16_compute_is_as_accurate_as_torch_bf16():
     """compute="bf16" through from_hf_gpt2_block: error against fp64 at most 1.5x that of the same
     torch module run in bfloat16 (the CLI's test_torch_bf16_parity.py covers the shapes; this covers the option)."""
