@@ -6,7 +6,7 @@
 // "test_deadline: FAIL: <why>", and aborts with status 3 either way (rank 1 never returns), so the script reads the
 // verdict from that line. Modes:
 //   before  rank 1 stops before ShardedKvCache::create: rank 0 times out in create's agreement;
-//   during  rank 1 stops (from a timer thread) while computing a forward call of over a second: rank 0 times out
+//   during  rank 1 stops (from a timer thread) a third into computing a forward call: rank 0 times out
 //           in the barrier before the all-reduce of the outputs.
 #include <mpi.h>
 #include <time.h>
@@ -101,9 +101,11 @@ int run(const std::string& mode, int rank) {
                           "waited 2 s (its deadline)", "MPI_Abort"},
                          &message, layer);
   } else if (mode == "during") {
-    // B x T tokens 512 wide: about 40 GFLOP, half on each rank, over a second of one thread's compute, so the stop
-    // at 0.1 s falls inside it, after the agreement, which both ranks enter together after the barrier. A sanitizer
-    // build computes 20-50x slower (T = 4096 took 54 s under ASan): a quarter of the tokens keep it seconds.
+    // B x T tokens 512 wide: about 40 GFLOP, half on each rank: over a second of one thread's compute with AVX2
+    // GEMMs, about 0.2 s on the Xeon VM's AVX-512 ones. Rank 1 stops a third of the way through the compute it
+    // measured on the first call, so that the stop falls inside it at any speed, after the agreement, which both
+    // ranks enter together after the barrier. A sanitizer build computes 20-50x slower (T = 4096 took 54 s under
+    // ASan): a quarter of the tokens keep it seconds.
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
     const int64_t B = 2, T = 1024;
 #else
@@ -121,7 +123,7 @@ int run(const std::string& mode, int rank) {
     MPI_Barrier(MPI_COMM_WORLD);
     if (rank == 1) {
       std::thread([] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        std::this_thread::sleep_for(std::chrono::duration<double>(compute_s / 3));
         raise(SIGSTOP);
       }).detach();
     }
