@@ -66,8 +66,8 @@ inline Config serving_config(int64_t E, int64_t H, int64_t d_in = 0, int64_t con
 }
 
 inline CausalSelfAttention make_block(const Config& c, const Weights& w, Isa isa, int threads,
-                                      DType compute = DType::f32) {
-  CausalSelfAttention b(c, w, EngineOptions{.threads = threads, .isa = isa, .compute = compute});
+                                      DType compute = DType::f32, WeightFormat weights = WeightFormat::compute) {
+  CausalSelfAttention b(c, w, EngineOptions{.threads = threads, .isa = isa, .compute = compute, .weights = weights});
   EXPECT_EQ(b.layer().isa(), kernel_level(isa, compute))
       << "forced " << to_string(isa) << ", engine chose " << to_string(b.layer().isa());
   EXPECT_TRUE(b.config().causal) << "CausalSelfAttention must turn causal on";
@@ -295,6 +295,7 @@ struct Harness {
   Config cfg;
   Weights w;
   DType compute, kv;  // the layer's compute type, the cache's storage type
+  WeightFormat weights;
   CausalSelfAttention block;
   KvCache cache;
   BlockModel model;
@@ -305,18 +306,22 @@ struct Harness {
   Workspace ws;
   int calls = 0;  // alternates the caller's Workspace and the layer's own
 
+  // weights_: the layer's weight format; w then holds the values it computes with (dequantized()), so every
+  // reference below runs on them, within dequantized_tolerance.
   Harness(const Config& c, Isa isa_, int64_t block_tokens, int64_t capacity_tokens, uint64_t seed, int threads_,
-          DType compute_ = DType::f32, DType kv_ = DType::f32)
+          DType compute_ = DType::f32, DType kv_ = DType::f32, WeightFormat weights_ = WeightFormat::compute)
       : cfg(c),
         w(Weights::random(c, seed)),
         compute(compute_),
         kv(kv_),
-        block(make_block(c, w, isa_, threads_, compute_)),
+        weights(weights_),
+        block(make_block(c, w, isa_, threads_, compute_, weights_)),
         cache(block.config(), pool(block_tokens, capacity_tokens, kv_)),
         rng(seed + 1),
         isa(isa_),
         threads(threads_) {
     cfg = block.config();
+    if (weights != WeightFormat::compute) w = dequantized(w.view(cfg), weights);
     model.bt = cache.block_tokens();
     model.total = cache.total_blocks();
   }
@@ -436,7 +441,7 @@ struct Harness {
     if (N == 0) return ::testing::AssertionSuccess();
     const int64_t K = reduction_length(cfg, N), D = cfg.head_dim();
     return all_close_within(s.out, reference_sequence(cfg, w, s.x),
-                            [&](double m) { return layer_tolerance(compute, kv, D, K, m); },
+                            [&](double m) { return dequantized_tolerance(weights, compute, kv, D, K, m); },
                             ctx(what + " | sequence " + std::to_string(id) + " N=" + std::to_string(N) +
                                 "; index = token * E + e"));
   }

@@ -4,9 +4,10 @@
 //    attention (d_in, kdim, vdim apart), grouped K/V heads, causal, every mask kind and dtype at every rank with
 //    stride-0 broadcast axes, key padding, strided and bf16 input views, fully masked rows, training-mode dropout
 //    (and its off states), f32 and bf16 compute, one or two threads;
-//  - serving: a CausalSelfAttention over a KvCache of each storage dtype: prefills, chunked extends, decode batches
-//    after them, ragged steps (decode tokens, drafts and chunks of several sequences in one call), forks and
-//    releases, every output checked against the reference over its sequence's history.
+//  - serving: a CausalSelfAttention (compute-type, int8 or int4 weights) over a KvCache of each storage dtype:
+//    prefills, chunked extends, decode batches after them, ragged steps (decode tokens, drafts and chunks of several
+//    sequences in one call), forks and releases, every output checked against the reference over its sequence's
+//    history (on the dequantized weights, for the quantized formats).
 // Hand-picked shapes live in test_fastpath_tiles.cpp, run options in test_fastpath_run.cpp, and the long
 // randomized pool accounting (exhaustion, refused calls) in test_kv_soak.cpp.
 //
@@ -151,6 +152,7 @@ struct ServingOp {
 struct ServingPlan {
   Config cfg;
   DType compute = DType::f32, kv = DType::f32;
+  WeightFormat weights = WeightFormat::compute;
   int64_t block_tokens = 0, capacity_tokens = 0;
   int threads = 1;
   std::vector<ServingOp> ops;
@@ -284,6 +286,9 @@ ServingPlan draw_serving(Rng& r) {
   c.context_length = 2048;
   p.compute = r.chance(0.25) ? DType::bf16 : DType::f32;
   p.kv = r.pick(test::kv_formats());
+  constexpr WeightFormat kWeightFormats[] = {WeightFormat::compute, WeightFormat::compute, WeightFormat::int8,
+                                             WeightFormat::int4};
+  p.weights = r.pick(kWeightFormats);
   constexpr int64_t kBlockTokens[] = {1, 3, 7, 16, 64};
   p.block_tokens = r.pick(kBlockTokens);
   p.threads = r.chance(0.5) ? 2 : 1;
@@ -584,7 +589,7 @@ ForwardCase make_forward(const ForwardPlan& plan) {
 std::string describe(const ServingPlan& p) {
   std::ostringstream d;
   d << "serving: H_kv=" << p.cfg.kv_heads() << " D=" << p.cfg.head_dim() << " compute=" << to_string(p.compute)
-    << " kv=" << to_string(p.kv) << " block_tokens=" << p.block_tokens << " capacity=" << p.capacity_tokens
+    << " weights=" << to_string(p.weights) << " kv=" << to_string(p.kv) << " block_tokens=" << p.block_tokens << " capacity=" << p.capacity_tokens
     << " threads=" << p.threads << " ops:";
   for (const ServingOp& o : p.ops) {
     switch (o.op) {
@@ -608,7 +613,8 @@ std::string describe(const ServingPlan& p) {
 }
 
 ::testing::AssertionResult run_serving(const ServingPlan& p, uint64_t seed, Isa isa) {
-  test::Harness h(p.cfg, isa, p.block_tokens, p.capacity_tokens, mix(seed ^ 0xda7aULL), p.threads, p.compute, p.kv);
+  test::Harness h(p.cfg, isa, p.block_tokens, p.capacity_tokens, mix(seed ^ 0xda7aULL), p.threads, p.compute, p.kv,
+                  p.weights);
   if (h.block.layer().isa() != test::kernel_level(isa, p.compute)) {
     return ::testing::AssertionFailure() << "forced " << to_string(isa) << ", engine chose "
                                          << to_string(h.block.layer().isa());
@@ -705,6 +711,8 @@ TEST(FastPathSweepCoverage, EveryFeatureIsDrawn) {
       count("serving", true);
       for (DType kv : test::kv_formats()) count(std::string("serving kv ") + to_string(kv), v.kv == kv);
       count("serving compute bf16", v.compute == DType::bf16);
+      count("serving int8 weights", v.weights == WeightFormat::int8);
+      count("serving int4 weights", v.weights == WeightFormat::int4);
       count("serving grouped K/V heads", v.cfg.kv_heads() < v.cfg.num_heads);
       count("serving block_tokens 1", v.block_tokens == 1);
       count("serving prompt > 257 tokens", v.longest > 300);
@@ -790,6 +798,8 @@ TEST(FastPathSweepCoverage, EveryFeatureIsDrawn) {
       {"serving kv bf16", 0.03},
       {"serving kv i8", 0.03},
       {"serving compute bf16", 0.025},
+      {"serving int8 weights", 0.025},
+      {"serving int4 weights", 0.025},
       {"serving grouped K/V heads", 0.03},
       {"serving block_tokens 1", 0.02},
       {"serving prompt > 257 tokens", 0.005},
