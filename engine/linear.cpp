@@ -396,20 +396,24 @@ void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* 
   if (st != dnnl_success) fail(code_of(st), "oneDNN: matmul execution failed (status " + std::to_string(st) + ")");
   e.stream.wait();
   if (e.via == Via::int8_sums) {  // y = (sum - 128 colsum) x_scale w_scale + b, in f32, stored as dst
+    // One loop per output type, without branches, so that the compiler vectorizes it (with the bf16 store in the
+    // loop it did not: the epilogue took ~10% of gpt2-xl's int8 prefill).
     const auto* acc = reinterpret_cast<const int32_t*>(wide->dst.data());
+    const float* ws = w_scales_.data();
+    const int32_t* sums = w_sums_.data();
+    const float* b = has_bias_ ? bias_host_.data() : nullptr;
+    const auto value = [&](const int32_t* a, float sx, int64_t n) {
+      return static_cast<float>(a[n] - 128 * sums[n]) * (sx * ws[n]) + (b ? b[n] : 0.0f);
+    };
     for (int64_t i = 0; i < M; ++i) {
       const float sx = row_scales[i];
       const int32_t* a = acc + i * N_;
-      float* yf = dst == DType::f32 ? static_cast<float*>(y) + i * ldc : nullptr;
-      auto* yb = dst == DType::bf16 ? static_cast<kernels::bf16*>(y) + i * ldc : nullptr;
-      for (int64_t n = 0; n < N_; ++n) {
-        const float v = static_cast<float>(a[n] - 128 * w_sums_[n]) * (sx * w_scales_[n]) +
-                        (has_bias_ ? bias_host_[n] : 0.0f);
-        if (yf) {
-          yf[n] = v;
-        } else {
-          yb[n] = kernels::to_bf16(v);
-        }
+      if (dst == DType::f32) {
+        float* yf = static_cast<float*>(y) + i * ldc;
+        for (int64_t n = 0; n < N_; ++n) yf[n] = value(a, sx, n);
+      } else {
+        auto* yb = static_cast<kernels::bf16*>(y) + i * ldc;
+        for (int64_t n = 0; n < N_; ++n) yb[n] = kernels::to_bf16(value(a, sx, n));
       }
     }
     return;

@@ -176,6 +176,29 @@ TEST(WeightQuantization, CodesScalesAndEdgeRows) {
   }
 }
 
+// With check_finite off, a NaN in one token's input spreads through an int8 layer's outputs exactly as through the
+// compute-type layer's (the same elements NaN, the others finite; sequence 1 of the batch untouched): int8's integer
+// GEMMs give such a row a NaN scale rather than codes of a NaN.
+TEST(WeightQuantization, NonFiniteInputsSpreadAsInTheComputeTypeLayer) {
+  const Config c = serving_config(64, 2, 0, 64);
+  const Weights w = Weights::random(c, 5);
+  CausalSelfAttention dense(c, w, EngineOptions{.threads = 2});
+  CausalSelfAttention q8(c, w, EngineOptions{.threads = 2, .weights = WeightFormat::int8});
+  std::mt19937_64 rng(6);
+  std::vector<float> x = test::random_uniform(static_cast<size_t>(2 * 5 * 64), rng, -1.0f, 1.0f);
+  x[2 * 64 + 7] = test::kNaN;
+  std::vector<float> want(x.size(), 0.0f), got(x.size(), 0.0f);
+  dense.forward(x.data(), 2, 5, want.data(), RunOptions{.check_finite = false});
+  q8.forward(x.data(), 2, 5, got.data(), RunOptions{.check_finite = false});
+  int64_t nan = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    nan += std::isnan(want[i]);
+    ASSERT_EQ(std::isnan(got[i]), std::isnan(want[i])) << "element " << i << ": " << q8.layer().implementation();
+  }
+  EXPECT_GT(nan, 0);
+  EXPECT_LE(nan, 5 * 64) << "the second sequence must stay finite";
+}
+
 // A weights format that is none of the enumerators is refused, naming the option.
 TEST(WeightQuantization, UnknownFormatIsRefused) {
   const Config c = serving_config(32, 2);
