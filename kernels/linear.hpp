@@ -18,13 +18,12 @@
 // of kWeightGroup inputs, [panel][group][16], applied to the codes as they are widened.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "gpt2attn/dtype.hpp"
 #include "gpt2attn/isa.hpp"
-#include <algorithm>
-#include <cmath>
-
 #include "kernels/bf16.hpp"
 
 namespace gpt2attn::kernels {
