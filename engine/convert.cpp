@@ -168,19 +168,21 @@ std::vector<float> f32_values(const TensorView& v) {
   return out;
 }
 
+void dequantize_rows(float* w, int64_t N, int64_t K, WeightFormat f) {
+  if (f == WeightFormat::compute || N * K == 0) return;
+  const int64_t group = kernels::quant_group(f, K);
+  std::vector<int8_t> codes(static_cast<size_t>(K));
+  std::vector<float> scales(static_cast<size_t>(ceil_div(K, group)));
+  for (int64_t n = 0; n < N; ++n) {
+    float* row = w + n * K;
+    kernels::quantize_row(f, row, K, codes.data(), scales.data());
+    for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(codes[k]) * scales[k / group];
+  }
+}
+
 std::vector<float> dequantized_values(const TensorView& w, WeightFormat f) {
   std::vector<float> out = f32_values(w);
-  if (f == WeightFormat::compute || out.empty()) return out;
-  const int64_t N = w.shape[0], K = w.shape[1];
-  const int64_t group = f == WeightFormat::int8 ? K : kWeightGroup;
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t k0 = 0; k0 < K; k0 += group) {
-      float* g = out.data() + n * K + k0;
-      const int64_t len = std::min(group, K - k0);
-      const float scale = kernels::quant_scale(f, g, len);
-      for (int64_t k = 0; k < len; ++k) g[k] = static_cast<float>(kernels::quant_code(f, g[k], scale)) * scale;
-    }
-  }
+  if (!out.empty()) dequantize_rows(out.data(), w.shape[0], w.shape[1], f);
   return out;
 }
 

@@ -144,12 +144,8 @@ Linear::Linear(const TensorView& w, const float* bias, DType compute, bool int8)
       w_scales_.resize(static_cast<size_t>(N));
       w_sums_.assign(static_cast<size_t>(N), 0);
       for (int64_t n = 0; n < N; ++n) {
-        const float* row = values.data() + n * K;
-        w_scales_[n] = kernels::quant_scale(WeightFormat::int8, row, K);
-        for (int64_t k = 0; k < K; ++k) {
-          codes[n * K + k] = static_cast<int8_t>(kernels::quant_code(WeightFormat::int8, row[k], w_scales_[n]));
-          w_sums_[n] += codes[n * K + k];
-        }
+        kernels::quantize_row(WeightFormat::int8, values.data() + n * K, K, codes.data() + n * K, &w_scales_[n]);
+        for (int64_t k = 0; k < K; ++k) w_sums_[n] += codes[n * K + k];
       }
       if (bias) bias_host_.assign(bias, bias + N);
       std::optional<dnnl::matmul::desc> op;

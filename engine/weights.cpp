@@ -125,9 +125,9 @@ Weights Weights::copy_of(const WeightsView& v) {
 }
 
 Weights dequantized(const WeightsView& v, WeightFormat f) {
-  Weights w = Weights::copy_of(v);
+  Weights w = Weights::copy_of(v);  // f32, row-major in each view's shape: dequantized where it lies
   for (auto [dst, src] : {std::pair{&w.w_q, &v.w_q}, {&w.w_k, &v.w_k}, {&w.w_v, &v.w_v}, {&w.w_o, &v.w_o}}) {
-    if (!src->empty()) *dst = detail::dequantized_values(*src, f);
+    if (!src->empty()) detail::dequantize_rows(dst->data(), src->shape[0], src->shape[1], f);
   }
   return w;
 }

@@ -98,6 +98,19 @@ void pack_linear_weights(const S* w, int64_t N, int64_t K, T* packed) {
   }
 }
 
+// One row of K values in format f (int8 or int4): codes (K of them, row-major) and one scale per group of inputs
+// (int8: the whole row, one scale; int4: weight_groups(K) scales). The rule above, group by group; the panels below
+// apply the same functions panel by panel.
+inline int64_t quant_group(WeightFormat f, int64_t K) { return f == WeightFormat::int4 ? kWeightGroup : K; }
+inline void quantize_row(WeightFormat f, const float* w, int64_t K, int8_t* codes, float* scales) {
+  const int64_t group = quant_group(f, K);
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
+    const int64_t len = std::min(group, K - k0);
+    scales[g] = quant_scale(f, w + k0, len);
+    for (int64_t k = k0; k < k0 + len; ++k) codes[k] = static_cast<int8_t>(quant_code(f, w[k], scales[g]));
+  }
+}
+
 // Panel p of a quantized matrix from its rows [p*16, p*16 + n) (n <= 16, f32, row stride ld): int8 or int4 codes
 // (codes: K * 16 int8_t or K * 8 int4x2, the panel's share of the packed layout) and scales (16 or groups * 16
 // floats), the outputs past n zero.
