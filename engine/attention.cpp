@@ -13,6 +13,7 @@
 #include "engine/convert.hpp"
 #include "engine/dispatch.hpp"
 #include "engine/layer.hpp"
+#include "engine/quantized.hpp"
 #include "engine/weights_check.hpp"
 #include "gpt2attn/error.hpp"
 
@@ -66,7 +67,7 @@ kernels::MaskRef padding_row(const kernels::MaskRef& r, const TensorView& kp, in
 
 }  // namespace
 
-MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const EngineOptions& o,
+MultiHeadAttention::Impl::Impl(const Config& c, const detail::LayerWeights& lw, const EngineOptions& o,
                                const detail::HeadShard* shard)
     : cfg(c),
       out_width(shard ? shard->out_width : c.d_model),
@@ -74,33 +75,37 @@ MultiHeadAttention::Impl::Impl(const Config& c, const WeightsView& w, const Engi
       total_heads(shard ? shard->total_heads : c.num_heads),
       isa(detail::resolve_isa(o.isa)),
       compute(o.compute),
-      weights(o.weights),
+      weights(lw.format()),
       kset(detail::kernels_for(isa, compute, compute)),
       default_threads(o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads())) {
   const int64_t D = cfg.head_dim();
-  // D rows of a matrix as one GEMM's weights: as given, or for quantized weights the values the format gives them
-  // (each row quantized alone, so a slice of rows quantizes as the whole matrix would: decode's panels agree).
-  // int8 weights run oneDNN's integer GEMMs where it has VNNI (Linear::int8_available), every Linear alike.
+  // D rows of a matrix as one GEMM's weights: as given, or for quantized weights their codes (int8 on oneDNN's integer
+  // GEMMs where it has VNNI, Linear::int8_available) or the values the codes give (elsewhere, and int4).
   const bool int8 = weights == WeightFormat::int8 && Linear::int8_available();
-  auto linear = [&](const TensorView& rows, const float* bias) {
-    if (weights == WeightFormat::compute) return Linear(rows, bias, compute);
-    if (int8) return Linear(rows, bias, compute, /*int8=*/true);
-    const std::vector<float> values = detail::dequantized_values(rows, weights);
-    return Linear(TensorView::f32(values.data(), {rows.shape[0], rows.shape[1]}), bias, compute);
-  };
-  auto per_head = [&](std::vector<Linear>& dst, int64_t heads, const TensorView& weight, const TensorView& bias) {
-    const std::vector<float> b = detail::f32_values(bias);
-    for (int64_t h = 0; h < heads; ++h) {
-      dst.push_back(linear(detail::slice(weight, 0, h * D, D), cfg.qkv_bias ? b.data() + h * D : nullptr));
+  enum class Matrix { q, k, v, o };
+  using M = Matrix;
+  const WeightsView& views = lw.views();
+  auto linear = [&](Matrix m, int64_t r0, const float* bias) {
+    if (weights == WeightFormat::compute) {
+      const TensorView& w = m == M::q ? views.w_q : m == M::k ? views.w_k : m == M::v ? views.w_v : views.w_o;
+      return Linear(detail::slice(w, 0, r0, D), bias, compute);
     }
+    const QuantizedWeights& qw = lw.quantized();
+    const QuantizedMatrix& w = m == M::q ? qw.w_q : m == M::k ? qw.w_k : m == M::v ? qw.w_v : qw.w_o;
+    if (int8) return Linear(w.codes.data() + r0 * w.cols, w.scales.data() + r0, D, w.cols, bias, compute);
+    std::vector<float> values(static_cast<size_t>(D * w.cols));
+    detail::dequantize_rows(w, weights, r0, D, values.data());
+    return Linear(TensorView::f32(values.data(), {D, w.cols}), bias, compute);
   };
-  per_head(proj_q, cfg.num_heads, w.w_q, w.b_q);
-  per_head(proj_k, cfg.kv_heads(), w.w_k, w.b_k);
-  per_head(proj_v, cfg.kv_heads(), w.w_v, w.b_v);
-  const std::vector<float> b_o = cfg.out_bias ? detail::f32_values(w.b_o) : std::vector<float>{};
-  for (int64_t n = 0; n < out_width; n += D) {
-    out.push_back(linear(detail::slice(w.w_o, 0, n, D), cfg.out_bias ? b_o.data() + n : nullptr));
-  }
+  auto per_head = [&](std::vector<Linear>& dst, int64_t heads, Matrix m, const TensorView& bias) {
+    const std::vector<float> b = detail::f32_values(bias);
+    for (int64_t h = 0; h < heads; ++h) dst.push_back(linear(m, h * D, cfg.qkv_bias ? b.data() + h * D : nullptr));
+  };
+  per_head(proj_q, cfg.num_heads, M::q, views.b_q);
+  per_head(proj_k, cfg.kv_heads(), M::k, views.b_k);
+  per_head(proj_v, cfg.kv_heads(), M::v, views.b_v);
+  const std::vector<float> b_o = cfg.out_bias ? detail::f32_values(views.b_o) : std::vector<float>{};
+  for (int64_t n = 0; n < out_width; n += D) out.push_back(linear(M::o, n, cfg.out_bias ? b_o.data() + n : nullptr));
   operand = out.front().operand();
 }
 
@@ -274,33 +279,83 @@ WeightsView checked_view(const Config& c, const Weights& w) {
 MultiHeadAttention::MultiHeadAttention(const Config& config, const Weights& weights, const EngineOptions& options)
     : MultiHeadAttention(config, checked_view(config, weights), options) {}
 
+namespace {
+void check_options(const EngineOptions& options) {
+  detail::check_threads(options.threads, "MultiHeadAttention", "EngineOptions.threads");
+  if (options.compute != DType::f32 && options.compute != DType::bf16) {
+    invalid(std::string("MultiHeadAttention: EngineOptions.compute ") + to_string(options.compute) +
+            " is not a compute type (expected f32 or bf16)");
+  }
+  if (options.weights != WeightFormat::compute && options.weights != WeightFormat::int8 &&
+      options.weights != WeightFormat::int4) {
+    invalid("MultiHeadAttention: EngineOptions.weights " + std::to_string(static_cast<int>(options.weights)) +
+            " is not a weight format (compute, int8, int4)");
+  }
+}
+
+// The config a CausalSelfAttention computes: the caller's, made causal.
+Config causal_config(Config c) {
+  c.causal = true;
+  return c;
+}
+}  // namespace
+
+std::unique_ptr<MultiHeadAttention::Impl> MultiHeadAttention::Impl::build(const Config& config,
+                                                                        const detail::LayerWeights& weights,
+                                                                        const EngineOptions& options,
+                                                                        const detail::HeadShard* shard, bool serving) {
+  // oneDNN's weight reorders run OpenMP teams: at the layer's thread count, not the process default (a threads =
+  // 1 layer built in a process with OMP_NUM_THREADS=2 would otherwise start a second thread).
+  detail::ScopedOmpThreads scope(options.threads);
+  auto layer = std::make_unique<Impl>(config, weights, options, shard);
+  if (serving) {
+    detail::translate_bad_alloc(shard ? "tensor parallel: packing the decode weights"
+                                      : "CausalSelfAttention: packing the decode weights",
+                                [&] { layer->add_serving(weights); });
+  }
+  return layer;
+}
+
 std::unique_ptr<MultiHeadAttention::Impl> MultiHeadAttention::Impl::create(const Config& config,
                                                                          const WeightsView& weights,
                                                                          const EngineOptions& options,
-                                                                         const detail::HeadShard* shard) {
+                                                                         const detail::HeadShard* shard,
+                                                                         bool serving) {
   // The checks too: their messages need memory, and a bad argument met with an exhausted heap is still an Error.
   return detail::translate_bad_alloc("MultiHeadAttention: constructing the layer", [&] {
     config.validate();
     detail::validate_weights(weights, config, shard ? shard->out_width : config.d_model);
-    detail::check_threads(options.threads, "MultiHeadAttention", "EngineOptions.threads");
-    if (options.compute != DType::f32 && options.compute != DType::bf16) {
-      invalid(std::string("MultiHeadAttention: EngineOptions.compute ") + to_string(options.compute) +
-              " is not a compute type (expected f32 or bf16)");
+    check_options(options);
+    if (serving && !config.same_input_widths()) invalid("CausalSelfAttention: kdim and vdim must equal d_in");
+    // Quantized formats: every row quantized once, here, for both the GEMMs' and decode's packings.
+    const detail::LayerWeights source(weights, options.weights);
+    return build(config, source, options, shard, serving);
+  });
+}
+
+std::unique_ptr<MultiHeadAttention::Impl> MultiHeadAttention::Impl::create(const Config& config,
+                                                                         const QuantizedWeights& weights,
+                                                                         const EngineOptions& options, bool serving) {
+  return detail::translate_bad_alloc("MultiHeadAttention: constructing the layer", [&] {
+    config.validate();
+    detail::validate_quantized(weights, config, config.d_model);
+    check_options(options);
+    if (options.weights != WeightFormat::compute && options.weights != weights.format) {
+      invalid(std::string("MultiHeadAttention: EngineOptions.weights is ") + to_string(options.weights) +
+              " but the quantized weights given are " + to_string(weights.format) +
+              " (leave it at compute to take theirs)");
     }
-    if (options.weights != WeightFormat::compute && options.weights != WeightFormat::int8 &&
-        options.weights != WeightFormat::int4) {
-      invalid("MultiHeadAttention: EngineOptions.weights " +
-              std::to_string(static_cast<int>(options.weights)) + " is not a weight format (compute, int8, int4)");
-    }
-    // oneDNN's weight reorders run OpenMP teams: at the layer's thread count, not the process default (a threads =
-    // 1 layer built in a process with OMP_NUM_THREADS=2 would otherwise start a second thread).
-    detail::ScopedOmpThreads scope(options.threads);
-    return std::make_unique<Impl>(config, weights, options, shard);
+    if (serving && !config.same_input_widths()) invalid("CausalSelfAttention: kdim and vdim must equal d_in");
+    return build(config, detail::LayerWeights(weights), options, nullptr, serving);
   });
 }
 
 MultiHeadAttention::MultiHeadAttention(const Config& config, const WeightsView& weights, const EngineOptions& options)
     : impl_(Impl::create(config, weights, options)) {}
+MultiHeadAttention::MultiHeadAttention(const Config& config, const QuantizedWeights& weights,
+                                       const EngineOptions& options)
+    : impl_(Impl::create(config, weights, options)) {}
+MultiHeadAttention::MultiHeadAttention(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 MultiHeadAttention::~MultiHeadAttention() = default;
 MultiHeadAttention::MultiHeadAttention(MultiHeadAttention&&) noexcept = default;
 MultiHeadAttention& MultiHeadAttention::operator=(MultiHeadAttention&&) noexcept = default;
@@ -364,23 +419,14 @@ std::string MultiHeadAttention::implementation() const {
   return s;
 }
 
-namespace {
-// The config a CausalSelfAttention computes: the caller's, made causal.
-Config causal_config(Config c) {
-  c.causal = true;
-  return c;
-}
-}  // namespace
-
 CausalSelfAttention::CausalSelfAttention(Config config, const Weights& weights, const EngineOptions& options)
     : CausalSelfAttention(config, checked_view(causal_config(config), weights), options) {}
 
 CausalSelfAttention::CausalSelfAttention(Config config, const WeightsView& weights, const EngineOptions& options)
-    : mha_(causal_config(config), weights, options) {
-  if (!mha_.config().same_input_widths()) invalid("CausalSelfAttention: kdim and vdim must equal d_in");
-  detail::translate_bad_alloc("CausalSelfAttention: packing the decode weights",
-                              [&] { mha_.impl_->add_serving(weights); });
-}
+    : mha_(MultiHeadAttention::Impl::create(causal_config(config), weights, options, nullptr, /*serving=*/true)) {}
+
+CausalSelfAttention::CausalSelfAttention(Config config, const QuantizedWeights& weights, const EngineOptions& options)
+    : mha_(MultiHeadAttention::Impl::create(causal_config(config), weights, options, /*serving=*/true)) {}
 
 void CausalSelfAttention::forward(const float* x, int64_t B, int64_t T, float* out, const RunOptions& run,
                                   Workspace* ws) {

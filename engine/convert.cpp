@@ -168,24 +168,6 @@ std::vector<float> f32_values(const TensorView& v) {
   return out;
 }
 
-void dequantize_rows(float* w, int64_t N, int64_t K, WeightFormat f) {
-  if (f == WeightFormat::compute || N * K == 0) return;
-  const int64_t group = kernels::quant_group(f, K);
-  std::vector<int8_t> codes(static_cast<size_t>(K));
-  std::vector<float> scales(static_cast<size_t>(ceil_div(K, group)));
-  for (int64_t n = 0; n < N; ++n) {
-    float* row = w + n * K;
-    kernels::quantize_row(f, row, K, codes.data(), scales.data());
-    for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(codes[k]) * scales[k / group];
-  }
-}
-
-std::vector<float> dequantized_values(const TensorView& w, WeightFormat f) {
-  std::vector<float> out = f32_values(w);
-  if (!out.empty()) dequantize_rows(out.data(), w.shape[0], w.shape[1], f);
-  return out;
-}
-
 bool needs_packing(const TensorView& x, DType compute, DType operand) {
   const int64_t N = x.shape[1], W = x.shape[2];
   // Dense rows only: oneDNN 2.6's brgemm matmul refuses a row stride past the width, and what takes it instead with

@@ -36,13 +36,6 @@ inline void copy_rows(const TensorView& w, int64_t r0, int64_t n, DType to, void
 // A rank-1 or rank-2 view as f32 values in row-major order of its shape, exactly; empty for an empty view.
 std::vector<float> f32_values(const TensorView& v);
 
-// The rank-2 matrix w (N, K) as a layer holding it in format f computes with (gpt2attn/dtype.hpp, WeightFormat), f32
-// row-major: each row quantized from its f32 values (kernels/linear.hpp's quant_scale and quant_code, as decode's
-// packing does) and dequantized (code x scale, rounded once); for WeightFormat::compute, f32_values(w).
-std::vector<float> dequantized_values(const TensorView& w, WeightFormat f);
-// The same in place, on N rows of K f32 values (row-major).
-void dequantize_rows(float* w, int64_t N, int64_t K, WeightFormat f);
-
 // A (rows, width) matrix as oneDNN reads it: base pointer (elements of the Linears' operand type) and row stride; for
 // quantized activations (operand u8) the scale of each row.
 struct Rows {

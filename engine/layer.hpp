@@ -13,6 +13,7 @@
 #include "engine/convert.hpp"
 #include "engine/dispatch.hpp"
 #include "engine/linear.hpp"
+#include "engine/quantized.hpp"
 #include "engine/query_tiles.hpp"
 #include "engine/shard.hpp"
 #include "engine/util.hpp"
@@ -74,8 +75,9 @@ struct MultiHeadAttention::Impl {
                                     // draws are indexed by the full layer's head
   Isa isa;
   DType compute;                  // f32 or bf16 (EngineOptions::compute): the projections' and the core's type
-  WeightFormat weights;           // EngineOptions::weights: decode packs its projections so; prefill's GEMMs take the
-                                  // dequantized values (dequantized(), weights.cpp) in the compute type
+  WeightFormat weights;           // the projections' format (EngineOptions::weights, or the quantized weights given):
+                                  // decode packs its panels so; prefill's GEMMs take int8 codes on VNNI, otherwise
+                                  // the dequantized values in the compute type
   const detail::KernelSet& kset;  // the dispatch table's row for (isa, compute, compute): forward
   // What serving a KV cache needs beyond this: built by add_serving for a CausalSelfAttention (and a causal shard of
   // one), null in a plain MultiHeadAttention.
@@ -101,13 +103,20 @@ struct MultiHeadAttention::Impl {
   std::mutex mu;
 
   // `shard`: null for a whole layer (engine/shard.hpp builds shards).
-  Impl(const Config& c, const WeightsView& w, const EngineOptions& o, const detail::HeadShard* shard = nullptr);
-  // Validates and builds a layer (the public constructors' work): config, weights (w_o (out_width, E)), options.
+  Impl(const Config& c, const detail::LayerWeights& w, const EngineOptions& o,
+       const detail::HeadShard* shard = nullptr);
+  // Validates and builds a layer (the public constructors' work): config, weights (w_o (out_width, E)), options; with
+  // `serving`, a causal layer that serves a KV cache (add_serving), its K, V and query widths equal.
   static std::unique_ptr<Impl> create(const Config& c, const WeightsView& w, const EngineOptions& o,
-                                      const detail::HeadShard* shard = nullptr);
-  // Builds `serving` from w, the weights this layer was built from (a causal layer whose K, V and query widths agree).
-  void add_serving(const WeightsView& w);
-
+                                      const detail::HeadShard* shard = nullptr, bool serving = false);
+  // The same from quantized weights (a whole layer): EngineOptions::weights compute or their format.
+  static std::unique_ptr<Impl> create(const Config& c, const QuantizedWeights& w, const EngineOptions& o,
+                                      bool serving = false);
+  // Builds `serving` from w, the weights this layer was built from.
+  void add_serving(const detail::LayerWeights& w);
+  // create()'s second half: the layer from checked weights, and its serving state.
+  static std::unique_ptr<Impl> build(const Config& c, const detail::LayerWeights& w, const EngineOptions& o,
+                                     const detail::HeadShard* shard, bool serving);
   int threads_for(const RunOptions& run) const { return run.threads > 0 ? run.threads : default_threads; }
 
   // Runs f(workspace) for a public call named `call`: with the caller's Workspace (leased, so two threads

@@ -131,43 +131,41 @@ bool Linear::int8_available() {
   return available;
 }
 
-Linear::Linear(const TensorView& w, const float* bias, DType compute, bool int8)
-    : N_(w.shape[0]), K_(w.shape[1]), compute_(compute), gemm_(int8 ? DType::u8 : compute),
-      has_bias_(bias != nullptr) {
+Linear::Linear(const int8_t* codes, const float* scales, int64_t N, int64_t K, const float* bias, DType compute)
+    : N_(N), K_(K), compute_(compute), gemm_(DType::u8), has_bias_(bias != nullptr) {
+  dnnl_type(compute);  // refuses a type that is not a compute type
+  try {
+    w_scales_.assign(scales, scales + N);
+    w_sums_.assign(static_cast<size_t>(N), 0);
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t k = 0; k < K; ++k) w_sums_[n] += codes[n * K + k];
+    }
+    if (bias) bias_host_.assign(bias, bias + N);
+    std::optional<dnnl::matmul::desc> op;
+    auto pd = int8_matmul(128, K, N, op);
+    skip_amx(pd, gemm_, K);
+    if (!on_vnni(pd)) {
+      fail(ErrorCode::internal, std::string("oneDNN: its u8 x s8 matmul here is ") + pd.impl_info_str() +
+                                    ", not VNNI (Linear::int8_available() said otherwise)");
+    }
+    weights_desc_ = pd.weights_desc();
+    impl_ = std::string(pd.impl_info_str()) + " (u8 x s8, activations per row)";
+    weights_ = memory(weights_desc_, cpu_engine());
+    // oneDNN reads our (N, K) codes as its (K, N) matrix.
+    memory user_w(memory::desc({K, N}, dt::s8, memory::dims{1, K}), cpu_engine(), const_cast<int8_t*>(codes));
+    dnnl::stream s(cpu_engine());
+    dnnl::reorder(user_w, weights_).execute(s, user_w, weights_);
+    s.wait();
+  } catch (const dnnl::error& e) {
+    fail(code_of(e.status), std::string("oneDNN: creating a ") + std::to_string(N) + "x" + std::to_string(K) +
+                                  " int8 linear layer failed: " + e.what());
+  }
+}
+
+Linear::Linear(const TensorView& w, const float* bias, DType compute)
+    : N_(w.shape[0]), K_(w.shape[1]), compute_(compute), gemm_(compute), has_bias_(bias != nullptr) {
   const int64_t N = N_, K = K_;
   dnnl_type(compute);  // refuses a type that is not a compute type
-  if (int8) {
-    try {
-      // Codes per row as decode packs them; oneDNN reads our (N, K) codes as its (K, N) matrix.
-      const std::vector<float> values = f32_values(w);
-      std::vector<int8_t> codes(static_cast<size_t>(N * K));
-      w_scales_.resize(static_cast<size_t>(N));
-      w_sums_.assign(static_cast<size_t>(N), 0);
-      for (int64_t n = 0; n < N; ++n) {
-        kernels::quantize_row(WeightFormat::int8, values.data() + n * K, K, codes.data() + n * K, &w_scales_[n]);
-        for (int64_t k = 0; k < K; ++k) w_sums_[n] += codes[n * K + k];
-      }
-      if (bias) bias_host_.assign(bias, bias + N);
-      std::optional<dnnl::matmul::desc> op;
-      auto pd = int8_matmul(128, K, N, op);
-      skip_amx(pd, gemm_, K);
-      if (!on_vnni(pd)) {
-        fail(ErrorCode::internal, std::string("oneDNN: its u8 x s8 matmul here is ") + pd.impl_info_str() +
-                                      ", not VNNI (Linear::int8_available() said otherwise)");
-      }
-      weights_desc_ = pd.weights_desc();
-      impl_ = std::string(pd.impl_info_str()) + " (u8 x s8, activations per row)";
-      weights_ = memory(weights_desc_, cpu_engine());
-      memory user_w(memory::desc({K, N}, dt::s8, memory::dims{1, K}), cpu_engine(), codes.data());
-      dnnl::stream s(cpu_engine());
-      dnnl::reorder(user_w, weights_).execute(s, user_w, weights_);
-      s.wait();
-    } catch (const dnnl::error& e) {
-      fail(code_of(e.status), std::string("oneDNN: creating a ") + std::to_string(N) + "x" + std::to_string(K) +
-                                    " int8 linear layer failed: " + e.what());
-    }
-    return;
-  }
   try {
     auto& eng = cpu_engine();
     // Let oneDNN choose the weights' blocked layout for a representative M; every later primitive is

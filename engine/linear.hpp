@@ -103,11 +103,12 @@ class Linear {
  public:
   // w: an (N, K) view (torch layout) of f32, bf16 or f16 with any strides, bias: (N) f32 or null. Both are copied,
   // the weights converted to `compute` (f32 or bf16: rounded to nearest even once, or exact; see convert).
-  // int8: the weights quantized per row as WeightFormat::int8 (kernels/linear.hpp's quant_scale and quant_code, so
-  // decode's panels hold the same codes) for oneDNN's u8 x s8 GEMM on VNNI (int8_available()); run() then reads
-  // quantize_rows' u8 activations with their row scales and rescales the int32 sums into y (f32, or bf16 for a bf16
-  // layer) itself: y = (sum - 128 colsum_n) x_scale_m w_scale_n + b_n.
-  Linear(const TensorView& w, const float* bias, DType compute = DType::f32, bool int8 = false);
+  Linear(const TensorView& w, const float* bias, DType compute = DType::f32);
+  // int8 weights: codes (N, K) row-major and one scale a row (gpt2attn/weights.hpp, QuantizedMatrix; decode's panels
+  // hold the same codes) for oneDNN's u8 x s8 GEMM on VNNI (int8_available()); run() then reads quantize_rows' u8
+  // activations with their row scales and rescales the int32 sums into y (f32, or bf16 for a bf16 layer) itself:
+  // y = (sum - 128 colsum_n) x_scale_m w_scale_n + b_n.
+  Linear(const int8_t* codes, const float* scales, int64_t N, int64_t K, const float* bias, DType compute);
   // Whether oneDNN runs u8 x s8 matmuls on VNNI (or AMX) here: elsewhere (AVX2, or oneDNN capped below VNNI) its int8
   // kernels sum byte products in saturating 16-bit pairs, which full-range codes overflow, so an int8 layer's GEMMs
   // take the dequantized weights instead. Probed once per process.

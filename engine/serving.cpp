@@ -34,38 +34,64 @@ int64_t max_length(const Config& layer, const KvCache& cache) {
   return std::min(layer.context_length, cache.config().context_length);
 }
 
-// Decode's panel-packed copy (kernels/linear.hpp) in weight format f (the compute type t, int8 or int4) of the (N, K)
-// matrix whose rows [n0, n0 + n) rows(n0, n, rt, dst) writes contiguously in type rt (t, or f32 for the quantized
-// formats, which quantize each row from its values as given): one panel of rows at a time, so no (N, K) copy is ever
-// made. The quantized formats' scales go to *scales.
-template <class Rows>
-detail::Buffer pack_linear(int64_t N, int64_t K, WeightFormat f, DType t, Rows&& rows, std::vector<float>* scales,
-                           const char* what) {
+// One matrix of those a decode projection stacks (W_q, W_k, W_v for the fused QKV; W_o alone): its view as given
+// (WeightFormat::compute) or its codes, and its rows.
+struct StackedPart {
+  const TensorView* view;
+  const QuantizedMatrix* codes;
+  int64_t rows;
+};
+
+// Decode's panel-packed copy (kernels/linear.hpp) of the (N, K) matrix stacking `parts`, in weight format f (the
+// compute type t, int8 or int4): one panel of rows gathered at a time, so no (N, K) copy is ever made. The quantized
+// formats' codes are the layer's (QuantizedWeights), rearranged; their scales go to *scales.
+detail::Buffer pack_linear(const std::vector<StackedPart>& parts, int64_t K, WeightFormat f, DType t,
+                           std::vector<float>* scales, const char* what) {
+  int64_t N = 0;
+  for (const StackedPart& part : parts) N += part.rows;
   const int64_t P = kernels::kLinearPanel, per_k = kernels::linear_bytes_per_k(f, t);
-  const DType rt = f == WeightFormat::compute ? t : DType::f32;
+  const int64_t G = f == WeightFormat::compute ? 0 : detail::quant_groups(f, K);
   detail::Buffer out = detail::allocate_buffer(static_cast<size_t>(kernels::linear_packed_bytes(N, K, f, t)), what);
   scales->assign(static_cast<size_t>(kernels::linear_scales(N, K, f)), 0.0f);
   const int64_t panel_scales = scales->size() / std::max<int64_t>(1, kernels::linear_panels(N));
-  std::vector<std::byte> panel(static_cast<size_t>(P * K) * size_of(rt));
+  // The panel's rows: values of t, or codes and their scales.
+  std::vector<std::byte> values(static_cast<size_t>(P * K) * (f == WeightFormat::compute ? size_of(t) : 0));
+  std::vector<int8_t> codes(static_cast<size_t>(f == WeightFormat::compute ? 0 : P * K));
+  std::vector<float> row_scales(static_cast<size_t>(P * G));
   for (int64_t p = 0; p < kernels::linear_panels(N); ++p) {
     const int64_t n0 = p * P, n = std::min(P, N - n0);
-    rows(n0, n, rt, panel.data());
+    for (int64_t r = n0, part = 0, base = 0; r < n0 + n; ++part) {  // rows [r, ...) from parts[part]
+      const StackedPart& src = parts[static_cast<size_t>(part)];
+      if (r >= base + src.rows) {
+        base += src.rows;
+        continue;
+      }
+      const int64_t first = r - base, take = std::min(n0 + n - r, src.rows - first), i = r - n0;
+      if (f == WeightFormat::compute) {
+        detail::copy_rows(*src.view, first, take, t, values.data() + i * K * static_cast<int64_t>(size_of(t)));
+      } else {
+        std::copy_n(src.codes->codes.data() + first * K, take * K, codes.data() + i * K);
+        std::copy_n(src.codes->scales.data() + first * G, take * G, row_scales.data() + i * G);
+      }
+      r += take, base += src.rows;
+    }
     std::byte* dst = out.get() + p * K * per_k;
-    const auto* rows_f32 = reinterpret_cast<const float*>(panel.data());
     float* s = scales->data() + p * panel_scales;
     switch (f) {
       case WeightFormat::int8:
-        kernels::pack_linear_panel_int8(rows_f32, n, K, K, reinterpret_cast<int8_t*>(dst), s);
+        kernels::pack_linear_panel_int8(codes.data(), row_scales.data(), n, K, reinterpret_cast<int8_t*>(dst), s);
         break;
       case WeightFormat::int4:
-        kernels::pack_linear_panel_int4(rows_f32, n, K, K, reinterpret_cast<kernels::int4x2*>(dst), s);
+        kernels::pack_linear_panel_int4(codes.data(), row_scales.data(), n, K,
+                                        reinterpret_cast<kernels::int4x2*>(dst), s);
         break;
       case WeightFormat::compute:
         if (t == DType::bf16) {
-          kernels::pack_linear_weights(reinterpret_cast<const kernels::bf16*>(panel.data()), n, K,
+          kernels::pack_linear_weights(reinterpret_cast<const kernels::bf16*>(values.data()), n, K,
                                        reinterpret_cast<kernels::bf16*>(dst));
         } else {
-          kernels::pack_linear_weights(rows_f32, n, K, reinterpret_cast<float*>(dst));
+          kernels::pack_linear_weights(reinterpret_cast<const float*>(values.data()), n, K,
+                                       reinterpret_cast<float*>(dst));
         }
         break;
     }
@@ -368,7 +394,7 @@ int64_t step_state_rows(int64_t H, int64_t short_tokens, int64_t max_tokens, int
 
 }  // namespace
 
-void MultiHeadAttention::Impl::add_serving(const WeightsView& w) {
+void MultiHeadAttention::Impl::add_serving(const detail::LayerWeights& lw) {
   auto st = std::make_unique<detail::ServingState>();
   // Every K/V storage dtype the table serves in this compute type at this level (a layer serves caches of any).
   for (const detail::KernelSet& row : detail::kernel_table()) {
@@ -376,34 +402,27 @@ void MultiHeadAttention::Impl::add_serving(const WeightsView& w) {
       st->sets[static_cast<size_t>(row.kv)] = &detail::kernels_for(isa, compute, row.kv);
     }
   }
-  const int64_t E = cfg.d_model, KW = cfg.kv_width();
-  const int64_t d_in = cfg.query_width(), N = E + 2 * KW;  // [q | k | v] per token
+  const int64_t E = cfg.d_model, KW = cfg.kv_width(), d_in = cfg.query_width();
   st->linear = &detail::linear_kernel(isa, weights, compute);
-  const auto pack = [&](int64_t rows, int64_t cols, auto&& read, const char* what) {
+  const WeightsView& w = lw.views();
+  const bool q = weights != WeightFormat::compute;
+  const QuantizedWeights* qw = q ? &lw.quantized() : nullptr;
+  const auto pack = [&](const std::vector<StackedPart>& parts, int64_t cols, const char* what) {
     detail::PackedLinear m;
-    m.packed = pack_linear(rows, cols, weights, compute, read, &m.scales, what);
+    m.packed = pack_linear(parts, cols, weights, compute, &m.scales, what);
     return m;
   };
-  // Rows [n0, n0 + n) of the fused W_qkv (N, d_in) in type rt, each read from whichever of W_q, W_k, W_v holds it.
-  st->qkv = pack(N, d_in, [&](int64_t n0, int64_t n, DType rt, std::byte* dst) {
-    const int64_t row_bytes = d_in * static_cast<int64_t>(size_of(rt));
-    for (int64_t r = n0; r < n0 + n;) {
-      const auto [view, first] = r < E ? std::pair{&w.w_q, r} : r < E + KW ? std::pair{&w.w_k, r - E}
-                                                                            : std::pair{&w.w_v, r - E - KW};
-      const int64_t take = std::min(n0 + n - r, view->shape[0] - first);
-      detail::copy_rows(*view, first, take, rt, dst + (r - n0) * row_bytes);
-      r += take;
-    }
-  }, "decode's packed W_qkv");
+  // The fused W_qkv (E + 2 H_kv D, d_in): [q | k | v] per token.
+  st->qkv = pack({{&w.w_q, q ? &qw->w_q : nullptr, E}, {&w.w_k, q ? &qw->w_k : nullptr, KW},
+                  {&w.w_v, q ? &qw->w_v : nullptr, KW}},
+                 d_in, "decode's packed W_qkv");
   if (cfg.qkv_bias) {
     for (const TensorView* b : {&w.b_q, &w.b_k, &w.b_v}) {
       const std::vector<float> v = detail::f32_values(*b);
       st->qkv_bias.insert(st->qkv_bias.end(), v.begin(), v.end());
     }
   }
-  st->out = pack(out_width, E, [&](int64_t n0, int64_t n, DType rt, std::byte* dst) {
-    detail::copy_rows(w.w_o, n0, n, rt, dst);
-  }, "decode's packed W_o");
+  st->out = pack({{&w.w_o, q ? &qw->w_o : nullptr, out_width}}, E, "decode's packed W_o");
   if (cfg.out_bias) st->out_bias = detail::f32_values(w.b_o);
   serving = std::move(st);
 }

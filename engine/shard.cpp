@@ -72,12 +72,8 @@ WeightsView local_view(const Weights& w, const HeadShard& s) {
 
 std::unique_ptr<MultiHeadAttention::Impl> make_shard_layer(const HeadShard& s, const WeightsView& w,
                                                            const EngineOptions& options) {
-  std::unique_ptr<MultiHeadAttention::Impl> layer = MultiHeadAttention::Impl::create(s.local, w, options, &s);
-  if (s.local.causal && s.local.same_input_widths()) {
-    ScopedOmpThreads scope(options.threads);
-    translate_bad_alloc("tensor parallel: packing the decode weights", [&] { layer->add_serving(w); });
-  }
-  return layer;
+  // A causal shard whose widths agree serves KV caches (each rank quantizes its own slices, once, for both).
+  return MultiHeadAttention::Impl::create(s.local, w, options, &s, s.local.causal && s.local.same_input_widths());
 }
 
 AttentionInputs shard_inputs(const AttentionInputs& in, const HeadShard& s) {

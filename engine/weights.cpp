@@ -124,14 +124,6 @@ Weights Weights::copy_of(const WeightsView& v) {
   return w;
 }
 
-Weights dequantized(const WeightsView& v, WeightFormat f) {
-  Weights w = Weights::copy_of(v);  // f32, row-major in each view's shape: dequantized where it lies
-  for (auto [dst, src] : {std::pair{&w.w_q, &v.w_q}, {&w.w_k, &v.w_k}, {&w.w_v, &v.w_v}, {&w.w_o, &v.w_o}}) {
-    if (!src->empty()) detail::dequantize_rows(dst->data(), src->shape[0], src->shape[1], f);
-  }
-  return w;
-}
-
 void detail::check_weight_sizes(const Weights& w, const Config& c) {
   const int64_t E = c.d_model, KW = c.kv_width();
   auto check = [](const char* name, const std::vector<float>& t, int64_t rows, int64_t cols) {

@@ -99,8 +99,8 @@ void pack_linear_weights(const S* w, int64_t N, int64_t K, T* packed) {
 }
 
 // One row of K values in format f (int8 or int4): codes (K of them, row-major) and one scale per group of inputs
-// (int8: the whole row, one scale; int4: weight_groups(K) scales). The rule above, group by group; the panels below
-// apply the same functions panel by panel.
+// (int8: the whole row, one scale; int4: weight_groups(K) scales). The rule above, group by group: every layer's
+// codes come from here (QuantizedWeights::quantize), and the panels below rearrange them.
 inline int64_t quant_group(WeightFormat f, int64_t K) { return f == WeightFormat::int4 ? kWeightGroup : K; }
 inline void quantize_row(WeightFormat f, const float* w, int64_t K, int8_t* codes, float* scales) {
   const int64_t group = quant_group(f, K);
@@ -111,34 +111,26 @@ inline void quantize_row(WeightFormat f, const float* w, int64_t K, int8_t* code
   }
 }
 
-// Panel p of a quantized matrix from its rows [p*16, p*16 + n) (n <= 16, f32, row stride ld): int8 or int4 codes
-// (codes: K * 16 int8_t or K * 8 int4x2, the panel's share of the packed layout) and scales (16 or groups * 16
-// floats), the outputs past n zero.
-inline void pack_linear_panel_int8(const float* rows, int64_t n, int64_t K, int64_t ld, int8_t* codes, float* scales) {
-  constexpr WeightFormat f = WeightFormat::int8;
-  for (int64_t c = 0; c < kLinearPanel; ++c) scales[c] = c < n ? quant_scale(f, rows + c * ld, K) : 0.0f;
+// Panel p of a quantized matrix from the codes (quantize_row's, row stride K) and scales (ceil(K / group) a row) of
+// its rows [p*16, p*16 + n), n <= 16: the panel's share of the packed layout (K * 16 int8_t or K * 8 int4x2) and its
+// scales (16, or groups * 16 floats), the outputs past n zero.
+inline void pack_linear_panel_int8(const int8_t* codes, const float* scales, int64_t n, int64_t K, int8_t* packed,
+                                   float* packed_scales) {
+  for (int64_t c = 0; c < kLinearPanel; ++c) packed_scales[c] = c < n ? scales[c] : 0.0f;
   for (int64_t k = 0; k < K; ++k) {
-    for (int64_t c = 0; c < kLinearPanel; ++c) {
-      codes[k * kLinearPanel + c] = static_cast<int8_t>(c < n ? quant_code(f, rows[c * ld + k], scales[c]) : 0);
-    }
+    for (int64_t c = 0; c < kLinearPanel; ++c) packed[k * kLinearPanel + c] = c < n ? codes[c * K + k] : 0;
   }
 }
-inline void pack_linear_panel_int4(const float* rows, int64_t n, int64_t K, int64_t ld, int4x2* codes, float* scales) {
+inline void pack_linear_panel_int4(const int8_t* codes, const float* scales, int64_t n, int64_t K, int4x2* packed,
+                                   float* packed_scales) {
   constexpr int64_t half = kLinearPanel / 2;
-  for (int64_t g = 0; g < weight_groups(K); ++g) {
-    const int64_t k0 = g * kWeightGroup, len = std::min(kWeightGroup, K - k0);
-    float* s = scales + g * kLinearPanel;
-    for (int64_t c = 0; c < kLinearPanel; ++c) {
-      s[c] = c < n ? quant_scale(WeightFormat::int4, rows + c * ld + k0, len) : 0.0f;
-    }
-    for (int64_t k = k0; k < k0 + len; ++k) {
-      for (int64_t c = 0; c < half; ++c) {
-        const auto code = [&](int64_t o) {
-          return o < n ? quant_code(WeightFormat::int4, rows[o * ld + k], s[o]) & 0x0f : 0;
-        };
-        codes[k * half + c].bits = static_cast<uint8_t>(code(c) | code(c + half) << 4);
-      }
-    }
+  const int64_t G = weight_groups(K);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t c = 0; c < kLinearPanel; ++c) packed_scales[g * kLinearPanel + c] = c < n ? scales[c * G + g] : 0.0f;
+  }
+  const auto code = [&](int64_t o, int64_t k) { return o < n ? codes[o * K + k] & 0x0f : 0; };
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t c = 0; c < half; ++c) packed[k * half + c].bits = static_cast<uint8_t>(code(c, k) | code(c + half, k) << 4);
   }
 }
 

@@ -21,6 +21,7 @@
 
 #include "engine/convert.hpp"
 #include "engine/dispatch.hpp"
+#include "engine/quantized.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/bf16.hpp"
 #include "kernels/kv_codec.hpp"
@@ -1253,14 +1254,22 @@ std::vector<LinearCase> linear_cases() {
   std::vector<float> scales(static_cast<size_t>(kernels::linear_scales(N, K, f)), kNaN);
   const int64_t per_k = kernels::linear_bytes_per_k(f, kern.compute), per_panel = kernels::linear_panels(N) > 0
       ? static_cast<int64_t>(scales.size()) / kernels::linear_panels(N) : 0;
+  // The quantized formats: each row's codes and scales (quantize_row), which the panels rearrange.
+  const int64_t G = f == WeightFormat::compute ? 0 : detail::quant_groups(f, K);
+  std::vector<int8_t> codes(static_cast<size_t>(f == WeightFormat::compute ? 0 : N * K));
+  std::vector<float> row_scales(static_cast<size_t>(N * G));
+  for (int64_t n = 0; f != WeightFormat::compute && n < N; ++n) {
+    kernels::quantize_row(f, w.data() + n * K, K, codes.data() + n * K, row_scales.data() + n * G);
+  }
   for (int64_t p = 0; p < kernels::linear_panels(N); ++p) {
     const int64_t n0 = p * kernels::kLinearPanel, n = std::min(kernels::kLinearPanel, N - n0);
     std::byte* dst = packed.data() + p * K * per_k;
     if (f == WeightFormat::int8) {
-      kernels::pack_linear_panel_int8(w.data() + n0 * K, n, K, K, reinterpret_cast<int8_t*>(dst), scales.data() + p * per_panel);
+      kernels::pack_linear_panel_int8(codes.data() + n0 * K, row_scales.data() + n0 * G, n, K,
+                                      reinterpret_cast<int8_t*>(dst), scales.data() + p * per_panel);
     } else if (f == WeightFormat::int4) {
-      kernels::pack_linear_panel_int4(w.data() + n0 * K, n, K, K, reinterpret_cast<kernels::int4x2*>(dst),
-                                      scales.data() + p * per_panel);
+      kernels::pack_linear_panel_int4(codes.data() + n0 * K, row_scales.data() + n0 * G, n, K,
+                                      reinterpret_cast<kernels::int4x2*>(dst), scales.data() + p * per_panel);
     } else if (kern.compute == DType::bf16) {
       std::vector<kernels::bf16> rows(static_cast<size_t>(n * K));
       for (size_t i = 0; i < rows.size(); ++i) rows[i] = kernels::to_bf16(w[static_cast<size_t>(n0 * K) + i]);
@@ -1270,7 +1279,8 @@ std::vector<LinearCase> linear_cases() {
     }
   }
   if (f != WeightFormat::compute) {
-    w = detail::dequantized_values(TensorView::f32(w.data(), {N, K}), f);
+    const int64_t group = kernels::quant_group(f, K);
+    for (int64_t i = 0; i < N * K; ++i) w[i] = static_cast<float>(codes[i]) * row_scales[i / K * G + i % K / group];
   } else if (kern.compute == DType::bf16) {
     test::round_bf16(w);
   }

@@ -18,6 +18,7 @@
 #include "engine/convert.hpp"
 #include "gpt2attn/gpt2attn.hpp"
 #include "engine/linear.hpp"
+#include "engine/quantized.hpp"
 #include "kernels/linear.hpp"
 #include "kernels/tiles.hpp"
 #include "tests/isa_param.hpp"

@@ -32,6 +32,9 @@ class GPT2ATTN_API MultiHeadAttention {
   MultiHeadAttention(const Config& config, const Weights& weights, const EngineOptions& options = {});
   // The same from views of weights in f32, bf16 or f16 (gpt2attn/weights.hpp), e.g. a safetensors file's bytes.
   MultiHeadAttention(const Config& config, const WeightsView& weights, const EngineOptions& options = {});
+  // The same from weights quantized already (QuantizedWeights::quantize, load_quantized): bit for bit the layer that
+  // quantizing their source here would build. options.weights: compute (take theirs) or their format.
+  MultiHeadAttention(const Config& config, const QuantizedWeights& weights, const EngineOptions& options = {});
   ~MultiHeadAttention();
   MultiHeadAttention(MultiHeadAttention&&) noexcept;
   MultiHeadAttention& operator=(MultiHeadAttention&&) noexcept;
@@ -62,6 +65,7 @@ class GPT2ATTN_API MultiHeadAttention {
 
  private:
   friend class CausalSelfAttention;
+  explicit MultiHeadAttention(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 
@@ -76,6 +80,7 @@ class GPT2ATTN_API CausalSelfAttention {
  public:
   CausalSelfAttention(Config config, const Weights& weights, const EngineOptions& options = {});
   CausalSelfAttention(Config config, const WeightsView& weights, const EngineOptions& options = {});
+  CausalSelfAttention(Config config, const QuantizedWeights& weights, const EngineOptions& options = {});
   // x: (B, T, d_in) contiguous f32, out: (B, T, E) contiguous f32.
   void forward(const float* x, int64_t B, int64_t T, float* out, const RunOptions& run = {}, Workspace* ws = nullptr);
 

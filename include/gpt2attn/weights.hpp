@@ -60,6 +60,45 @@ struct GPT2ATTN_API Weights {
 // every tensor for WeightFormat::compute, as given. For measuring a format's error, and for references.
 GPT2ATTN_API Weights dequantized(const WeightsView& w, WeightFormat f);
 
+// One (rows, cols) matrix in a quantized WeightFormat (gpt2attn/dtype.hpp), one int8_t code per weight, row-major:
+//   value(r, c) = codes[r * cols + c] * scales[r * groups + c / group]
+// with group = cols (int8: one scale a row, codes in [-127, 127]) or kWeightGroup (int4: the last group of a row
+// shorter when cols is not a multiple; codes in [-8, 7]), groups = ceil(cols / group).
+struct GPT2ATTN_API QuantizedMatrix {
+  int64_t rows = 0, cols = 0;
+  std::vector<int8_t> codes;  // rows * cols
+  std::vector<float> scales;  // rows * groups
+};
+
+// A layer's projection weights quantized: what a layer built with EngineOptions::weights = format holds. Quantize once
+// (quantize(), the rule of gpt2attn/dtype.hpp) and save (save_quantized), and a server loads the codes at every start
+// (load_quantized) instead of quantizing: a layer built from either computes bit for bit the same.
+struct GPT2ATTN_API QuantizedWeights {
+  WeightFormat format = WeightFormat::int8;  // int8 or int4
+  QuantizedMatrix w_q, w_k, w_v, w_o;        // the shapes of WeightsView's matrices
+  std::vector<float> b_q, b_k, b_v, b_o;     // f32, as given (empty when the config has none)
+
+  // Quantizes each matrix row of `w` in format f (int8 or int4; WeightFormat::compute is refused). The biases are
+  // copied as f32. Throws invalid_argument for a view that is not a rank-2 matrix (rank-1 bias) of f32, bf16 or f16.
+  static QuantizedWeights quantize(const WeightsView& w, WeightFormat f);
+  // Throws invalid_argument naming the tensor whose shape, size or contents disagree with the config or the format:
+  // a code outside the format's range, a scale or bias that is NaN or infinite.
+  void validate(const Config& c) const;
+  // code x scale as f32 (exact: a code times a float is a float), the biases as they are.
+  Weights dequantized() const;
+};
+
+// Writes `q` (validated against c) as a safetensors file: per matrix (q_proj, k_proj, v_proj, out_proj) its codes
+// "<name>.codes" (int8: I8 (rows, cols); int4: U8 (rows, ceil(cols / 2)), input 2i in the low nibble of byte i and
+// 2i + 1 in the high one, each a 4-bit two's complement code) and scales "<name>.scales" (F32 (rows, groups)), the
+// biases "<name>.bias" (F32); the format and widths in its metadata ("gpt2attn.weights": "int8" | "int4",
+// "gpt2attn.group", "<name>.cols"). Written atomically (a temporary file renamed over `path`).
+GPT2ATTN_API void save_quantized(const std::string& path, const Config& c, const QuantizedWeights& q);
+// Reads what save_quantized wrote. Every tensor's dtype and shape is checked against the others and the metadata, and
+// the contents as validate() does (c: the config of the layer they are for; its widths must be the file's); a
+// truncated or inconsistent file throws Error(bad_file) naming the file and the tensor.
+GPT2ATTN_API QuantizedWeights load_quantized(const std::string& path, const Config& c);
+
 // The sizes one attention layer of a file has, read from its tensors' shapes.
 struct LayerShapes {
   int64_t d_model = 0, d_in = 0, kdim = 0, vdim = 0;
