@@ -180,6 +180,8 @@ struct MultiHeadAttention::Impl {
   int64_t step_bytes(int64_t max_tokens, int64_t max_entries, int threads) const;
   // Floats of decode kernel scratch per thread, for entries of up to `tokens` new tokens each.
   int64_t decode_scratch_stride(const kernels::DecodeKernel& k, int64_t block_tokens, int64_t tokens = 1) const;
+  // Floats of per-thread scratch the few-row projections take for `rows` rows (kernels::linear_scratch_bytes).
+  int64_t linear_scratch_stride(int64_t rows) const;
   // Workspace bytes reserve_serving() takes: enough for extend() and decode() with any cache.
   int64_t serving_bytes(int64_t max_extend_tokens, int64_t max_decode_batch, int threads) const;
 

@@ -75,7 +75,7 @@ detail::Buffer pack_linear(const std::vector<StackedPart>& parts, int64_t K, Wei
       }
       r += take, base += src.rows;
     }
-    std::byte* dst = out.get() + p * K * per_k;
+    std::byte* dst = out.get() + p * kernels::linear_padded_k(f, K) * per_k;
     float* s = scales->data() + p * panel_scales;
     switch (f) {
       case WeightFormat::int8:
@@ -229,6 +229,12 @@ int64_t plan_splits(const int64_t* lengths, const int64_t* tokens, int64_t B, in
 }
 
 // The few-row kernel's arguments for y (M, N) = x (M, K) W^T + b, W one of decode's panel-packed matrices.
+// `a` with the calling thread's scratch (the quantized formats' kernels quantize x's rows into it).
+kernels::LinearArgs on_thread(kernels::LinearArgs a, float* scratch) {
+  a.scratch = scratch;
+  return a;
+}
+
 kernels::LinearArgs few_row_args(const float* x, int64_t ldx, const detail::PackedLinear& w,
                                  const std::vector<float>& bias, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
   kernels::LinearArgs a;
@@ -427,6 +433,11 @@ void MultiHeadAttention::Impl::add_serving(const detail::LayerWeights& lw) {
   serving = std::move(st);
 }
 
+int64_t MultiHeadAttention::Impl::linear_scratch_stride(int64_t rows) const {
+  const int64_t K = std::max(cfg.query_width(), cfg.d_model);
+  return detail::round_up(detail::ceil_div(kernels::linear_scratch_bytes(weights, rows, K), 4), 16);
+}
+
 int64_t MultiHeadAttention::Impl::decode_scratch_stride(const kernels::DecodeKernel& k, int64_t block_tokens,
                                                         int64_t tokens) const {
   return detail::round_up(static_cast<int64_t>(k.scratch_floats(cfg.num_heads * tokens, cfg.head_dim(), block_tokens)),
@@ -461,7 +472,8 @@ int64_t MultiHeadAttention::Impl::serving_bytes(int64_t max_extend_tokens, int64
     if (max_decode_batch) {
       s.B = max_decode_batch, s.T = 1;
       const int64_t run = kernels::tiles::kDecodeMaxScoreKeys;
-      bytes = std::max(bytes, decode_plan(s, threads, C, decode_scratch_stride(*row->decode, run)).bytes);
+      const int64_t sstride = std::max(decode_scratch_stride(*row->decode, run), linear_scratch_stride(s.B));
+      bytes = std::max(bytes, decode_plan(s, threads, C, sstride).bytes);
     }
   }
   return bytes;
@@ -477,7 +489,9 @@ int64_t MultiHeadAttention::Impl::step_bytes(int64_t max_tokens, int64_t max_ent
   for (const detail::KernelSet* row : serving->sets) {
     if (!row) continue;
     const int64_t run = kernels::tiles::kDecodeMaxScoreKeys;
-    const int64_t sstride = std::max(scratch_stride(*row->prefill), decode_scratch_stride(*row->decode, run, short_max));
+    const int64_t sstride =
+        std::max({scratch_stride(*row->prefill), decode_scratch_stride(*row->decode, run, short_max),
+                  linear_scratch_stride(std::min(max_tokens, kernels::tiles::kStepFewRowTokens))});
     bytes = std::max(bytes, step_plan(s, max_tokens, max_entries, compute, operand, threads, C,
                                       step_state_rows(H, max_tokens, short_max, threads), sstride).bytes);
   }
@@ -570,7 +584,7 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   // Plan: the workspace's regions, the sequences' blocks reserved for one more token each, the split-KV items.
   const detail::KernelSet& ks = serving_kernels(kv.layout.dtype, "decode");
   const int64_t limit = max_length(cfg, cache), stride = ceil_div(limit, kv.block_tokens);  // table entries
-  const int64_t sstride = decode_scratch_stride(*ks.decode, kv.block_tokens);
+  const int64_t sstride = std::max(decode_scratch_stride(*ks.decode, kv.block_tokens), linear_scratch_stride(B));
   const DecodePlan r = decode_plan(s, threads, stride, sstride);
   std::byte* w = ws.reserve(static_cast<size_t>(r.bytes));
   std::byte** tables = r.tables.in(w);
@@ -612,7 +626,7 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   detail::team_stages(threads, {qkv_items.count(), items, out_items.count()}, [&](int phase, int64_t it, int thread) {
     if (phase == 0) {
       // The QKV projection of the B new tokens, split by weight panels: each item streams its share of W once.
-      lin->run(qkv, qkv_items.begin(it), qkv_items.end(it));
+      lin->run(on_thread(qkv, scratch_base + thread * sstride), qkv_items.begin(it), qkv_items.end(it));
       if (check && columns_overflowed(stage, ldstage, B, qkv_items, it)) {
         std::atomic_ref<bool>(qkv_overflow).store(true, std::memory_order_relaxed);
       }
@@ -621,7 +635,7 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
     // Read after the QKV stage has ended: the later stages' items all see the same value.
     if (std::atomic_ref<bool>(qkv_overflow).load(std::memory_order_relaxed)) return;
     if (phase == 1) return attention.run(it, scratch_base + thread * sstride);
-    lin->run(proj, out_items.begin(it), out_items.end(it));
+    lin->run(on_thread(proj, scratch_base + thread * sstride), out_items.begin(it), out_items.end(it));
   });
   if (qkv_overflow) {  // the items found it; these scans name the projection, row and column
     detail::check_projection(stage, DType::f32, B, E, ldstage, "decode: the query");
@@ -652,8 +666,10 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   for (int64_t b = 0; b < B; ++b) {
     if (is_short(tokens[b])) short_tokens += tokens[b], short_max = std::max(short_max, tokens[b]);
   }
-  const int64_t sstride = std::max(scratch_stride(*ks.prefill),
-                                   short_max ? decode_scratch_stride(*ks.decode, bt, short_max) : int64_t{0});
+  const bool few_rows = M <= kernels::tiles::kStepFewRowTokens;
+  const int64_t sstride = std::max({scratch_stride(*ks.prefill),
+                                    short_max ? decode_scratch_stride(*ks.decode, bt, short_max) : int64_t{0},
+                                    few_rows ? linear_scratch_stride(M) : int64_t{0}});
   const StepPlan r =
       step_plan(s, M, B, compute, operand, threads, stride, step_state_rows(H, short_tokens, short_max, threads),
                 sstride);
@@ -705,11 +721,13 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   const kernels::LinearKernel* lin = sv.linear;
   // A step of a few tokens streams the weights once through the few-row kernel; a longer one runs oneDNN's GEMMs,
   // one per head (as extend), each writing its columns of the stage.
-  const bool few_rows = M <= kernels::tiles::kStepFewRowTokens;
+  float* scratch_base = r.scratch.in(w);
   if (few_rows) {
     const kernels::LinearArgs qkv = few_row_args(x, d_in, sv.qkv, sv.qkv_bias, stage, ldstage, M, ldstage, d_in);
     const PanelItems items = panel_items(*lin, ldstage, threads);
-    detail::team_for(threads, items.count(), [&](int64_t it, int) { lin->run(qkv, items.begin(it), items.end(it)); });
+    detail::team_for(threads, items.count(), [&](int64_t it, int thread) {
+      lin->run(on_thread(qkv, scratch_base + thread * sstride), items.begin(it), items.end(it));
+    });
   } else {
     const detail::Rows xin = detail::as_rows(TensorView::f32(x, {1, M, d_in}), t, operand, r.x.in(w), threads);
     // Item i is Q head i, then K heads, then V heads: its columns start at i * D in [q | k | v].
@@ -753,7 +771,6 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
       .item_base = item_base, .state_base = state_base, .pending = pending, .B = B_s, .E = E, .H = H, .H_kv = H_kv,
       .D = D, .stage = stage, .ctx = ctx, .m = r.m.in(w), .l = r.l.in(w), .acc = r.acc.in(w), .kern = ks.decode,
       .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), .store_rows = false};
-  float* scratch_base = r.scratch.in(w);
   const int64_t tiled_items = tiled_base[B_l];
   detail::team_for(threads, tiled_items + short_items, [&](int64_t it, int thread) {
     float* scratch = scratch_base + thread * sstride;
@@ -792,7 +809,9 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
     const kernels::LinearArgs proj =
         few_row_args(ctx, E, sv.out, sv.out_bias, out_data, out_width, M, out_width, E);
     const PanelItems items = panel_items(*lin, out_width, threads);
-    detail::team_for(threads, items.count(), [&](int64_t it, int) { lin->run(proj, items.begin(it), items.end(it)); });
+    detail::team_for(threads, items.count(), [&](int64_t it, int thread) {
+      lin->run(on_thread(proj, scratch_base + thread * sstride), items.begin(it), items.end(it));
+    });
   } else {
     run_out(ws.exec, ctx_t, M, out_data, DType::f32, threads, r.ctx_wide.in(w));
   }

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/decode_attention.hpp"  // kIntDotMaxLen, IntDotKernel: what the tests see of this header
 #include "kernels/vec.hpp"
@@ -242,6 +243,77 @@ struct IntDot {
       if (nv < n) a = step_tail(a, q + nv, kr + nv, n - nv);
       out[r] = reduce(a) + tail(q + nv, kr + nv, n - nv);
     }
+  }
+};
+#endif
+
+// The integer lanes of the quantized few-row projections (kernels/linear_impl.hpp): W int32 lanes, each adding an
+// int16 pair of x (broadcast) times a pair of weights widened to int16 (IntDot::madd_add: vpdpwssd with AVX512-VNNI,
+// else vpmaddwd + vpaddd), and the loads that widen a panel's 2W bytes (kernels/linear.hpp's layout): int8 codes
+// into one pair a lane, int4 nibbles (code + 8, in [0, 15]) into two. The scalar twin: one lane, the same integers.
+// Overflow: |x| <= 32767 and |w| <= 127 keep a pair's sum in range and a sum over n <= 512 inputs below 2^31;
+// the kernel converts its sums to f32 at least every kLinearKChunk = 256 inputs.
+template <class Arch>
+struct IntLanes;
+
+template <>
+struct IntLanes<ScalarArch> {
+  struct Pair {
+    int32_t a, b;
+  };
+  using I = int32_t;
+  using X = Pair;  // x's pair
+  using Wt = Pair;  // the weights' pair
+  static I set1(int32_t v) { return v; }
+  static X pair(const int16_t* x) { return {x[0], x[1]}; }
+  static I dot(I acc, X x, Wt w) { return acc + x.a * w.a + x.b * w.b; }
+  static Wt load_int8(const int8_t* p) { return {p[0], p[1]}; }
+  static void load_int4(const uint8_t* p, Wt& lo, Wt& hi) {
+    lo = {p[0] & 0x0f, p[1] & 0x0f};
+    hi = {p[0] >> 4, p[1] >> 4};
+  }
+  static float to_float(I v) { return static_cast<float>(v); }
+};
+
+#if !defined(GPT2ATTN_SCALAR_ONLY)
+template <class Arch>
+struct IntLanes {
+  static constexpr bool k512 = IntDot<Arch>::k512;
+  using I = typename IntDot<Arch>::I;
+  using X = I;
+  using Wt = I;
+  static I set1(int32_t v) {
+    if constexpr (k512) return _mm512_set1_epi32(v); else return _mm256_set1_epi32(v);
+  }
+  static X pair(const int16_t* x) {
+    int32_t v;
+    std::memcpy(&v, x, sizeof v);
+    if constexpr (k512) return _mm512_set1_epi32(v); else return _mm256_set1_epi32(v);
+  }
+  static I dot(I acc, X x, Wt w) { return IntDot<Arch>::madd_add(acc, x, w); }
+  static Wt load_int8(const int8_t* p) {
+    if constexpr (k512) {
+      return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    } else {
+      return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+  }
+  // Each byte zero-extended to 16 bits: its low nibble masked, its high one shifted down (unsigned: the codes' + 8
+  // leaves the kernel's sums, as -8 x sum(x) per group; sign-extending instead took two shifts a nibble, on the one
+  // port the dot products use).
+  static void load_int4(const uint8_t* p, Wt& lo, Wt& hi) {
+    if constexpr (k512) {
+      const __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      lo = _mm512_and_si512(u, _mm512_set1_epi16(0x0f));
+      hi = _mm512_srli_epi16(u, 4);
+    } else {
+      const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      lo = _mm256_and_si256(u, _mm256_set1_epi16(0x0f));
+      hi = _mm256_srli_epi16(u, 4);
+    }
+  }
+  static typename Vec<Arch>::B to_float(I v) {
+    if constexpr (k512) return typename Vec<Arch>::B(_mm512_cvtepi32_ps(v)); else return typename Vec<Arch>::B(_mm256_cvtepi32_ps(v));
   }
 };
 #endif

@@ -79,7 +79,7 @@ const IsaKernels& make_isa_kernels() {
   std::array<const LinearKernel*, kNumWeightFormats> quantized{};
 #define GPT2ATTN_KERNEL_SET(level, Compute, Kv, why)
 #define GPT2ATTN_WEIGHT_FORMAT(format, Packed, why)                       \
-  static_assert(PackedWeights<Packed>::kFormat == WeightFormat::format); \
+  static_assert(QuantLinear<typename L::ArchT, Packed>::kFormat == WeightFormat::format); \
   quantized[static_cast<size_t>(WeightFormat::format)] = &make_linear_kernel<L::kLevel, typename L::ArchT, Packed>();
 #include "kernels/kernel_list.def"
 #undef GPT2ATTN_WEIGHT_FORMAT

@@ -1,21 +1,28 @@
 // kernels/linear.hpp: y = x W^T + b for a few rows (decode: one row per sequence), reading W once from a
 // panel-packed copy held as f32, bf16, int8 or int4 (a bf16 layer's decode streams half the f32 weight bytes, int8 a
-// quarter, int4 about a sixth with its scales; every format is widened to f32 in registers as it is loaded, and x,
-// the bias, the scales, the sums and y stay f32). Pure compute on pointers: no allocation, threads or oneDNN; the
+// quarter, int4 about a sixth with its scales). f32 and bf16 are widened to f32 in registers as they are loaded; int8
+// and int4 codes meet each row of x quantized to int16 (quantize_query_i16, kernels/int_dot.hpp: half a step of
+// max|x| / 32767) in exact integer sums, scaled to f32 per chunk (int8) or group (int4). The bias, the scales and y
+// are f32. Pure compute on pointers: no allocation, threads or oneDNN; the
 // engine packs the weights once at construction and splits the panels across threads.
 //
 // Why not oneDNN here: a decode step's GEMMs have M = B (1..64), so they are bound by streaming W, which any
 // register-blocked loop does at memory speed; and oneDNN 2.6's primitive execute allocates its argument map
 // on every call, which a decode step must not do.
 //
-// Packed layout: W (N, K) row-major becomes ceil(N / kLinearPanel) panels, each (K, kLinearPanel): panel p
-// holds outputs [p*16, p*16 + 16) with, for every k, their 16 weights contiguous (zero past N): 64 bytes in f32, 32 in
-// bf16, 16 in int8, 8 in int4 (byte c holds output c's code in its low nibble and output c + 8's in its high one, so
-// that one vector of 8 lanes takes either half). The micro-kernel keeps a block of rows x a group of adjacent panels
-// in registers (tiles.hpp) and streams the group's panels side by side.
-// Quantized formats (gpt2attn/dtype.hpp, WeightFormat) carry f32 scales beside the codes: int8 one per output,
-// linear_scales(N, K, f) floats in panel order ([panel][16]), applied to the sum once; int4 one per output and group
-// of kWeightGroup inputs, [panel][group][16], applied to the codes as they are widened.
+// Packed layout: W (N, K) row-major becomes ceil(N / kLinearPanel) panels, panel p holding outputs [p*16, p*16 + 16)
+// (zero past N). The compute types: for every k, the 16 outputs' weights contiguous, 64 bytes in f32, 32 in bf16.
+// The quantized formats (gpt2attn/dtype.hpp, WeightFormat) are read by integer dot products, so their inputs come in
+// pairs (vpdpwssd / vpmaddwd multiply adjacent int16 pairs into one int32 lane): K padded to linear_padded_k (zero
+// codes), and per panel
+//   int8: for every input pair (2i, 2i + 1), 32 bytes: byte 2c + j is output c's code at input 2i + j;
+//   int4: for every input quad (4i .. 4i + 3), 32 bytes: byte 2c + j holds output c's code q at input 4i + j in its
+//         low nibble and at 4i + 2 + j in its high one, each as q + 8 in [0, 15],
+// so a vector of W int32 lanes (outputs [vW, vW + W)) widens bytes [2vW, 2vW + 2W) into one pair (int8) or two
+// (int4) of int16 per lane. Their f32 scales sit beside the codes: int8 one per output, linear_scales(N, K, f) floats
+// in panel order ([panel][16]); int4 one per output and group of kWeightGroup inputs, [panel][group][16].
+// The micro-kernel keeps a block of rows x a group of adjacent panels in registers (tiles.hpp) and streams the
+// group's panels side by side.
 #pragma once
 
 #include <algorithm>
@@ -38,6 +45,9 @@ struct int4x2 {
 inline int64_t linear_panels(int64_t N) { return (N + kLinearPanel - 1) / kLinearPanel; }
 inline int64_t linear_packed_elements(int64_t N, int64_t K) { return linear_panels(N) * K * kLinearPanel; }
 inline int64_t weight_groups(int64_t K) { return (K + kWeightGroup - 1) / kWeightGroup; }
+// Inputs a panel holds in format f: K, padded for the quantized formats to whole input quads (their pairs, their
+// nibbles' quads).
+inline int64_t linear_padded_k(WeightFormat f, int64_t K) { return f == WeightFormat::compute ? K : (K + 3) / 4 * 4; }
 // Bytes of one panel per k, and of the whole packed matrix, in format f (f32 or bf16 for WeightFormat::compute).
 inline int64_t linear_bytes_per_k(WeightFormat f, DType compute) {
   switch (f) {
@@ -48,7 +58,15 @@ inline int64_t linear_bytes_per_k(WeightFormat f, DType compute) {
   return kLinearPanel * static_cast<int64_t>(size_of(compute));
 }
 inline int64_t linear_packed_bytes(int64_t N, int64_t K, WeightFormat f, DType compute) {
-  return linear_panels(N) * K * linear_bytes_per_k(f, compute);
+  return linear_panels(N) * linear_padded_k(f, K) * linear_bytes_per_k(f, compute);
+}
+// Bytes of LinearArgs::scratch a call of the kernel for format f needs for M rows of K inputs: the quantized formats'
+// int16 rows of x (padded), their scales, and for int4 each group's sum of x's codes; none for the compute types.
+inline int64_t linear_scratch_bytes(WeightFormat f, int64_t M, int64_t K) {
+  if (f == WeightFormat::compute) return 0;
+  const int64_t sums = f == WeightFormat::int4 ? (K + kWeightGroup - 1) / kWeightGroup : 0;
+  return M * (linear_padded_k(f, K) * static_cast<int64_t>(sizeof(int16_t)) + static_cast<int64_t>(sizeof(float)) +
+              sums * static_cast<int64_t>(sizeof(int32_t)));
 }
 // Floats of scales beside the codes: none for the compute types.
 inline int64_t linear_scales(int64_t N, int64_t K, WeightFormat f) {
@@ -112,25 +130,31 @@ inline void quantize_row(WeightFormat f, const float* w, int64_t K, int8_t* code
 }
 
 // Panel p of a quantized matrix from the codes (quantize_row's, row stride K) and scales (ceil(K / group) a row) of
-// its rows [p*16, p*16 + n), n <= 16: the panel's share of the packed layout (K * 16 int8_t or K * 8 int4x2) and its
-// scales (16, or groups * 16 floats), the outputs past n zero.
+// its rows [p*16, p*16 + n), n <= 16: the panel's share of the packed layout above (linear_padded_k(f, K) * 16 int8_t,
+// or half as many int4x2) and its scales (16, or groups * 16 floats), the outputs past n and the inputs past K zero.
 inline void pack_linear_panel_int8(const int8_t* codes, const float* scales, int64_t n, int64_t K, int8_t* packed,
                                    float* packed_scales) {
   for (int64_t c = 0; c < kLinearPanel; ++c) packed_scales[c] = c < n ? scales[c] : 0.0f;
-  for (int64_t k = 0; k < K; ++k) {
-    for (int64_t c = 0; c < kLinearPanel; ++c) packed[k * kLinearPanel + c] = c < n ? codes[c * K + k] : 0;
+  for (int64_t k = 0; k < linear_padded_k(WeightFormat::int8, K); ++k) {
+    for (int64_t c = 0; c < kLinearPanel; ++c) {
+      packed[k / 2 * 2 * kLinearPanel + 2 * c + k % 2] = c < n && k < K ? codes[c * K + k] : 0;
+    }
   }
 }
 inline void pack_linear_panel_int4(const int8_t* codes, const float* scales, int64_t n, int64_t K, int4x2* packed,
                                    float* packed_scales) {
-  constexpr int64_t half = kLinearPanel / 2;
   const int64_t G = weight_groups(K);
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t c = 0; c < kLinearPanel; ++c) packed_scales[g * kLinearPanel + c] = c < n ? scales[c * G + g] : 0.0f;
   }
-  const auto code = [&](int64_t o, int64_t k) { return o < n ? codes[o * K + k] & 0x0f : 0; };
-  for (int64_t k = 0; k < K; ++k) {
-    for (int64_t c = 0; c < half; ++c) packed[k * half + c].bits = static_cast<uint8_t>(code(c, k) | code(c + half, k) << 4);
+  const auto code = [&](int64_t o, int64_t k) { return o < n && k < K ? codes[o * K + k] + 8 : 8; };
+  for (int64_t q = 0; q < linear_padded_k(WeightFormat::int4, K) / 4; ++q) {
+    for (int64_t c = 0; c < kLinearPanel; ++c) {
+      for (int64_t j = 0; j < 2; ++j) {
+        packed[q * 2 * kLinearPanel + 2 * c + j].bits =
+            static_cast<uint8_t>(code(c, 4 * q + j) | code(c, 4 * q + 2 + j) << 4);
+      }
+    }
   }
 }
 
@@ -143,6 +167,7 @@ struct LinearArgs {
   float* y = nullptr;               // (M, N), row stride ldy
   int64_t ldy = 0;
   int64_t M = 0, N = 0, K = 0;
+  void* scratch = nullptr;          // linear_scratch_bytes(format, M, K) of the calling thread's own
 };
 
 struct LinearKernel {

@@ -1,5 +1,6 @@
-// kernels/linear_impl.hpp: the few-row linear layer of linear.hpp, written once over Vec<Arch> and the packed
-// weight type WT (f32, bf16, int8_t or int4x2, each widened to f32 as it is loaded: PackedWeights).
+// kernels/linear_impl.hpp: the few-row linear layer of linear.hpp, written once over Vec<Arch>: one loop that streams
+// the panels (stream_panels) under two micro-kernels, the compute types' (f32 or bf16 weights widened to f32 as they
+// are loaded, FMAs) and the quantized formats' (int8 or int4 codes in integer dot products with x quantized to int16).
 // Included only by kernels/kernel_sets_impl.hpp, in each level's file (internal linkage, like attention_impl.hpp).
 #pragma once
 
@@ -11,6 +12,7 @@
 #include <utility>
 
 #include "kernels/element.hpp"
+#include "kernels/int_dot.hpp"
 #include "kernels/linear.hpp"
 #include "kernels/tiles.hpp"
 #include "kernels/vec.hpp"
@@ -18,55 +20,89 @@
 namespace gpt2attn::kernels {
 namespace {
 
-// How the kernel reads one packed weight format WT (kernels/linear.hpp): bytes per panel per k, the vector of lanes
-// [v W, v W + W) of the 16 at a k's bytes, and where the scales apply.
-template <class WT>
-struct PackedWeights {
-  static constexpr WeightFormat kFormat = std::is_same_v<WT, int8_t> ? WeightFormat::int8 : WeightFormat::compute;
-  static constexpr int64_t kBytesPerK = kLinearPanel * static_cast<int64_t>(sizeof(WT));
-  static constexpr bool kRowScales = std::is_same_v<WT, int8_t>;  // one per output, on the finished sum
-  static constexpr bool kGroupScales = false;                     // one per output and group, on the weights
-  template <class V>
-  static typename V::B load(const std::byte* p, int v) {
-    return V::load(reinterpret_cast<const WT*>(p) + v * V::W);
-  }
+// The panels' loop, shared by both micro-kernels: per group of PG panels, K in equal chunks of at most kLinearKChunk
+// (multiples of `align` inputs), each streamed by every row block of RB rows in turn from L1/L2 while the next is
+// prefetched, so the weights come from memory once, overlapped with the arithmetic. Kp: the inputs a panel holds
+// (linear_padded_k), bytes_per_k: a panel's bytes per input. block(rows, panels, p0, m0, k0, k1, prefetch) computes.
+// The next chunk (this group's next K chunk, or the next group's first) is prefetched into L2 while the row blocks
+// compute on this one: row block i of nb asks for the i-th nb-th of each panel's bytes, at `step` bytes per k
+// (bytes_per_k / nb), so the fetch keeps pace with the arithmetic for any M.
+struct Prefetch {
+  uintptr_t start;  // this block's first line of the next chunk in the first panel (an address only: past W's end
+                    // after the last group)
+  int64_t step;     // bytes per k
 };
-template <>
-struct PackedWeights<int4x2> {
-  static constexpr WeightFormat kFormat = WeightFormat::int4;
-  static constexpr int64_t kBytesPerK = kLinearPanel / 2;
-  static constexpr bool kRowScales = false;
-  static constexpr bool kGroupScales = true;
-  template <class V>
-  static typename V::B load(const std::byte* p, int v) {
-    return V::load_int4(reinterpret_cast<const uint8_t*>(p), v);
+template <int RB, int PG, class Block>
+void stream_panels(const LinearArgs& a, int64_t Kp, int64_t bytes_per_k, int64_t align, int64_t panel_begin,
+                   int64_t panel_end, Block&& block) {
+  const int64_t chunks = (a.K + tiles::kLinearKChunk - 1) / tiles::kLinearKChunk;
+  const int64_t kc = ((a.K + chunks - 1) / chunks + align - 1) / align * align, blocks = (a.M + RB - 1) / RB;
+  const uintptr_t w = reinterpret_cast<uintptr_t>(a.w_packed);
+  for (int64_t p0 = panel_begin; p0 < panel_end; p0 += PG) {
+    const int64_t pp = std::min<int64_t>(PG, panel_end - p0);
+    for (int64_t k0 = 0; k0 < a.K; k0 += kc) {
+      const int64_t k1 = std::min(a.K, k0 + kc);
+      // The next chunk: this group's next, or after the last one the next group's first.
+      const int64_t next_panel = k1 < a.K ? p0 : p0 + pp, next_k = k1 < a.K ? k1 : 0;
+      const uintptr_t next = w + (next_panel * Kp + next_k) * bytes_per_k;
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t m0 = i * RB, rr = std::min<int64_t>(RB, a.M - m0);
+        const int64_t first = i * kc / blocks, ks = (i + 1) * kc / blocks - first;  // this block's share of k
+        const Prefetch pf{next + first * bytes_per_k, ks * bytes_per_k / (k1 - k0)};
+        block(rr, pp, p0, m0, k0, k1, pf);
+      }
+    }
   }
-};
+}
 
+// block<RR, PP> of kernel L for every 1 <= RR <= RB, 1 <= PP <= PG, at [(RR-1) * PG + PP-1]: ragged row blocks and
+// panel groups keep full register blocking.
+template <class L, int... I>
+constexpr std::array<typename L::BlockFn, sizeof...(I)> block_table(std::integer_sequence<int, I...>) {
+  return {&L::template block<I / L::PG + 1, I % L::PG + 1>...};
+}
+
+// Row m's outputs of panel p from its PV vectors o: with `last`, times `row_scales` (int8's, or null) plus the bias;
+// stored into y, only the columns below N of a partial last panel.
+template <class V, int PV>
+[[gnu::always_inline]] inline void store_panel(const LinearArgs& a, int64_t p, int64_t m, const typename V::B* o,
+                                               bool last, const float* row_scales) {
+  constexpr int W = V::W;
+  const int64_t n0 = p * kLinearPanel, width = std::min<int64_t>(kLinearPanel, a.N - n0);
+  float bias[kLinearPanel] = {};  // the last panel may be partial
+  if (last && a.bias) std::copy_n(a.bias + n0, width, bias);
+  float* y = a.y + m * a.ldy + n0;
+  float out[kLinearPanel];
+  #pragma GCC unroll 32
+  for (int v = 0; v < PV; ++v) {
+    typename V::B r = o[v];
+    if (last) {
+      const typename V::B b = V::load(bias + v * W);
+      r = row_scales ? V::fma(r, V::load(row_scales + v * W), b) : r + b;
+    }
+    if (width == kLinearPanel) {
+      V::store(y + v * W, r);
+    } else {
+      V::store(out + v * W, r);
+    }
+  }
+  if (width < kLinearPanel) std::copy_n(out, width, y);
+}
+
+// The compute types: WT float or bf16, widened to f32 as loaded.
 template <class Arch, class WT>
 struct Linear {
   using V = Vec<Arch>;
   using B = typename V::B;
-  using P = PackedWeights<WT>;
   static constexpr int W = V::W;
   static constexpr int PV = static_cast<int>(kLinearPanel) / W;  // vectors per panel
   static constexpr int RB = tiles::linear_row_block(W);          // rows per block (reasons in tiles.hpp)
   static constexpr int PG = tiles::linear_panel_group(W);        // panels per block (reasons in tiles.hpp)
-  static constexpr int64_t kBytesPerK = P::kBytesPerK;           // of one panel: a line (f32) down to 8 bytes (int4)
-
-  // The next chunk run() streams (this group's next K chunk, or the next group's first) is prefetched into L2
-  // while the row blocks compute on this one: row block i of nb asks for the i-th nb-th of each panel's bytes, at
-  // `step` bytes per k (kBytesPerK / nb), so the fetch keeps pace with the arithmetic for any M.
-  struct Prefetch {
-    uintptr_t start;  // this block's first line of the next chunk in the first panel (an address only: past W's
-                      // end after the last group)
-    int64_t step;     // bytes per k
-  };
+  static constexpr int64_t kBytesPerK = kLinearPanel * static_cast<int64_t>(sizeof(WT));  // of one panel
 
   // y[m0 .. m0+RR) x the outputs of panels [p0, p0+PP), for k in [k0, k1): starts from 0 when k0 == 0, else from the
-  // partial sums in y, and when k1 == K applies the row scales (int8) and adds the bias. Per k: PP*PV weight loads
-  // (widened) + RR broadcasts for RR*PP*PV FMAs, and PP prefetches; int4 multiplies each widened weight vector by its
-  // group's scales, loaded once per group. Every loop over j, v, r and i is unrolled by pragma so acc[][] lives in
+  // partial sums in y, and when k1 == K adds the bias. Per k: PP*PV weight loads (widened) + RR broadcasts for
+  // RR*PP*PV FMAs, and PP prefetches. Every loop over j, v, r and i is unrolled by pragma so acc[][] lives in
   // registers: with bf16 weights GCC 12's own heuristic stops unrolling (the widening load is a longer body), keeps
   // acc in memory and the kernel ran at a third of the f32 one's speed (measured: 23 vs 70 GB/s at N=2304, K=768,
   // M=1).
@@ -92,114 +128,210 @@ struct Linear {
     }
     const std::byte* w = static_cast<const std::byte*>(a.w_packed) + p0 * pstride;
     const float* x = a.x + m0 * a.ldx;
-    const int64_t groups = weight_groups(a.K);
-    // [k0, k1) in runs that share one set of scales: int4's groups, else the whole range.
+    for (int64_t k = k0; k < k1; ++k) {
+      B wv[NV];
+      #pragma GCC unroll 32
+      for (int j = 0; j < PP; ++j) {
+        const uintptr_t ahead = pf.start + j * pstride + (k - k0) * pf.step;
+        __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, 2);  // into L2: L1 holds the chunk being re-read
+        #pragma GCC unroll 32
+        for (int v = 0; v < PV; ++v) {
+          wv[j * PV + v] = V::load(reinterpret_cast<const WT*>(w + j * pstride + k * kBytesPerK) + v * W);
+        }
+      }
+      #pragma GCC unroll 32
+      for (int r = 0; r < RR; ++r) {
+        const B xb = V::set1(x[r * a.ldx + k]);
+        #pragma GCC unroll 32
+        for (int i = 0; i < NV; ++i) acc[r][i] = V::fma(xb, wv[i], acc[r][i]);
+      }
+    }
+    const bool last = k1 == a.K;
+    #pragma GCC unroll 32
+    for (int j = 0; j < PP; ++j) {
+      #pragma GCC unroll 32
+      for (int r = 0; r < RR; ++r) store_panel<V, PV>(a, p0 + j, m0 + r, acc[r] + j * PV, last, nullptr);
+    }
+  }
+
+  using BlockFn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, int64_t, Prefetch);
+  static constexpr std::array<BlockFn, RB * PG> kBlocks =
+      block_table<Linear>(std::make_integer_sequence<int, RB * PG>{});
+
+  static void run(const LinearArgs& a, int64_t panel_begin, int64_t panel_end) {
+    stream_panels<RB, PG>(a, a.K, kBytesPerK, 1, panel_begin, panel_end,
+                          [&](int64_t rr, int64_t pp, int64_t p0, int64_t m0, int64_t k0, int64_t k1, Prefetch pf) {
+                            kBlocks[(rr - 1) * PG + (pp - 1)](a, p0, m0, k0, k1, pf);
+                          });
+  }
+};
+
+// The quantized formats: WT int8_t or int4x2 codes (kernels/linear.hpp's layout), in exact int32 sums against x's rows
+// quantized to int16 once per call (into LinearArgs::scratch); the sums become f32 with x's row scale, and int4's with
+// its group's scales, every group of 32 inputs; int8's row scale multiplies the finished sum.
+template <class Arch, class WT>
+struct QuantLinear {
+  using V = Vec<Arch>;
+  using B = typename V::B;
+  using IL = IntLanes<Arch>;
+  using I = typename IL::I;
+  static constexpr bool kInt4 = std::is_same_v<WT, int4x2>;
+  static constexpr WeightFormat kFormat = kInt4 ? WeightFormat::int4 : WeightFormat::int8;
+  static constexpr int W = V::W;
+  static constexpr int PV = static_cast<int>(kLinearPanel) / W;
+  static constexpr int RB = tiles::linear_row_block(W, kInt4);
+  static constexpr int PG = tiles::linear_panel_group(W, kInt4);
+  static constexpr int64_t kBytesPerK = kInt4 ? kLinearPanel / 2 : kLinearPanel;
+  static constexpr int kStep = kInt4 ? 4 : 2;  // inputs per load: a quad of nibbles, a pair of bytes
+  static constexpr int64_t kLaneBytes = 2 * W;  // a vector's bytes of a load's 32
+
+  // x's rows as the block reads them: int16 codes (row stride ldq, zero past K), a scale per row, and for int4 the
+  // sum of each group's codes (groups a row).
+  struct Rows {
+    const int16_t* q;
+    int64_t ldq;
+    const float* scale;
+    const int32_t* sums;
+    int64_t groups;
+  };
+
+  template <int RR, int PP>
+  static void block(const LinearArgs& a, const Rows& xr, int64_t p0, int64_t m0, int64_t k0, int64_t k1, Prefetch pf) {
+    constexpr int NV = PP * PV;
+    const int64_t pstride = xr.ldq * kBytesPerK, groups = weight_groups(a.K);
+    const auto* w = static_cast<const std::byte*>(a.w_packed) + p0 * pstride;
+    B acc[RR][NV];  // f32: the sums so far, scaled (int4) or not yet (int8)
+    #pragma GCC unroll 32
+    for (int r = 0; r < RR; ++r) {
+      #pragma GCC unroll 32
+      for (int i = 0; i < NV; ++i) acc[r][i] = V::set1(0.0f);
+    }
+    // [k0, k1) in runs whose int32 sums share one scale: int4's groups, else the whole chunk.
     for (int64_t ks = k0; ks < k1;) {
-      const int64_t ke = P::kGroupScales ? std::min(k1, (ks / kWeightGroup + 1) * kWeightGroup) : k1;
-      [[maybe_unused]] B sv[NV];
-      if constexpr (P::kGroupScales) {
+      const int64_t ke = kInt4 ? std::min(k1, (ks / kWeightGroup + 1) * kWeightGroup) : k1;
+      I sum[RR][NV];  // int4 starts at -8 x the group's sum of x: its nibbles hold code + 8
+      #pragma GCC unroll 32
+      for (int r = 0; r < RR; ++r) {
+        const I s0 = IL::set1(kInt4 ? -8 * xr.sums[(m0 + r) * xr.groups + ks / kWeightGroup] : 0);
+        #pragma GCC unroll 32
+        for (int i = 0; i < NV; ++i) sum[r][i] = s0;
+      }
+      for (int64_t k = ks; k < ke; k += kStep) {  // past K: zero codes and zero x
+        typename IL::Wt lo[NV], hi[NV];
+        #pragma GCC unroll 32
+        for (int j = 0; j < PP; ++j) {
+          const uintptr_t ahead = pf.start + j * pstride + (k - k0) * pf.step;
+          __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, 2);
+          #pragma GCC unroll 32
+          for (int v = 0; v < PV; ++v) {
+            const std::byte* p = w + j * pstride + k * kBytesPerK + v * kLaneBytes;
+            if constexpr (kInt4) {
+              IL::load_int4(reinterpret_cast<const uint8_t*>(p), lo[j * PV + v], hi[j * PV + v]);
+            } else {
+              lo[j * PV + v] = IL::load_int8(reinterpret_cast<const int8_t*>(p));
+            }
+          }
+        }
+        #pragma GCC unroll 32
+        for (int r = 0; r < RR; ++r) {
+          const int16_t* xq = xr.q + (m0 + r) * xr.ldq + k;
+          const typename IL::X x0 = IL::pair(xq);
+          if constexpr (kInt4) {
+            const typename IL::X x1 = IL::pair(xq + 2);
+            #pragma GCC unroll 32
+            for (int i = 0; i < NV; ++i) sum[r][i] = IL::dot(IL::dot(sum[r][i], x0, lo[i]), x1, hi[i]);
+          } else {
+            #pragma GCC unroll 32
+            for (int i = 0; i < NV; ++i) sum[r][i] = IL::dot(sum[r][i], x0, lo[i]);
+          }
+        }
+      }
+      if constexpr (kInt4) {
+        B sv[NV];
         #pragma GCC unroll 32
         for (int j = 0; j < PP; ++j) {
           const float* s = a.scales + ((p0 + j) * groups + ks / kWeightGroup) * kLinearPanel;
           #pragma GCC unroll 32
           for (int v = 0; v < PV; ++v) sv[j * PV + v] = V::load(s + v * W);
         }
-      }
-      for (int64_t k = ks; k < ke; ++k) {
-        B wv[NV];
-        #pragma GCC unroll 32
-        for (int j = 0; j < PP; ++j) {
-          const uintptr_t ahead = pf.start + j * pstride + (k - k0) * pf.step;
-          __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, 2);  // into L2: L1 holds the chunk being re-read
-          #pragma GCC unroll 32
-          for (int v = 0; v < PV; ++v) {
-            wv[j * PV + v] = P::template load<V>(w + j * pstride + k * kBytesPerK, v);
-            if constexpr (P::kGroupScales) wv[j * PV + v] = wv[j * PV + v] * sv[j * PV + v];
-          }
-        }
         #pragma GCC unroll 32
         for (int r = 0; r < RR; ++r) {
-          const B xb = V::set1(x[r * a.ldx + k]);
           #pragma GCC unroll 32
-          for (int i = 0; i < NV; ++i) acc[r][i] = V::fma(xb, wv[i], acc[r][i]);
+          for (int i = 0; i < NV; ++i) {
+            acc[r][i] = V::fma(IL::to_float(sum[r][i]), sv[i], acc[r][i]);
+          }
+        }
+      } else {
+        #pragma GCC unroll 32
+        for (int r = 0; r < RR; ++r) {
+          #pragma GCC unroll 32
+          for (int i = 0; i < NV; ++i) acc[r][i] = IL::to_float(sum[r][i]);
         }
       }
       ks = ke;
     }
+    // y = the partial sums in y (k0 > 0) + this chunk's times x's row scale; at the end int8's row scales, the bias.
     const bool last = k1 == a.K;
     #pragma GCC unroll 32
     for (int j = 0; j < PP; ++j) {
       const int64_t n0 = (p0 + j) * kLinearPanel, width = std::min<int64_t>(kLinearPanel, a.N - n0);
-      float bias[kLinearPanel] = {};  // the last panel may be partial
-      if (last && a.bias) std::copy_n(a.bias + n0, width, bias);
       #pragma GCC unroll 32
       for (int r = 0; r < RR; ++r) {
-        float* y = a.y + (m0 + r) * a.ldy + n0;
-        float out[kLinearPanel];
+        const B sx = V::set1(xr.scale[m0 + r]);
+        const float* src = k0 > 0 ? a.y + (m0 + r) * a.ldy + n0 : nullptr;
+        float in[kLinearPanel] = {};
+        if (src && width < kLinearPanel) {
+          std::copy_n(src, width, in);
+          src = in;
+        }
+        B* o = acc[r] + j * PV;
         #pragma GCC unroll 32
-        for (int v = 0; v < PV; ++v) {
-          B o = acc[r][j * PV + v];
-          if (last) {
-            const B b = V::load(bias + v * W);
-            if constexpr (P::kRowScales) {
-              o = V::fma(o, V::load(a.scales + (p0 + j) * kLinearPanel + v * W), b);
-            } else {
-              o = o + b;
-            }
-          }
-          if (width == kLinearPanel) {
-            V::store(y + v * W, o);
-          } else {
-            V::store(out + v * W, o);
-          }
-        }
-        if (width < kLinearPanel) std::copy_n(out, width, y);
+        for (int v = 0; v < PV; ++v) o[v] = src ? V::fma(o[v], sx, V::load(src + v * W)) : o[v] * sx;
+        store_panel<V, PV>(a, p0 + j, m0 + r, o, last, kInt4 ? nullptr : a.scales + (p0 + j) * kLinearPanel);
       }
     }
   }
 
-  // block<RR, PP> for every 1 <= RR <= RB, 1 <= PP <= PG, at [(RR-1) * PG + PP-1]: ragged row blocks and panel
-  // groups keep full register blocking.
-  using BlockFn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, int64_t, Prefetch);
-  template <int... I>
-  static constexpr std::array<BlockFn, sizeof...(I)> blocks(std::integer_sequence<int, I...>) {
-    return {&block<I / PG + 1, I % PG + 1>...};
-  }
-  static constexpr std::array<BlockFn, RB * PG> kBlocks = blocks(std::make_integer_sequence<int, RB * PG>{});
+  using BlockFn = void (*)(const LinearArgs&, const Rows&, int64_t, int64_t, int64_t, int64_t, Prefetch);
+  static constexpr std::array<BlockFn, RB * PG> kBlocks =
+      block_table<QuantLinear>(std::make_integer_sequence<int, RB * PG>{});
 
-  // Per group of PG panels, K in equal chunks of at most kLinearKChunk, each streamed by every row block in turn
-  // from L1/L2 while the next is prefetched: the weights come from memory once, overlapped with the arithmetic.
+  // x's M rows quantized into the scratch (linear_scratch_bytes), then the panels streamed.
   static void run(const LinearArgs& a, int64_t panel_begin, int64_t panel_end) {
-    const int64_t chunks = (a.K + tiles::kLinearKChunk - 1) / tiles::kLinearKChunk;
-    const int64_t kc = (a.K + chunks - 1) / chunks, blocks = (a.M + RB - 1) / RB;
-    const uintptr_t w = reinterpret_cast<uintptr_t>(a.w_packed);
-    for (int64_t p0 = panel_begin; p0 < panel_end; p0 += PG) {
-      const int64_t pp = std::min<int64_t>(PG, panel_end - p0);
-      for (int64_t k0 = 0; k0 < a.K; k0 += kc) {
-        const int64_t k1 = std::min(a.K, k0 + kc);
-        // The next chunk: this group's next, or after the last one the next group's first.
-        const int64_t next_panel = k1 < a.K ? p0 : p0 + pp, next_k = k1 < a.K ? k1 : 0;
-        const uintptr_t next = w + (next_panel * a.K + next_k) * kBytesPerK;
-        for (int64_t i = 0; i < blocks; ++i) {
-          const int64_t m0 = i * RB, rr = std::min<int64_t>(RB, a.M - m0);
-          const int64_t first = i * kc / blocks, ks = (i + 1) * kc / blocks - first;  // this block's share of k
-          const Prefetch pf{next + first * kBytesPerK, ks * kBytesPerK / (k1 - k0)};
-          kBlocks[(rr - 1) * PG + (pp - 1)](a, p0, m0, k0, k1, pf);
-        }
+    const int64_t ldq = linear_padded_k(kFormat, a.K);
+    auto* q = static_cast<int16_t*>(a.scratch);
+    auto* scale = reinterpret_cast<float*>(q + a.M * ldq);
+    auto* sums = reinterpret_cast<int32_t*>(scale + a.M);
+    const int64_t groups = kInt4 ? weight_groups(a.K) : 0;
+    for (int64_t m = 0; m < a.M; ++m) {
+      int16_t* row = q + m * ldq;
+      scale[m] = quantize_query_i16<Arch>(a.x + m * a.ldx, 1.0f, a.K, row);
+      std::fill(row + a.K, row + ldq, int16_t{0});
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t t = 0;
+        for (int64_t k = g * kWeightGroup; k < std::min(a.K, (g + 1) * kWeightGroup); ++k) t += row[k];
+        sums[m * groups + g] = t;
       }
     }
+    const Rows xr{q, ldq, scale, sums, groups};
+    stream_panels<RB, PG>(a, ldq, kBytesPerK, kWeightGroup, panel_begin, panel_end,
+                          [&](int64_t rr, int64_t pp, int64_t p0, int64_t m0, int64_t k0, int64_t k1, Prefetch pf) {
+                            kBlocks[(rr - 1) * PG + (pp - 1)](a, xr, p0, m0, k0, k1, pf);
+                          });
   }
 };
 
 template <Isa Level, class Arch, class WT>
 const LinearKernel& make_linear_kernel() {
-  constexpr WeightFormat f = PackedWeights<WT>::kFormat;
-  constexpr DType compute = [] {
-    if constexpr (f == WeightFormat::compute) return dtype_of<WT>();
-    return DType::f32;
-  }();
-  static const LinearKernel kernel{Level, f, compute, Linear<Arch, WT>::PG, &Linear<Arch, WT>::run};
-  return kernel;
+  if constexpr (std::is_same_v<WT, int8_t> || std::is_same_v<WT, int4x2>) {
+    using L = QuantLinear<Arch, WT>;
+    static const LinearKernel kernel{Level, L::kFormat, DType::f32, L::PG, &L::run};
+    return kernel;
+  } else {
+    using L = Linear<Arch, WT>;
+    static const LinearKernel kernel{Level, WeightFormat::compute, dtype_of<WT>(), L::PG, &L::run};
+    return kernel;
+  }
 }
 
 }  // namespace

@@ -85,25 +85,6 @@ struct Vec {
       return B(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
     }
   }
-  // Lanes [v W, v W + W) of an int4 panel's 16 codes at p (kernels/linear.hpp: byte c holds code c in its low nibble,
-  // code c + 8 in its high one, each a 4-bit two's complement q) as the f32 values q: each byte widened to its own
-  // 32-bit lane, its nibble shifted to the top and arithmetically back (sign extension), converted. AVX-512 takes all
-  // 16 (v = 0: the 8 bytes twice, the second copy's lanes shifted by 4 less), AVX2 the low (v = 0) or high (v = 1)
-  // nibbles. Four vector instructions and a load: the two-shuffle unpacking this replaced cost the int4 decode ~20%.
-  // The scalar twin is load_int4 below.
-  static B load_int4(const uint8_t* p, [[maybe_unused]] int v) {
-    if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
-      const __m128i b = _mm_castpd_si128(_mm_loaddup_pd(reinterpret_cast<const double*>(p)));
-      const __m512i up = _mm512_set_epi32(24, 24, 24, 24, 24, 24, 24, 24, 28, 28, 28, 28, 28, 28, 28, 28);
-      const __m512i q = _mm512_srai_epi32(_mm512_sllv_epi32(_mm512_cvtepu8_epi32(b), up), 28);
-      return B(_mm512_cvtepi32_ps(q));
-    } else {
-      static_assert(W == 8, "int4 loads are written for AVX-512 (16 lanes) and AVX2 (8 lanes)");
-      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-      const __m256i q = _mm256_srai_epi32(v == 0 ? _mm256_slli_epi32(b, 28) : _mm256_slli_epi32(b, 24), 28);
-      return B(_mm256_cvtepi32_ps(q));
-    }
-  }
   // W fp8 e4m3 codes as the kernels read them (widen(), kernels/fp8.hpp): each byte sign-extended to 16 bits and
   // shifted so that its exponent and mantissa land in binary16's fields, which vcvtph2ps widens exactly, denormals
   // included; the row's scale carries the 2^8 the change of exponent bias leaves, and a NaN (a NaN scale), so the
@@ -291,10 +272,6 @@ struct Vec<ScalarArch> {
   static B load(const int8_t* p) { return widen(*p); }
   static B load(const fp8_e4m3* p) { return widen(*p); }
   static B load(const int32_t* p) { return static_cast<float>(*p); }
-  static B load_int4(const uint8_t* p, int v) {
-    const int nibble = v < 8 ? p[v] & 0x0f : p[v - 8] >> 4;
-    return static_cast<float>(nibble >= 8 ? nibble - 16 : nibble);  // 4-bit two's complement
-  }
   static void store(float* p, B v) { *p = v; }
   static constexpr bool kStreamsLines = false;
   static void stream(float* p, B v) { *p = v; }

@@ -1263,7 +1263,7 @@ std::vector<LinearCase> linear_cases() {
   }
   for (int64_t p = 0; p < kernels::linear_panels(N); ++p) {
     const int64_t n0 = p * kernels::kLinearPanel, n = std::min(kernels::kLinearPanel, N - n0);
-    std::byte* dst = packed.data() + p * K * per_k;
+    std::byte* dst = packed.data() + p * kernels::linear_padded_k(f, K) * per_k;
     if (f == WeightFormat::int8) {
       kernels::pack_linear_panel_int8(codes.data() + n0 * K, row_scales.data() + n0 * G, n, K,
                                       reinterpret_cast<int8_t*>(dst), scales.data() + p * per_panel);
@@ -1285,7 +1285,22 @@ std::vector<LinearCase> linear_cases() {
     test::round_bf16(w);
   }
 
+  // The quantized formats' kernels quantize x's rows to int16 (kernels/int_dot.hpp's quantize_query_i16, compiled at
+  // the kernel's level: where the compiler contracts its rounding into an FMA a code can differ by one): the naive
+  // loops take those values, so only the kernel's arithmetic is under test.
+  std::vector<float> x_ref = x;
+  if (f != WeightFormat::compute) {
+    const auto quantize = detail::isa_kernels(kern.isa).int_dot->quantize;
+    std::vector<int16_t> q(static_cast<size_t>(K));
+    for (int64_t m = 0; m < M; ++m) {
+      const float sx = quantize(x.data() + m * K, 1.0f, K, q.data());
+      for (int64_t k = 0; k < K; ++k) x_ref[m * K + k] = static_cast<float>(q[k]) * sx;
+    }
+  }
+  std::vector<std::byte> scratch(static_cast<size_t>(kernels::linear_scratch_bytes(f, M, K)), std::byte{0x55});
+
   kernels::LinearArgs a;
+  a.scratch = scratch.data();
   const std::vector<float> x_mem = strided(x, M, K, c.ldx());
   std::vector<float> y_mem = output_buffer(M, N, c.ldy());
   a.x = x_mem.data(), a.ldx = c.ldx();
@@ -1312,7 +1327,7 @@ std::vector<LinearCase> linear_cases() {
     if (p < half) kern.run(a, p, p + 1);
   }
   // The reduction is the K-long dot product (test_util.hpp's rule: the projection widths).
-  ::testing::AssertionResult r = all_close(unstrided(y_mem, M, N, c.ldy()), naive_linear(x, w, b, M, N, K), Dtype::f32,
+  ::testing::AssertionResult r = all_close(unstrided(y_mem, M, N, c.ldy()), naive_linear(x_ref, w, b, M, N, K), Dtype::f32,
                                            K, ctx.str() + " | index m*N+n");
   if (!r) return r;
   if (const int64_t n = gap_writes(y_mem, M, N, c.ldy())) {

@@ -157,13 +157,17 @@ inline constexpr double kWeightChain = 2.0;
 
 // int8 weights on integer GEMMs (prefill, extend and long steps, where oneDNN has VNNI) round the GEMMs' inputs too:
 // the layer's input and the attention output, each row to 8 bits on its own scale (half a step, max|row| / 254), an
-// error of the same shape as an int8 weight row's, so it takes the same figure and chain factor. None otherwise.
+// error of the same shape as an int8 weight row's, so it takes the same figure and chain factor. Decode's and short
+// steps' projections of both quantized formats round them to 16 bits (max|row| / 65534): 258 times less, int4's only
+// activation term. None for the compute types.
 inline double activations_roundoff(WeightFormat f, int64_t width) {
-  return f == WeightFormat::int8 ? weights_roundoff(WeightFormat::int8, width) : 0.0;
+  if (f == WeightFormat::int8) return weights_roundoff(WeightFormat::int8, width);
+  if (f == WeightFormat::int4) return weights_roundoff(WeightFormat::int8, width) * 127.0 / 32767.0;
+  return 0.0;
 }
 
 // A layer holding weights in format f against the reference over the weights it computes with (dequantized()):
-// layer_tolerance, plus for int8 the activations' rounding of its integer GEMMs.
+// layer_tolerance, plus the activations' rounding of its integer arithmetic.
 inline Tolerance dequantized_tolerance(WeightFormat f, DType compute, DType kv, int64_t head_dim,
                                        int64_t reduction_length, double max_abs_reference) {
   const Tolerance l = layer_tolerance(compute, kv, head_dim, reduction_length, max_abs_reference);
