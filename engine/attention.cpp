@@ -79,8 +79,8 @@ MultiHeadAttention::Impl::Impl(const Config& c, const detail::LayerWeights& lw, 
       kset(detail::kernels_for(isa, compute, compute)),
       default_threads(o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads())) {
   const int64_t D = cfg.head_dim();
-  // D rows of a matrix as one GEMM's weights: as given, or for quantized weights their codes (int8 on oneDNN's integer
-  // GEMMs where it has VNNI, Linear::int8_available) or the values the codes give (elsewhere, and int4).
+  // D rows of a matrix as one GEMM's weights: as given, or for quantized weights their codes: int8 on oneDNN's integer
+  // GEMMs where it has VNNI (Linear::int8_available), otherwise the values the codes give; int4 dequantized per call.
   const bool int8 = weights == WeightFormat::int8 && Linear::int8_available();
   enum class Matrix { q, k, v, o };
   using M = Matrix;
@@ -92,7 +92,11 @@ MultiHeadAttention::Impl::Impl(const Config& c, const detail::LayerWeights& lw, 
     }
     const QuantizedWeights& qw = lw.quantized();
     const QuantizedMatrix& w = m == M::q ? qw.w_q : m == M::k ? qw.w_k : m == M::v ? qw.w_v : qw.w_o;
-    if (int8) return Linear(w.codes.data() + r0 * w.cols, w.scales.data() + r0, D, w.cols, bias, compute);
+    const int64_t G = detail::quant_groups(weights, w.cols);
+    if (int8 || weights == WeightFormat::int4) {
+      return Linear(weights, w.codes.data() + r0 * w.cols, w.scales.data() + r0 * G, D, w.cols, bias, compute,
+                    detail::linear_kernel(isa, weights, compute).dequantize);
+    }
     std::vector<float> values(static_cast<size_t>(D * w.cols));
     detail::dequantize_rows(w, weights, r0, D, values.data());
     return Linear(TensorView::f32(values.data(), {D, w.cols}), bias, compute);
@@ -122,9 +126,13 @@ void MultiHeadAttention::Impl::run_out(detail::ExecContext& ctx, const void* x, 
   }
   const size_t xsize = size_of(operand), ysize = size_of(dst);
   const int64_t panels = static_cast<int64_t>(out.size());
-  // Item = (row block, panel), row blocks outermost: the threads take one block's panels together.
-  detail::team_for(threads, detail::ceil_div(M, kRowBlock) * panels, [&](int64_t item, int thread) {
-    const int64_t p = item % panels, r0 = item / panels * kRowBlock, rows = std::min(kRowBlock, M - r0);
+  // Item = (row block, panel), row blocks outermost: the threads take one block's panels together. int4 panels
+  // outermost instead: a thread's next item is then mostly the same panel, whose weights its slot holds dequantized.
+  const int64_t blocks = detail::ceil_div(M, kRowBlock);
+  const bool panel_major = weights == WeightFormat::int4;
+  detail::team_for(threads, blocks * panels, [&](int64_t item, int thread) {
+    const int64_t p = panel_major ? item / blocks : item % panels;
+    const int64_t r0 = (panel_major ? item % blocks : item / panels) * kRowBlock, rows = std::min(kRowBlock, M - r0);
     out[static_cast<size_t>(p)].run(ctx, static_cast<const std::byte*>(x) + r0 * E * xsize, rows, E,
                                     static_cast<std::byte*>(y) + (r0 * out_width + p * D) * ysize, out_width, 1,
                                     thread, dst, scales ? scales + r0 : nullptr);
@@ -408,7 +416,7 @@ int MultiHeadAttention::default_threads() const { return impl_->default_threads;
 std::string MultiHeadAttention::implementation() const {
   const std::string row = impl_->kset.name;
   const bool quantized = impl_->weights != WeightFormat::compute;
-  const bool dequantized = quantized && impl_->operand != DType::u8;
+  const bool dequantized = impl_->weights == WeightFormat::int8 && impl_->operand != DType::u8;  // no VNNI
   std::string s = "kernels " + row + " (prefill: tiled-online-softmax + onednn-matmul/" +
                   impl_->proj_q.front().implementation() + (dequantized ? " on dequantized weights" : "");
   if (impl_->serving) {

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -131,9 +132,57 @@ bool Linear::int8_available() {
   return available;
 }
 
-Linear::Linear(const int8_t* codes, const float* scales, int64_t N, int64_t K, const float* bias, DType compute)
-    : N_(N), K_(K), compute_(compute), gemm_(DType::u8), has_bias_(bias != nullptr) {
+Linear::Linear(WeightFormat f, const int8_t* codes, const float* scales, int64_t N, int64_t K, const float* bias,
+               DType compute, kernels::DequantizeFn dequantize)
+    : N_(N), K_(K), compute_(compute), gemm_(f == WeightFormat::int8 ? DType::u8 : compute),
+      has_bias_(bias != nullptr), format_(f), dequantize_(dequantize) {
   dnnl_type(compute);  // refuses a type that is not a compute type
+  if (f == WeightFormat::int4) {
+    if (!dequantize) fail(ErrorCode::internal, "linear: int4 weights without their dequantization kernel");
+    static std::atomic<uint64_t> ids{0};
+    id_ = ++ids;
+    const int64_t row = (K + 1) / 2, G = (K + kWeightGroup - 1) / kWeightGroup;
+    nibbles_.assign(static_cast<size_t>(N * row), 0);
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t k = 0; k < K; ++k) {
+        nibbles_[n * row + k / 2] |= static_cast<uint8_t>((codes[n * K + k] & 0x0f) << (4 * (k % 2)));
+      }
+    }
+    group_scales_.assign(scales, scales + N * G);
+    try {
+      auto& eng = cpu_engine();
+      // Plain weights, (N, K) row-major as oneDNN's (K, N): run() writes them per call. oneDNN 2.6's brgemm matmul
+      // takes them as fast as its blocked layout (M = 1024, K = 1600, N = 64, one thread, f32 and bf16).
+      const auto describe = [&](DType gemm, std::optional<dnnl::matmul::desc>& op) {
+        const memory::desc src({128, K}, dnnl_type(gemm), tag::ab), w({K, N}, dnnl_type(gemm), tag::ba);
+        const memory::desc dst({128, N}, dt::f32, tag::ab);
+        op.emplace(has_bias_ ? dnnl::matmul::desc(src, w, memory::desc({1, N}, dt::f32, tag::ab), dst)
+                             : dnnl::matmul::desc(src, w, dst));
+        return dnnl::matmul::primitive_desc(*op, eng);
+      };
+      std::optional<dnnl::matmul::desc> op;
+      auto pd = [&]() -> dnnl::matmul::primitive_desc {
+        try {
+          return describe(compute, op);
+        } catch (const dnnl::error& e) {
+          if (compute != DType::bf16 || e.status != dnnl_unimplemented) throw;
+          gemm_ = DType::f32;  // as the compute-type constructor: bf16 values in f32 GEMMs
+          return describe(gemm_, op);
+        }
+      }();
+      skip_amx(pd, gemm_, K);
+      weights_desc_ = pd.weights_desc();
+      impl_ = std::string(pd.impl_info_str()) + " (int4 dequantized per call)";
+      if (has_bias_) {
+        bias_ = memory(memory::desc({1, N}, dt::f32, tag::ab), eng);
+        std::copy(bias, bias + N, static_cast<float*>(bias_.get_data_handle()));
+      }
+    } catch (const dnnl::error& e) {
+      fail(code_of(e.status), std::string("oneDNN: creating a ") + std::to_string(N) + "x" + std::to_string(K) +
+                                    " int4 linear layer failed: " + e.what());
+    }
+    return;
+  }
   try {
     w_scales_.assign(scales, scales + N);
     w_sums_.assign(static_cast<size_t>(N), 0);
@@ -272,7 +321,7 @@ size_t ExecContext::reserved() {
 
 size_t ExecContext::KeyHash::operator()(const Key& k) const {
   size_t h = 0;
-  for (int64_t v : {k.N, k.K, static_cast<int64_t>(k.bias), static_cast<int64_t>(k.compute),
+  for (int64_t v : {k.N, k.K, static_cast<int64_t>(k.format), static_cast<int64_t>(k.bias), static_cast<int64_t>(k.compute),
                     static_cast<int64_t>(k.gemm), static_cast<int64_t>(k.dst), k.M, k.lda, k.ldc, static_cast<int64_t>(k.threads),
                     static_cast<int64_t>(k.slot)}) {
     h = h * 0x9e3779b97f4a7c15ull + std::hash<int64_t>()(v);
@@ -286,14 +335,24 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     fail(ErrorCode::internal,
          std::string("linear: a ") + to_string(compute_) + " GEMM cannot write " + to_string(dst_type));
   }
-  const ExecContext::Key key{N_, K_, has_bias_, compute_, gemm_, dst_type, M, lda, ldc, threads, slot};
+  const ExecContext::Key key{N_, K_, format_ == WeightFormat::int4 ? format_ : WeightFormat::compute, has_bias_,
+                             compute_, gemm_, dst_type, M, lda, ldc, threads, slot};
   const bool int8 = gemm_ == DType::u8;
   std::lock_guard<std::mutex> lock(ctx.mu_);
   // The slot's dense result buffer, grown (only) for a larger shape, when the entry writes through it.
+  // And an int4 Linear's weights buffer (whose contents a resize loses).
   const auto via_wide = [&](ExecContext::Entry& e) -> ExecContext::Entry& {
-    if (e.via != ExecContext::Entry::Via::direct) {
+    const bool int4 = format_ == WeightFormat::int4;
+    if (e.via != ExecContext::Entry::Via::direct || int4) {
       ExecContext::Wide& wd = ctx.wide_[slot];
-      if (const auto floats = static_cast<size_t>(M * N_); wd.dst.size() < floats) wd.dst.resize(floats);
+      if (const auto floats = static_cast<size_t>(M * N_); e.via != ExecContext::Entry::Via::direct &&
+                                                           wd.dst.size() < floats) {
+        wd.dst.resize(floats);
+      }
+      if (const size_t bytes = static_cast<size_t>(N_ * K_) * size_of(gemm_); int4 && wd.weights.size() < bytes) {
+        wd.weights.resize(bytes);
+        wd.weights_of = 0;
+      }
       if (wide_out) *wide_out = &wd;
     }
     return e;
@@ -380,7 +439,16 @@ void Linear::run(ExecContext& ctx, const void* x, int64_t M, int64_t lda, void* 
   ExecContext::Wide* wide = nullptr;
   ExecContext::Entry& e = entry(ctx, M, lda, ldc, threads, slot, dst, /*pin=*/false, &wide);
   e.src.set_data_handle(const_cast<void*>(x));
-  e.weights.set_data_handle(weights_.get_data_handle());
+  if (format_ == WeightFormat::int4) {
+    if (wide->weights_of != id_) {
+      // bf16 values in f32 GEMMs where oneDNN has no bf16 matmul: rounded to bf16, widened.
+      dequantize_(nibbles_.data(), group_scales_.data(), N_, K_, gemm_, compute_ == DType::bf16, wide->weights.data());
+      wide->weights_of = id_;
+    }
+    e.weights.set_data_handle(wide->weights.data());
+  } else {
+    e.weights.set_data_handle(weights_.get_data_handle());
+  }
   if (has_bias_ && !int8) e.bias.set_data_handle(bias_.get_data_handle());
   using Via = ExecContext::Entry::Via;
   e.dst.set_data_handle(e.via != Via::direct ? wide->dst.data() : y);

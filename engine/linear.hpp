@@ -16,6 +16,7 @@
 #include "gpt2attn/dtype.hpp"
 #include "gpt2attn/isa.hpp"
 #include "gpt2attn/tensor.hpp"
+#include "kernels/linear.hpp"
 
 namespace gpt2attn::detail {
 
@@ -75,6 +76,7 @@ class ExecContext {
   struct Entry;
   struct Key {
     int64_t N, K;
+    WeightFormat format;  // int4's weights come plain (dequantized per call), the others' blocked
     bool bias;
     DType compute, gemm, dst;
     int64_t M, lda, ldc;
@@ -88,8 +90,12 @@ class ExecContext {
   // Linear's int32 sums, a y of a row stride oneDNN's fast kernels refuse), grown to the largest shape the slot's
   // entries were made for (never per call, never shrunk; trim() keeps them). Node-based, so a slot's buffer stays put
   // while another slot's is added; a slot's GEMMs are its thread's, one at a time.
+  // An int4 Linear's dequantized weights go to `weights`, whose contents are those of the Linear with id weights_of
+  // (0: none).
   struct Wide {
     std::vector<float> dst;
+    std::vector<std::byte> weights;
+    uint64_t weights_of = 0;
   };
   std::mutex mu_;  // the team's threads look up and add entries concurrently
   std::unordered_map<Key, std::unique_ptr<Entry>, KeyHash> entries_;
@@ -104,11 +110,19 @@ class Linear {
   // w: an (N, K) view (torch layout) of f32, bf16 or f16 with any strides, bias: (N) f32 or null. Both are copied,
   // the weights converted to `compute` (f32 or bf16: rounded to nearest even once, or exact; see convert).
   Linear(const TensorView& w, const float* bias, DType compute = DType::f32);
-  // int8 weights: codes (N, K) row-major and one scale a row (gpt2attn/weights.hpp, QuantizedMatrix; decode's panels
-  // hold the same codes) for oneDNN's u8 x s8 GEMM on VNNI (int8_available()); run() then reads quantize_rows' u8
-  // activations with their row scales and rescales the int32 sums into y (f32, or bf16 for a bf16 layer) itself:
-  // y = (sum - 128 colsum_n) x_scale_m w_scale_n + b_n.
-  Linear(const int8_t* codes, const float* scales, int64_t N, int64_t K, const float* bias, DType compute);
+  // Quantized weights (gpt2attn/weights.hpp, QuantizedMatrix: codes (N, K) row-major, scales (N, groups); decode's
+  // panels hold the same codes), format f:
+  //   int8: oneDNN's u8 x s8 GEMM on VNNI (int8_available()); run() then reads quantize_rows' u8 activations with
+  //         their row scales and rescales the int32 sums into y (f32, or bf16 for a bf16 layer) itself:
+  //         y = (sum - 128 colsum_n) x_scale_m w_scale_n + b_n.
+  //   int4: the codes kept two to a byte; run() dequantizes them (code x scale, rounded to bf16 once for a bf16 layer:
+  //         the values a Linear of dequantized() weights would hold) into the slot's buffer in the compute type and
+  //         multiplies there, so no compute-type copy of a matrix is kept, only a panel per slot for the call (the
+  //         engine's Linears are D rows each). A slot's buffer remembers whose weights it holds: consecutive calls
+  //         of one Linear convert once.
+  // `dequantize`: int4's conversion (the layer's level's LinearKernel::dequantize), else null.
+  Linear(WeightFormat f, const int8_t* codes, const float* scales, int64_t N, int64_t K, const float* bias,
+         DType compute, kernels::DequantizeFn dequantize = nullptr);
   // Whether oneDNN runs u8 x s8 matmuls on VNNI (or AMX) here: elsewhere (AVX2, or oneDNN capped below VNNI) its int8
   // kernels sum byte products in saturating 16-bit pairs, which full-range codes overflow, so an int8 layer's GEMMs
   // take the dequantized weights instead. Probed once per process.
@@ -162,6 +176,13 @@ class Linear {
   // int8 (gemm_ == u8): per output row, the weights' scale and the sum of its codes; the bias, added by run().
   std::vector<float> w_scales_, bias_host_;
   std::vector<int32_t> w_sums_;
+  // int4: the codes, two a byte per row (ceil(K / 2) bytes a row; input 2i low nibble, 2i + 1 high, two's complement),
+  // the group scales (N, ceil(K / kWeightGroup)), and an id no other Linear of the process has (Wide::weights_of).
+  WeightFormat format_ = WeightFormat::compute;
+  std::vector<uint8_t> nibbles_;
+  std::vector<float> group_scales_;
+  uint64_t id_ = 0;
+  kernels::DequantizeFn dequantize_ = nullptr;
 };
 
 dnnl::engine& cpu_engine();

@@ -170,6 +170,12 @@ struct LinearArgs {
   void* scratch = nullptr;          // linear_scratch_bytes(format, M, K) of the calling thread's own
 };
 
+// int4 weights for a GEMM (the engine's prefill Linear): rows of codes two a byte (row stride ceil(K / 2), input 2i in
+// the low nibble, 4-bit two's complement) times their group scales (N, weight_groups(K)) into dst (N, K) row-major of
+// `out` (f32 or bf16), each value rounded to bf16 when out is bf16 or bf16_values (a bf16 layer's values in f32).
+using DequantizeFn = void (*)(const uint8_t* codes, const float* scales, int64_t N, int64_t K, DType out,
+                              bool bf16_values, void* dst);
+
 struct LinearKernel {
   Isa isa;        // the level whose flags compiled it
   WeightFormat format;  // the packed weights' format: compute (f32 or bf16, `compute`), int8 or int4
@@ -177,6 +183,7 @@ struct LinearKernel {
   int64_t panel_group;  // panels computed together: a range split at multiples of it keeps whole groups
   // Computes y's columns of panels [panel_begin, panel_end) for all M rows.
   void (*run)(const LinearArgs& args, int64_t panel_begin, int64_t panel_end);
+  DequantizeFn dequantize = nullptr;  // int4's, compiled at the level; null for the other formats
 };
 
 }  // namespace gpt2attn::kernels

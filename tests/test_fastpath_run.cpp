@@ -425,7 +425,7 @@ GPT2ATTN_INSTANTIATE_ISAS(Isa, FastPathBf16Io);
 // oneDNN 2.6 runs a GEMM none of its JIT kernels takes on its reference loop ("ref:any"), hundreds of times slower: on an
 // Intel Xeon (model 207) the output projection's strided panels did, 20.4 s of gpt2-small's prefill. No projection of
 // forward (a dense and a row-strided input), extend or a long ragged step may land there, in f32 and bf16 compute,
-// with compute-type and int8 weights (oneDNN's choices do not depend on the layer's instruction set).
+// with compute-type, int8 and int4 weights (oneDNN's choices do not depend on the layer's instruction set).
 TEST(OneDnnGemms, NoneRunsOnTheReferenceImplementation) {
   Config c = make_config(128, 2, 0, 0, 0, true);
   c.context_length = 256;
@@ -434,7 +434,7 @@ TEST(OneDnnGemms, NoneRunsOnTheReferenceImplementation) {
   const int64_t T = 70, W = 128, ld = W + 2;
   const std::vector<float> x = test::random_uniform(static_cast<size_t>(2 * T * ld), rng);
   for (DType compute : {DType::f32, DType::bf16}) {
-    for (WeightFormat f : {WeightFormat::compute, WeightFormat::int8}) {
+    for (WeightFormat f : {WeightFormat::compute, WeightFormat::int8, WeightFormat::int4}) {
       CausalSelfAttention block(c, w, EngineOptions{.threads = 2, .compute = compute, .weights = f});
       Workspace ws;
       std::vector<float> out(static_cast<size_t>(2 * T * W));
