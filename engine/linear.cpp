@@ -393,7 +393,10 @@ ExecContext::Entry& Linear::entry(ExecContext& ctx, int64_t M, int64_t lda, int6
     // strided y is the reference loop: on an Intel Xeon (family 6, model 207) gpt2-small's output projection panels,
     // written at row stride d_model, took 20.4 s of a 48.8 ms prefill (T = 1024, 2 threads). Such a y is written
     // densely into the slot's buffer and copied.
-    if (via == Via::direct && ldc != N_ && std::string_view(pd.impl_info_str()).rfind("ref:", 0) == 0) {
+    // int4's plain weights likewise: oneDNN 2.6's gemm:jit, which takes the strided y, wrote through a null pointer on
+    // them (M = 1, K = 120, N = 24, ldc = 120, AVX-512 Xeon); its brgemm, on dense rows, runs them.
+    if (via == Via::direct && ldc != N_ &&
+        (format_ == WeightFormat::int4 || std::string_view(pd.impl_info_str()).rfind("ref:", 0) == 0)) {
       via = Via::dense_copy;
       std::tie(pd, dst_desc) = make(via);
     }
