@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -204,6 +205,41 @@ TEST_F(Safetensors, SkipsMetadataAndAcceptsEveryKnownDtype) {
   EXPECT_EQ(f.tensors.size(), 10u);
   EXPECT_FALSE(f.has("__metadata__"));
   EXPECT_EQ(f.tensors.at("BOOL").dtype, "BOOL");
+  EXPECT_EQ(f.metadata, (std::map<std::string, std::string>{{"format", "pt"}, {"note", "x"}}));
+}
+
+// write(): tensors of any dtype from their bytes, in the order given, with metadata; read() gives back each byte.
+TEST_F(Safetensors, WriteAnyDtypeWithMetadataRoundTrips) {
+  const std::vector<int8_t> codes = {-128, -1, 0, 1, 127, 5};
+  const std::vector<uint8_t> bytes = {0x00, 0xff, 0x80};
+  const std::vector<float> values = {1.5f, -0.0f};
+  const std::string p = path("w.safetensors");
+  const std::map<std::string, std::string> metadata = {{"gpt2attn.weights", "int8"}, {"k", ""}};
+  safetensors::write(p,
+                     {{"z_codes", "I8", {2, 3}, codes.data(), codes.size()},
+                      {"a_bytes", "U8", {3}, bytes.data(), bytes.size()},
+                      {"empty", "F32", {0, 4}, nullptr, 0},
+                      {"f", "F32", {2}, values.data(), 8}},
+                     metadata);
+  const safetensors::File f = safetensors::read(p);
+  EXPECT_EQ(f.metadata, metadata);
+  ASSERT_EQ(f.tensors.size(), 4u);
+  const safetensors::Tensor& z = f.tensors.at("z_codes");
+  EXPECT_EQ(z.dtype, "I8");
+  EXPECT_EQ(z.shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(z.begin, 0u);  // the order given, not the names' order
+  EXPECT_EQ(std::memcmp(f.data.data() + z.begin, codes.data(), codes.size()), 0);
+  const safetensors::Tensor& a = f.tensors.at("a_bytes");
+  EXPECT_EQ(a.dtype, "U8");
+  EXPECT_EQ(std::memcmp(f.data.data() + a.begin, bytes.data(), bytes.size()), 0);
+  EXPECT_EQ(f.to_f32("f"), values);
+  EXPECT_TRUE(ThrowsError([&] { safetensors::write(p, {{"x", "Q4", {1}, bytes.data(), 1}}); },
+                          ErrorCode::invalid_argument, "unknown dtype 'Q4'"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::write(p, {{"x", "F32", {2}, values.data(), 4}}); },
+                          ErrorCode::invalid_argument, "4 bytes were given"));
+  EXPECT_TRUE(ThrowsError([&] { safetensors::write(p, {{"x", "U8", {2}, nullptr, 2}}); },
+                          ErrorCode::invalid_argument, "null"));
+  EXPECT_EQ(listing(), std::vector<std::string>{"w.safetensors"});
 }
 
 // ---- the corrupt set: each is bad_file with a specific word ----
@@ -294,6 +330,17 @@ TEST_F(Safetensors, RejectsTruncatedDataSection) {
     EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(good.substr(0, good.size() - 2))); }, ErrorCode::bad_file,
                             "truncated"));
   }
+  // Cut inside the first tensor by offset, whose name sorts last: it is the one named, not the first by name of the
+  // tensors lost after it.
+  const std::string three = st_file({f32("z", {4}), f32("m", {4}), f32("a", {4})});
+  const size_t data_start = three.size() - 48;
+  for (size_t cut : {data_start, data_start + 6}) {
+    EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(three.substr(0, cut))); }, ErrorCode::bad_file,
+                            "tensor 'z': data_offsets end 16 is past the end"))
+        << cut;
+  }
+  EXPECT_TRUE(ThrowsError([&] { safetensors::read(file(three.substr(0, data_start + 20))); }, ErrorCode::bad_file,
+                          "tensor 'm'"));
   // A whole BF16 layer cut short in its last tensor, as a layer loader sees it.
   const std::string layer = st_file({bf16("in_proj_weight", {6, 2}), bf16("out_proj.weight", {2, 2})});
   const std::string cut = file(layer.substr(0, layer.size() - 2));

@@ -1,5 +1,6 @@
 // engine/io/safetensors.cpp: the strict safetensors reader (every header field, offset and size checked before
-// any data is trusted), F32/F16/BF16 widening, and the atomic F32 writer. Knows nothing of attention layers.
+// any data is trusted), F32/F16/BF16 widening, and the atomic writer of tensors of any dtype. Knows nothing of
+// attention layers.
 #include "engine/io/safetensors.hpp"
 
 #include <fcntl.h>
@@ -67,7 +68,7 @@ std::string describe_offsets(const json& v) {
   return s + (v.size() > 4 ? ", ...]" : "]");
 }
 
-Tensor parse_entry(const std::string& path, const std::string& name, const json& v, uint64_t data_size) {
+Tensor parse_entry(const std::string& path, const std::string& name, const json& v) {
   const std::string where = "tensor '" + name + "': ";
   if (!v.is_object()) io::file_error(path, where + "header entry is not an object");
   const auto field = [&](const char* key) -> const json& {
@@ -123,11 +124,23 @@ Tensor parse_entry(const std::string& path, const std::string& name, const json&
   if (bytes != t.end - t.begin)
     io::file_error(path, where + "shape " + shape_text(t.shape) + " " + t.dtype + " needs " + std::to_string(bytes) +
                              " bytes but data_offsets span " + std::to_string(t.end - t.begin) + " bytes");
-  if (t.end > data_size)
-    io::file_error(path, where + "data_offsets end " + std::to_string(t.end) +
-                             " is past the end of the data section (" + std::to_string(data_size) +
-                             " bytes; truncated file?)");
   return t;
+}
+
+// A file cut short leaves every tensor from the cut onwards running past the data section. The one named is the
+// earliest by offset, the tensor the file ends inside (or, cut at a boundary, the first one missing): that is where
+// the file was cut, where the first by name could be any of the tensors lost after it.
+void check_within_data(const std::string& path, const std::map<std::string, Tensor>& tensors, uint64_t data_size) {
+  const std::pair<const std::string, Tensor>* cut = nullptr;
+  for (const auto& e : tensors) {
+    const Tensor& t = e.second;
+    if (t.end > data_size && (!cut || std::tie(t.begin, t.end) < std::tie(cut->second.begin, cut->second.end)))
+      cut = &e;
+  }
+  if (!cut) return;
+  io::file_error(path, "tensor '" + cut->first + "': data_offsets end " + std::to_string(cut->second.end) +
+                           " is past the end of the data section (" + std::to_string(data_size) +
+                           " bytes; truncated file?)");
 }
 
 // Parses the header, refusing a key that appears twice in one object: nlohmann keeps the last silently, while other
@@ -274,14 +287,18 @@ File parse_from(io::ByteSource& src, bool map_data = false) {
   const uint64_t data_size = size - 8 - header_len;
   for (const auto& [name, value] : header.items()) {
     if (name == "__metadata__") {
-      // Free-form string annotations ({"format": "pt"}); checked for type, otherwise unused.
+      // Free-form string annotations ({"format": "pt"}), kept for the readers that give them a meaning
+      // (load_quantized's "gpt2attn.weights").
       if (!value.is_object()) io::file_error(path, "'__metadata__' is not an object");
-      for (const auto& [key, v] : value.items())
+      for (const auto& [key, v] : value.items()) {
         if (!v.is_string()) io::file_error(path, "'__metadata__' value for '" + key + "' is not a string");
+        f.metadata.emplace(key, v.get<std::string>());
+      }
       continue;
     }
-    f.tensors.emplace(name, parse_entry(path, name, value, data_size));
+    f.tensors.emplace(name, parse_entry(path, name, value));
   }
+  check_within_data(path, f.tensors, data_size);
   check_layout(path, f.tensors, data_size);
 
   if (map_data) {
@@ -343,26 +360,31 @@ std::vector<float> File::to_f32(const std::string& name) const {
   return detail::f32_values(TensorView::contiguous(v.data, v.dtype, {v.numel()}));
 }
 
-void write_f32(const std::string& path,
-               const std::vector<std::pair<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>>& tensors) {
+void write(const std::string& path, const std::vector<TensorBytes>& tensors,
+           const std::map<std::string, std::string>& metadata) {
   json header = json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    const auto& [shape, values] = tensor;
-    const std::string where = "safetensors::write_f32(" + path + "): tensor '" + name + "': ";
-    if (name.empty() || name == "__metadata__") invalid(where + "reserved or empty name");
-    if (header.contains(name)) invalid(where + "duplicate name");
+  for (const TensorBytes& t : tensors) {
+    const std::string where = "safetensors::write(" + path + "): tensor '" + t.name + "': ";
+    if (t.name.empty() || t.name == "__metadata__") invalid(where + "reserved or empty name");
+    if (header.contains(t.name)) invalid(where + "duplicate name");
+    const uint64_t itemsize = dtype_size(t.dtype);
+    if (itemsize == 0) invalid(where + "unknown dtype '" + t.dtype + "'");
     uint64_t numel = 1;
-    for (int64_t d : shape) {
-      if (d < 0) invalid(where + "negative dimension in shape " + shape_text(shape));
+    for (int64_t d : t.shape) {
+      if (d < 0) invalid(where + "negative dimension in shape " + shape_text(t.shape));
       if (__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel)) invalid(where + "shape overflows");
     }
-    if (numel != values.size())
-      invalid(where + "shape " + shape_text(shape) + " has " + std::to_string(numel) + " elements but " +
-              std::to_string(values.size()) + " values were given");
-    const uint64_t end = offset + 4 * numel;
-    header[name] = {{"dtype", "F32"}, {"shape", shape}, {"data_offsets", json::array({offset, end})}};
-    offset = end;
+    uint64_t bytes = 0;
+    if (__builtin_mul_overflow(numel, itemsize, &bytes) || bytes != t.size)
+      invalid(where + "shape " + shape_text(t.shape) + " " + t.dtype + " has " + std::to_string(numel) +
+              " elements of " + std::to_string(itemsize) + " bytes but " + std::to_string(t.size) +
+              " bytes were given");
+    if (t.size > 0 && t.data == nullptr) invalid(where + "data is null");
+    header[t.name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", json::array({offset, offset + t.size})}};
+    offset += t.size;
   }
   std::string text = header.dump();
   // The format pads the header with spaces so the data section starts 8-byte aligned.
@@ -374,11 +396,28 @@ void write_f32(const std::string& path,
     out.write(len, 8);
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
     // Tensors in the order given, which is the order the offsets above were assigned in.
-    for (const auto& [name, tensor] : tensors) {
-      const std::vector<float>& values = tensor.second;
-      out.write(reinterpret_cast<const char*>(values.data()), static_cast<std::streamsize>(values.size() * 4));
-    }
+    for (const TensorBytes& t : tensors)
+      out.write(static_cast<const char*>(t.data), static_cast<std::streamsize>(t.size));
   });
+}
+
+void write_f32(const std::string& path,
+               const std::vector<std::pair<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>>& tensors) {
+  std::vector<TensorBytes> all;
+  for (const auto& [name, tensor] : tensors) {
+    const auto& [shape, values] = tensor;
+    // A shape write() refuses (negative, overflowing) is left to it; a count that is not the shape's is said here in
+    // values, as the caller gave them.
+    uint64_t numel = 1;
+    bool refused = false;
+    for (int64_t d : shape)
+      refused = refused || d < 0 || __builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel);
+    if (!refused && numel != values.size())
+      invalid("safetensors::write_f32(" + path + "): tensor '" + name + "': shape " + shape_text(shape) + " has " +
+              std::to_string(numel) + " elements but " + std::to_string(values.size()) + " values were given");
+    all.push_back({name, "F32", shape, values.data(), 4 * values.size()});
+  }
+  write(path, all);
 }
 
 }  // namespace gpt2attn::safetensors

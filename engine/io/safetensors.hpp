@@ -40,6 +40,7 @@ class Bytes {
 struct File {
   std::string path;
   std::map<std::string, Tensor> tensors;  // "__metadata__" excluded
+  std::map<std::string, std::string> metadata;  // "__metadata__"'s string pairs ({"format": "pt"}); empty without one
   Bytes data;                             // the data section (everything after the header)
 
   bool has(const std::string& name) const { return tensors.count(name) != 0; }
@@ -56,7 +57,8 @@ struct File {
 // too: their byte count fits int64, as numpy requires); and the offsets tile the data
 // section exactly: sorted by (begin, end), the first starts at 0, each starts where the previous non-empty one
 // ends (no overlap, no gap; an empty tensor may sit only at such a boundary), the last ends at the data size (no
-// trailing bytes). Throws Error(bad_file) naming path + tensor(s) (or the duplicated key).
+// trailing bytes). Throws Error(bad_file) naming path + tensor(s) (or the duplicated key); a file cut short names
+// the tensor it ends in (the earliest by offset of those past its end).
 File read(const std::string& path);
 // The same checks, with the data section mapped read-only instead of read (mmap): only the pages a caller touches are
 // read from disk and held, so a tensor-parallel rank that reads its slices of a layer holds those slices, not the
@@ -67,7 +69,24 @@ File map(const std::string& path);
 // messages and becomes File::path.
 File parse(const std::string& path, const uint8_t* bytes, size_t size);
 
-// Writes a safetensors file of F32 tensors (used by tests and `gpt2attn` tooling).
+// One tensor for write(): its bytes exactly as the file stores them (row-major, little-endian), held by the caller
+// until write() returns.
+struct TensorBytes {
+  std::string name;
+  std::string dtype;            // one read() knows: "F32", "I8", "U8", ...
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  uint64_t size = 0;            // bytes: the shape's element count x the dtype's size
+};
+
+// Writes a safetensors file of `tensors`, their bytes in the order given, with `metadata` as its "__metadata__"
+// (none when empty), atomically (a temporary file renamed over `path`). Throws invalid_argument for an empty,
+// reserved or repeated name, an unknown dtype, or a size that is not the shape's; Error(bad_file) when the file cannot
+// be written.
+void write(const std::string& path, const std::vector<TensorBytes>& tensors,
+           const std::map<std::string, std::string>& metadata = {});
+
+// write() of F32 tensors given as values (tests and `gpt2attn` tooling).
 void write_f32(const std::string& path,
                const std::vector<std::pair<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>>& tensors);
 

@@ -204,10 +204,13 @@ def main():
     err("dtype_missing_value_at_end", fx.fwd(), [r"--dtype.*value"], tail=["--dtype"])
     err("bench_dtype_fp8_unsupported", ["bench", "--preset", "gpt2-small", "--seq", "8", "--repeats", "1",
                                         "--dtype", "fp8"], [r"--dtype fp8\b.*f32, bf16"], with_output=False)
-    # bf16 weights with a tensor cut short: the file and the tensor named, whichever --dtype computes
+    # bf16 weights with a tensor cut short: the file and the tensor named, whichever --dtype computes. 20 bytes off
+    # the end take out_proj.bias (E bf16 values) whole and the end of out_proj.weight: the file ends in the weight,
+    # the tensor named.
     bf16_bytes = pc.safetensors_bytes(fx.sd, dtype="BF16")
+    assert 2 * fx.sd["out_proj.bias"].numel() < 20, "the cut must reach into out_proj.weight"
     r.case("weights_bf16_file_cut_short", weights_bf16_truncated, r, fx,
-           fx.raw("bf16_cut.safetensors", bf16_bytes[:-20]), "out_proj.bias")
+           fx.raw("bf16_cut.safetensors", bf16_bytes[:-20]), "tensor 'out_proj.weight'")
 
     def bias_past_end(h):  # the last tensor's span runs 8 bytes past the end of the file
         h["out_proj.bias"]["data_offsets"] = [o + 8 for o in h["out_proj.bias"]["data_offsets"]]
