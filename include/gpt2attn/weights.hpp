@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,15 +89,22 @@ struct GPT2ATTN_API QuantizedWeights {
   Weights dequantized() const;
 };
 
-// Writes `q` (validated against c) as a safetensors file: per matrix (q_proj, k_proj, v_proj, out_proj) its codes
-// "<name>.codes" (int8: I8 (rows, cols); int4: U8 (rows, ceil(cols / 2)), input 2i in the low nibble of byte i and
-// 2i + 1 in the high one, each a 4-bit two's complement code) and scales "<name>.scales" (F32 (rows, groups)), the
-// biases "<name>.bias" (F32); the format and widths in its metadata ("gpt2attn.weights": "int8" | "int4",
-// "gpt2attn.group", "<name>.cols"). Written atomically (a temporary file renamed over `path`).
+// Writes `q` (validated against c first: invalid_argument as validate() throws) as a safetensors file, atomically (a
+// temporary file renamed over `path`). Per matrix <name> (q_proj, k_proj, v_proj, out_proj: w_q, w_k, w_v, w_o):
+//   "<name>.codes"   int8: I8 (rows, cols), the codes as they are;
+//                    int4: U8 (rows, ceil(cols / 2)), input 2i in the low nibble of byte i and 2i + 1 in the high
+//                    one, each a 4-bit two's complement code; an odd width's last high nibble is 0
+//   "<name>.scales"  F32 (rows, groups)
+//   "<name>.bias"    F32 (rows), only when the config has the bias (qkv_bias: q/k/v_proj; out_bias: out_proj)
+// and in its "__metadata__": "gpt2attn.weights" "int8" | "int4", "gpt2attn.group" the inputs per scale ("32" for
+// int4, kWeightGroup; "row" for int8's one scale a row), and "<name>.cols" each matrix's width in decimal (an int4
+// row of ceil(cols / 2) bytes does not say it).
 GPT2ATTN_API void save_quantized(const std::string& path, const Config& c, const QuantizedWeights& q);
-// Reads what save_quantized wrote. Every tensor's dtype and shape is checked against the others and the metadata, and
-// the contents as validate() does (c: the config of the layer they are for; its widths must be the file's); a
-// truncated or inconsistent file throws Error(bad_file) naming the file and the tensor.
+// Reads what save_quantized wrote, for a layer of config c (its widths, K/V width and biases must be the file's),
+// with the strict safetensors reader (a file cut short is refused). Checked: the metadata; every tensor's presence,
+// dtype and shape against the metadata, the other tensors and c; no tensor the format lacks; the codes in the
+// format's range (int8's -128 refused); an odd int4 width's padding nibbles 0; every scale and bias finite. A failed
+// check throws Error(bad_file) naming the file and the tensor (or the metadata key); an invalid c, invalid_argument.
 GPT2ATTN_API QuantizedWeights load_quantized(const std::string& path, const Config& c);
 
 // The sizes one attention layer of a file has, read from its tensors' shapes.
@@ -106,6 +114,17 @@ struct LayerShapes {
   bool qkv_bias = false, out_bias = false;
   std::string naming;  // "torch" (nn.MultiheadAttention state_dict) or "hf-gpt2" (Conv1D c_attn/c_proj)
 };
+
+// The layer a file of save_quantized's holds, from its header alone (no tensor is read): its format, and its shapes
+// from the codes (d_model and kv_width their rows, d_in, kdim and vdim their "<name>.cols") and the biases present;
+// naming "gpt2attn-quantized". apply_loaded_shapes(c, shapes) completes the Config load_quantized takes.
+struct QuantizedLayerShapes : LayerShapes {
+  WeightFormat format = WeightFormat::int8;
+};
+// std::nullopt for a safetensors file without "gpt2attn.weights" metadata (a float checkpoint:
+// open_safetensors_layer reads it). Error(bad_file) naming the file for one that is not safetensors, and for a
+// quantized one whose metadata or tensors' shapes disagree with one another, naming the tensor or key.
+GPT2ATTN_API std::optional<QuantizedLayerShapes> quantized_layer_shapes(const std::string& path);
 
 // What a safetensors file held for one attention layer, converted to f32.
 struct LoadedLayer : LayerShapes {
