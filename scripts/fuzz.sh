@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the libFuzzer targets of the file parsers (tests/fuzz: safetensors, npy, config, layer) for SECONDS each
-# (default 60): installs what is missing, configures and builds build-fuzz/ with the `fuzz` preset (clang-14,
+# Runs the libFuzzer targets of the file parsers (tests/fuzz: safetensors, npy, config, layer, quantized) for SECONDS
+# each (default 60): installs what is missing, configures and builds build-fuzz/ with the `fuzz` preset (clang-14,
 # ASan + UBSan), then fuzzes each target from a temporary copy of its seed corpus (tests/fuzz/corpus/<target>/ stays
 # as it is) with its dictionary, inputs up to 64 KiB. Prints executions per second and total runs per target; exits
 # non-zero when any target finds a crash, leak, timeout or sanitizer report, printing the end of its log and the path
@@ -13,7 +13,7 @@ cd "$root"
 seconds=${1:-60}
 shift $(($# > 0 ? 1 : 0))
 targets=("$@")
-((${#targets[@]})) || targets=(safetensors npy config layer)
+((${#targets[@]})) || targets=(safetensors npy config layer quantized)
 [[ $seconds =~ ^[0-9]+$ ]] && ((seconds > 0)) || { echo "fuzz.sh: SECONDS must be a positive integer" >&2; exit 2; }
 
 bash scripts/install-deps.sh
@@ -27,7 +27,7 @@ failed=()
 summary=()
 for t in "${targets[@]}"; do
   bin=$build/tests/fuzz/fuzz_$t
-  [ -x "$bin" ] || { echo "fuzz.sh: no target '$t' (known: safetensors npy config layer)" >&2; exit 2; }
+  [ -x "$bin" ] || { echo "fuzz.sh: no target '$t' (known: safetensors npy config layer quantized)" >&2; exit 2; }
   dict=tests/fuzz/$t.dict
   [ "$t" = layer ] && dict=tests/fuzz/safetensors.dict  # the layer target reads safetensors files too
   corpus=$work/$t

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,7 +36,8 @@ struct Target {
 const Target kTargets[] = {{"safetensors", fuzz::fuzz_safetensors},
                            {"npy", fuzz::fuzz_npy},
                            {"config", fuzz::fuzz_config},
-                           {"layer", fuzz::fuzz_layer}};
+                           {"layer", fuzz::fuzz_layer},
+                           {"quantized", fuzz::fuzz_quantized}};
 
 // The regular files of `dir`, sorted (none when it does not exist: a target may have no regressions yet).
 std::vector<fs::path> files_in(const fs::path& dir) {
@@ -88,6 +90,7 @@ std::string outcome(F&& f) {
 
 std::string render(const safetensors::File& f) {
   std::string s = f.path + "\n";
+  for (const auto& [key, value] : f.metadata) s += "metadata " + key + "=" + value + "\n";
   for (const auto& [name, t] : f.tensors) {
     s += name + " " + t.dtype + " [";
     for (int64_t d : t.shape) s += std::to_string(d) + ",";
@@ -108,7 +111,7 @@ std::string render(const npy::Array& a) {
 // messages for every seed and every kept crash input.
 TEST(FuzzReaders, ReadFromAFileMapAndParseFromMemoryAgree) {
   int n = 0;
-  for (const char* target : {"safetensors", "layer"}) {
+  for (const char* target : {"safetensors", "layer", "quantized"}) {
     for (const fs::path& p : inputs_of(target)) {
       const std::vector<uint8_t> b = bytes_of(p);
       const std::string read = outcome([&] { return render(safetensors::read(p.string())); });
@@ -149,6 +152,25 @@ TEST(FuzzCorpus, SeedsAreWhatTheirNamesSay) {
     }
     EXPECT_TRUE(loaded) << p.string() << " holds no attention layer under \"\", \"h.0.attn.\" or \"layer0.\"";
   }
+  for (const fs::path& p : files_in(kFuzzDir / "corpus" / "quantized")) {
+    const std::optional<QuantizedLayerShapes> s = quantized_layer_shapes(p.string());
+    if (p.filename().string().rfind("float", 0) == 0) {
+      EXPECT_FALSE(s.has_value()) << p.string() << " is a float checkpoint, not a quantized file";
+      continue;
+    }
+    ASSERT_TRUE(s.has_value()) << p.string();
+    bool loaded = false;
+    for (int64_t heads : {1, 2, 4}) {  // a grouped K/V width needs as many heads as it implies
+      try {
+        Config c;
+        c.num_heads = heads;
+        load_quantized(p.string(), apply_loaded_shapes(c, *s)).validate(apply_loaded_shapes(c, *s));
+        loaded = true;
+      } catch (const Error&) {
+      }
+    }
+    EXPECT_TRUE(loaded) << p.string() << " loads under no head count of 1, 2, 4";
+  }
   for (const fs::path& p : files_in(kFuzzDir / "corpus" / "npy")) {
     const std::string name = p.filename().string();
     if (name.find("fortran") != std::string::npos) {
@@ -188,6 +210,12 @@ void read_as_target(const fs::path& p) {
     npy::read(p.string());
   } else if (target == "config") {
     load_any_config(p.string());
+  } else if (target == "quantized") {
+    Config c;
+    c.num_heads = 1;
+    if (const std::optional<QuantizedLayerShapes> s = quantized_layer_shapes(p.string())) {
+      load_quantized(p.string(), apply_loaded_shapes(c, *s));
+    }
   } else {
     open_safetensors_layer(p.string(), "");
   }

@@ -22,6 +22,7 @@ int fuzz_safetensors(const uint8_t* data, size_t size);  // safetensors::parse, 
 int fuzz_npy(const uint8_t* data, size_t size);          // npy::parse
 int fuzz_config(const uint8_t* data, size_t size);       // our config JSON and Hugging Face GPT-2 config.json
 int fuzz_layer(const uint8_t* data, size_t size);        // the layer loader, both namings, several prefixes
+int fuzz_quantized(const uint8_t* data, size_t size);    // load_quantized's checks, under configs from the file
 
 // Inputs past this are skipped: everything the parsers allocate is bounded by a small multiple of the input size,
 // so this bounds the harnesses' memory (scripts/fuzz.sh caps inputs at 64 KiB anyway).

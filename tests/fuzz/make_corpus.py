@@ -106,6 +106,49 @@ def safetensors_corpus():
                             "F32"))
 
 
+def quantized_bytes(fmt, E, KW, d_in, kdim=None, vdim=None, qkv_bias=True, out_bias=True):
+    """A file in save_quantized's format (gpt2attn/weights.hpp), written here apart from the library: codes in the
+    format's range (int4 two a byte, 2i low, 2i + 1 high, 0 past an odd width), positive scales, f32 biases."""
+    header, blob = {}, b""
+    meta = {"gpt2attn.weights": fmt, "gpt2attn.group": "32" if fmt == "int4" else "row"}
+
+    def add(name, dtype, shape, data):
+        nonlocal blob
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(blob), len(blob) + len(data)]}
+        blob += data
+
+    for name, rows, cols, bias in (("q_proj", E, d_in, qkv_bias), ("k_proj", KW, kdim or d_in, qkv_bias),
+                                   ("v_proj", KW, vdim or d_in, qkv_bias), ("out_proj", E, E, out_bias)):
+        meta[name + ".cols"] = str(cols)
+        if fmt == "int8":
+            add(name + ".codes", "I8", [rows, cols], rng.integers(-127, 128, (rows, cols)).astype(np.int8).tobytes())
+            groups = 1
+        else:
+            nib = (rng.integers(-8, 8, (rows, cols)) & 0xF).astype(np.uint8)
+            packed = nib[:, 0::2].copy()
+            packed[:, :cols // 2] |= nib[:, 1::2] << 4
+            add(name + ".codes", "U8", [rows, (cols + 1) // 2], packed.tobytes())
+            groups = -(-cols // 32)
+        add(name + ".scales", "F32", [rows, groups], (0.05 * rng.random((rows, groups)) + 1e-3).astype("<f4").tobytes())
+        if bias:
+            add(name + ".bias", "F32", [rows], mat(rows).astype("<f4").tobytes())
+    header["__metadata__"] = meta
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    return struct.pack("<Q", len(h)) + h + blob
+
+
+def quantized_corpus():
+    write("quantized", "int8_mha.safetensors", quantized_bytes("int8", 8, 8, 8))
+    write("quantized", "int4_gqa_odd_d_in.safetensors", quantized_bytes("int4", 8, 4, 5))
+    write("quantized", "int4_two_groups_nobias.safetensors",
+          quantized_bytes("int4", 4, 4, 40, qkv_bias=False, out_bias=False))
+    write("quantized", "int8_cross_widths_out_bias.safetensors",
+          quantized_bytes("int8", 4, 4, 6, kdim=3, vdim=5, qkv_bias=False))
+    # A float checkpoint: not one of ours (no "gpt2attn.weights"), the other way through the harness.
+    write("quantized", "float_checkpoint.safetensors", safetensors_bytes(torch_mha_state(4, 2), "F32"))
+
+
 def npy_bytes(a, version=None, fortran=False):
     f = io.BytesIO()
     a = np.asfortranarray(a) if fortran else a
@@ -158,12 +201,12 @@ def config_corpus():
 
 
 def main():
-    for target in ("safetensors", "layer", "npy", "config"):
+    for target in ("safetensors", "layer", "npy", "config", "quantized"):
         d = os.path.join(HERE, "corpus", target)
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
     global rng
-    for make in (safetensors_corpus, npy_corpus, config_corpus):
+    for make in (safetensors_corpus, npy_corpus, config_corpus, quantized_corpus):
         rng = np.random.default_rng(15)
         make()
     for target in sorted(os.listdir(os.path.join(HERE, "corpus"))):
