@@ -1,6 +1,10 @@
 // tools/cli/commands.hpp: the commands main() dispatches on (one file each), and the MPI world they run in.
 #pragma once
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "tools/cli/options.hpp"
 
 namespace gpt2attn::cli {
@@ -21,8 +25,18 @@ Option mpi_timeout_row();
 double mpi_timeout_option(const Args& a);
 
 // Built on first use (their tables read the library's lists), never during static initialisation.
-const Command& forward_command();  // tools/cli/forward.cpp
-const Command& bench_command();    // tools/cli/bench.cpp
-const Command& presets_command();  // tools/cli/presets.cpp
+const Command& forward_command();   // tools/cli/forward.cpp
+const Command& quantize_command();  // tools/cli/quantize.cpp
+const Command& bench_command();     // tools/cli/bench.cpp
+const Command& presets_command();   // tools/cli/presets.cpp
+
+// What forward and quantize share about the files they read and write (tools/cli/layer_files.cpp).
+// --output naming one of `inputs` ({option, path}; empty paths skipped) is a UsageError: writing would replace it.
+void refuse_output_over_inputs(const std::string& output,
+                               const std::vector<std::pair<const char*, std::string>>& inputs);
+// The shape `said` (a --config file's or a preset's, named by `source`) gives the layer must be the shape of
+// `layer`, completed from the weights file `weights`: invalid_argument naming the first field that differs.
+void check_config_against_weights(const Config& said, const std::string& source, const Config& layer,
+                                  const std::string& weights);
 
 }  // namespace gpt2attn::cli

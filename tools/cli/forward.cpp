@@ -1,8 +1,6 @@
 // tools/cli/forward.cpp: `gpt2attn forward`, one multi-head attention layer on .npy inputs with the weights of a
 // safetensors file: read_request() -> make_layer() -> run -> write. A Runner makes and runs the layer: in this
 // process (LocalRunner), or tensor parallel over the ranks of mpirun (ShardedRunner).
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <memory>
 #include <optional>
@@ -44,7 +42,11 @@ const char* kAbout = R"(forward  runs one multi-head attention layer (torch.nn.M
          softmax and output; see the README's accuracy section); on a CPU or --isa without AVX512-BF16 the
          attention core widens the bf16 Q, K and V to f32 and multiplies in f32 (the softmax weights are
          not rounded to bf16 there), so its results differ from AVX512-BF16's within the bf16 bound. Default
-         f32.
+         f32. --weights may be a file `gpt2attn quantize` wrote (told apart by its metadata): the layer
+         then holds its int8 or int4 codes as saved and computes bit for bit what --weights-dtype of that
+         format computes on the float file; --weights-dtype may only name the file's format, and --prefix
+         is refused. Such a file does not record causality: pass --causal or a causal --config for a GPT-2
+         block.
 )";
 
 // a * b for the output's element count, or an invalid_argument error naming `what` when it overflows int64: sizes
@@ -90,6 +92,7 @@ struct Request {
   std::optional<int64_t> heads, kv_heads, context_length;  // as given
   std::string query, key, value, mask, mask_kind, key_padding;
   bool causal = false, no_causal = false;  // --causal, --no-causal
+  std::string weights_dtype;               // --weights-dtype as given ("" when absent)
   EngineOptions opts;
   double mpi_timeout_s = 0;  // under mpirun: the sharded layer's deadline of one wait in a collective
 
@@ -187,23 +190,7 @@ struct Request {
   // What the config file says of the layer's shape must be what the weights file holds: a config is never
   // silently half-applied. (Its dropout is for training; forward is inference.)
   void check_against_config(const Config& c) const {
-    if (!file_cfg) return;
-    const Config& f = *file_cfg;
-    const auto yes_no = [](bool b) { return std::string(b ? "true" : "false"); };
-    const std::pair<std::string, std::pair<std::string, std::string>> fields[] = {
-        {"d_model", {std::to_string(f.d_model), std::to_string(c.d_model)}},
-        {"d_in", {std::to_string(f.query_width()), std::to_string(c.query_width())}},
-        {"kdim", {std::to_string(f.key_width()), std::to_string(c.key_width())}},
-        {"vdim", {std::to_string(f.value_width()), std::to_string(c.value_width())}},
-        {"qkv_bias", {yes_no(f.qkv_bias), yes_no(c.qkv_bias)}},
-        {"out_bias", {yes_no(f.out_bias), yes_no(c.out_bias)}},
-    };
-    for (const auto& [name, says] : fields) {
-      if (says.first != says.second) {
-        invalid(config_path + " says " + name + " " + says.first + " but the weights in " + weights + " have " +
-                name + " " + says.second);
-      }
-    }
+    if (file_cfg) check_config_against_weights(*file_cfg, config_path, c, weights);
   }
 
   // The output buffer, (B, T, E) of the layer `c`.
@@ -214,24 +201,14 @@ struct Request {
   }
 };
 
-// --output naming an input (the same file through a symbolic link, a hard link or another spelling of its path)
-// would replace that input with the result, so it is refused before any work. Device and inode decide, as the
-// kernel sees the files; an output that does not exist yet cannot be an input (inputs must exist), and one that
-// cannot be stat'ed is left to the write, which reports it.
 void refuse_output_over_an_input(const Request& r) {
-  struct stat out {};
-  if (::stat(r.output.c_str(), &out) != 0) return;
-  const std::pair<const char*, const std::string*> inputs[] = {
-      {"weights", &r.weights}, {"config", &r.config_path}, {"query", &r.query}, {"key", &r.key},
-      {"value", &r.value},     {"mask", &r.mask},          {"key-padding", &r.key_padding}};
-  for (const auto& [option, path] : inputs) {
-    struct stat in {};
-    if (path->empty() || ::stat(path->c_str(), &in) != 0) continue;
-    if (in.st_dev == out.st_dev && in.st_ino == out.st_ino) {
-      throw UsageError("--output " + r.output + " is the same file as --" + option + " " + *path +
-                       ": writing the result would replace that input; choose another output path");
-    }
-  }
+  refuse_output_over_inputs(r.output, {{"weights", r.weights},
+                                       {"config", r.config_path},
+                                       {"query", r.query},
+                                       {"key", r.key},
+                                       {"value", r.value},
+                                       {"mask", r.mask},
+                                       {"key-padding", r.key_padding}});
 }
 
 // The options, checked; no file is read yet.
@@ -239,6 +216,7 @@ Request read_request(const Args& a) {
   Request r;
   r.opts.compute = compute_dtypes(a).front();
   r.opts.weights = weight_format_for(weights_dtype_names(a).front(), r.opts.compute);
+  r.weights_dtype = a.get("weights-dtype");
   r.output = a.required("output");
   if (!a.has("heads") && !a.has("config")) throw UsageError("missing required option --heads (or --config)");
   r.config_path = a.get("config");
@@ -272,30 +250,54 @@ class Runner {
   virtual bool writes() const { return true; }
 };
 
-// This process alone, with the whole layer.
+// This process alone, with the whole layer: from a float checkpoint, or from a file of `gpt2attn quantize`, told apart
+// by its "gpt2attn.weights" metadata (so --weights takes either, as the library's loaders do).
 class LocalRunner : public Runner {
  public:
   void make_layer(Request& r) override {
     r.read_config();
     r.check_output_path();
-    const StoredLayer& stored = stored_.emplace(open_safetensors_layer(r.weights, r.prefix));
-    r.read_layout_causality(stored.naming);
+    const std::optional<QuantizedLayerShapes> quantized = quantized_layer_shapes(r.weights);
+    const LayerShapes* shapes = nullptr;
+    if (quantized) {
+      check_quantized_options(r, *quantized);
+      shapes = &*quantized;
+    } else {
+      shapes = &stored_.emplace(open_safetensors_layer(r.weights, r.prefix));
+      r.read_layout_causality(shapes->naming);
+    }
     r.read_inputs();
     try {
-      r.cfg = apply_loaded_shapes(r.cfg, stored);
+      r.cfg = apply_loaded_shapes(r.cfg, *shapes);
     } catch (const Error& e) {
       throw Error(e.code(), r.weights + ": " + e.what());  // which file the sizes came from
     }
     r.check_against_config(r.cfg);
     r.set_context();
     r.cfg.validate();
-    layer_.emplace(r.cfg, stored.weights, r.opts);
+    if (quantized) {
+      layer_.emplace(r.cfg, load_quantized(r.weights, r.cfg), r.opts);
+    } else {
+      layer_.emplace(r.cfg, stored_->weights, r.opts);
+    }
     r.size_output(r.cfg);
   }
   void run(Request& r) override { layer_->forward(r.in, r.out.data()); }
 
  private:
-  std::optional<StoredLayer> stored_;  // the file's tensors, as stored, for as long as the layer
+  // A quantized file holds one layer under fixed names, in one format: a --prefix would name nothing, and a
+  // --weights-dtype other than the file's would ask for weights it does not hold (re-quantizing its codes would lose
+  // more than quantizing the float weights once).
+  static void check_quantized_options(const Request& r, const QuantizedLayerShapes& q) {
+    const std::string what = r.weights + " holds " + to_string(q.format) + " weights written by `gpt2attn quantize`";
+    if (!r.prefix.empty()) throw UsageError("--prefix " + r.prefix + ": " + what + ", one layer without a prefix");
+    if (!r.weights_dtype.empty() && r.weights_dtype != to_string(q.format)) {
+      throw UsageError("--weights-dtype " + r.weights_dtype + ": " + what + "; give --weights-dtype " +
+                       to_string(q.format) + " or leave it out");
+    }
+  }
+
+  std::optional<StoredLayer> stored_;  // a float file's tensors, as stored, for as long as the layer
   std::optional<MultiHeadAttention> layer_;
 };
 
@@ -309,6 +311,11 @@ class ShardedRunner : public Runner {
     run_agreed(MPI_COMM_WORLD, "forward", [&] {
       if (world().prints()) r.check_output_path();
       r.read_config();
+      // ShardedAttention reads its heads' slices of float tensors; codes are not sliced (yet).
+      if (quantized_layer_shapes(r.weights)) {
+        invalid(r.weights + ": quantized weights (gpt2attn quantize) run in one process; tensor-parallel forward "
+                "under mpirun reads a float safetensors file");
+      }
       r.read_layout_causality(open_safetensors_layer(r.weights, r.prefix).naming);  // a mapping, read no further
       r.read_inputs();
       r.set_context();
@@ -366,7 +373,8 @@ const Command& forward_command() {
       "forward",
       "one attention layer on .npy inputs, written to --output.",
       {
-          required("weights", "W.safetensors", "the layer's weights (torch or Hugging Face GPT-2 naming)."),
+          required("weights", "W.safetensors",
+                   "the layer's weights (torch or Hugging Face GPT-2 naming), or a file of gpt2attn quantize."),
           value("prefix", "P", "the layer's tensor-name prefix in the weights file."),
           value("heads", "H", "attention heads; required unless --config gives them."),
           value("config", "config.json", "a Hugging Face GPT-2 config.json or one of configs/*.json (see below)."),

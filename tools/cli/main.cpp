@@ -1,6 +1,6 @@
-// tools/cli/main.cpp: the command-line tool `gpt2attn`: dispatch on the command (forward, bench, presets; one file
-// each), its errors turned into the exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error. Only
-// main() exits.
+// tools/cli/main.cpp: the command-line tool `gpt2attn`: dispatch on the command (forward, quantize, bench, presets;
+// one file each), its errors turned into the exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error.
+// Only main() exits.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -38,7 +38,8 @@ exit status: 0 success, 2 bad input or usage, 1 internal error.
 )";
 
 const std::vector<const Command*>& commands() {
-  static const std::vector<const Command*> all = {&forward_command(), &bench_command(), &presets_command()};
+  static const std::vector<const Command*> all = {&forward_command(), &quantize_command(), &bench_command(),
+                                                  &presets_command()};
   return all;
 }
 
@@ -67,7 +68,7 @@ int run(int argc, char** argv) {
       if (g_world.prints()) std::printf("gpt2attn %s\n", gpt2attn_version());
       return 0;
     }
-    throw UsageError(name.empty() ? "missing command (forward, bench or presets)" : "unknown command '" + name + "'");
+    throw UsageError(name.empty() ? "missing command (forward, quantize, bench or presets)" : "unknown command '" + name + "'");
   } catch (const HelpRequested&) {
     print_help();
     return 0;
