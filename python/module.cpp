@@ -349,6 +349,21 @@ L layer_from_safetensors(const std::string& path, const ga::Config& config, cons
            engine_options(threads, isa, compute, weights_dtype));
 }
 
+// A layer of type L built from a file of save_quantized's (gpt2attn.save_quantized, `gpt2attn quantize`): the codes
+// as saved, in the file's format; `config` gives num_heads and context_length, the file the sizes.
+template <class L>
+L layer_from_quantized(const std::string& path, const ga::Config& config, int threads, const std::string& isa,
+                       const std::string& compute, const std::optional<std::string>& weights_dtype) {
+  const std::optional<ga::QuantizedLayerShapes> shapes = ga::quantized_layer_shapes(path);
+  if (!shapes) {
+    ga::fail(ga::ErrorCode::bad_file, path + ": no 'gpt2attn.weights' metadata: not a file of save_quantized's (a "
+                                             "float checkpoint loads with from_safetensors)");
+  }
+  const ga::Config c = ga::apply_loaded_shapes(config, *shapes);
+  const ga::QuantizedWeights q = ga::load_quantized(path, c);
+  return L(c, q, engine_options(threads, isa, compute, weights_dtype));
+}
+
 PYBIND11_MODULE(_gpt2attn, m) {
   m.doc() = "gpt2attn: GPT-2-style multi-head attention on CPUs (the C++ library, zero-copy over float32 arrays)";
   create_errors(m);
@@ -427,6 +442,25 @@ PYBIND11_MODULE(_gpt2attn, m) {
       "(config, weights) of one layer of a safetensors file (torch or Hugging Face GPT-2 names after prefix); "
       "config gives num_heads and context_length, the file the sizes.");
 
+  m.def(
+      "save_quantized",
+      // The Config by value: another Python thread may change the caller's while this one runs without the GIL.
+      [](const std::string& path, const ga::Config c, const PyWeights& w, const std::string& weights_dtype) {
+        if (weights_dtype != "int8" && weights_dtype != "int4") {
+          invalid("weights_dtype '" + weights_dtype + "' (supported: 'int8', 'int4')");
+        }
+        const ga::Weights& fw = w.for_config(c);  // w, an argument, outlives the call
+        fw.validate(c);
+        const ga::WeightFormat f = ga::weight_format_from_string(weights_dtype);
+        py::gil_scoped_release nogil;
+        ga::save_quantized(path, c, ga::QuantizedWeights::quantize(fw.view(c), f));
+      },
+      py::arg("path"), py::arg("config"), py::arg("weights"), py::arg("weights_dtype"),
+      "Quantizes weights (each projection row: 'int8' one scale a row, 'int4' one per 32 inputs) and writes the codes, "
+      "scales and biases to a safetensors file, atomically; CausalSelfAttention.from_quantized and "
+      "MultiHeadAttention.from_quantized (and `gpt2attn forward --weights`) build layers from it that compute bit for "
+      "bit what weights_dtype= quantizing the same weights computes.");
+
   py::class_<ga::Workspace>(m, "Workspace", "Scratch memory for one calling thread at a time.")
       .def(py::init<>())
       .def_property_readonly("bytes", &ga::Workspace::bytes);
@@ -490,6 +524,12 @@ PYBIND11_MODULE(_gpt2attn, m) {
                   "The layer of a safetensors file (torch or Hugging Face GPT-2 names after prefix), its tensors read "
                   "as stored: F32, F16 or BF16, converted once into the layer's compute type. config gives num_heads "
                   "and context_length, the file the sizes.")
+      .def_static("from_quantized", &layer_from_quantized<ga::MultiHeadAttention>, py::arg("path"), py::arg("config"),
+                  py::arg("threads") = 0, py::arg("isa") = "best", py::arg("compute") = "f32",
+                  py::arg("weights_dtype") = py::none(),
+                  "The layer of a file save_quantized (or `gpt2attn quantize`) wrote: its int8 or int4 codes as "
+                  "saved. config gives num_heads and context_length, the file the sizes and the format; "
+                  "weights_dtype: None (the file's) or the file's format.")
       .def(
           "forward",
           [](ga::MultiHeadAttention& self, const py::object& query, const py::object& key, const py::object& value,
@@ -552,6 +592,12 @@ PYBIND11_MODULE(_gpt2attn, m) {
                   "The layer of a safetensors file (torch or Hugging Face GPT-2 names after prefix), its tensors read "
                   "as stored: F32, F16 or BF16, converted once into the layer's compute type. config gives num_heads "
                   "and context_length, the file the sizes.")
+      .def_static("from_quantized", &layer_from_quantized<ga::CausalSelfAttention>, py::arg("path"), py::arg("config"),
+                  py::arg("threads") = 0, py::arg("isa") = "best", py::arg("compute") = "f32",
+                  py::arg("weights_dtype") = py::none(),
+                  "The layer of a file save_quantized (or `gpt2attn quantize`) wrote: its int8 or int4 codes as "
+                  "saved. config gives num_heads and context_length, the file the sizes and the format; "
+                  "weights_dtype: None (the file's) or the file's format.")
       .def(
           "forward",
           [](ga::CausalSelfAttention& self, const py::object& x, const py::object& out, int threads,

@@ -198,6 +198,61 @@ def test_from_safetensors_builds_the_layer_of_its_f32_copy(tmp_path, dtype):
         gpt2attn.CausalSelfAttention.from_safetensors(path, cfg, prefix="h.7.attn.")
 
 
+@pytest.mark.parametrize("weights_dtype", ["int8", "int4"])
+def test_save_quantized_then_from_quantized_builds_the_same_layer(tmp_path, weights_dtype):
+    """save_quantized writes the codes once; from_quantized builds, from the file and a config of the heads alone,
+    layers that compute bit for bit what weights_dtype= quantizing the same weights computes (grouped K/V heads:
+    forward, extend and decode; an odd d_in: MultiHeadAttention). The other format, a float file, an unknown format
+    and K/V heads the file does not hold are refused."""
+    rng = np.random.default_rng(41)
+    cfg = gpt2attn.Config(64, 4, num_kv_heads=2, context_length=64, causal=True)
+    w = gpt2attn.Weights.random(cfg, 42)
+    path = str(tmp_path / "q.safetensors")
+    gpt2attn.save_quantized(path, cfg, w, weights_dtype)
+    heads = gpt2attn.Config(64, 4, context_length=64)  # the sizes, K/V heads and biases come from the file
+    loaded = gpt2attn.CausalSelfAttention.from_quantized(path, heads, threads=2)
+    direct = gpt2attn.CausalSelfAttention(cfg, w, threads=2, weights_dtype=weights_dtype)
+    assert loaded.config.kv_heads == 2 and weights_dtype + " weights" in loaded.implementation
+    x = rand(rng, 2, 9, 64)
+    np.testing.assert_array_equal(loaded.forward(x), direct.forward(x))
+    outs = []
+    for layer in (loaded, direct):
+        cache = gpt2attn.KvCache(layer.config, block_tokens=16, capacity_tokens=64)
+        seq = cache.create()
+        outs.append((layer.extend(cache, seq, x[0, :8]), layer.decode(cache, [seq], x[0, 8:9])))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+    odd = gpt2attn.Config(32, 4, d_in=37, context_length=32)
+    w_odd = gpt2attn.Weights.random(odd, 43)
+    odd_path = str(tmp_path / "odd.safetensors")
+    gpt2attn.save_quantized(odd_path, odd, w_odd, weights_dtype)
+    mha = gpt2attn.MultiHeadAttention.from_quantized(odd_path, gpt2attn.Config(32, 4, context_length=32),
+                                                     weights_dtype=weights_dtype)
+    assert mha.config.d_in == 37
+    x_odd = rand(rng, 2, 5, 37)
+    np.testing.assert_array_equal(mha.forward(x_odd),
+                                  gpt2attn.MultiHeadAttention(odd, w_odd, weights_dtype=weights_dtype).forward(x_odd))
+
+    other = "int4" if weights_dtype == "int8" else "int8"
+    with pytest.raises(gpt2attn.InvalidArgument, match="EngineOptions.weights"):
+        gpt2attn.CausalSelfAttention.from_quantized(path, heads, weights_dtype=other)
+    with pytest.raises(gpt2attn.InvalidArgument, match="K/V"):
+        gpt2attn.CausalSelfAttention.from_quantized(path, gpt2attn.Config(64, 4, num_kv_heads=4))
+    with pytest.raises(gpt2attn.InvalidArgument, match="weights_dtype 'int3'"):
+        gpt2attn.save_quantized(path, cfg, w, "int3")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts"))
+    from export_safetensors import write_safetensors
+    floats = write_safetensors(str(tmp_path / "f.safetensors"),
+                               pc.state_dict_of(torch.nn.MultiheadAttention(64, 4, batch_first=True)))
+    with pytest.raises(gpt2attn.BadFile, match="gpt2attn.weights"):
+        gpt2attn.MultiHeadAttention.from_quantized(floats, heads)
+    with open(path, "r+b") as f:  # cut short: the file and the tensor it ends in are named
+        f.truncate(os.path.getsize(path) - 3)
+    with pytest.raises(gpt2attn.BadFile, match=r"q\.safetensors: tensor '\w+_proj\.\w+'.*truncated"):
+        gpt2attn.CausalSelfAttention.from_quantized(path, heads)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Zero copy: inputs are read where they lie, out= is written in place.
 
