@@ -40,9 +40,11 @@ struct EngineOptions {
   // same roundings. Accuracy: tolerance_for(DType::bf16, ...) in gpt2attn/tolerance.hpp.
   DType compute = DType::f32;
   // The projection weights' format (gpt2attn/dtype.hpp, WeightFormat): compute, or int8 / int4 quantized from the
-  // given weights once, here. Decode's projections stream the quantized panels (int8 half of bf16's bytes, int4 about
-  // a third with its scales) and widen them in registers. Prefill's GEMMs: int8 on oneDNN's u8 x s8 kernels where it
-  // has VNNI (the inputs quantized per row), otherwise, and for int4, the dequantized values in the compute type.
+  // given weights once, here (or given quantized: the QuantizedWeights constructors). Decode's projections stream the
+  // quantized panels (int8 half of bf16's bytes, int4 about a third with its scales) into integer dot products with
+  // each input row quantized to int16. Prefill's GEMMs: int8 on oneDNN's u8 x s8 kernels where it has VNNI (the
+  // inputs quantized per row to 8 bits), otherwise the dequantized values in the compute type; int4 converts each
+  // head's codes as its GEMM runs (no compute-type copy is held).
   // Accuracy: dequantized_tolerance() and weights_tolerance() in gpt2attn/tolerance.hpp.
   WeightFormat weights = WeightFormat::compute;
 };
