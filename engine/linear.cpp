@@ -141,11 +141,14 @@ Linear::Linear(WeightFormat f, const int8_t* codes, const float* scales, int64_t
     if (!dequantize) fail(ErrorCode::internal, "linear: int4 weights without their dequantization kernel");
     static std::atomic<uint64_t> ids{0};
     id_ = ++ids;
-    const int64_t row = (K + 1) / 2, G = (K + kWeightGroup - 1) / kWeightGroup;
-    nibbles_.assign(static_cast<size_t>(N * row), 0);
+    // kernels::DequantizeFn's layout: per group of 32 inputs 16 bytes, input i and i + 16 in one byte.
+    constexpr int64_t half = kWeightGroup / 2;
+    const int64_t G = (K + kWeightGroup - 1) / kWeightGroup;
+    nibbles_.assign(static_cast<size_t>(N * G * half), 0);
     for (int64_t n = 0; n < N; ++n) {
       for (int64_t k = 0; k < K; ++k) {
-        nibbles_[n * row + k / 2] |= static_cast<uint8_t>((codes[n * K + k] & 0x0f) << (4 * (k % 2)));
+        const int64_t g = k / kWeightGroup, i = k % kWeightGroup;
+        nibbles_[(n * G + g) * half + i % half] |= static_cast<uint8_t>((codes[n * K + k] & 0x0f) << (4 * (i / half)));
       }
     }
     group_scales_.assign(scales, scales + N * G);

@@ -176,8 +176,8 @@ class Linear {
   // int8 (gemm_ == u8): per output row, the weights' scale and the sum of its codes; the bias, added by run().
   std::vector<float> w_scales_, bias_host_;
   std::vector<int32_t> w_sums_;
-  // int4: the codes, two a byte per row (ceil(K / 2) bytes a row; input 2i low nibble, 2i + 1 high, two's complement),
-  // the group scales (N, ceil(K / kWeightGroup)), and an id no other Linear of the process has (Wide::weights_of).
+  // int4: the codes two a byte in kernels::DequantizeFn's layout (16 bytes per group of 32 inputs), the group scales
+  // (N, ceil(K / kWeightGroup)), and an id no other Linear of the process has (Wide::weights_of).
   WeightFormat format_ = WeightFormat::compute;
   std::vector<uint8_t> nibbles_;
   std::vector<float> group_scales_;

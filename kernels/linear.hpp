@@ -170,8 +170,9 @@ struct LinearArgs {
   void* scratch = nullptr;          // linear_scratch_bytes(format, M, K) of the calling thread's own
 };
 
-// int4 weights for a GEMM (the engine's prefill Linear): rows of codes two a byte (row stride ceil(K / 2), input 2i in
-// the low nibble, 4-bit two's complement) times their group scales (N, weight_groups(K)) into dst (N, K) row-major of
+// int4 weights for a GEMM (the engine's prefill Linear): codes two a byte, 16 bytes per group of kWeightGroup inputs
+// (byte i of group g holds input 32g + i in its low nibble and 32g + 16 + i in its high one, 4-bit two's complement;
+// weight_groups(K) * 16 bytes a row), times their group scales (N, weight_groups(K)), into dst (N, K) row-major of
 // `out` (f32 or bf16), each value rounded to bf16 when out is bf16 or bf16_values (a bf16 layer's values in f32).
 using DequantizeFn = void (*)(const uint8_t* codes, const float* scales, int64_t N, int64_t K, DType out,
                               bool bf16_values, void* dst);
