@@ -74,14 +74,15 @@ inline constexpr int kDecodeMinSplitKeys = 256;
 // The quantized formats' integer kernels keep int32 sums instead: int8 the same blocks (its int32 sums become f32 once
 // per chunk); int4 scales its int32 sums into f32 ones at every group of 32 inputs, so it holds both, and an input
 // quad's two int16 weight vectors per panel:
-//   AVX-512: RB=4, PG=2: 8 int32 + 8 f32 sums + 4 weights + 2 broadcasts + 2 scales = 24 zmm;
+//   AVX-512: RB=3, PG=3: 9 int32 + 9 f32 sums + 6 weights + 2 broadcasts + 3 scales = 29 zmm (against RB=4, PG=2, a
+//            decode step B=1 over int4 weights, bench/ab.py 5 rounds: gpt2-xl 0.976x, gpt2-small 0.894x the time);
 //   AVX2:    RB=2, PG=1: 4 + 4 + 4 + 2 + 2 = 16 ymm.
 // linear_row_block(lanes, int4), linear_panel_group(lanes, int4).
 constexpr int linear_row_block(int lanes, bool int4 = false) {
-  if (int4) return lanes >= 16 ? 4 : (lanes == 8 ? 2 : 4);
+  if (int4) return lanes >= 16 ? 3 : (lanes == 8 ? 2 : 4);
   return lanes >= 16 ? 8 : (lanes == 8 ? 6 : 4);
 }
-constexpr int linear_panel_group(int lanes, bool int4 = false) { return lanes >= 16 ? (int4 ? 2 : 3) : 1; }
+constexpr int linear_panel_group(int lanes, [[maybe_unused]] bool int4 = false) { return lanes >= 16 ? 3 : 1; }
 // ... over K in equal chunks of at most kLinearKChunk: a group's chunk (3 x 256 x 64 B = 48 KiB, L1-sized) is
 // re-read by every row block from L1/L2 while the next chunk is prefetched. 128 to 768 measured within noise of
 // each other in cold decode steps; 256 had the best medians.
