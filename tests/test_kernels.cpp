@@ -1362,6 +1362,40 @@ TEST_P(KernelQuantizedLinear, AllPanelsMatchNaiveOnDequantizedWeights) {
   }
 }
 
+// int4's conversion for the prefill GEMMs (LinearKernel::dequantize): code x scale exactly in f32, rounded to nearest
+// even for bf16 (out bf16, or bf16 values in f32), at every level bit for bit, over full and short last groups.
+TEST_P(KernelQuantizedLinear, Int4DequantizeIsCodeTimesScaleRoundedOnce) {
+  const kernels::LinearKernel& kern = detail::linear_kernel(isa(), WeightFormat::int4, DType::f32);
+  ASSERT_NE(kern.dequantize, nullptr);
+  std::mt19937_64 rng(4242);
+  for (int64_t K : {1, 16, 17, 31, 32, 33, 70, 100}) {
+    const int64_t N = 3, G = kernels::weight_groups(K);
+    std::vector<int8_t> codes(static_cast<size_t>(N * K));
+    std::uniform_int_distribution<int> code(-8, 7);
+    for (int8_t& c : codes) c = static_cast<int8_t>(code(rng));
+    const std::vector<float> scales = random_uniform(N * G, rng);
+    // The layout: per group of 32 inputs 16 bytes, input i in byte i's low nibble, i + 16 in its high one.
+    std::vector<uint8_t> packed(static_cast<size_t>(N * G * 16), 0);
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t g = k / 32, i = k % 32;
+        packed[(n * G + g) * 16 + i % 16] |= static_cast<uint8_t>((codes[n * K + k] & 0x0f) << (4 * (i / 16)));
+      }
+    }
+    std::vector<float> f32(static_cast<size_t>(N * K), kNaN), rounded(f32);
+    std::vector<kernels::bf16> b16(static_cast<size_t>(N * K), kernels::bf16{0x7fc1});
+    kern.dequantize(packed.data(), scales.data(), N, K, DType::f32, false, f32.data());
+    kern.dequantize(packed.data(), scales.data(), N, K, DType::f32, true, rounded.data());
+    kern.dequantize(packed.data(), scales.data(), N, K, DType::bf16, true, b16.data());
+    for (int64_t i = 0; i < N * K; ++i) {
+      const float want = static_cast<float>(codes[i]) * scales[i / K * G + i % K / 32];
+      ASSERT_EQ(f32[i], want) << to_string(isa()) << " K=" << K << " element " << i;
+      ASSERT_EQ(rounded[i], kernels::widen(kernels::to_bf16(want))) << to_string(isa()) << " K=" << K << " " << i;
+      ASSERT_EQ(b16[i].bits, kernels::to_bf16(want).bits) << to_string(isa()) << " K=" << K << " element " << i;
+    }
+  }
+}
+
 // The bf16-compute rows' kernel: half the weight bytes, widened as they are loaded.
 TEST_P(KernelLinear, Bf16WeightsMatchNaive) {
   const kernels::LinearKernel& kern = *detail::kernels_for(isa(), DType::bf16, DType::bf16).few_row_linear;
