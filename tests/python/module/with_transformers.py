@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""ctest python.hf_transformers: test_torch_hf.py under a venv that has Hugging Face transformers.
+"""ctest python.hf_transformers: test_torch_hf.py and test_gpt2_checkpoint.py under a venv that has Hugging Face
+transformers.
 
     with_transformers.py --venv DIR [pytest arguments...]
 
