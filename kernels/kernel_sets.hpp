@@ -12,6 +12,7 @@
 #include "kernels/attention.hpp"
 #include "kernels/decode_attention.hpp"
 #include "kernels/linear.hpp"
+#include "kernels/row_ops.hpp"
 #include "kernels/vec_probe.hpp"
 
 namespace gpt2attn::kernels {
@@ -36,6 +37,7 @@ struct IsaKernels {
   std::array<const LinearKernel*, kNumWeightFormats> quantized_linear;
   const IntDotKernel* int_dot;  // the int8 K/V score dot products, for the tests
   const VecProbe* vec;          // Vec<Arch>'s element-wise functions, for the tests
+  const RowOpsKernel* row_ops;  // LayerNorm and GELU (gpt2attn/ops.hpp)
 };
 
 // Specialised in kernels/kernel_sets_<level>.cpp for each level CMake compiles (GPT2ATTN_ISA_LEVELS); the engine

@@ -14,6 +14,7 @@
 #include "kernels/int_dot.hpp"
 #include "kernels/kernel_sets.hpp"
 #include "kernels/linear_impl.hpp"
+#include "kernels/row_ops_impl.hpp"
 #include "kernels/vec_probe_impl.hpp"
 
 namespace gpt2attn::kernels {
@@ -86,7 +87,8 @@ const IsaKernels& make_isa_kernels() {
 #undef GPT2ATTN_KERNEL_SET
   static const IsaKernels kernels{rows.data(), rows.size(), quantized,
                                   &make_int_dot_kernel<L::kLevel, typename L::ArchT>(),
-                                  &make_vec_probe<L::kLevel, typename L::ArchT>()};
+                                  &make_vec_probe<L::kLevel, typename L::ArchT>(),
+                                  &make_row_ops<L::kLevel, typename L::ArchT>()};
   return kernels;
 }
 

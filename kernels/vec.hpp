@@ -123,6 +123,7 @@ struct Vec {
   static B set1(float x) { return B(x); }
   static B fma(B a, B b, B c) { return xsimd::fma(a, b, c); }
   static B max(B a, B b) { return xsimd::max(a, b); }
+  static B min(B a, B b) { return xsimd::min(a, b); }
   static B abs(B a) { return xsimd::abs(a); }
   // Whether some lane of a is above t (NaN lanes are not): a compare and a mask test, no horizontal reduction.
   static bool any_above(B a, float t) { return xsimd::any(a > B(t)); }
@@ -279,6 +280,7 @@ struct Vec<ScalarArch> {
   static B set1(float x) { return x; }
   static B fma(B a, B b, B c) { return std::fma(a, b, c); }
   static B max(B a, B b) { return a > b ? a : b; }
+  static B min(B a, B b) { return a < b ? a : b; }
   static B abs(B a) { return std::fabs(a); }
   static bool any_above(B a, float t) { return a > t; }
   static float sum(B v) { return v; }

@@ -5,6 +5,7 @@
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/error.hpp"
 #include "gpt2attn/kv_cache.hpp"
+#include "gpt2attn/ops.hpp"
 #include "gpt2attn/reference.hpp"
 #include "gpt2attn/tensor.hpp"
 #include "gpt2attn/weights.hpp"

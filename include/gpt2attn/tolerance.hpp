@@ -37,6 +37,14 @@ inline Tolerance accumulated_tolerance(DType p, int64_t reduction_length, double
   return {rtol, rtol * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
 }
 
+// The row operations (gpt2attn/ops.hpp) against double loops. LayerNorm sums its row's mean and variance in f32 over
+// E values and divides by sqrt(var + eps): the f32 accumulation bound over E, of the output's scale. GELU takes one
+// exp2 (1.6e-7 relative at worst, kernels/vec.hpp), a cubic and a division: the bound of a reduction of 4, whose
+// 32 unit roundoffs (1.9e-6) hold them with room.
+inline Tolerance row_op_tolerance(int64_t reduction_length, double max_abs_reference) {
+  return accumulated_tolerance(DType::f32, reduction_length, max_abs_reference);
+}
+
 // bf16 compute (EngineOptions::compute) rounds to bf16 at a fixed number of points and sums in f32, so its error
 // does not grow with the reduction length beyond the f32 part. Against the reference run on what the layer holds
 // (weights and query/key/value rounded to bf16 once), the roundings left are the layer's own five: Q, K, V, the
