@@ -3,8 +3,8 @@
 // quarter, int4 about a sixth with its scales). f32 and bf16 are widened to f32 in registers as they are loaded; int8
 // and int4 codes meet each row of x quantized to int16 (quantize_query_i16, kernels/int_dot.hpp: half a step of
 // max|x| / 32767) in exact integer sums, scaled to f32 per chunk (int8) or group (int4). The bias, the scales and y
-// are f32. Pure compute on pointers: no allocation, threads or oneDNN; the
-// engine packs the weights once at construction and splits the panels across threads.
+// are f32. Pure compute on pointers: no allocation, threads or oneDNN; the engine packs the weights once at
+// construction and splits the panels across threads.
 //
 // Why not oneDNN here: a decode step's GEMMs have M = B (1..64), so they are bound by streaming W, which any
 // register-blocked loop does at memory speed; and oneDNN 2.6's primitive execute allocates its argument map
@@ -37,7 +37,8 @@ namespace gpt2attn::kernels {
 
 inline constexpr int64_t kLinearPanel = 16;  // outputs per panel: one AVX-512 vector, two AVX2 vectors
 
-// Two int4 codes in a byte (each nibble a 4-bit two's complement q in [-8, 7]): the packed element of an int4 panel.
+// Two int4 codes in a byte (each nibble q + 8 in [0, 15], for the code q in [-8, 7]): the packed element of an int4
+// panel.
 struct int4x2 {
   uint8_t bits;
 };
