@@ -13,6 +13,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <optional>
@@ -380,6 +381,50 @@ PYBIND11_MODULE(_gpt2attn, m) {
   m.def("load_config", &ga::load_any_config, py::arg("path"),
         "The Config of a file: a Hugging Face GPT-2 config.json (causal, with biases) or one of configs/*.json.");
   m.def("preset", &ga::preset, py::arg("name"), "The Config of a GPT-2/GPT-3 preset, e.g. 'gpt2-small'.");
+
+  // gpt2attn/ops.hpp: x of any rank >= 1, C-contiguous float32, its last dimension the row.
+  m.def(
+      "layer_norm",
+      [](const py::object& x, const py::object& gamma, const py::object& beta, double eps, int threads,
+         const std::string& isa, const py::object& out) {
+        const py::array xa = as_f32(x, "x");
+        if (xa.ndim() < 1 || xa.shape(xa.ndim() - 1) < 1) invalid("layer_norm: x needs a last dimension of 1 or more");
+        std::vector<int64_t> shape(xa.shape(), xa.shape() + xa.ndim());
+        const int64_t E = shape.back(), M = E ? static_cast<int64_t>(xa.size()) / E : 0;
+        const py::array xc = contiguous_f32(x, "x", shape);
+        const py::array g = contiguous_f32(gamma, "gamma", {E}), b = contiguous_f32(beta, "beta", {E});
+        py::array y = output(out, shape);
+        const ga::RowOpOptions o{threads, ga::isa_from_string(isa)};
+        {
+          py::gil_scoped_release nogil;
+          ga::layer_norm(static_cast<const float*>(xc.data()), M, E, static_cast<const float*>(g.data()),
+                         static_cast<const float*>(b.data()), static_cast<float>(eps),
+                         static_cast<float*>(y.mutable_data()), o);
+        }
+        return result(y, out, x);
+      },
+      py::arg("x"), py::arg("gamma"), py::arg("beta"), py::arg("eps") = 1e-5, py::arg("threads") = 0,
+      py::arg("isa") = "best", py::arg("out") = py::none(),
+      "LayerNorm over x's last dimension (torch.nn.LayerNorm's), float32; gamma and beta of that length.");
+  m.def(
+      "gelu_tanh",
+      [](const py::object& x, int threads, const std::string& isa, const py::object& out) {
+        const py::array xa = as_f32(x, "x");
+        std::vector<int64_t> shape(xa.shape(), xa.shape() + xa.ndim());
+        const py::array xc = contiguous_f32(x, "x", shape);
+        py::array y = output(out, shape);
+        const ga::RowOpOptions o{threads, ga::isa_from_string(isa)};
+        {
+          py::gil_scoped_release nogil;
+          if (y.data() != xc.data()) {
+            std::copy_n(static_cast<const float*>(xc.data()), xc.size(), static_cast<float*>(y.mutable_data()));
+          }
+          ga::gelu_tanh(static_cast<float*>(y.mutable_data()), static_cast<int64_t>(y.size()), o);
+        }
+        return result(y, out, x);
+      },
+      py::arg("x"), py::arg("threads") = 0, py::arg("isa") = "best", py::arg("out") = py::none(),
+      "GELU in GPT-2's tanh approximation (torch's gelu(approximate='tanh')), float32; out=x works in place.");
 
   py::class_<ga::Config>(m, "Config", "A layer's sizes and options (gpt2attn/config.hpp); 0 means the default.")
       .def(py::init([](int64_t d_model, int64_t num_heads, int64_t num_kv_heads, int64_t d_in, int64_t kdim,

@@ -22,8 +22,8 @@ that protection by design and are a use-after-free: the caller's contract, which
 """
 from ._gpt2attn import (  # noqa: F401
     BadFile, CausalSelfAttention, Config, Error, InternalError, InvalidArgument, KvCache, MultiHeadAttention,
-    OutOfMemory, Weights, Workspace, best_isa, compiled_isas, load_config, load_safetensors, preset, preset_names,
-    reference_forward, save_quantized, version)
+    OutOfMemory, Weights, Workspace, best_isa, compiled_isas, gelu_tanh, layer_norm, load_config, load_safetensors,
+    preset, preset_names, reference_forward, save_quantized, version)
 from ._gpt2attn import _input_address  # noqa: F401  (tests: the address a compute call reads an array at)
 from .hf import from_hf_gpt2_block  # noqa: F401
 
