@@ -63,6 +63,19 @@ constexpr std::array<typename L::BlockFn, sizeof...(I)> block_table(std::integer
   return {&L::template block<I / L::PG + 1, I % L::PG + 1>...};
 }
 
+// Row m's sums for panel p that the previous K chunk left in y, or null for a chunk starting at k = 0: y itself, or
+// for a partial last panel its columns below N copied into buf with 0 past them (store_panel is the way back).
+[[gnu::always_inline]] inline const float* partial_sums(const LinearArgs& a, int64_t p, int64_t m, bool first_chunk,
+                                                        float (&buf)[kLinearPanel]) {
+  if (first_chunk) return nullptr;
+  const int64_t n0 = p * kLinearPanel, width = std::min<int64_t>(kLinearPanel, a.N - n0);
+  const float* src = a.y + m * a.ldy + n0;
+  if (width == kLinearPanel) return src;
+  std::fill_n(buf, kLinearPanel, 0.0f);
+  std::copy_n(src, width, buf);
+  return buf;
+}
+
 // Row m's outputs of panel p from its PV vectors o: with `last`, times `row_scales` (int8's, or null) plus the bias;
 // stored into y, only the columns below N of a partial last panel.
 template <class V, int PV>
@@ -114,15 +127,10 @@ struct Linear {
     B acc[RR][NV];
     #pragma GCC unroll 32
     for (int j = 0; j < PP; ++j) {
-      const int64_t n0 = (p0 + j) * kLinearPanel, width = std::min<int64_t>(kLinearPanel, a.N - n0);
       #pragma GCC unroll 32
       for (int r = 0; r < RR; ++r) {
-        const float* src = k0 > 0 ? a.y + (m0 + r) * a.ldy + n0 : nullptr;
-        float in[kLinearPanel] = {};  // the last panel may be partial: its outputs past N start from 0
-        if (src && width < kLinearPanel) {
-          std::copy_n(src, width, in);
-          src = in;
-        }
+        float in[kLinearPanel];
+        const float* src = partial_sums(a, p0 + j, m0 + r, k0 == 0, in);
         #pragma GCC unroll 32
         for (int v = 0; v < PV; ++v) acc[r][j * PV + v] = src ? V::load(src + v * W) : V::set1(0.0f);
       }
@@ -279,16 +287,11 @@ struct QuantLinear {
     const bool last = k1 == a.K;
     #pragma GCC unroll 32
     for (int j = 0; j < PP; ++j) {
-      const int64_t n0 = (p0 + j) * kLinearPanel, width = std::min<int64_t>(kLinearPanel, a.N - n0);
       #pragma GCC unroll 32
       for (int r = 0; r < RR; ++r) {
         const B sx = V::set1(xr.scale[m0 + r]);
-        const float* src = k0 > 0 ? a.y + (m0 + r) * a.ldy + n0 : nullptr;
-        float in[kLinearPanel] = {};
-        if (src && width < kLinearPanel) {
-          std::copy_n(src, width, in);
-          src = in;
-        }
+        float in[kLinearPanel];
+        const float* src = partial_sums(a, p0 + j, m0 + r, k0 == 0, in);
         B* o = acc[r] + j * PV;
         #pragma GCC unroll 32
         for (int v = 0; v < PV; ++v) o[v] = src ? V::fma(o[v], sx, V::load(src + v * W)) : o[v] * sx;
