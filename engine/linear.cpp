@@ -132,6 +132,29 @@ bool Linear::int8_available() {
   return available;
 }
 
+dnnl::matmul::primitive_desc Linear::describe(memory::format_tag weights, std::optional<dnnl::matmul::desc>& op) {
+  auto& eng = cpu_engine();
+  const auto make = [&](DType gemm) {
+    const dt g = dnnl_type(gemm);
+    const memory::desc src({128, K_}, g, tag::ab), w({K_, N_}, g, weights), dst({128, N_}, dt::f32, tag::ab);
+    op.emplace(has_bias_ ? dnnl::matmul::desc(src, w, memory::desc({1, N_}, dt::f32, tag::ab), dst)
+                         : dnnl::matmul::desc(src, w, dst));
+    return dnnl::matmul::primitive_desc(*op, eng);
+  };
+  auto pd = [&]() -> dnnl::matmul::primitive_desc {
+    try {
+      return make(compute_);
+    } catch (const dnnl::error& e) {
+      // oneDNN 2.6 has bf16 matmuls from avx512_core on: below, a bf16 layer multiplies in f32 (gemm_).
+      if (compute_ != DType::bf16 || e.status != dnnl_unimplemented) throw;
+      gemm_ = DType::f32;
+      return make(gemm_);
+    }
+  }();
+  skip_amx(pd, gemm_, K_);
+  return pd;
+}
+
 Linear::Linear(WeightFormat f, const int8_t* codes, const float* scales, int64_t N, int64_t K, const float* bias,
                DType compute, kernels::DequantizeFn dequantize)
     : N_(N), K_(K), compute_(compute), gemm_(f == WeightFormat::int8 ? DType::u8 : compute),
@@ -141,39 +164,15 @@ Linear::Linear(WeightFormat f, const int8_t* codes, const float* scales, int64_t
     if (!dequantize) fail(ErrorCode::internal, "linear: int4 weights without their dequantization kernel");
     static std::atomic<uint64_t> ids{0};
     id_ = ++ids;
-    // kernels::DequantizeFn's layout: per group of 32 inputs 16 bytes, input i and i + 16 in one byte.
-    constexpr int64_t half = kWeightGroup / 2;
-    const int64_t G = (K + kWeightGroup - 1) / kWeightGroup;
-    nibbles_.assign(static_cast<size_t>(N * G * half), 0);
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t g = k / kWeightGroup, i = k % kWeightGroup;
-        nibbles_[(n * G + g) * half + i % half] |= static_cast<uint8_t>((codes[n * K + k] & 0x0f) << (4 * (i / half)));
-      }
-    }
-    group_scales_.assign(scales, scales + N * G);
+    nibbles_.resize(static_cast<size_t>(kernels::int4_group_bytes(N, K)));
+    kernels::pack_int4_groups(codes, N, K, nibbles_.data());
+    group_scales_.assign(scales, scales + N * kernels::weight_groups(K));
     try {
       auto& eng = cpu_engine();
       // Plain weights, (N, K) row-major as oneDNN's (K, N): run() writes them per call. oneDNN 2.6's brgemm matmul
       // takes them as fast as its blocked layout (M = 1024, K = 1600, N = 64, one thread, f32 and bf16).
-      const auto describe = [&](DType gemm, std::optional<dnnl::matmul::desc>& op) {
-        const memory::desc src({128, K}, dnnl_type(gemm), tag::ab), w({K, N}, dnnl_type(gemm), tag::ba);
-        const memory::desc dst({128, N}, dt::f32, tag::ab);
-        op.emplace(has_bias_ ? dnnl::matmul::desc(src, w, memory::desc({1, N}, dt::f32, tag::ab), dst)
-                             : dnnl::matmul::desc(src, w, dst));
-        return dnnl::matmul::primitive_desc(*op, eng);
-      };
       std::optional<dnnl::matmul::desc> op;
-      auto pd = [&]() -> dnnl::matmul::primitive_desc {
-        try {
-          return describe(compute, op);
-        } catch (const dnnl::error& e) {
-          if (compute != DType::bf16 || e.status != dnnl_unimplemented) throw;
-          gemm_ = DType::f32;  // as the compute-type constructor: bf16 values in f32 GEMMs
-          return describe(gemm_, op);
-        }
-      }();
-      skip_amx(pd, gemm_, K);
+      const auto pd = describe(tag::ba, op);
       weights_desc_ = pd.weights_desc();
       impl_ = std::string(pd.impl_info_str()) + " (int4 dequantized per call)";
       if (has_bias_) {
@@ -223,27 +222,8 @@ Linear::Linear(const TensorView& w, const float* bias, DType compute)
     // Let oneDNN choose the weights' blocked layout for a representative M; every later primitive is
     // created with this same layout, so the weights exist once, reordered (and rounded to bf16) once.
     const memory::desc b_desc({1, N}, dt::f32, tag::ab);
-    // The operation descriptor outlives the primitive descriptor made from it: oneDNN's iterator reads it in place
-    // when next_impl() (skip_amx) steps to another implementation. describe() (re)makes it, then the pd over it.
     std::optional<dnnl::matmul::desc> op;
-    const auto describe = [&](DType gemm) {
-      const dt g = dnnl_type(gemm);
-      const memory::desc src_any({128, K}, g, tag::ab), w_any({K, N}, g, tag::any), dst_any({128, N}, dt::f32, tag::ab);
-      op.emplace(has_bias_ ? dnnl::matmul::desc(src_any, w_any, b_desc, dst_any)
-                           : dnnl::matmul::desc(src_any, w_any, dst_any));
-      return dnnl::matmul::primitive_desc(*op, eng);
-    };
-    auto pd = [&]() -> dnnl::matmul::primitive_desc {
-      try {
-        return describe(compute);
-      } catch (const dnnl::error& e) {
-        // oneDNN 2.6 has bf16 matmuls from avx512_core on: below, a bf16 layer multiplies in f32 (gemm_).
-        if (compute != DType::bf16 || e.status != dnnl_unimplemented) throw;
-        gemm_ = DType::f32;
-        return describe(gemm_);
-      }
-    }();
-    skip_amx(pd, gemm_, K);
+    const auto pd = describe(tag::any, op);
     weights_desc_ = pd.weights_desc();
     impl_ = pd.impl_info_str();
     if (gemm_ != compute_) impl_ += " (f32 on bf16 values)";

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -155,6 +156,10 @@ class Linear {
   const std::string& implementation() const { return impl_; }  // oneDNN's name, e.g. "brg:avx512_core"
 
  private:
+  // The primitive descriptor of this Linear's GEMM for a representative M (128), its weights in layout `weights`
+  // (any: oneDNN's blocked choice; ba: our plain (N, K) rows), over `op`, which must outlive it (skip_amx's
+  // next_impl() reads it in place). Where oneDNN has no bf16 matmul (below avx512_core), gemm_ becomes f32.
+  dnnl::matmul::primitive_desc describe(dnnl::memory::format_tag weights, std::optional<dnnl::matmul::desc>& op);
   // The entry for this shape, found or made, under ctx's lock; `pin` marks it reserved under the same lock, so no
   // trim() can come between finding it and keeping it.
   // For a bf16 Linear on f32 GEMMs, *wide (when not null) gets the slot's f32 buffers, large enough for this shape.

@@ -177,6 +177,19 @@ struct LinearArgs {
 // `out` (f32 or bf16), each value rounded to bf16 when out is bf16 or bf16_values (a bf16 layer's values in f32).
 using DequantizeFn = void (*)(const uint8_t* codes, const float* scales, int64_t N, int64_t K, DType out,
                               bool bf16_values, void* dst);
+// codes (N, K) row-major (quantize_row's, in [-8, 7]) into that layout: int4_group_bytes(N, K) bytes at out.
+inline int64_t int4_group_bytes(int64_t N, int64_t K) { return N * weight_groups(K) * (kWeightGroup / 2); }
+inline void pack_int4_groups(const int8_t* codes, int64_t N, int64_t K, uint8_t* out) {
+  constexpr int64_t half = kWeightGroup / 2;
+  const int64_t G = weight_groups(K);
+  std::fill_n(out, int4_group_bytes(N, K), uint8_t{0});
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t g = k / kWeightGroup, i = k % kWeightGroup;
+      out[(n * G + g) * half + i % half] |= static_cast<uint8_t>((codes[n * K + k] & 0x0f) << (4 * (i / half)));
+    }
+  }
+}
 
 struct LinearKernel {
   Isa isa;        // the level whose flags compiled it
