@@ -23,12 +23,18 @@ inline float widen(bf16 x) {
 
 // x rounded to the nearest bf16, ties to even (as torch's .to(bfloat16) and vcvtneps2bf16); +-inf stay, a NaN
 // stays a NaN (quiet), overflow rounds to inf.
+// to_bf16 of a value known not to be NaN: the rounding alone, which loops whose values are finite keep branch-free.
+inline bf16 to_bf16_not_nan(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return {static_cast<uint16_t>(u >> 16)};
+}
 inline bf16 to_bf16(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
   if ((u & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((u >> 16) | 0x40u)};  // NaN: keep it quiet
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return {static_cast<uint16_t>(u >> 16)};
+  return to_bf16_not_nan(x);
 }
 
 // The compute types' elements (f32, bf16) to and from f32, by overload and by type: widen(f32) is the value

@@ -8,7 +8,6 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -336,11 +335,10 @@ struct QuantLinear {
 // 20% (bf16) over the compute-type layers'. The row's shorter last group, and the scalar level, take the plain loop.
 template <class T, bool kRound>
 T int4_value(float v) {
-  if constexpr (std::is_same_v<T, bf16> || kRound) {
-    uint32_t u;
-    std::memcpy(&u, &v, sizeof u);
-    const bf16 r{static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
-    if constexpr (std::is_same_v<T, bf16>) return r; else return widen(r);
+  if constexpr (std::is_same_v<T, bf16>) {
+    return to_bf16_not_nan(v);
+  } else if constexpr (kRound) {
+    return widen(to_bf16_not_nan(v));
   } else {
     return v;
   }
