@@ -77,7 +77,7 @@ MultiHeadAttention::Impl::Impl(const Config& c, const detail::LayerWeights& lw, 
       compute(o.compute),
       weights(lw.format()),
       kset(detail::kernels_for(isa, compute, compute)),
-      default_threads(o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads())) {
+      default_threads(detail::threads_or_default(o.threads)) {
   const int64_t D = cfg.head_dim();
   // D rows of a matrix as one GEMM's weights: as given, or for quantized weights their codes: int8 on oneDNN's integer
   // GEMMs where it has VNNI (Linear::int8_available), otherwise the values the codes give; int4 dequantized per call.

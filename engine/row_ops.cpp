@@ -1,8 +1,6 @@
 // engine/row_ops.cpp: gpt2attn/ops.hpp on the kernels' row operations and the engine's thread team.
 #include "gpt2attn/ops.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -28,9 +26,6 @@ const kernels::RowOpsKernel& row_ops(const RowOpOptions& o, const char* call) {
   return *detail::isa_kernels(detail::resolve_isa(o.isa)).row_ops;
 }
 
-int threads_of(const RowOpOptions& o) {
-  return o.threads > 0 ? o.threads : std::min(omp_get_max_threads(), max_threads());  // as EngineOptions::threads
-}
 }  // namespace
 
 void layer_norm(const float* x, int64_t M, int64_t E, const float* gamma, const float* beta, float eps, float* y,
@@ -40,7 +35,7 @@ void layer_norm(const float* x, int64_t M, int64_t E, const float* gamma, const 
   if (!(std::isfinite(eps) && eps > 0.0f)) invalid("layer_norm: eps must be finite and above 0, got " + std::to_string(eps));
   const kernels::RowOpsKernel& k = row_ops(options, "layer_norm");
   const int64_t rows = std::max<int64_t>(1, kRowOpItemFloats / E);
-  detail::team_for(threads_of(options), ceil_div(M, rows), [&](int64_t item, int) {
+  detail::team_for(detail::threads_or_default(options.threads), ceil_div(M, rows), [&](int64_t item, int) {
     const int64_t m0 = item * rows, n = std::min(rows, M - m0);
     k.layer_norm(x + m0 * E, E, n, E, gamma, beta, eps, y + m0 * E, E);
   });
@@ -50,7 +45,7 @@ void gelu_tanh(float* x, int64_t n, const RowOpOptions& options) {
   if (n < 0) invalid("gelu_tanh: expected n >= 0, got " + str(n));
   if (n > 0 && !x) invalid("gelu_tanh: x must not be null");
   const kernels::RowOpsKernel& k = row_ops(options, "gelu_tanh");
-  detail::team_for(threads_of(options), ceil_div(n, kRowOpItemFloats), [&](int64_t item, int) {
+  detail::team_for(detail::threads_or_default(options.threads), ceil_div(n, kRowOpItemFloats), [&](int64_t item, int) {
     const int64_t i0 = item * kRowOpItemFloats;
     k.gelu(x + i0, std::min(kRowOpItemFloats, n - i0));
   });

@@ -3,6 +3,8 @@
 // Weights (done at construction).
 #include "engine/validate.hpp"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -188,6 +190,10 @@ void check_threads(int64_t threads, const char* call, const char* field) {
     invalid(std::string(call) + ": " + field + ": expected 0 (the default) to " + str(max_threads()) +
             " (gpt2attn::max_threads()), got " + str(threads));
   }
+}
+
+int threads_or_default(int threads) {
+  return threads > 0 ? threads : std::min(omp_get_max_threads(), max_threads());
 }
 
 AttnShape shape_of(const Config& config) {

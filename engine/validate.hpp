@@ -90,6 +90,9 @@ AttnShape validate_step(const Config& config, const KvCache& cache, const Sequen
 // Throws invalid_argument naming "call: field" unless 0 <= threads <= max_threads() (0 = the default). Builds no
 // string unless it throws: it runs on every call.
 void check_threads(int64_t threads, const char* call, const char* field);
+// `threads` (check_threads first), 0 resolved to the default: OMP_NUM_THREADS (omp_get_max_threads) capped at
+// max_threads(). EngineOptions::threads and RowOpOptions::threads both mean this.
+int threads_or_default(int threads);
 
 // Throws invalid_argument naming the first NaN/Inf of a rank-3 f32 or bf16 view: "x contains NaN at (b, t, e) =
 // ...". Rows are scanned on `threads` threads when the view is large enough to pay for a team; the first offender
