@@ -12,6 +12,7 @@
 #include "engine/buffer.hpp"
 #include "engine/convert.hpp"
 #include "engine/dispatch.hpp"
+#include "engine/few_rows.hpp"
 #include "engine/linear.hpp"
 #include "engine/quantized.hpp"
 #include "engine/query_tiles.hpp"
@@ -42,12 +43,6 @@ struct ForwardPlan {
 };
 
 namespace detail {
-// One of decode's panel-packed matrices (kernels/linear.hpp): the codes or values, and a quantized format's scales.
-struct PackedLinear {
-  Buffer packed;
-  std::vector<float> scales;
-};
-
 // What a layer that serves a KV cache holds beyond a plain MultiHeadAttention (serving.cpp builds and reads it).
 struct ServingState {
   // The row serving a KV cache of each storage dtype (indexed by DType; null where the table has none), looked up

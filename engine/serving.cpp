@@ -14,6 +14,7 @@
 #include "engine/buffer.hpp"
 #include "engine/convert.hpp"
 #include "engine/dispatch.hpp"
+#include "engine/few_rows.hpp"
 #include "engine/kv_cache.hpp"
 #include "engine/layer.hpp"
 #include "engine/split_kv.hpp"
@@ -28,103 +29,17 @@ using detail::AttnShape;
 using detail::ceil_div;
 using detail::Region;
 using detail::str;
+using detail::StackedPart;
+using detail::PanelItems;
+using detail::panel_items;
+using detail::few_row_args;
+using detail::on_thread;
+using detail::columns_overflowed;
+using detail::pack_linear;
 using kernels::KvPart;
 
 int64_t max_length(const Config& layer, const KvCache& cache) {
   return std::min(layer.context_length, cache.config().context_length);
-}
-
-// One matrix of those a decode projection stacks (W_q, W_k, W_v for the fused QKV; W_o alone): its view as given
-// (WeightFormat::compute) or its codes, and its rows.
-struct StackedPart {
-  const TensorView* view;
-  const QuantizedMatrix* codes;
-  int64_t rows;
-};
-
-// Decode's panel-packed copy (kernels/linear.hpp) of the (N, K) matrix stacking `parts`, in weight format f (the
-// compute type t, int8 or int4): one panel of rows gathered at a time, so no (N, K) copy is ever made. The quantized
-// formats' codes are the layer's (QuantizedWeights), rearranged; their scales go to *scales.
-detail::Buffer pack_linear(const std::vector<StackedPart>& parts, int64_t K, WeightFormat f, DType t,
-                           std::vector<float>* scales, const char* what) {
-  int64_t N = 0;
-  for (const StackedPart& part : parts) N += part.rows;
-  const int64_t P = kernels::kLinearPanel, per_k = kernels::linear_bytes_per_k(f, t);
-  const int64_t G = f == WeightFormat::compute ? 0 : detail::quant_groups(f, K);
-  detail::Buffer out = detail::allocate_buffer(static_cast<size_t>(kernels::linear_packed_bytes(N, K, f, t)), what);
-  scales->assign(static_cast<size_t>(kernels::linear_scales(N, K, f)), 0.0f);
-  const int64_t panel_scales = scales->size() / std::max<int64_t>(1, kernels::linear_panels(N));
-  // The panel's rows: values of t, or codes and their scales.
-  std::vector<std::byte> values(static_cast<size_t>(P * K) * (f == WeightFormat::compute ? size_of(t) : 0));
-  std::vector<int8_t> codes(static_cast<size_t>(f == WeightFormat::compute ? 0 : P * K));
-  std::vector<float> row_scales(static_cast<size_t>(P * G));
-  for (int64_t p = 0; p < kernels::linear_panels(N); ++p) {
-    const int64_t n0 = p * P, n = std::min(P, N - n0);
-    for (int64_t r = n0, part = 0, base = 0; r < n0 + n; ++part) {  // rows [r, ...) from parts[part]
-      const StackedPart& src = parts[static_cast<size_t>(part)];
-      if (r >= base + src.rows) {
-        base += src.rows;
-        continue;
-      }
-      const int64_t first = r - base, take = std::min(n0 + n - r, src.rows - first), i = r - n0;
-      if (f == WeightFormat::compute) {
-        detail::copy_rows(*src.view, first, take, t, values.data() + i * K * static_cast<int64_t>(size_of(t)));
-      } else {
-        std::copy_n(src.codes->codes.data() + first * K, take * K, codes.data() + i * K);
-        std::copy_n(src.codes->scales.data() + first * G, take * G, row_scales.data() + i * G);
-      }
-      r += take, base += src.rows;
-    }
-    std::byte* dst = out.get() + p * kernels::linear_padded_k(f, K) * per_k;
-    float* s = scales->data() + p * panel_scales;
-    switch (f) {
-      case WeightFormat::int8:
-        kernels::pack_linear_panel_int8(codes.data(), row_scales.data(), n, K, reinterpret_cast<int8_t*>(dst), s);
-        break;
-      case WeightFormat::int4:
-        kernels::pack_linear_panel_int4(codes.data(), row_scales.data(), n, K,
-                                        reinterpret_cast<kernels::int4x2*>(dst), s);
-        break;
-      case WeightFormat::compute:
-        if (t == DType::bf16) {
-          kernels::pack_linear_weights(reinterpret_cast<const kernels::bf16*>(values.data()), n, K,
-                                       reinterpret_cast<kernels::bf16*>(dst));
-        } else {
-          kernels::pack_linear_weights(reinterpret_cast<const float*>(values.data()), n, K,
-                                       reinterpret_cast<float*>(dst));
-        }
-        break;
-    }
-  }
-  return out;
-}
-
-// A decode projection's panels as work items: contiguous runs of whole panel groups (the kernel's unit), about
-// kLinearItemsPerThread per thread, for a dynamic schedule. Dynamic: a worker woken from sleep joins the step
-// 0.05-0.13 ms after the first thread (measured after the bench's cache flush, when it still ran on one thread), and
-// a thread that finds no item left does not hold the step up at the barrier (gpt2-small B=16, 2 threads: 0.70 ms
-// static, 0.62 dynamic, with four runs a thread). Runs rather than single groups: the kernel prefetches each
-// group's successor, which a run keeps on the same thread (tiles.hpp, kLinearItemsPerThread).
-struct PanelItems {
-  int64_t panels = 0, per_item = 0;  // per_item: a multiple of the kernel's panel group
-  int64_t count() const { return ceil_div(panels, per_item); }
-  int64_t begin(int64_t item) const { return item * per_item; }
-  int64_t end(int64_t item) const { return std::min(panels, (item + 1) * per_item); }
-};
-PanelItems panel_items(const kernels::LinearKernel& lin, int64_t N, int threads) {
-  const int64_t panels = kernels::linear_panels(N), groups = ceil_div(panels, lin.panel_group);
-  const int64_t per = std::max<int64_t>(1, groups / (int64_t{threads} * kernels::tiles::kLinearItemsPerThread));
-  return {panels, per * lin.panel_group};
-}
-
-// Whether item `it`'s columns of y (M rows of stride ldy), the panels it computed, hold a non-finite value.
-bool columns_overflowed(const float* y, int64_t ldy, int64_t M, const PanelItems& items, int64_t it) {
-  const int64_t c0 = items.begin(it) * kernels::kLinearPanel;
-  const int64_t c1 = std::min(ldy, items.end(it) * kernels::kLinearPanel);
-  for (int64_t i = 0; i < M; ++i) {
-    if (detail::any_nonfinite<DType::f32>(y + i * ldy, c0, c1 - c0, 1)) return true;
-  }
-  return false;
 }
 
 // Ends the pool lease when the call leaves: committed only if the call got to the end.
@@ -226,23 +141,6 @@ int64_t plan_splits(const int64_t* lengths, const int64_t* tokens, int64_t B, in
   for (int64_t b = 0; b < B; ++b) item_base[b + 1] = item_base[b] + detail::decode_splits(keys(b), total_keys, target);
   for (int64_t b = 0; b < B; ++b) pending[b] = item_base[b + 1] - item_base[b];
   return item_base[B];
-}
-
-// The few-row kernel's arguments for y (M, N) = x (M, K) W^T + b, W one of decode's panel-packed matrices.
-// `a` with the calling thread's scratch (the quantized formats' kernels quantize x's rows into it).
-kernels::LinearArgs on_thread(kernels::LinearArgs a, float* scratch) {
-  a.scratch = scratch;
-  return a;
-}
-
-kernels::LinearArgs few_row_args(const float* x, int64_t ldx, const detail::PackedLinear& w,
-                                 const std::vector<float>& bias, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-  kernels::LinearArgs a;
-  a.x = x, a.ldx = ldx, a.w_packed = w.packed.get();
-  a.scales = w.scales.empty() ? nullptr : w.scales.data();
-  a.bias = bias.empty() ? nullptr : bias.data();
-  a.y = y, a.ldy = ldy, a.M = M, a.N = N, a.K = K;
-  return a;
 }
 
 // The decode kernel's attention stage: split-KV item `it` of a decode step or of a ragged step's short entries, run by
@@ -627,7 +525,7 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
     if (phase == 0) {
       // The QKV projection of the B new tokens, split by weight panels: each item streams its share of W once.
       lin->run(on_thread(qkv, scratch_base + thread * sstride), qkv_items.begin(it), qkv_items.end(it));
-      if (check && columns_overflowed(stage, ldstage, B, qkv_items, it)) {
+      if (check && columns_overflowed(stage, ldstage, B, ldstage, qkv_items, it)) {
         std::atomic_ref<bool>(qkv_overflow).store(true, std::memory_order_relaxed);
       }
       return;
