@@ -19,8 +19,6 @@ int64_t quant_groups(WeightFormat f, int64_t cols) {
   return cols == 0 ? 0 : ceil_div(cols, kernels::quant_group(f, cols));
 }
 
-namespace {
-
 QuantizedMatrix quantize_matrix(const TensorView& w, WeightFormat f, const char* name) {
   if (w.rank != 2 || (w.dtype != DType::f32 && w.dtype != DType::bf16 && w.dtype != DType::f16)) {
     invalid(std::string("QuantizedWeights::quantize: ") + name + " is not a rank-2 f32, bf16 or f16 view (rank " +
@@ -38,6 +36,8 @@ QuantizedMatrix quantize_matrix(const TensorView& w, WeightFormat f, const char*
   }
   return m;
 }
+
+namespace {
 
 void check_matrix(const QuantizedMatrix& m, WeightFormat f, const char* name, int64_t rows, int64_t cols) {
   const std::string where = std::string("quantized weights: ") + name;

@@ -15,6 +15,10 @@ namespace gpt2attn::detail {
 // Scales a row of `cols` inputs has in format f: 1 (int8) or ceil(cols / kWeightGroup) (int4).
 int64_t quant_groups(WeightFormat f, int64_t cols);
 
+// The rank-2 view w (f32, bf16 or f16) quantized row by row in format f (int8 or int4): QuantizedWeights::quantize's
+// rule for one matrix. invalid_argument naming `name` for another rank or dtype.
+QuantizedMatrix quantize_matrix(const TensorView& w, WeightFormat f, const char* name);
+
 // QuantizedWeights::validate for a layer whose output projection is (out_width, E) (a tensor-parallel shard's).
 void validate_quantized(const QuantizedWeights& q, const Config& c, int64_t out_width);
 

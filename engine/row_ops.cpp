@@ -51,4 +51,14 @@ void gelu_tanh(float* x, int64_t n, const RowOpOptions& options) {
   });
 }
 
+void residual_add(float* y, const float* x, int64_t n, const RowOpOptions& options) {
+  if (n < 0) invalid("residual_add: expected n >= 0, got " + str(n));
+  if (n > 0 && (!x || !y)) invalid("residual_add: x and y must not be null");
+  const kernels::RowOpsKernel& k = row_ops(options, "residual_add");
+  detail::team_for(detail::threads_or_default(options.threads), ceil_div(n, kRowOpItemFloats), [&](int64_t item, int) {
+    const int64_t i0 = item * kRowOpItemFloats;
+    k.add(y + i0, x + i0, std::min(kRowOpItemFloats, n - i0));
+  });
+}
+
 }  // namespace gpt2attn

@@ -1,5 +1,5 @@
 // kernels/row_ops.hpp: the row operations a GPT-2 block needs beside attention and its projections: LayerNorm over
-// each row, and GELU in its tanh approximation (GPT-2's "gelu_new"). Pure compute on pointers, one set per
+// each row, GELU in its tanh approximation (GPT-2's "gelu_new"), and the residual add. Pure compute on pointers, one set per
 // instruction-set level (kernels/row_ops_impl.hpp over Vec<Arch>, the scalar twin included); the engine splits rows
 // or elements across threads (engine/row_ops.cpp, gpt2attn/ops.hpp).
 #pragma once
@@ -25,6 +25,8 @@ struct RowOpsKernel {
   // same function (0.5 (1 + tanh u) = 1 / (1 + e^(-2u))) without tanh's cancellation near 0; x below -20 (where
   // GELU is below 1e-170) is taken as -20, and the exponent held below 126. NaN stays NaN, +inf stays +inf.
   void (*gelu)(float* x, int64_t n);
+  // y[i] += x[i] for i < n: a residual connection. One rounding an element, as the plain loop's.
+  void (*add)(float* y, const float* x, int64_t n);
 };
 
 }  // namespace gpt2attn::kernels

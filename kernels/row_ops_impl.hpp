@@ -80,11 +80,17 @@ struct RowOps {
       for (int64_t j = i; j < n; ++j) x[j] = t[j - i];
     }
   }
+
+  static void add(float* y, const float* x, int64_t n) {
+    int64_t i = 0;
+    for (; i + W <= n; i += W) V::store(y + i, V::load(y + i) + V::load(x + i));
+    for (; i < n; ++i) y[i] += x[i];
+  }
 };
 
 template <Isa Level, class Arch>
 const RowOpsKernel& make_row_ops() {
-  static const RowOpsKernel kernel{Level, &RowOps<Arch>::layer_norm, &RowOps<Arch>::gelu};
+  static const RowOpsKernel kernel{Level, &RowOps<Arch>::layer_norm, &RowOps<Arch>::gelu, &RowOps<Arch>::add};
   return kernel;
 }
 

@@ -92,6 +92,19 @@ TEST_P(RowOps, GeluMatchesDoubleLoops) {
   }
 }
 
+// The residual add rounds once an element, as y[i] + x[i] in f32 does: every level gives the plain loop's bits, over
+// lengths with vector tails and across the team's items.
+TEST_P(RowOps, ResidualAddIsThePlainLoop) {
+  std::mt19937_64 rng(11);
+  for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{17}, int64_t{40000}}) {
+    const std::vector<float> x = test::random_uniform(static_cast<size_t>(n), rng, -100.0f, 100.0f);
+    std::vector<float> y = test::random_uniform(static_cast<size_t>(n), rng, -1.0f, 1.0f), want = y;
+    for (size_t i = 0; i < want.size(); ++i) want[i] += x[i];
+    residual_add(y.data(), x.data(), n, {.threads = 2, .isa = isa()});
+    EXPECT_EQ(y, want) << "[isa=" << to_string(isa()) << "] n=" << n;
+  }
+}
+
 TEST(RowOps, BadArgumentsAreRefused) {
   std::vector<float> x(8, 1.0f), g(4, 1.0f), b(4, 0.0f), y(8);
   const auto refused = [](auto&& f, const char* what) {
@@ -111,6 +124,9 @@ TEST(RowOps, BadArgumentsAreRefused) {
   refused([&] { gelu_tanh(x.data(), -1); }, "n = -1");
   refused([&] { gelu_tanh(nullptr, 3); }, "null x");
   EXPECT_NO_THROW(gelu_tanh(nullptr, 0));
+  refused([&] { residual_add(x.data(), x.data(), -2); }, "n = -2");
+  refused([&] { residual_add(x.data(), nullptr, 3); }, "null");
+  EXPECT_NO_THROW(residual_add(nullptr, nullptr, 0));
   EXPECT_EQ(y, std::vector<float>(8));  // nothing written by a refused call
 }
 

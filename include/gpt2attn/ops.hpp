@@ -1,5 +1,6 @@
-// gpt2attn/ops.hpp: the row operations a GPT-2 block needs beside attention and its projections, on the library's
-// kernels (kernels/row_ops.hpp: one vectorized set per instruction set, the scalar twin included) and its thread team.
+// gpt2attn/ops.hpp: the row operations a GPT-2 block needs beside attention and its projections (LayerNorm, GELU, the
+// residual add), on the library's kernels (kernels/row_ops.hpp: one vectorized set per instruction set, the scalar
+// twin included) and its thread team.
 // f32, contiguous rows. Accuracy against double loops: row_op_tolerance() in gpt2attn/tolerance.hpp.
 #pragma once
 
@@ -27,5 +28,9 @@ GPT2ATTN_API void layer_norm(const float* x, int64_t M, int64_t E, const float* 
 // transformers' "gelu_new"): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). Throws invalid_argument for n below
 // 0 or a null x with n above 0.
 GPT2ATTN_API void gelu_tanh(float* x, int64_t n, const RowOpOptions& options = {});
+
+// y[i] += x[i] for i < n: a residual connection, exact as the plain loop (one rounding an element). x may be y. Throws
+// invalid_argument for n below 0 or a null pointer with n above 0.
+GPT2ATTN_API void residual_add(float* y, const float* x, int64_t n, const RowOpOptions& options = {});
 
 }  // namespace gpt2attn

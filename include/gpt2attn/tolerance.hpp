@@ -191,4 +191,16 @@ inline Tolerance weights_tolerance(WeightFormat f, DType compute, DType kv, int6
   return {l.rtol, l.atol + s * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
 }
 
+// A Linear (gpt2attn/linear.hpp) of K inputs holding weights in format f, computing in `compute`, against the
+// double reference over the weights it computes with (dequantized(); for bf16 the f32 values, unrounded): one
+// reduction of K in f32; bf16 compute rounds x and W (u/2 each, relative to the products, whose errors of random sign
+// add up to about the output's scale), so 2u; the quantized formats round x's rows as dequantized_tolerance says
+// (int8 GEMMs to 8 bits, the few-row kernel to 16), under the same chain factor.
+inline Tolerance linear_tolerance(WeightFormat f, DType compute, int64_t K, double max_abs_reference) {
+  const Tolerance a = accumulated_tolerance(DType::f32, K, max_abs_reference);
+  const double r = (compute == DType::bf16 ? 2.0 * unit_roundoff(DType::bf16) : 0.0) +
+                   kWeightChain * activations_roundoff(f, K);
+  return {a.rtol + r, a.atol + r * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
+}
+
 }  // namespace gpt2attn
