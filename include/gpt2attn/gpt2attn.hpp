@@ -7,6 +7,7 @@
 #include "gpt2attn/kv_cache.hpp"
 #include "gpt2attn/ops.hpp"
 #include "gpt2attn/reference.hpp"
+#include "gpt2attn/safetensors.hpp"
 #include "gpt2attn/tensor.hpp"
 #include "gpt2attn/weights.hpp"
 #include "gpt2attn/tolerance.hpp"
