@@ -53,8 +53,9 @@ struct GPT2ATTN_API GPT2Weights {
   std::vector<GPT2BlockWeights> blocks;  // n_layer
   TensorView ln_f_weight, ln_f_bias;     // (E)
 
-  // Throws invalid_argument naming the tensor ("h.3.mlp.c_fc.weight") whose rank, shape or dtype disagrees with c, or
-  // whose elements hold a NaN or infinity.
+  // Throws invalid_argument for an invalid c, a block count other than n_layer, and naming the tensor
+  // ("h.3.mlp.c_fc.weight"; c_attn's parts also by field, "(w_k)") whose rank, shape or dtype disagrees with c, or
+  // the first element found NaN or infinite, at its index in the checkpoint's layout (a Conv1D weight's [in, out]).
   void validate(const GPT2Config& c) const;
 };
 
@@ -65,25 +66,34 @@ struct GPT2ATTN_API GPT2Checkpoint {
   std::shared_ptr<const void> storage;  // the mapped files (or the random weights): keep it while the views are used
 };
 
-// A Hugging Face GPT-2 config.json (vocab_size, n_positions or n_ctx, n_embd, n_layer, n_head, n_inner (null or
-// absent: 4 n_embd), layer_norm_epsilon (absent: 1e-5)). Keys that would make the model compute something else are
-// refused unless at GPT-2's values, naming the key: activation_function ("gelu_new", "gelu_pytorch_tanh"),
-// scale_attn_weights (true), scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, add_cross_attention (false),
-// tie_word_embeddings (true). Other keys are ignored. Error(bad_file) naming `origin` and the key.
+// A Hugging Face GPT-2 config.json (vocab_size, n_positions or n_ctx, n_embd, n_layer, n_head: integers; n_inner (null
+// or absent: 4 n_embd; 0 refused, which Hugging Face would read as a width of 0), layer_norm_epsilon (a number; absent:
+// 1e-5)). Keys that would make the model compute something else are refused unless at GPT-2's values, naming the key:
+// activation_function ("gelu_new", "gelu_pytorch_tanh"), scale_attn_weights (true), scale_attn_by_inverse_layer_idx,
+// add_cross_attention (false), tie_word_embeddings (true); the attention keys as hf_gpt2_config_from_json
+// (gpt2attn/config.hpp) reads them. reorder_and_upcast_attn is read at either value (a boolean): it computes the same
+// scores, in f32 under fp16 autocast. Other keys are ignored. Error(bad_file) naming `origin` and the key, also for
+// text config_from_json refuses (a byte-order mark, a NUL byte, a key given twice) and sizes GPT2Config::validate
+// refuses.
 GPT2ATTN_API GPT2Config gpt2_config_from_json(const std::string& json_text, const std::string& origin = "<json>");
 
-// Opens a checkpoint directory: config.json, and model.safetensors or the shards model.safetensors.index.json lists
-// (each file mapped read-only; only the pages used are read). Tensor names with or without the "transformer."
-// prefix; a stored "lm_head.weight" must equal wte (GPT-2 ties them) and is otherwise ignored, as is any tensor that
-// is not a GPT-2 parameter (".attn.bias" / ".attn.masked_bias" buffers). F32, F16 and BF16 as stored, mixed or not.
-// Error(bad_file) naming the file and the tensor for a missing, misshapen or non-float tensor, a config that disagrees
-// with the tensors, an index naming a file that is missing; checks what the safetensors reader checks.
+// Opens a checkpoint directory: config.json, and model.safetensors or else the shards model.safetensors.index.json
+// lists in its "weight_map" (tensor name -> file name beside it), as transformers' from_pretrained picks them (each
+// file mapped read-only). Tensor names with or without the "transformer." prefix (not both for one tensor); a stored
+// "lm_head.weight" must equal wte value for value (GPT-2 ties them) and is otherwise ignored, as is any tensor that is
+// not a GPT-2 parameter (".attn.bias" / ".attn.masked_bias" buffers). F32, F16 and BF16 as stored, mixed or not.
+// Every tensor is then checked as GPT2Weights::validate checks it, each element finite, so every byte is read once:
+// at gpt2-xl in F32, 6.2 GB. Error(bad_file) naming the file (config.json, the safetensors file, or the index) and
+// the tensor for a missing, misshapen, non-float or non-finite tensor (and the element), a block past config.json's
+// n_layer, an index naming a file that is missing or outside the directory; what the safetensors reader checks.
 GPT2ATTN_API GPT2Checkpoint open_gpt2_checkpoint(const std::string& dir);
 
 // Random weights at config c, GPT-2's initialization (every matrix and embedding N(0, 0.02), the residual projections
 // attn.c_proj and mlp.c_proj N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm weights 1 and biases 0), stored as
 // `dtype` (f32, bf16 or f16), reproducible from the seed: what `gpt2attn bench --preset` runs. Not the numbers
-// scripts/make_gpt2_checkpoint.py writes (torch's generator), the same distribution.
+// scripts/make_gpt2_checkpoint.py writes (torch's generator), the same distribution; the numbers do not depend on the
+// machine's thread count. bf16 and f16 round the f32 draws to nearest even. invalid_argument for an invalid c or
+// another dtype; out_of_memory when the weights do not fit.
 GPT2ATTN_API GPT2Checkpoint random_gpt2(const GPT2Config& c, uint64_t seed, DType dtype = DType::f32);
 
 }  // namespace gpt2attn
