@@ -1,6 +1,7 @@
-// engine/tensor.cpp: TensorView helpers, and the names of dtypes and mask kinds. No data is ever copied here.
+// engine/tensor.cpp: TensorView helpers, and the names of dtypes and mask kinds. Only copy_to_f32 copies data.
 #include "gpt2attn/tensor.hpp"
 
+#include "engine/convert.hpp"
 #include "gpt2attn/error.hpp"
 
 namespace gpt2attn {
@@ -128,6 +129,16 @@ MaskKind mask_kind_from_string(const std::string& s) {
   if (s == "block") return MaskKind::block;
   if (s == "additive") return MaskKind::additive;
   invalid("unknown mask kind '" + s + "' (expected keep, block or additive)");
+}
+
+void copy_to_f32(const TensorView& v, float* dst) {
+  if (v.empty()) return;
+  if (v.rank < 1 || v.rank > 3 || (v.dtype != DType::f32 && v.dtype != DType::bf16 && v.dtype != DType::f16)) {
+    invalid("copy_to_f32: expected a rank 1-3 f32, bf16 or f16 view, got rank " + std::to_string(v.rank) + " " +
+            to_string(v.dtype));
+  }
+  if (!dst && v.numel() > 0) invalid("copy_to_f32: dst must not be null");
+  detail::convert(v, DType::f32, dst);
 }
 
 }  // namespace gpt2attn

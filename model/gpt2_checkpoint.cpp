@@ -27,12 +27,11 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
-#include <system_error>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "gpt2attn/error.hpp"
+#include "gpt2attn/options.hpp"
 #include "gpt2attn/safetensors.hpp"
 
 namespace gpt2attn {
@@ -387,8 +386,8 @@ void fill_normal(uint64_t stream, float stddev, int64_t begin, int64_t end, cons
 }
 
 // A stored tensor of `n` elements of `dtype` at dst: constant (stddev = 0: `value`), or normal. A large one is
-// filled by all cores in chunks (gpt2-xl holds 1.56 G values); the numbers do not depend on the split.
-void fill_tensor(std::byte* dst, DType dtype, int64_t n, float value, float stddev, uint64_t stream) {
+// filled by `threads` threads in chunks (gpt2-xl holds 1.56 G values); the numbers do not depend on the split.
+void fill_tensor(std::byte* dst, DType dtype, int64_t n, float value, float stddev, uint64_t stream, int threads) {
   const auto store = [dst, dtype](int64_t i, float x) {
     if (dtype == DType::f32) {
       std::memcpy(dst + 4 * i, &x, 4);
@@ -409,14 +408,7 @@ void fill_tensor(std::byte* dst, DType dtype, int64_t n, float value, float stdd
       fill_normal(stream, stddev, k * kChunk, std::min(n, (k + 1) * kChunk), store);
     }
   };
-  std::vector<std::jthread> helpers;  // joined on every way out
-  const int64_t want = std::min<int64_t>(chunks, std::max(1u, std::thread::hardware_concurrency())) - 1;
-  try {
-    for (int64_t t = 0; t < want; ++t) helpers.emplace_back(work);
-  } catch (const std::system_error&) {
-    // No more threads to be had: the ones started and this one finish the work.
-  }
-  work();
+  run_on_threads(threads, [&](int, int) { work(); });
 }
 
 }  // namespace
@@ -606,8 +598,11 @@ GPT2Checkpoint open_gpt2_checkpoint(const std::string& dir) {
   return ck;
 }
 
-GPT2Checkpoint random_gpt2(const GPT2Config& c, uint64_t seed, DType dtype) {
+GPT2Checkpoint random_gpt2(const GPT2Config& c, uint64_t seed, DType dtype, int threads) {
   c.validate();
+  if (threads < 1 || threads > max_threads()) {
+    invalid("random_gpt2: threads must be 1 to " + std::to_string(max_threads()) + ", got " + std::to_string(threads));
+  }
   if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16) {
     invalid(std::string("random_gpt2: dtype ") + to_string(dtype) + "; GPT-2 weights are f32, bf16 or f16");
   }
@@ -635,7 +630,7 @@ GPT2Checkpoint random_gpt2(const GPT2Config& c, uint64_t seed, DType dtype) {
                norm = name.rfind("ln_", 0) == 0 || name.find(".ln_") != std::string::npos;
     const bool residual = ends_with(name, "c_proj.weight");
     const float stddev = bias || norm ? 0.0f : residual ? resid : 0.02f;
-    fill_tensor(buf->get(), dtype, n, bias ? 0.0f : 1.0f, stddev, mix(mix(seed) ^ tensor++));
+    fill_tensor(buf->get(), dtype, n, bias ? 0.0f : 1.0f, stddev, mix(mix(seed) ^ tensor++), threads);
     return TensorView::contiguous(buf->get(), dtype, shape);
   };
   GPT2Checkpoint ck;

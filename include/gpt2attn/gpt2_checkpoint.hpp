@@ -92,8 +92,9 @@ GPT2ATTN_API GPT2Checkpoint open_gpt2_checkpoint(const std::string& dir);
 // attn.c_proj and mlp.c_proj N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm weights 1 and biases 0), stored as
 // `dtype` (f32, bf16 or f16), reproducible from the seed: what `gpt2attn bench --preset` runs. Not the numbers
 // scripts/make_gpt2_checkpoint.py writes (torch's generator), the same distribution; the numbers do not depend on the
-// machine's thread count. bf16 and f16 round the f32 draws to nearest even. invalid_argument for an invalid c or
-// another dtype; out_of_memory when the weights do not fit.
-GPT2ATTN_API GPT2Checkpoint random_gpt2(const GPT2Config& c, uint64_t seed, DType dtype = DType::f32);
+// thread count. bf16 and f16 round the f32 draws to nearest even. Drawn on `threads` threads (run_on_threads; 1 to
+// max_threads()). invalid_argument for an invalid c, another dtype or thread count; out_of_memory when the weights do
+// not fit.
+GPT2ATTN_API GPT2Checkpoint random_gpt2(const GPT2Config& c, uint64_t seed, DType dtype = DType::f32, int threads = 1);
 
 }  // namespace gpt2attn

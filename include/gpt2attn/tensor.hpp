@@ -42,6 +42,11 @@ struct GPT2ATTN_API TensorView {
   TensorView with_strides(std::initializer_list<int64_t> strides) const;
 };
 
+// The elements of v (rank 1 to 3; f32, bf16 or f16; any strides and alignment) as f32 at dst, contiguous in row-major
+// order of its shape: exact (bf16 and f16 widen exactly). For a program reading a checkpoint's tensors as stored (the
+// model runner's embeddings). invalid_argument for another rank or dtype, or a null dst with elements to write.
+GPT2ATTN_API void copy_to_f32(const TensorView& v, float* dst);
+
 // A mask laid out as torch and numpy users give it, as the exact shapes forward() reads ((T, Tk), (B, T, Tk) or
 // (B, H, T, Tk)), without copying: a size-1 B or H axis of a rank-3/4 mask is broadcast (stride 0), and a rank-3
 // mask of B * H rows (torch's (B * num_heads, T, Tk) attn_mask, batch-major) becomes (B, H, T, Tk). Anything else
