@@ -21,6 +21,8 @@
 
 namespace gpt2attn::cli {
 
+int run_model_bench(const Args& a);  // tools/cli/bench_model.cpp
+
 namespace {
 
 const char* kAbout = R"(bench    times the whole layer (QKV projection, causal attention, output projection) on random weights for
@@ -62,6 +64,13 @@ const char* kAbout = R"(bench    times the whole layer (QKV projection, causal a
          repeat does the same work. separate_ms is the median of the separate calls' summed times, x_sep the
          median over the repeats of separate / step, tokens/s the step's tokens / median_ms. --check compares
          the first entry's rows with the naive reference over its sequence.
+         --mode model: a whole GPT-2 (--model DIR, a Hugging Face checkpoint, or each --preset gpt2-small ..
+         gpt2-xl with random weights): per --batch B (a comma-separated list), B prompts of --seq tokens (default
+         128) prefilled in one step, then --new-tokens (default 128) greedy decode steps of one token each; each
+         run twice, the first untimed. Reports prefill_ms, the decode step's median (min, max), tokens/s = B /
+         step, and the bytes a step streams (every layer's weights once in their format, the LM head's, and
+         every layer's K/V at the mean length) over the median: GB/s. bench/model_table.py adds the same run's
+         STREAM triad and the fraction of it.
          A sweep of several presets reports each finished case on stderr (one line rewritten in place on a
          terminal) when its rows go to --json or to a pipe; stdout carries the rows alone.
          --check compares sequence 0's output of the first timed step with the last row of the naive
@@ -144,7 +153,10 @@ Request read_request(const Args& a) {
   for (const DType c : r.computes) {
     for (const std::string& w : r.weights) (void)weight_format_for(w, c);  // a mismatch fails before any timing
   }
-  r.mode = choice("mode", a.get("mode", "prefill"), {"prefill", "decode", "step"});
+  r.mode = choice("mode", a.get("mode", "prefill"), {"prefill", "decode", "step", "model"});
+  for (const char* k : {"model", "new-tokens"}) {
+    if (a.has(k)) throw UsageError(std::string("--") + k + " applies to --mode model only");
+  }
   r.decode = r.mode == "decode";
   r.step = r.mode == "step";
   for (const char* k : {"prefill", "decode", "draft"}) {
@@ -432,6 +444,7 @@ class Waited {
 };
 
 int run_bench(const Args& a) {
+  if (a.get("mode") == "model") return run_model_bench(a);
   const Request r = read_request(a);
   limit_gemm_isa(r.isa);  // as forward does: the whole layer at --isa, GEMMs included
   const std::vector<Case> cases = expand(r);
@@ -476,9 +489,11 @@ const Command& bench_command() {
           values("preset", "NAME", "a preset (gpt2attn presets); default: the GPT-2 sizes and gpt3-175b."),
           value("config", "config.json", "a layer of a Hugging Face GPT-2 config.json or configs/*.json, after any "
                                          "--preset (alone without one)."),
-          value("batch", "B", "sequences; default 1."),
+          value("batch", "B", "sequences; default 1 (model: a comma-separated list, e.g. 1,16)."),
           values("seq", "T", "tokens per sequence (decode, step: cached tokens, step from 0); default 1024. Repeat to sweep."),
-          value("mode", "prefill|decode|step", "what is timed; default prefill."),
+          value("mode", "prefill|decode|step|model", "what is timed; default prefill."),
+          value("model", "DIR", "model: a Hugging Face GPT-2 checkpoint directory (else --preset: random weights)."),
+          value("new-tokens", "N", "model: decode steps after the prompt; default 128."),
           value("prefill", "NxT", "step: N sequences each appending a chunk of T tokens."),
           value("decode", "N", "step: N sequences each appending one token."),
           value("draft", "NxK", "step: N sequences each appending K draft tokens to verify."),
