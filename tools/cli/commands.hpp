@@ -29,6 +29,8 @@ const Command& forward_command();   // tools/cli/forward.cpp
 const Command& quantize_command();  // tools/cli/quantize.cpp
 const Command& bench_command();     // tools/cli/bench.cpp
 const Command& presets_command();   // tools/cli/presets.cpp
+const Command& generate_command();  // tools/cli/generate.cpp
+const Command& logits_command();    // tools/cli/generate.cpp
 
 // What forward and quantize share about the files they read and write (tools/cli/layer_files.cpp).
 // --output naming one of `inputs` ({option, path}; empty paths skipped) is a UsageError: writing would replace it.

@@ -1,5 +1,6 @@
 // tools/cli/main.cpp: the command-line tool `gpt2attn`: dispatch on the command (forward, quantize, bench, presets;
-// one file each), its errors turned into the exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error.
+// one file each; generate and logits, the whole model's, share one), its errors turned into the exit status: 0 ok,
+// 2 bad input (one line on stderr), 1 internal error.
 // Only main() exits.
 #include <algorithm>
 #include <cmath>
@@ -25,21 +26,21 @@ World g_world;
 bool g_abort_job = false;
 
 // The rules every command shares, printed after the commands' tables.
-const char* kNotes = R"(--isa caps the instruction set of the whole layer: gpt2attn's kernels, and oneDNN's GEMMs (avx512_bf16: oneDNN's
-avx512_core_bf16, so no AMX; avx512: avx512_core; avx2: avx2; scalar: sse41), unless ONEDNN_MAX_CPU_ISA or
+const char* kNotes = R"(--isa caps the instruction set of the whole layer or model: gpt2attn's kernels, and oneDNN's GEMMs (avx512_bf16:
+oneDNN's avx512_core_bf16, so no AMX; avx512: avx512_core; avx2: avx2; scalar: sse41), unless ONEDNN_MAX_CPU_ISA or
 DNNL_MAX_CPU_ISA is set in the environment, which is then kept; best caps neither. Below avx512 oneDNN has no
 bf16 GEMM, and --dtype bf16 projections multiply the bf16-rounded values in f32 GEMMs.
 --threads N is 1 to 1024 (default: every core OpenMP offers); --repeats N is 1 to 2147483647; --heads,
 --kv-heads, --context-length, --batch and --seq are 1 or more. A value out of range is refused, never narrowed.
-An option that takes one value (all but bench's --preset, --dtype, --kv-dtype and --kv-heads) given twice is refused;
-so is a value given twice to one of those four.
+An option that takes one value (all but bench's --preset, --dtype, --kv-dtype and --kv-heads, and generate's
+--prompt-ids) given twice is refused; so is a value given twice to one of those five.
 
 exit status: 0 success, 2 bad input or usage, 1 internal error.
 )";
 
 const std::vector<const Command*>& commands() {
   static const std::vector<const Command*> all = {&forward_command(), &quantize_command(), &bench_command(),
-                                                  &presets_command()};
+                                                  &presets_command(), &generate_command(), &logits_command()};
   return all;
 }
 
@@ -68,7 +69,8 @@ int run(int argc, char** argv) {
       if (g_world.prints()) std::printf("gpt2attn %s\n", gpt2attn_version());
       return 0;
     }
-    throw UsageError(name.empty() ? "missing command (forward, quantize, bench or presets)" : "unknown command '" + name + "'");
+    throw UsageError(name.empty() ? "missing command (forward, quantize, bench, presets, generate or logits)"
+                                  : "unknown command '" + name + "'");
   } catch (const HelpRequested&) {
     print_help();
     return 0;
