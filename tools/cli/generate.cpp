@@ -246,7 +246,10 @@ int run_generate(const Args& a) {
       continue;
     }
     std::string line;
-    for (int32_t id : r.new_ids) line += (line.empty() ? "" : ",") + std::to_string(id);
+    for (int32_t id : r.new_ids) {
+      if (!line.empty()) line += ',';
+      line += std::to_string(id);
+    }
     std::printf("%s\n", line.c_str());
   }
   return 0;
