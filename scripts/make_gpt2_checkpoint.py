@@ -6,11 +6,12 @@ this. No checkpoint can be downloaded on the machines this project runs on; the 
 
 Usage: scripts/make_gpt2_checkpoint.py OUT_DIR [--preset gpt2-small|gpt2-medium|gpt2-large|gpt2-xl]
        [--layers N] [--n-embd E --n-head H] [--vocab V] [--n-positions P] [--dtype F32|F16|BF16] [--shards N]
-       [--no-prefix] [--seed S]
+       [--no-prefix] [--seed S] [--perturb-norms]
 
 The weights follow GPT-2's initialization (as transformers' GPT2PreTrainedModel._init_weights): every matrix and
 embedding N(0, 0.02), the residual projections (attn.c_proj, mlp.c_proj) N(0, 0.02 / sqrt(2 n_layer)), biases 0,
-LayerNorm weight 1 and bias 0. The LM head is tied to wte and not stored, as in GPT-2's own files. Names carry the
+LayerNorm weight 1 and bias 0 (with --perturb-norms, every bias N(0, 0.02) and LayerNorm weight 1 + N(0, 0.1),
+so that a test comparing two implementations sees those parameters too). The LM head is tied to wte and not stored, as in GPT-2's own files. Names carry the
 "transformer." prefix unless --no-prefix (older files have none). Each tensor comes from its own generator seeded by
 (seed, its index), so a tensor is the same whatever the shards, and only one tensor is held in memory at a time: a
 gpt2-xl checkpoint (1.56 G parameters, 6.2 GB in F32) needs well under its size in memory.
@@ -52,8 +53,12 @@ def tensor_specs(n_embd, n_layer, vocab, n_positions):
     return specs
 
 
-def make_tensor(shape, init, seed, index, dtype):
-    if init == "ones":
+def make_tensor(shape, init, seed, index, dtype, perturb=False):
+    if perturb and init in ("ones", "zeros"):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        noise = torch.empty(shape).normal_(0.0, 0.1 if init == "ones" else 0.02, generator=g)
+        t = noise + (1.0 if init == "ones" else 0.0)
+    elif init == "ones":
         t = torch.ones(shape)
     elif init == "zeros":
         t = torch.zeros(shape)
@@ -70,7 +75,7 @@ def tensor_bytes(t):
     return t.numpy().astype(t.numpy().dtype.newbyteorder("<")).tobytes()
 
 
-def write_file(path, entries, dtype, seed):
+def write_file(path, entries, dtype, seed, perturb=False):
     """entries: [(stored name, shape, init, index)], written in that order with their offsets."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     size = DTYPES[dtype][1]
@@ -85,7 +90,7 @@ def write_file(path, entries, dtype, seed):
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for _, shape, init, index in entries:
-            f.write(tensor_bytes(make_tensor(shape, init, seed, index, dtype)))
+            f.write(tensor_bytes(make_tensor(shape, init, seed, index, dtype, perturb)))
     os.replace(tmp, path)
     return offset
 
@@ -103,6 +108,7 @@ def main(argv=None):
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--no-prefix", action="store_true", help='names without "transformer."')
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--perturb-norms", action="store_true", help="random biases and LayerNorm weights")
     a = ap.parse_args(argv)
     n_embd, n_head, n_layer = PRESETS[a.preset]
     n_embd, n_head = a.n_embd or n_embd, a.n_head or n_head
@@ -132,7 +138,7 @@ def main(argv=None):
         json.dump(config, f, indent=2)
 
     if a.shards == 1:
-        total = write_file(os.path.join(a.out, "model.safetensors"), specs, a.dtype, a.seed)
+        total = write_file(os.path.join(a.out, "model.safetensors"), specs, a.dtype, a.seed, a.perturb_norms)
     else:
         # Contiguous runs of tensors of about equal bytes, in order, as transformers' save_pretrained shards.
         size = DTYPES[a.dtype][1]
@@ -149,7 +155,7 @@ def main(argv=None):
         weight_map, total = {}, 0
         for k, run in enumerate(groups):
             file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-            total += write_file(os.path.join(a.out, file), run, a.dtype, a.seed)
+            total += write_file(os.path.join(a.out, file), run, a.dtype, a.seed, a.perturb_norms)
             weight_map.update({name: file for name, _, _, _ in run})
         with open(os.path.join(a.out, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

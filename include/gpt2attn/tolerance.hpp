@@ -203,4 +203,20 @@ inline Tolerance linear_tolerance(WeightFormat f, DType compute, int64_t K, doub
   return {a.rtol + r, a.atol + r * (max_abs_reference > 1.0 ? max_abs_reference : 1.0)};
 }
 
+// A whole GPT-2 (gpt2attn/gpt2.hpp) against a float64 GPT-2 on the same weights, as an allowed error of each logit
+// relative to the largest |logit| (atol; rtol as the f32 policy). Its 2 n_layer + 1 sublayers (attention and MLP per
+// block, the LM head) each add their roundings to the residual stream: f32 takes the f32 policy over the longest
+// reduction (the MLP's inner width) for each sublayer, added over the chain (the worst case); bf16 compute
+// (kBf16ComputeRoundings + kBf16InputRoundings) u a sublayer, independent roundings of either sign, so growing like
+// the square root of the chain. Measured on random GPT-2-initialized checkpoints of gpt2-small width with 12 layers
+// (tests/python/test_gpt2_parity.py): f32 1.8e-6 of the largest logit, bf16 6.7e-3; the bounds are 1.3e-3 and 0.16.
+inline Tolerance model_tolerance(DType compute, int64_t n_layer, int64_t inner, double max_abs_logit) {
+  const Tolerance f = accumulated_tolerance(DType::f32, inner, max_abs_logit);
+  const double chain = static_cast<double>(2 * (n_layer < 0 ? 0 : n_layer) + 1);
+  const double scale = max_abs_logit > 1.0 ? max_abs_logit : 1.0;
+  if (compute != DType::bf16) return {f.rtol, f.atol * chain};
+  const double r = (kBf16ComputeRoundings + kBf16InputRoundings) * unit_roundoff(DType::bf16) * std::sqrt(chain);
+  return {f.rtol, f.atol * chain + r * scale};
+}
+
 }  // namespace gpt2attn
