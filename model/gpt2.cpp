@@ -63,7 +63,7 @@ struct GPT2::Impl {
   // Scratch of a call, (rows, E) unless said: h the residual stream, a the normalised input of a sublayer, o a
   // sublayer's output, ff (rows, inner) the MLP's hidden activations.
   std::vector<float> h, a, o, ff;
-  std::vector<int64_t> lengths;
+  std::vector<int64_t> lengths, positions;
   std::vector<SequenceId> layer_ids;
 
   Impl(const GPT2Checkpoint& c, const EngineOptions& o);
@@ -158,7 +158,7 @@ void GPT2::logits(const int32_t* ids, int64_t T, float* out, const RunOptions& r
   m.check_ids(ids, T, "GPT2::logits");
   std::lock_guard<std::mutex> lock(m.mu);
   m.reserve_rows(T);
-  std::vector<int64_t>& pos = m.lengths;
+  std::vector<int64_t>& pos = m.positions;
   pos.resize(static_cast<size_t>(T));
   for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = t;
   m.embed(ids, pos.data(), T);
@@ -210,11 +210,11 @@ void GPT2::step(ModelKvCache& cache, const SequenceId* seqs, const int64_t* toke
   cache.layer_ids(seqs, n, m.layer_ids.data());
 
   m.reserve_rows(M);
-  std::vector<int64_t> positions(static_cast<size_t>(M));
+  m.positions.resize(static_cast<size_t>(M));
   for (int64_t i = 0, r = 0; i < n; ++i) {
-    for (int64_t t = 0; t < tokens[i]; ++t) positions[static_cast<size_t>(r++)] = m.lengths[static_cast<size_t>(i)] + t;
+    for (int64_t t = 0; t < tokens[i]; ++t) m.positions[static_cast<size_t>(r++)] = m.lengths[static_cast<size_t>(i)] + t;
   }
-  m.embed(ids, positions.data(), M);
+  m.embed(ids, m.positions.data(), M);
   const int64_t E = c.n_embd;
   const RowOpOptions r = m.row_options(run);
   try {

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "gpt2attn/gpt2attn.h"
+#include "gpt2attn/gpt2.hpp"
 #include "gpt2attn/gpt2attn.hpp"
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -599,6 +600,34 @@ void check_c_api_message_without_memory() {
   ++(ok ? g_passed : g_failed);
 }
 
+// A whole model's decode steps (gpt2attn/gpt2.hpp): after a few steps of this batch size every buffer, the layers'
+// workspaces and the cache's tables have their size, and a step allocates nothing: the few-row kernels for every
+// projection and the LM head, the split-KV decode, the row operations, the cache's look-ups.
+void check_model_decode() {
+  GPT2Config c;
+  c.vocab_size = 300, c.n_positions = 96, c.n_embd = 64, c.n_head = 4, c.n_layer = 2;
+  for (WeightFormat f : {WeightFormat::compute, WeightFormat::int8, WeightFormat::int4}) {
+    EngineOptions o;
+    o.threads = 2, o.weights = f;
+    GPT2 model(random_gpt2(c, 7), o);
+    KvCacheOptions k;
+    k.capacity_tokens = 4 * 96;
+    k.block_tokens = 8;
+    ModelKvCache cache = model.make_cache(k);
+    std::vector<SequenceId> seqs;
+    for (int b = 0; b < 4; ++b) seqs.push_back(cache.create());
+    const std::vector<int64_t> prompt = {5, 9, 1, 14};
+    std::vector<int32_t> ids(29, 3), next(4, 7);
+    std::vector<float> logits(static_cast<size_t>(4 * c.vocab_size));
+    model.step(cache, seqs.data(), prompt.data(), 4, ids.data(), logits.data());
+    const std::vector<int64_t> ones(4, 1);
+    for (int t = 0; t < 3; ++t) model.step(cache, seqs.data(), ones.data(), 4, next.data(), logits.data());
+    expect_no_allocation(std::string("[model ") + to_string(f) + "] 10 decode steps of a 2-layer GPT-2, B=4", [&] {
+      for (int t = 0; t < 10; ++t) model.step(cache, seqs.data(), ones.data(), 4, next.data(), logits.data());
+    });
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -619,6 +648,12 @@ int main() {
         ++g_failed;
       }
     }
+  }
+  try {
+    check_model_decode();
+  } catch (const std::exception& e) {
+    std::printf("FAIL  [model] set-up threw: %s\n", e.what());
+    ++g_failed;
   }
   check_allocation_failures(false);
   check_allocation_failures(true);
