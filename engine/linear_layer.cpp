@@ -78,13 +78,15 @@ struct Linear::Impl {
   Impl(const TensorView& w, const TensorView& b, const EngineOptions& o, LinearPaths p);
 
   int threads_for(const RunOptions& run) const { return run.threads > 0 ? run.threads : default_threads; }
-  bool on_few_rows(int64_t M) const { return paths == LinearPaths::few_rows || M <= kFewRows; }
+  bool on_few_rows(int64_t M, bool invariant = false) const {
+    return invariant || paths == LinearPaths::few_rows || M <= kFewRows;
+  }
   // Floats of the few-row kernel's scratch per thread for `rows` rows a call.
   int64_t few_stride(int64_t rows) const {
     return detail::round_up(ceil_div(kernels::linear_scratch_bytes(format, rows, K), 4), 16);
   }
-  size_t bytes_for(int64_t M, int threads) const {
-    if (on_few_rows(M)) return static_cast<size_t>(threads * few_stride(std::min(M, kFewRowBlock)) * 4);
+  size_t bytes_for(int64_t M, int threads, bool invariant = false) const {
+    if (on_few_rows(M, invariant)) return static_cast<size_t>(threads * few_stride(std::min(M, kFewRowBlock)) * 4);
     return static_cast<size_t>(detail::operand_bytes(operand, M, K));
   }
   void run_few(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int threads, bool check,
@@ -169,7 +171,7 @@ Linear::Impl::Impl(const TensorView& w, const TensorView& b, const EngineOptions
 void Linear::Impl::run_few(const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int threads, bool check,
                            Workspace::Impl& ws) const {
   const int64_t block = std::min(M, kFewRowBlock), stride = few_stride(block);
-  float* scratch = reinterpret_cast<float*>(ws.reserve(bytes_for(M, threads)));
+  float* scratch = reinterpret_cast<float*>(ws.reserve(bytes_for(M, threads, true)));
   const detail::PanelItems items = detail::panel_items(*few, N, threads);
   const int64_t blocks = ceil_div(M, block);
   bool overflow = false;
@@ -229,7 +231,7 @@ void Linear::forward(const float* x, int64_t M, int64_t ldx, float* y, int64_t l
                          threads);
   }
   L.with_workspace(ws, "Linear::forward", [&](Workspace::Impl& w) {
-    if (L.on_few_rows(M)) return L.run_few(x, M, ldx, y, ldy, threads, run.check_finite, w);
+    if (L.on_few_rows(M, run.batch_invariant)) return L.run_few(x, M, ldx, y, ldy, threads, run.check_finite, w);
     L.run_gemm(x, M, ldx, y, ldy, threads, w);
     if (run.check_finite) detail::check_projection(y, DType::f32, M, L.N, ldy, "Linear: the output", 0, threads);
   });
@@ -258,8 +260,9 @@ size_t Linear::workspace_bytes(int64_t max_rows, int threads) const {
   detail::check_threads(threads, "Linear::workspace_bytes", "threads");
   if (max_rows < 1) invalid("Linear::workspace_bytes: expected max_rows >= 1, got " + str(max_rows));
   const int n = threads > 0 ? threads : impl_->default_threads;
-  // A call of fewer rows may take the other path: the larger of the two.
-  return std::max(impl_->bytes_for(std::min(max_rows, kFewRows), n), impl_->bytes_for(max_rows, n));
+  // A call of fewer rows may take the other path, and a batch-invariant one the few-row kernel: the largest.
+  return std::max({impl_->bytes_for(std::min(max_rows, kFewRows), n), impl_->bytes_for(max_rows, n),
+                   impl_->bytes_for(max_rows, n, /*invariant=*/true)});
 }
 
 int64_t Linear::in_features() const { return impl_->K; }

@@ -131,14 +131,18 @@ DecodePlan decode_plan(const AttnShape& s, int threads, int64_t table_entries, i
 // (B + 1: the first item of each sequence, then the total) and pending (B: each sequence's splits not yet
 // computed) and returns the number of items.
 // In a ragged step, entry b brings tokens[b] new tokens (null: one each), so it holds lengths[b] + tokens[b] keys.
-int64_t plan_splits(const int64_t* lengths, const int64_t* tokens, int64_t B, int threads, int64_t* item_base,
-                    int64_t* pending) {
+// With `invariant` (RunOptions::batch_invariant) each sequence's split depends on its own keys alone.
+int64_t plan_splits(const int64_t* lengths, const int64_t* tokens, int64_t B, int threads, bool invariant,
+                    int64_t* item_base, int64_t* pending) {
   const auto keys = [&](int64_t b) { return lengths[b] + (tokens ? tokens[b] : 1); };
   int64_t total_keys = 0;
   for (int64_t b = 0; b < B; ++b) total_keys += keys(b);
   const int64_t target = detail::decode_item_target(total_keys, threads);
   item_base[0] = 0;
-  for (int64_t b = 0; b < B; ++b) item_base[b + 1] = item_base[b] + detail::decode_splits(keys(b), total_keys, target);
+  for (int64_t b = 0; b < B; ++b) {
+    item_base[b + 1] = item_base[b] + (invariant ? detail::decode_invariant_splits(keys(b))
+                                                 : detail::decode_splits(keys(b), total_keys, target));
+  }
   for (int64_t b = 0; b < B; ++b) pending[b] = item_base[b + 1] - item_base[b];
   return item_base[B];
 }
@@ -291,9 +295,11 @@ StepPlan step_plan(const AttnShape& s, int64_t M, int64_t B, DType t, DType oper
 
 // The partial-state rows a step's short entries can take: decode_splits gives entry b at most
 // 1 + keys_b * target / total_keys items of H * tokens_b rows, so all of them at most H (M_s + max_tokens * target),
-// M_s the short entries' tokens and target at most kDecodeItemsPerThread a thread.
+// M_s the short entries' tokens and target at most kDecodeItemsPerThread a thread; batch_invariant's
+// decode_invariant_splits at most kDecodeItemsPerThread an entry: H k M_s. The bound is their sum.
 int64_t step_state_rows(int64_t H, int64_t short_tokens, int64_t max_tokens, int threads) {
-  return H * (short_tokens + max_tokens * int64_t{kernels::tiles::kDecodeItemsPerThread} * std::max(threads, 1));
+  const int64_t k = kernels::tiles::kDecodeItemsPerThread;  // batch_invariant: up to k items an entry
+  return H * (k * short_tokens + max_tokens * k * std::max(threads, 1));
 }
 
 }  // namespace
@@ -389,7 +395,7 @@ int64_t MultiHeadAttention::Impl::step_bytes(int64_t max_tokens, int64_t max_ent
     const int64_t run = kernels::tiles::kDecodeMaxScoreKeys;
     const int64_t sstride =
         std::max({scratch_stride(*row->prefill), decode_scratch_stride(*row->decode, run, short_max),
-                  linear_scratch_stride(std::min(max_tokens, kernels::tiles::kStepFewRowTokens))});
+                  linear_scratch_stride(max_tokens)});  // batch_invariant: the few-row kernel at any size
     bytes = std::max(bytes, step_plan(s, max_tokens, max_entries, compute, operand, threads, C,
                                       step_state_rows(H, max_tokens, short_max, threads), sstride).bytes);
   }
@@ -491,7 +497,7 @@ void MultiHeadAttention::Impl::decode(KvCache& cache, const SequenceId* seqs, in
   AppendLease lease(kv, seqs, B, 1);
   int64_t* item_base = r.item_base.in(w);
   int64_t* pending = r.pending.in(w);
-  const int64_t items = plan_splits(lengths, nullptr, B, threads, item_base, pending);
+  const int64_t items = plan_splits(lengths, nullptr, B, threads, run.batch_invariant, item_base, pending);
 
   float* stage = r.stage.in(w);
   float* ctx = r.ctx.in(w);
@@ -552,7 +558,7 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   const AttnShape s = detail::validate_step(cfg, cache, seqs, tokens, B, x, out_data, run, threads);
   // The two shapes the other calls serve: the same algorithm, with no ragged bookkeeping.
   if (std::all_of(tokens, tokens + B, [](int64_t n) { return n == 1; })) return decode(cache, seqs, B, x, out_data, run, ws);
-  if (B == 1) return extend(cache, seqs[0], x, tokens[0], out_data, run, ws);
+  if (B == 1 && !run.batch_invariant) return extend(cache, seqs[0], x, tokens[0], out_data, run, ws);
 
   const int64_t M = s.T, d_in = s.d_in, E = s.E, H = s.H, H_kv = s.H_kv, D = s.D, KW = H_kv * D, ldstage = E + 2 * KW;
   KvCache::Impl& kv = cache.impl();
@@ -564,7 +570,7 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   for (int64_t b = 0; b < B; ++b) {
     if (is_short(tokens[b])) short_tokens += tokens[b], short_max = std::max(short_max, tokens[b]);
   }
-  const bool few_rows = M <= kernels::tiles::kStepFewRowTokens;
+  const bool few_rows = M <= kernels::tiles::kStepFewRowTokens || run.batch_invariant;
   const int64_t sstride = std::max({scratch_stride(*ks.prefill),
                                     short_max ? decode_scratch_stride(*ks.decode, bt, short_max) : int64_t{0},
                                     few_rows ? linear_scratch_stride(M) : int64_t{0}});
@@ -603,7 +609,7 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   int64_t* item_base = r.item_base.in(w);
   int64_t* state_base = r.state_base.in(w);
   int64_t* pending = r.pending.in(w);
-  const int64_t short_items = B_s ? plan_splits(sl, sn, B_s, threads, item_base, pending) : 0;
+  const int64_t short_items = B_s ? plan_splits(sl, sn, B_s, threads, run.batch_invariant, item_base, pending) : 0;
   for (int64_t b = 0, row = 0; b < B_s; ++b) {
     state_base[b] = row;
     row += (item_base[b + 1] - item_base[b]) * H * sn[b];

@@ -37,8 +37,17 @@ inline int64_t decode_splits(int64_t n, int64_t total_keys, int64_t target) {
 
 // The most items a step of B sequences on `threads` threads makes (decode_item_target's largest target plus one
 // rounding per sequence): what decode's workspace plan sizes its partial softmax states for.
+// With RunOptions::batch_invariant a sequence takes up to kDecodeItemsPerThread items of its own
+// (decode_invariant_splits): the bound covers both.
 inline int64_t decode_max_items(int64_t B, int threads) {
-  return checked_add(B, int64_t{kernels::tiles::kDecodeItemsPerThread} * std::max(threads, 1), "decode: work items");
+  return checked_add(checked_mul(B, kernels::tiles::kDecodeItemsPerThread, "decode: work items"),
+                     int64_t{kernels::tiles::kDecodeItemsPerThread} * std::max(threads, 1), "decode: work items");
+}
+
+// RunOptions::batch_invariant's split of a sequence of n keys: ranges of kDecodeMinSplitKeys keys, at most
+// kDecodeItemsPerThread of them, a function of n alone (so of the sequence alone, not of its step or the threads).
+inline int64_t decode_invariant_splits(int64_t n) {
+  return std::clamp<int64_t>(ceil_div(n, kernels::tiles::kDecodeMinSplitKeys), 1, kernels::tiles::kDecodeItemsPerThread);
 }
 
 // Keys [first, end) of item s (0 <= s < splits <= n) of a sequence of n keys: the splits partition [0, n), none

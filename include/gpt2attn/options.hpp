@@ -66,6 +66,13 @@ struct RunOptions {
   // Reject NaN/Inf inputs with an error naming the tensor and index, and a projection whose output overflows float32
   // with one naming the projection.
   bool check_finite = true;
+  // Serving calls (CausalSelfAttention::step, decode; Linear::forward): every token's result the same bits whatever
+  // else shares the call and at any thread count, so a server's answer to a request does not depend on its batch-mates.
+  // The projections then always run on the few-row kernel (each row's sums in one fixed order; no switch to oneDNN's
+  // GEMMs past 64 rows), a one-entry step runs as a step (not as extend(), whose GEMMs and tiled kernel sum
+  // otherwise), and a sequence's keys split into ceil(keys / 256) ranges, at most 4, fixed by its own length (not by
+  // the step's total and the thread count). Results stay within the same tolerance; what it costs: docs/serving.md.
+  bool batch_invariant = false;
 };
 
 // Per-caller scratch memory and oneDNN execution state. A call given a Workspace touches no mutable state of
