@@ -20,11 +20,17 @@
 #include <string>
 #include <vector>
 
+#include "bindings.hpp"
 #include "gpt2attn/gpt2attn.h"
 #include "gpt2attn/gpt2attn.hpp"
 
 namespace py = pybind11;
 namespace ga = gpt2attn;
+using namespace gpt2attn_py;  // the helpers model_bindings.cpp shares (bindings.hpp)
+
+[[noreturn]] void gpt2attn_py::invalid(const std::string& what) {
+  throw ga::Error(ga::ErrorCode::invalid_argument, what);
+}
 
 namespace {
 
@@ -63,8 +69,6 @@ void create_errors(py::module_& m) {
   });
 }
 
-[[noreturn]] void invalid(const std::string& what) { throw ga::Error(ga::ErrorCode::invalid_argument, what); }
-
 std::string shape_of(const py::array& a) {
   std::string s = "(";
   for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
@@ -95,9 +99,9 @@ py::object readable_tensor(const py::handle& obj, const char* name) {
   return obj.attr("detach")();
 }
 
-// obj as a numpy array without copying: np.asarray (a CPU torch tensor gives a view of its memory). Unlike
-// py::array::ensure, a failure keeps the exception the object raised.
-py::array as_array(const py::handle& obj, const char* name) {
+}  // namespace
+
+py::array gpt2attn_py::as_array(const py::handle& obj, const char* name) {
   py::object src = py::reinterpret_borrow<py::object>(obj);
   if (is_torch(obj)) {
     src = readable_tensor(obj, name);
@@ -111,6 +115,8 @@ py::array as_array(const py::handle& obj, const char* name) {
   if (!a) throw py::error_already_set();
   return a;
 }
+
+namespace {
 
 // What a call returns: the caller's out= object itself when given, else the new array, as a torch tensor sharing its
 // memory when the input was a torch tensor (tensors in, tensors out).
@@ -211,8 +217,9 @@ py::array_t<float> cached_row(const ga::KvCache& c,
   return a;
 }
 
-// weights_dtype: None (the compute type's), "int8" or "int4", or the compute type's own name.
-ga::EngineOptions engine_options(int threads, const std::string& isa, const std::string& compute,
+}  // namespace
+
+ga::EngineOptions gpt2attn_py::engine_options(int threads, const std::string& isa, const std::string& compute,
                                  const std::optional<std::string>& weights_dtype) {
   ga::EngineOptions o;
   o.threads = threads;
@@ -229,9 +236,7 @@ ga::EngineOptions engine_options(int threads, const std::string& isa, const std:
   return o;
 }
 
-// A K/V storage type by name: the library's list (kv_cache_dtypes), by its names, "int8" for i8 and numpy's
-// "float32" and "bfloat16".
-ga::DType kv_dtype_of(const std::string& s) {
+ga::DType gpt2attn_py::kv_dtype_of(const std::string& s) {
   const std::string name = s == "float32" ? "f32" : s == "bfloat16" ? "bf16" : s == "int8" ? "i8" : s;
   std::string supported;
   for (ga::DType t : ga::kv_cache_dtypes()) {
@@ -240,6 +245,8 @@ ga::DType kv_dtype_of(const std::string& s) {
   }
   invalid("KvCache dtype '" + s + "' (supported: " + supported + ")");
 }
+
+namespace {
 
 std::vector<float> vec_of(const py::object& obj, const char* name) {
   if (obj.is_none()) return {};
@@ -368,6 +375,7 @@ L layer_from_quantized(const std::string& path, const ga::Config& config, int th
 PYBIND11_MODULE(_gpt2attn, m) {
   m.doc() = "gpt2attn: GPT-2-style multi-head attention on CPUs (the C++ library, zero-copy over float32 arrays)";
   create_errors(m);
+  bind_model(m);  // model_bindings.cpp: GPT2, GPT2Config, ModelKvCache
 
   m.def("version", [] { return std::string(gpt2attn_version()); }, "The library's MAJOR.MINOR.PATCH.");
   m.def("best_isa", [] { return std::string(ga::to_string(ga::best_supported_isa())); },

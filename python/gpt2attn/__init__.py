@@ -7,6 +7,11 @@ The C++ library itself (gpt2attn._gpt2attn), over float32 numpy arrays and CPU t
     layer = gpt2attn.CausalSelfAttention(cfg, gpt2attn.Weights.random(cfg, seed=0), threads=2)
     y = layer.forward(np.random.randn(1, 128, 768).astype(np.float32))   # (1, 128, 768)
 
+A whole GPT-2 (token ids in, logits or generated ids out; no tokenizer):
+
+    model = gpt2attn.GPT2.from_pretrained("gpt2-dir")     # a Hugging Face checkpoint directory
+    [out] = model.generate([464, 3290, 318], max_new_tokens=16)   # out["new_ids"], out["finish_reason"], ...
+
 Inside a PyTorch model, gpt2attn.torch (imported on its own: `import gpt2attn` does not import torch) has
 MultiheadAttention, a torch.nn.MultiheadAttention that gpt2attn computes, and replace_attention(model).
 
@@ -21,9 +26,10 @@ arr.resize(); arr.resize(..., refcheck=False), torch's resize_()/set_(), or clos
 that protection by design and are a use-after-free: the caller's contract, which no reference can enforce.
 """
 from ._gpt2attn import (  # noqa: F401
-    BadFile, CausalSelfAttention, Config, Error, InternalError, InvalidArgument, KvCache, MultiHeadAttention,
-    OutOfMemory, Weights, Workspace, best_isa, compiled_isas, gelu_tanh, layer_norm, load_config, load_safetensors,
-    preset, preset_names, reference_forward, save_quantized, version)
+    GPT2, BadFile, CausalSelfAttention, Config, Error, GPT2Config, InternalError, InvalidArgument, KvCache,
+    ModelKvCache, MultiHeadAttention, OutOfMemory, Weights, Workspace, best_isa, compiled_isas, gelu_tanh,
+    gpt2_preset, layer_norm, load_config, load_safetensors, preset, preset_names, reference_forward, save_quantized,
+    version)
 from ._gpt2attn import _input_address  # noqa: F401  (tests: the address a compute call reads an array at)
 from .hf import from_hf_gpt2_block  # noqa: F401
 

@@ -53,15 +53,19 @@ def main():
     shutil.rmtree(wheels, ignore_errors=True)
     run(pip + ["wheel", "-q", "--no-deps", "-w", wheels] + opts + [a.source])
 
-    # The wheel: the package's Python files, the module and one copy of the library under its SONAME.
+    # The wheel: the package's Python files, the module and one copy of each library under its SONAME (the model
+    # library's is the release, gpt2attn-VERSION-....whl).
     (wheel,) = [f for f in os.listdir(wheels) if f.endswith(".whl")]
+    version = wheel.split("-")[1]
     names = zipfile.ZipFile(os.path.join(wheels, wheel)).namelist()
     pkg = sorted(n for n in names if n.startswith("gpt2attn/"))
     print("wheel", wheel, pkg)
-    for want in ("gpt2attn/__init__.py", "gpt2attn/torch.py", "gpt2attn/hf.py", "gpt2attn/libgpt2attn.so.1"):
+    for want in ("gpt2attn/__init__.py", "gpt2attn/torch.py", "gpt2attn/hf.py", "gpt2attn/libgpt2attn.so.1",
+                 f"gpt2attn/libgpt2attn_model.so.{version}"):
         assert want in pkg, f"{want} is not in the wheel: {pkg}"
     assert sum(n.startswith("gpt2attn/_gpt2attn.") and n.endswith(".so") for n in pkg) == 1, pkg
-    assert sum("libgpt2attn" in n for n in pkg) == 1, f"the library more than once: {pkg}"
+    for lib in ("gpt2attn/libgpt2attn.", "gpt2attn/libgpt2attn_model."):
+        assert sum(n.startswith(lib) for n in pkg) == 1, f"{lib} more than once: {pkg}"
     run(pip + ["install", "-q", os.path.join(wheels, wheel)])
 
     # Imported from outside the source tree: the venv's package, its bundled library, a layer, the torch module.
@@ -70,7 +74,8 @@ import os, numpy as np, torch, gpt2attn, gpt2attn.torch
 here = os.path.dirname(gpt2attn.__file__)
 assert here.startswith(os.environ["VENV"]), here
 libs = {l.split()[-1] for l in open("/proc/self/maps") if "libgpt2attn" in l}
-assert libs == {os.path.join(here, "libgpt2attn.so.1")}, libs
+assert libs == {os.path.join(here, "libgpt2attn.so.1"),
+                os.path.join(here, "libgpt2attn_model.so." + gpt2attn.__version__)}, libs
 cfg = gpt2attn.Config(64, 4, context_length=32, causal=True)
 w = gpt2attn.Weights.random(cfg, 1)
 x = np.random.default_rng(0).standard_normal((2, 9, 64)).astype(np.float32)
@@ -80,6 +85,8 @@ m = gpt2attn.torch.MultiheadAttention(64, 4, batch_first=True).eval()
 with torch.inference_mode():
     m(torch.from_numpy(x), torch.from_numpy(x), torch.from_numpy(x), need_weights=False)
 assert m.last_path == "gpt2attn", m.last_path
+gpt2 = gpt2attn.GPT2.random(dict(vocab_size=50, n_positions=16, n_embd=32, n_layer=1, n_head=2), threads=1)
+assert len(gpt2.generate([1, 2, 3], max_new_tokens=4)[0]["new_ids"]) == 4
 print("imported", gpt2attn.__version__, "from", here, "isa", gpt2attn.best_isa(), "max err", err)
 '''
     env = dict(os.environ, VENV=venv)
