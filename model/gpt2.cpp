@@ -327,14 +327,25 @@ std::vector<Generation> GPT2::generate(ModelKvCache& cache, const std::vector<st
   for (;;) {
     step_seqs.clear(), step_tokens.clear(), step_owner.clear(), step_ids.clear();
     int64_t budget = options.max_step_tokens;
-    // Running sequences' next tokens first (one each: their latency), then prompt chunks in the budget left.
+    bool chunked = false;  // a prompt chunk is in this step
+    // Running sequences' next tokens first (one each: their latency), then prompt chunks in the budget left. Batch
+    // invariant: a prompt is cut into chunks of max_step_tokens from its start, whatever shares its steps (a chunk's
+    // length picks its attention kernel, which its later layers' inputs depend on), and a step takes whole chunks,
+    // at least one.
+    const bool fixed_chunks = options.run.batch_invariant;
     for (int pass = 0; pass < 2; ++pass) {
-      for (int64_t i = 0; i < P && budget > 0; ++i) {
+      for (int64_t i = 0; i < P && (budget > 0 || (fixed_chunks && !chunked)); ++i) {
         const size_t u = static_cast<size_t>(i);
         const std::vector<int32_t>& p = prompts[u];
         const bool prefilling = fed[u] < static_cast<int64_t>(p.size());
         if (done[u] || prefilling != (pass == 1)) continue;
-        const int64_t take = prefilling ? std::min<int64_t>(budget, static_cast<int64_t>(p.size()) - fed[u]) : 1;
+        const int64_t rest = static_cast<int64_t>(p.size()) - fed[u];
+        int64_t take = prefilling ? std::min<int64_t>(budget, rest) : 1;
+        if (prefilling && fixed_chunks) {
+          take = std::min<int64_t>(options.max_step_tokens, rest);
+          if (chunked && take > budget) continue;
+        }
+        chunked = chunked || prefilling;
         if (prefilling) {
           step_ids.insert(step_ids.end(), p.begin() + fed[u], p.begin() + fed[u] + take);
           fed[u] += take;
@@ -342,7 +353,7 @@ std::vector<Generation> GPT2::generate(ModelKvCache& cache, const std::vector<st
           step_ids.push_back(out[u].new_ids.back());
         }
         step_seqs.push_back(seq[u]), step_tokens.push_back(take), step_owner.push_back(i);
-        budget -= take;
+        budget = std::max<int64_t>(0, budget - take);
       }
     }
     if (step_seqs.empty()) break;

@@ -24,6 +24,8 @@ struct GenerateOptions {
   SamplingOptions sampling = SamplingOptions{0.0f};  // greedy by default (temperature 0); prompt i: seed + i
   std::vector<int32_t> stop_tokens;  // a sampled stop token ends its sequence (it is returned, as the last new id)
   int64_t max_step_tokens = 512;     // tokens a step takes at most: the prompts' prefill runs in chunks of this
+                                     // (with run.batch_invariant, chunks of exactly this from each prompt's start,
+                                     // so a request's results do not depend on what shares its steps)
   bool logprobs = false;             // return each new token's log-probability under the model (temperature 1)
   DType kv_dtype = DType::f32;       // the storage of the cache generate() makes for itself (kv_cache_dtypes())
   RunOptions run;                    // threads, check_finite
