@@ -20,6 +20,7 @@
 #include "engine/validate.hpp"
 #include "engine/workspace.hpp"
 #include "gpt2attn/error.hpp"
+#include "kernels/tiles.hpp"
 
 namespace gpt2attn {
 
@@ -35,9 +36,8 @@ constexpr int64_t kGemmPanel = 64;
 // Rows per GEMM, as the attention layer cuts a long input (MultiHeadAttention::Impl::kRowBlock: a block's rows are
 // re-read from cache by every panel's GEMM).
 constexpr int64_t kGemmRows = 512;
-// Rows per item where the few-row kernel takes more than kFewRows (LinearPaths::few_rows): each item streams its
-// panels once per block, and a block of x (256 x K floats, 768 KiB at K = 768) stays in L2 across them.
-constexpr int64_t kFewRowBlock = 256;
+// Rows per item where the few-row kernel takes more than kFewRows (LinearPaths::few_rows, batch_invariant).
+constexpr int64_t kFewRowBlock = kernels::tiles::kFewRowBlock;
 
 bool is_float(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
 

@@ -395,7 +395,8 @@ int64_t MultiHeadAttention::Impl::step_bytes(int64_t max_tokens, int64_t max_ent
     const int64_t run = kernels::tiles::kDecodeMaxScoreKeys;
     const int64_t sstride =
         std::max({scratch_stride(*row->prefill), decode_scratch_stride(*row->decode, run, short_max),
-                  linear_scratch_stride(max_tokens)});  // batch_invariant: the few-row kernel at any size
+                  // batch_invariant: the few-row kernel at any size, in blocks of rows
+                  linear_scratch_stride(std::min(max_tokens, kernels::tiles::kFewRowBlock))});
     bytes = std::max(bytes, step_plan(s, max_tokens, max_entries, compute, operand, threads, C,
                                       step_state_rows(H, max_tokens, short_max, threads), sstride).bytes);
   }
@@ -573,7 +574,8 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   const bool few_rows = M <= kernels::tiles::kStepFewRowTokens || run.batch_invariant;
   const int64_t sstride = std::max({scratch_stride(*ks.prefill),
                                     short_max ? decode_scratch_stride(*ks.decode, bt, short_max) : int64_t{0},
-                                    few_rows ? linear_scratch_stride(M) : int64_t{0}});
+                                    few_rows ? linear_scratch_stride(std::min(M, kernels::tiles::kFewRowBlock))
+                                             : int64_t{0}});
   const StepPlan r =
       step_plan(s, M, B, compute, operand, threads, stride, step_state_rows(H, short_tokens, short_max, threads),
                 sstride);
@@ -626,12 +628,20 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   // A step of a few tokens streams the weights once through the few-row kernel; a longer one runs oneDNN's GEMMs,
   // one per head (as extend), each writing its columns of the stage.
   float* scratch_base = r.scratch.in(w);
-  if (few_rows) {
-    const kernels::LinearArgs qkv = few_row_args(x, d_in, sv.qkv, sv.qkv_bias, stage, ldstage, M, ldstage, d_in);
-    const PanelItems items = panel_items(*lin, ldstage, threads);
-    detail::team_for(threads, items.count(), [&](int64_t it, int thread) {
-      lin->run(on_thread(qkv, scratch_base + thread * sstride), items.begin(it), items.end(it));
+  // The few-row kernel over blocks of rows (a batch-invariant step may be long): an item is (block, panel run).
+  const int64_t row_block = std::min(M, kernels::tiles::kFewRowBlock), row_blocks = ceil_div(M, row_block);
+  const auto few_row_items = [&](const float* in, int64_t ldin, const detail::PackedLinear& w,
+                                 const std::vector<float>& bias, float* y, int64_t ldy, int64_t N, int64_t K) {
+    const PanelItems items = panel_items(*lin, N, threads);
+    detail::team_for(threads, row_blocks * items.count(), [&](int64_t item, int thread) {
+      const int64_t r0 = item / items.count() * row_block, it = item % items.count();
+      const kernels::LinearArgs a =
+          few_row_args(in + r0 * ldin, ldin, w, bias, y + r0 * ldy, ldy, std::min(row_block, M - r0), N, K);
+      lin->run(on_thread(a, scratch_base + thread * sstride), items.begin(it), items.end(it));
     });
+  };
+  if (few_rows) {
+    few_row_items(x, d_in, sv.qkv, sv.qkv_bias, stage, ldstage, ldstage, d_in);
   } else {
     const detail::Rows xin = detail::as_rows(TensorView::f32(x, {1, M, d_in}), t, operand, r.x.in(w), threads);
     // Item i is Q head i, then K heads, then V heads: its columns start at i * D in [q | k | v].
@@ -710,12 +720,7 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
     }
   }
   if (few_rows) {
-    const kernels::LinearArgs proj =
-        few_row_args(ctx, E, sv.out, sv.out_bias, out_data, out_width, M, out_width, E);
-    const PanelItems items = panel_items(*lin, out_width, threads);
-    detail::team_for(threads, items.count(), [&](int64_t it, int thread) {
-      lin->run(on_thread(proj, scratch_base + thread * sstride), items.begin(it), items.end(it));
-    });
+    few_row_items(ctx, E, sv.out, sv.out_bias, out_data, out_width, out_width, E);
   } else {
     run_out(ws.exec, ctx_t, M, out_data, DType::f32, threads, r.ctx_wide.in(w));
   }

@@ -106,6 +106,10 @@ inline constexpr int kLinearItemsPerThread = 1;
 // alike, at 528 the few-row kernel took 72 ms a step against oneDNN's 57.
 inline constexpr int64_t kStepDecodeTokens = 32;
 inline constexpr int64_t kStepFewRowTokens = 64;
+// Rows a few-row work item takes where a call has more (RunOptions::batch_invariant keeps long steps on the few-row
+// kernel; LinearPaths::few_rows): an item streams its panels once per block of rows, and the block of x (256 x K
+// floats, 768 KiB at K = 768) stays in L2 across them rather than coming from memory for every panel group.
+inline constexpr int64_t kFewRowBlock = 256;
 
 // The decode kernel scores at most this many keys of a block at once (one head's run): it bounds the kernel's
 // scratch for any block size, and is above the default block (kKeyTile), so default blocks are scored whole.

@@ -154,6 +154,7 @@ Request read_request(const Args& a) {
     for (const std::string& w : r.weights) (void)weight_format_for(w, c);  // a mismatch fails before any timing
   }
   r.mode = choice("mode", a.get("mode", "prefill"), {"prefill", "decode", "step", "model"});
+  if (a.flag("batch-invariant")) throw UsageError("--batch-invariant applies to --mode model only");
   for (const char* k : {"model", "new-tokens"}) {
     if (a.has(k)) throw UsageError(std::string("--") + k + " applies to --mode model only");
   }
@@ -494,6 +495,7 @@ const Command& bench_command() {
           value("mode", "prefill|decode|step|model", "what is timed; default prefill."),
           value("model", "DIR", "model: a Hugging Face GPT-2 checkpoint directory (else --preset: random weights)."),
           value("new-tokens", "N", "model: decode steps after the prompt; default 128."),
+          flag("batch-invariant", "model: RunOptions::batch_invariant (a token's bits independent of its batch)."),
           value("prefill", "NxT", "step: N sequences each appending a chunk of T tokens."),
           value("decode", "N", "step: N sequences each appending one token."),
           value("draft", "NxK", "step: N sequences each appending K draft tokens to verify."),

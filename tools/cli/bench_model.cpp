@@ -104,6 +104,8 @@ int run_model_bench(const Args& a) {
   const int threads = threads_option(a);
   const Isa isa = isa_option(a);
   const bool json = a.flag("json");
+  RunOptions run;
+  run.batch_invariant = a.flag("batch-invariant");
   limit_gemm_isa(isa);
 
   if (!json) {
@@ -144,16 +146,16 @@ int run_model_bench(const Args& a) {
             std::vector<double> steps;
             // Twice: the first run creates the GEMM primitives of its shapes and touches the pool's pages; the
             // second is timed.
-            for (int run = 0; run < 2; ++run) {
+            for (int pass = 0; pass < 2; ++pass) {
               for (SequenceId& s : seqs) s = cache.create();
               const auto p0 = std::chrono::steady_clock::now();
-              model.step(cache, seqs.data(), tokens.data(), B, prompt.data(), logits.data());
+              model.step(cache, seqs.data(), tokens.data(), B, prompt.data(), logits.data(), false, run);
               prefill_ms = ms_between(p0, std::chrono::steady_clock::now());
               steps.clear();
-              for (int64_t t = 0; t < (run == 0 ? 2 : new_tokens); ++t) {
+              for (int64_t t = 0; t < (pass == 0 ? 2 : new_tokens); ++t) {
                 for (int64_t b = 0; b < B; ++b) next[static_cast<size_t>(b)] = argmax(logits.data() + b * c.vocab_size, c.vocab_size);
                 const auto s0 = std::chrono::steady_clock::now();
-                model.step(cache, seqs.data(), ones.data(), B, next.data(), logits.data());
+                model.step(cache, seqs.data(), ones.data(), B, next.data(), logits.data(), false, run);
                 steps.push_back(ms_between(s0, std::chrono::steady_clock::now()));
               }
               for (SequenceId s : seqs) cache.release(s);
@@ -172,7 +174,7 @@ int run_model_bench(const Args& a) {
                                         {"step_median_ms", med},
                                         {"step_min_ms", *std::min_element(steps.begin(), steps.end())},
                                         {"step_max_ms", *std::max_element(steps.begin(), steps.end())},
-                                        {"tokens_per_s", tps}, {"bytes_per_step", bytes},
+                                        {"tokens_per_s", tps}, {"bytes_per_step", bytes}, {"batch_invariant", run.batch_invariant},
                                         {"gbps", bytes / (med * 1e-3) / 1e9},
                                         {"weight_bytes", model.weight_bytes()}, {"cpu", bench::cpu_model()},
                                         {"version", gpt2attn_version()}, {"commit", GPT2ATTN_COMMIT}};
