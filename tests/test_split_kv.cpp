@@ -87,15 +87,22 @@ TEST(SplitKv, BatchItemsStayWithinTheWorkspaceBound) {
       total += len;
     }
     const int64_t target = decode_item_target(total, threads);
-    int64_t items = 0;
+    int64_t items = 0, invariant_items = 0;
     for (int64_t len : n) {
       const int64_t s = decode_splits(len, total, target);
       ASSERT_GE(s, 1);
       ASSERT_LE(s, len);
       items += s;
+      // batch_invariant's split: a function of the length alone, 1 to kDecodeItemsPerThread ranges, none empty.
+      const int64_t v = decode_invariant_splits(len);
+      ASSERT_GE(v, 1);
+      ASSERT_LE(v, std::min<int64_t>(len, kDecodeItemsPerThread));
+      ASSERT_EQ(v, std::min<int64_t>((len + kDecodeMinSplitKeys - 1) / kDecodeMinSplitKeys, kDecodeItemsPerThread));
+      invariant_items += v;
     }
-    ASSERT_EQ(decode_max_items(B, threads), B + int64_t{kDecodeItemsPerThread} * threads);
+    ASSERT_EQ(decode_max_items(B, threads), (B + threads) * int64_t{kDecodeItemsPerThread});
     EXPECT_LE(items, decode_max_items(B, threads)) << B << " sequences, " << threads << " threads";
+    EXPECT_LE(invariant_items, decode_max_items(B, threads)) << B << " sequences, " << threads << " threads";
     EXPECT_GE(items, std::min<int64_t>(target, total)) << B << " sequences, " << threads << " threads";
   }
 }
