@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "engine/buffer.hpp"
@@ -118,18 +119,7 @@ struct MultiHeadAttention::Impl {
   // sharing one are refused) or the layer's own (under mu), and with std::bad_alloc turned into Error.
   template <class F>
   void with_workspace(Workspace* ws, const char* call, F&& f) {
-    detail::translate_bad_alloc(call, [&] {
-      // Held by this call alone from here: the place to bound its oneDNN primitives (ExecContext::trim).
-      if (ws) {
-        detail::WorkspaceLease lease(ws->impl());
-        ws->impl().exec.trim();
-        f(ws->impl());
-      } else {
-        std::lock_guard<std::mutex> lock(mu);
-        own_ws.impl().exec.trim();
-        f(own_ws.impl());
-      }
-    });
+    detail::with_workspace(ws, own_ws, mu, call, std::forward<F>(f));
   }
   // y (M, out_width) of type dst = x (M, E) W_o^T + b_o, x of the compute type with row stride E: the panels of `out`
   // on a team of `threads`; prepare_out makes every slot's primitive for M rows ahead of the call. Where the operand

@@ -95,17 +95,7 @@ struct Linear::Impl {
 
   template <class F>
   void with_workspace(Workspace* ws, const char* call, F&& f) {
-    detail::translate_bad_alloc(call, [&] {
-      if (ws) {
-        detail::WorkspaceLease lease(ws->impl());
-        ws->impl().exec.trim();
-        f(ws->impl());
-      } else {
-        std::lock_guard<std::mutex> lock(mu);
-        own_ws.impl().exec.trim();
-        f(own_ws.impl());
-      }
-    });
+    detail::with_workspace(ws, own_ws, mu, call, std::forward<F>(f));
   }
 };
 

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <initializer_list>
 #include <memory>
+#include <mutex>
 
 #include "engine/buffer.hpp"
 #include "engine/linear.hpp"
@@ -74,6 +75,24 @@ class WorkspaceLease {
  private:
   Workspace::Impl& ws_;
 };
+
+// Runs f(workspace) for a public call named `call` of an object holding its own Workspace `own` guarded by `mu`: with
+// the caller's Workspace (leased, so two threads sharing one are refused) or `own` (under mu), and with std::bad_alloc
+// turned into Error. Held by this call alone from here: the place to bound its oneDNN primitives (ExecContext::trim).
+template <class F>
+void with_workspace(Workspace* ws, Workspace& own, std::mutex& mu, const char* call, F&& f) {
+  translate_bad_alloc(call, [&] {
+    if (ws) {
+      WorkspaceLease lease(ws->impl());
+      ws->impl().exec.trim();
+      f(ws->impl());
+    } else {
+      std::lock_guard<std::mutex> lock(mu);
+      own.impl().exec.trim();
+      f(own.impl());
+    }
+  });
+}
 
 }  // namespace detail
 }  // namespace gpt2attn
