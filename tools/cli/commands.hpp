@@ -7,6 +7,10 @@
 
 #include "tools/cli/options.hpp"
 
+namespace gpt2attn {
+class GPT2;
+}
+
 namespace gpt2attn::cli {
 
 // The MPI world. Under mpirun with more than one rank, forward and bench run tensor parallel (gpt2attn/parallel.hpp):
@@ -31,6 +35,13 @@ const Command& bench_command();     // tools/cli/bench.cpp
 const Command& presets_command();   // tools/cli/presets.cpp
 const Command& generate_command();  // tools/cli/generate.cpp
 const Command& logits_command();    // tools/cli/generate.cpp
+const Command& serve_command();     // tools/cli/serve.cpp
+
+// The whole model's options, which generate, logits and serve share (tools/cli/generate.cpp):
+std::vector<Option> model_rows();              // --model DIR, --preset NAME, --seed-weights S
+EngineOptions engine_options(const Args& a);   // --dtype, --weights-dtype, --threads, --isa
+void check_model_options(const Args& a);       // one of --model and --preset, checked before anything is read
+GPT2 load_model(const Args& a, const EngineOptions& opts);  // the checkpoint or the preset's random weights
 
 // What forward and quantize share about the files they read and write (tools/cli/layer_files.cpp).
 // --output naming one of `inputs` ({option, path}; empty paths skipped) is a UsageError: writing would replace it.

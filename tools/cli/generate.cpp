@@ -125,14 +125,15 @@ double real(const Args& a, const std::string& k, double def) {
   return v;
 }
 
-// The rows both commands take for their model, and the model they name.
+}  // namespace
+
+// The model options generate, logits and serve share (declared in commands.hpp).
 std::vector<Option> model_rows() {
   return {value("model", "DIR", "a Hugging Face GPT-2 checkpoint directory (or --preset)."),
           value("preset", "NAME", "random weights of gpt2-small, gpt2-medium, gpt2-large or gpt2-xl (or --model)."),
           value("seed-weights", "S", "with --preset: the random weights' seed; default 0.")};
 }
 
-// The engine options both commands take: --dtype, --weights-dtype, --threads, --isa.
 EngineOptions engine_options(const Args& a) {
   EngineOptions o;
   o.compute = compute_dtypes(a).front();
@@ -142,7 +143,6 @@ EngineOptions engine_options(const Args& a) {
   return o;
 }
 
-// The source options checked, nothing read (so a bad option fails before a checkpoint is opened).
 void check_model_options(const Args& a) {
   if (a.has("model") == a.has("preset")) {
     throw UsageError(a.has("model") ? "give one of --model and --preset: each names the weights"
@@ -174,6 +174,8 @@ GPT2 load_model(const Args& a, const EngineOptions& opts) {
   const int threads = opts.threads ? opts.threads : std::clamp(omp_get_max_threads(), 1, max_threads());
   return GPT2(random_gpt2(c, seed, DType::f32, threads), opts);
 }
+
+namespace {
 
 // --output may not replace a file of the checkpoint directory (config.json, a shard, the index).
 void refuse_output_over_model(const Args& a, const std::string& output) {
