@@ -7,6 +7,8 @@ set -euo pipefail
 # libfuzzer-14-dev: the `fuzz` preset (scripts/fuzz.sh).
 # libopenmpi-dev, openmpi-bin: the tensor-parallel module (gpt2attn_mpi), `mpirun -np N gpt2attn` and its tests.
 # pkgconf: pkg-config, with which the consumer.pkg_config test builds programs against the installed gpt2attn.pc.
+# libcpp-httplib-dev: `gpt2attn serve`'s HTTP server; python3-aiohttp: its test's concurrent clients
+# (tests/python/test_serve.py) and bench/load_gen.py.
 # python3-venv: the venvs of the pip install . test and the Hugging Face transformers test (pip fetches into them);
 # ninja-build: the generator scikit-build-core builds that wheel with (without it, pip fetches ninja).
 pkgs=(g++ cmake make libdnnl-dev libxsimd-dev libgtest-dev libbenchmark-dev nlohmann-json3-dev
@@ -16,7 +18,8 @@ pkgs=(g++ cmake make libdnnl-dev libxsimd-dev libgtest-dev libbenchmark-dev nloh
       libjemalloc2
       clang-14 libclang-rt-14-dev libfuzzer-14-dev
       pkgconf python3-venv ninja-build
-      libopenmpi-dev openmpi-bin)
+      libopenmpi-dev openmpi-bin
+      libcpp-httplib-dev python3-aiohttp)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

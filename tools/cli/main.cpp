@@ -1,5 +1,5 @@
-// tools/cli/main.cpp: the command-line tool `gpt2attn`: dispatch on the command (forward, quantize, bench, presets;
-// one file each; generate and logits, the whole model's, share one), its errors turned into the exit status: 0 ok,
+// tools/cli/main.cpp: the command-line tool `gpt2attn`: dispatch on the command (forward, quantize, bench, presets,
+// serve; one file each; generate and logits, the whole model's, share one), its errors turned into the exit status: 0 ok,
 // 2 bad input (one line on stderr), 1 internal error.
 // Only main() exits.
 #include <algorithm>
@@ -40,7 +40,8 @@ exit status: 0 success, 2 bad input or usage, 1 internal error.
 
 const std::vector<const Command*>& commands() {
   static const std::vector<const Command*> all = {&forward_command(), &quantize_command(), &bench_command(),
-                                                  &presets_command(), &generate_command(), &logits_command()};
+                                                  &presets_command(), &generate_command(), &logits_command(),
+                                                  &serve_command()};
   return all;
 }
 
@@ -69,7 +70,7 @@ int run(int argc, char** argv) {
       if (g_world.prints()) std::printf("gpt2attn %s\n", gpt2attn_version());
       return 0;
     }
-    throw UsageError(name.empty() ? "missing command (forward, quantize, bench, presets, generate or logits)"
+    throw UsageError(name.empty() ? "missing command (forward, quantize, bench, presets, generate, logits or serve)"
                                   : "unknown command '" + name + "'");
   } catch (const HelpRequested&) {
     print_help();
