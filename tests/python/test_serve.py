@@ -412,11 +412,15 @@ def refusals(r, model):
             # The context's edge is allowed: prompt + max_tokens == n_positions.
             edge = await complete(s, server.url, {"prompt": [1] * 100, "max_tokens": 28, "temperature": 0})
             unknown = await get(s, server.url, "/v1/nothing")
-            return got, edge, unknown
+            models = await get(s, server.url, "/v1/models")
+            return got, edge, unknown, models
 
     server = Server(r.cli, model)
     try:
-        got, edge, unknown = asyncio.run(run())
+        got, edge, unknown, models = asyncio.run(run())
+        model_info = json.loads(models[1])["data"][0]
+        check(models[0] == 200 and model_info["id"] == "tiny" and model_info["vocab_size"] == VOCAB and
+              model_info["n_positions"] == N_POSITIONS, "/v1/models: %s" % (models,))
         for name, status, code, got_status, body in got:
             check(got_status == status, "%s: status %d, expected %d (%s)" % (name, got_status, status, body))
             err = body.get("error") if isinstance(body, dict) else None

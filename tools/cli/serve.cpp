@@ -37,15 +37,15 @@ const char* kServeAbout = R"(serve    serves a GPT-2 over HTTP until SIGTERM or 
          failed model step answers 500, or ends a stream with finish_reason "error" and an error object. Refusals
          are JSON {"error": {"message", "type", "code"}}: 400 for malformed JSON, a wrong type or value, an id
          outside the vocabulary; 413 for prompt + max_tokens past n_positions or the KV cache, or a body over 1
-         MiB; 503 with Retry-After while --max-queue prompts wait, or while shutting down. GET /health answers
-         {"status":"ok"}; GET /metrics Prometheus text. Scheduling: a prompt is admitted once the KV cache can
-         hold it and its max_tokens whole (blocks reserved, so nothing is ever preempted), first come first
-         served; each model step takes every running sequence's next token, then prompt chunks up to
-         --max-batch-tokens; a prompt whose first whole blocks match a running sequence's tokens shares them (a
-         fork) instead of computing them. A client that disconnects has its request cancelled at the next write
-         to it (a token, or the SSE comment a waiting stream gets each second). On SIGTERM or SIGINT new requests
-         get 503, those admitted or queued run on for up to --shutdown-timeout seconds and are then cancelled,
-         and the server exits 0.
+         MiB; 503 with Retry-After while --max-queue prompts wait, or while shutting down. GET /v1/models gives
+         the model's name, vocab_size and n_positions; GET /health {"status":"ok"}; GET /metrics Prometheus text.
+         Scheduling: a prompt is admitted once the KV cache can hold it and its max_tokens whole (blocks
+         reserved, so nothing is ever preempted), first come first served; each model step takes every running
+         sequence's next token, then prompt chunks up to --max-batch-tokens; a prompt whose first whole blocks
+         match a running sequence's tokens shares them (a fork) instead of computing them. A client that
+         disconnects has its request cancelled at the next write to it (a token, or the SSE comment a waiting
+         stream gets each second). On SIGTERM or SIGINT new requests get 503, those admitted or queued run on for
+         up to --shutdown-timeout seconds and are then cancelled, and the server exits 0.
 )";
 
 // The responses' "model": the checkpoint directory's name, or the preset's.

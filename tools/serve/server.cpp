@@ -449,6 +449,16 @@ Server::Server(Scheduler& scheduler, const ServerOptions& options)
   s.http.Get("/health", [](const httplib::Request&, httplib::Response& res) {
     res.set_content("{\"status\":\"ok\"}\n", "application/json");
   });
+  // OpenAI's model list, with the sizes a client needs to make valid requests (there is no tokenizer to ask).
+  s.http.Get("/v1/models", [&s](const httplib::Request&, httplib::Response& res) {
+    const GPT2Config& c = s.scheduler.model_config();
+    const json model = {{"id", s.options.model_name},
+                        {"object", "model"},
+                        {"owned_by", "gpt2attn"},
+                        {"vocab_size", c.vocab_size},
+                        {"n_positions", c.n_positions}};
+    res.set_content(json{{"object", "list"}, {"data", json::array({model})}}.dump() + "\n", "application/json");
+  });
   s.http.Get("/metrics", [&s](const httplib::Request&, httplib::Response& res) {
     res.set_content(s.metrics(), "text/plain; version=0.0.4");
   });

@@ -1,7 +1,7 @@
-// tools/serve/server.hpp: the HTTP side of `gpt2attn serve`: POST /v1/completions (OpenAI's legacy completions shape,
-// token ids in and out, streamed as server-sent events or whole), GET /health and GET /metrics (Prometheus text), over
-// cpp-httplib. Requests are parsed and answered here; the scheduling is tools/serve/scheduler.hpp's. httplib stays
-// out of this header, so only server.cpp needs it.
+// tools/serve/server.hpp: the HTTP side of `gpt2attn serve`, over cpp-httplib: POST /v1/completions (OpenAI's legacy
+// completions shape, token ids in and out, streamed as server-sent events or whole), GET /v1/models (the model's
+// name, vocab_size and n_positions), GET /health and GET /metrics (Prometheus text). Requests are parsed and answered
+// here; the scheduling is tools/serve/scheduler.hpp's. httplib stays out of this header: only server.cpp needs it.
 #pragma once
 
 #include <chrono>
