@@ -83,6 +83,13 @@ int run_serve(const Args& a) {
   signal(SIGPIPE, SIG_IGN);
 
   GPT2 model = load_model(a, opts);
+  // A signal that came while the model loaded (which it does not interrupt) ends the command before it serves.
+  sigset_t pending;
+  sigpending(&pending);
+  if (sigismember(&pending, SIGTERM) || sigismember(&pending, SIGINT)) {
+    std::fprintf(stderr, "gpt2attn serve: stopped by a signal before serving\n");
+    return 0;
+  }
   // Default: room for four sequences of the model's whole context.
   kv.capacity_tokens = kv_tokens ? kv_tokens : 4 * model.config().n_positions;
   serve::Scheduler scheduler(model, model.make_cache(kv), scheduling);
