@@ -3,9 +3,10 @@
 # one-block prompt prefix, some disconnecting mid-stream), each answered once with the right number of ids and a
 # finish reason, nothing left in the KV cache afterwards; an overloaded server (small cache, short queue) queues or
 # refuses with 503 + Retry-After while /health answers; refusals (400, 413) with their JSON error; a client that
-# never reads its stream holds up no one; SIGTERM under load ends with exit 0 and every client answered. Greedy
-# answers among 15 others are compared with the same requests sent alone and the count of bitwise matches reported
-# (not asserted: batch invariance is not promised). Exit 77 (skipped) without aiohttp.
+# never reads its stream holds up no one; SIGTERM under load ends with exit 0 and every client answered. Batch
+# invariance (the server's default): every answer among 63 others, greedy or seeded, equals the same request sent
+# alone, ids bitwise; 16 greedy prompts of one request equal each alone in ids and log-probabilities, bitwise; a
+# forked prompt equals itself alone. Exit 77 (skipped) without aiohttp.
 import asyncio
 import json
 import os
@@ -242,6 +243,8 @@ def concurrent_clients(r, model):
               % m["gpt2attn_prompt_tokens_total"])
         same = sum(alone[i]["ids"] == results[i]["ids"] for i in greedy)
         same_sampled = sum(alone_sampled[i]["ids"] == results[i]["ids"] for i in sampled)
+        check(same == len(greedy), "greedy among others == alone for %d of %d" % (same, len(greedy)))
+        check(same_sampled == len(sampled), "sampled among others == alone for %d of %d" % (same_sampled, len(sampled)))
         code, _ = server.stop()
         check(code == 0, "exit %d after SIGTERM" % code)
         return ("64 clients in %.1f s, %d disconnected (%d cancelled), %d prefix tokens shared; greedy alone == "
@@ -268,7 +271,8 @@ def prefix_sharing(r, model):
             alone = await complete(s, server.url, {"prompt": prompts[1], "max_tokens": 20, "temperature": 0})
             return both, m, alone
 
-    server = Server(r.cli, model)
+    # Batch invariant forks share whole chunks of --max-batch-tokens: one block here.
+    server = Server(r.cli, model, "--max-batch-tokens", str(BLOCK))
     try:
         both, m, alone = asyncio.run(run())
         choices = both["choices"]
@@ -279,6 +283,7 @@ def prefix_sharing(r, model):
                                 "total_tokens": len(prompts[0]) + len(prompts[1]) + 40}, "usage %s" % both["usage"])
         shared_tokens = m["gpt2attn_prefix_tokens_shared_total"]
         check(shared_tokens == BLOCK, "%s prefix tokens shared, expected %d" % (shared_tokens, BLOCK))
+        check(alone["ids"] == choices[1]["token_ids"], "the forked answer differs from the same prompt's alone")
         code, _ = server.stop()
         check(code == 0, "exit %d" % code)
         return "%d tokens shared; the forked answer %s the same prompt's alone" % (
@@ -288,8 +293,8 @@ def prefix_sharing(r, model):
 
 
 def batch_invariance(r, model):
-    """16 greedy prompts in one request (so every step batches them) against each sent alone: the count of
-    bitwise-equal answers is reported, not asserted (the engine does not promise batch invariance)."""
+    """16 greedy prompts in one request (so every step batches them) against each sent alone: ids and
+    log-probabilities bitwise equal (RunOptions::batch_invariant, the server's default)."""
     rng = random.Random(13)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(16)]
 
@@ -311,6 +316,8 @@ def batch_invariance(r, model):
         same_lps = sum(c["logprobs"]["token_logprobs"] == a["logprobs"] for c, a in zip(choices, alone))
         worst = max(abs(x - y) for c, a in zip(choices, alone)
                     for x, y in zip(c["logprobs"]["token_logprobs"], a["logprobs"]))
+        check(same_ids == 16 and same_lps == 16, "alone != among others: ids %d/16, log-probabilities %d/16 "
+              "(largest difference %.3g)" % (same_ids, same_lps, worst))
         code, _ = server.stop()
         check(code == 0, "exit %d" % code)
         return ("greedy among 15 others == alone: ids %d/16, logprobs bitwise %d/16 (largest difference %.3g)"

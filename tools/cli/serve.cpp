@@ -42,7 +42,10 @@ const char* kServeAbout = R"(serve    serves a GPT-2 over HTTP until SIGTERM or 
          Scheduling: a prompt is admitted once the KV cache can hold it and its max_tokens whole (blocks
          reserved, so nothing is ever preempted), first come first served; each model step takes every running
          sequence's next token, then prompt chunks up to --max-batch-tokens; a prompt whose first whole blocks
-         match a running sequence's tokens shares them (a fork) instead of computing them. A client that
+         match a running sequence's tokens shares them (a fork) instead of computing them. Batch invariant
+         (unless --no-batch-invariant): a request's ids and log-probabilities are the same bits alone or among
+         any others, at any --threads; prompts then run in chunks of --max-batch-tokens from their start, and
+         forks share whole such chunks. A client that
          disconnects has its request cancelled at the next write to it (a token, or the SSE comment a waiting
          stream gets each second). On SIGTERM or SIGINT new requests get 503, those admitted or queued run on for
          up to --shutdown-timeout seconds and are then cancelled, and the server exits 0.
@@ -71,6 +74,7 @@ int run_serve(const Args& a) {
   kv.dtype = dtype_from_string(kv_dtype_names(a).front());
   const EngineOptions opts = engine_options(a);
   scheduling.run.threads = opts.threads;
+  scheduling.run.batch_invariant = !a.flag("no-batch-invariant");
 
   // SIGTERM and SIGINT are blocked in every thread (each thread started from here on inherits the mask) and taken
   // by sigwait() below: no handler runs at all, so nothing happens in signal context.
@@ -154,6 +158,8 @@ const Command& serve_command() {
                                        "default 256."),
             value("shutdown-timeout", "S", "on SIGTERM/SIGINT, seconds the requests in flight may run on before "
                                            "they are cancelled; default 10."),
+            flag("no-batch-invariant", "let a request's bits depend on its batch-mates (long prompts' prefill up to "
+                                       "10% faster; see docs/serving.md)."),
             compute_row(false),
             kv,
             weights_row(false),

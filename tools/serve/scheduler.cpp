@@ -298,14 +298,17 @@ void Scheduler::admit(std::vector<Sequence>& running) {
     // P - 1 tokens: the last prompt token must run to give the first logits), in its cached tokens or in the prompt
     // it is still prefilling. In the latter case the head waits for that prefill to reach the shared blocks (a step
     // or so) rather than compute them a second time: a burst of requests with one system prompt computes it once.
+    // Batch invariant: a fork shares whole chunks (multiples of max_batch_tokens), so the child's own chunks end
+    // where they would alone and the shared tokens were computed in the chunks it would have run.
+    const int64_t unit = options_.run.batch_invariant ? options_.max_batch_tokens : block_tokens_;
     int64_t prefix = 0;
     const Sequence* parent = nullptr;
     for (const Sequence& s : running) {
       const int64_t limit = std::min(std::max(cache_.length(s.seq), s.prompt_size()), P - 1);
-      if (limit < block_tokens_ || limit <= prefix) continue;
+      if (limit < unit || limit <= prefix) continue;
       int64_t common = 0;
       while (common < limit && s.token(common) == p.prompt[static_cast<size_t>(common)]) ++common;
-      const int64_t whole = common / block_tokens_ * block_tokens_;
+      const int64_t whole = common / unit * unit;
       if (whole > prefix) prefix = whole, parent = &s;
     }
     if (parent && cache_.length(parent->seq) < prefix) break;
@@ -340,14 +343,25 @@ void Scheduler::step(std::vector<Sequence>& running) {
   std::vector<int32_t> ids;
   // Every running sequence's next token first (its latency is the stream's inter-token time), then prompt chunks in
   // the budget left, oldest admission first. The budget bounds the prompt chunks: a step always takes every decode.
+  // Batch invariant (the default): a prompt's chunks end at multiples of max_batch_tokens from its start, whatever
+  // else runs (a chunk's length picks its attention kernel, which the prompt's later layers depend on), and a step
+  // takes whole chunks, at least one.
+  const bool fixed = options_.run.batch_invariant;
+  const int64_t chunk = options_.max_batch_tokens;
   int64_t budget = options_.max_batch_tokens;
+  bool chunked = false;
   for (int pass = 0; pass < 2; ++pass) {
     for (size_t i = 0; i < running.size(); ++i) {
       Sequence& s = running[i];
       const bool prefilling = s.fed < s.prompt_size();
       if (prefilling != (pass == 1)) continue;
-      if (prefilling && budget <= 0) break;
-      const int64_t take = prefilling ? std::min(budget, s.prompt_size() - s.fed) : 1;
+      if (prefilling && budget <= 0 && (chunked || !fixed)) break;
+      int64_t take = prefilling ? std::min(budget, s.prompt_size() - s.fed) : 1;
+      if (prefilling && fixed) {
+        take = std::min((s.fed / chunk + 1) * chunk, s.prompt_size()) - s.fed;
+        if (chunked && take > budget) continue;
+      }
+      chunked = chunked || prefilling;
       if (prefilling) {
         const auto& prompt = s.params().prompt;
         ids.insert(ids.end(), prompt.begin() + s.fed, prompt.begin() + s.fed + take);
@@ -355,7 +369,7 @@ void Scheduler::step(std::vector<Sequence>& running) {
         ids.push_back(s.generated.back());
       }
       seqs.push_back(s.seq), tokens.push_back(take), owner.push_back(i);
-      budget -= take;
+      budget = std::max<int64_t>(0, budget - take);
     }
   }
   const int64_t n = static_cast<int64_t>(seqs.size()), V = config_.vocab_size;

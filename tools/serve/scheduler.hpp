@@ -79,7 +79,8 @@ class Request {
 struct SchedulerOptions {
   int64_t max_batch_tokens = 512;  // tokens one step takes at most: running sequences' next tokens, then prompt chunks
   int64_t max_queue = 256;         // choices waiting for admission at most; past it a submission is refused
-  RunOptions run;                  // the steps' threads
+  RunOptions run;                  // the steps' threads, and batch_invariant (on unless the caller turns it off)
+  SchedulerOptions() { run.batch_invariant = true; }
 };
 
 // The step-time histogram's upper bounds, in seconds (Prometheus' `le`), +Inf implied.
