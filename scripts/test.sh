@@ -23,9 +23,11 @@ if [ "${GPT2ATTN_SKIP_TSAN:-0}" != 1 ]; then
   bash "$root/scripts/tsan.sh"
 fi
 # The suite again under AddressSanitizer + UndefinedBehaviorSanitizer (GPT2ATTN_SKIP_ASAN=1 skips it; CI never
-# does). The three long PyTorch parity sweeps run once, above: they drive the CLI, whose paths the CLI tests cover.
+# does). The four long parity runs go once, above: they drive the CLI, whose paths the CLI tests cover (the GPT-2
+# parity's 12-layer gpt2-small, 500 MB of weights, alone would take minutes under ASan).
 if [ "${GPT2ATTN_SKIP_ASAN:-0}" != 1 ]; then
-  bash "$root/scripts/asan.sh" -E "python.test_torch_mha_parity|python.test_torch_bf16_parity|python.test_seed_modules"
+  bash "$root/scripts/asan.sh" \
+    -E "python.test_torch_mha_parity|python.test_torch_bf16_parity|python.test_seed_modules|python.test_gpt2_parity"
 fi
 # The libFuzzer targets of the file parsers (tests/fuzz), 60 s each under ASan + UBSan (scripts/fuzz.sh;
 # GPT2ATTN_SKIP_FUZZ=1 skips them, CI never does). A finding fails the run and prints the input's path.
