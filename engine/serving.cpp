@@ -557,7 +557,8 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
                                     const float* x, float* out_data, const RunOptions& run, Workspace::Impl& ws) {
   const int threads = threads_for(run);
   const AttnShape s = detail::validate_step(cfg, cache, seqs, tokens, B, x, out_data, run, threads);
-  // The two shapes the other calls serve: the same algorithm, with no ragged bookkeeping.
+  // The two shapes the other calls serve: the same algorithm, with no ragged bookkeeping (but a batch-invariant
+  // one-entry step stays here: extend()'s GEMMs and tiled kernel would sum its tokens otherwise than a batch does).
   if (std::all_of(tokens, tokens + B, [](int64_t n) { return n == 1; })) return decode(cache, seqs, B, x, out_data, run, ws);
   if (B == 1 && !run.batch_invariant) return extend(cache, seqs[0], x, tokens[0], out_data, run, ws);
 
@@ -625,8 +626,8 @@ void MultiHeadAttention::Impl::step(KvCache& cache, const SequenceId* seqs, cons
   std::byte* q_t = r.q.in(w);
   const detail::ServingState& sv = *serving;
   const kernels::LinearKernel* lin = sv.linear;
-  // A step of a few tokens streams the weights once through the few-row kernel; a longer one runs oneDNN's GEMMs,
-  // one per head (as extend), each writing its columns of the stage.
+  // A step of a few tokens (or any batch-invariant step) streams the weights through the few-row kernel; a longer one
+  // runs oneDNN's GEMMs, one per head (as extend), each writing its columns of the stage.
   float* scratch_base = r.scratch.in(w);
   // The few-row kernel over blocks of rows (a batch-invariant step may be long): an item is (block, panel run).
   const int64_t row_block = std::min(M, kernels::tiles::kFewRowBlock), row_blocks = ceil_div(M, row_block);
