@@ -328,13 +328,14 @@ std::vector<Generation> GPT2::generate(ModelKvCache& cache, const std::vector<st
     step_seqs.clear(), step_tokens.clear(), step_owner.clear(), step_ids.clear();
     int64_t budget = options.max_step_tokens;
     bool chunked = false;  // a prompt chunk is in this step
-    // Running sequences' next tokens first (one each: their latency), then prompt chunks in the budget left. Batch
+    // Running sequences' next tokens first (one each: their latency; every one of them, whatever the budget, so none
+    // waits behind the others), then prompt chunks in the budget left. Batch
     // invariant: a prompt is cut into chunks of max_step_tokens from its start, whatever shares its steps (a chunk's
     // length picks its attention kernel, which its later layers' inputs depend on), and a step takes whole chunks,
     // at least one.
     const bool fixed_chunks = options.run.batch_invariant;
     for (int pass = 0; pass < 2; ++pass) {
-      for (int64_t i = 0; i < P && (budget > 0 || (fixed_chunks && !chunked)); ++i) {
+      for (int64_t i = 0; i < P && (pass == 0 || budget > 0 || (fixed_chunks && !chunked)); ++i) {
         const size_t u = static_cast<size_t>(i);
         const std::vector<int32_t>& p = prompts[u];
         const bool prefilling = fed[u] < static_cast<int64_t>(p.size());

@@ -23,9 +23,10 @@ struct GenerateOptions {
   int64_t max_new_tokens = 16;       // >= 1; a sequence also stops at n_positions tokens
   SamplingOptions sampling = SamplingOptions{0.0f};  // greedy by default (temperature 0); prompt i: seed + i
   std::vector<int32_t> stop_tokens;  // a sampled stop token ends its sequence (it is returned, as the last new id)
-  int64_t max_step_tokens = 512;     // tokens a step takes at most: the prompts' prefill runs in chunks of this
-                                     // (with run.batch_invariant, chunks of exactly this from each prompt's start,
-                                     // so a request's results do not depend on what shares its steps)
+  int64_t max_step_tokens = 512;     // a step's budget: every running sequence's next token (always all of them),
+                                     // then prompt chunks in what is left (with run.batch_invariant, chunks of
+                                     // exactly this from each prompt's start, at least one a step, so a request's
+                                     // results do not depend on what shares its steps)
   bool logprobs = false;             // return each new token's log-probability under the model (temperature 1)
   DType kv_dtype = DType::f32;       // the storage of the cache generate() makes for itself (kv_cache_dtypes())
   RunOptions run;                    // threads, check_finite
