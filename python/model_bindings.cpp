@@ -158,9 +158,10 @@ ga::GPT2Config config_of(const py::object& obj) {
   return c;
 }
 
-ga::RunOptions run_of(int threads) {
+ga::RunOptions run_of(int threads, bool batch_invariant = false) {
   ga::RunOptions r;
   r.threads = threads;
+  r.batch_invariant = batch_invariant;
   return r;
 }
 
@@ -306,7 +307,8 @@ void gpt2attn_py::bind_model(py::module_& m) {
       .def(
           "step",
           [](ga::GPT2& self, ga::ModelKvCache& cache, const std::vector<ga::SequenceId>& seqs,
-             const std::vector<int64_t>& tokens, const py::object& ids, bool all_positions, int threads) {
+             const std::vector<int64_t>& tokens, const py::object& ids, bool all_positions, int threads,
+             bool batch_invariant) {
             const ga::GPT2Config& c = self.config();
             if (tokens.size() != seqs.size()) {
               invalid("GPT2::step: seqs has " + str(static_cast<int64_t>(seqs.size())) + " entries and tokens " +
@@ -335,20 +337,22 @@ void gpt2attn_py::bind_model(py::module_& m) {
             float* dst = out.mutable_data();
             {
               py::gil_scoped_release nogil;
-              self.step(cache, seqs.data(), tokens.data(), n, id_ptr, dst, all_positions, run_of(threads));
+              self.step(cache, seqs.data(), tokens.data(), n, id_ptr, dst, all_positions,
+                        run_of(threads, batch_invariant));
             }
             return out;
           },
           py::arg("cache"), py::arg("seqs"), py::arg("tokens"), py::arg("ids"), py::arg("all_positions") = false,
-          py::arg("threads") = 0,
+          py::arg("threads") = 0, py::arg("batch_invariant") = false,
           "One continuous-batching step: entry i appends tokens[i] >= 1 ids (packed in entry order in ids) to "
           "sequence seqs[i]. Returns each entry's last logits (n, vocab_size), or with all_positions every new "
-          "token's (sum(tokens), vocab_size). A refused step changes no sequence.")
+          "token's (sum(tokens), vocab_size). A refused step changes no sequence. batch_invariant: each token's "
+          "logits the same bits whatever shares the step (RunOptions::batch_invariant).")
       .def(
           "generate",
           [](ga::GPT2& self, const py::object& prompts, int64_t max_new_tokens, float temperature, int64_t top_k,
              float top_p, uint64_t seed, const std::vector<int32_t>& stop, bool logprobs, const std::string& kv_dtype,
-             int64_t max_step_tokens, int threads) {
+             int64_t max_step_tokens, int threads, bool batch_invariant) {
             const std::vector<std::vector<int32_t>> p = prompts_of(prompts, self.config().vocab_size);
             ga::GenerateOptions o;
             o.max_new_tokens = max_new_tokens;
@@ -358,7 +362,7 @@ void gpt2attn_py::bind_model(py::module_& m) {
             o.logprobs = logprobs;
             o.kv_dtype = gpt2attn_py::kv_dtype_of(kv_dtype);
             o.max_step_tokens = max_step_tokens;
-            o.run = run_of(threads);
+            o.run = run_of(threads, batch_invariant);
             std::vector<ga::Generation> gens;
             {
               py::gil_scoped_release nogil;
@@ -380,8 +384,9 @@ void gpt2attn_py::bind_model(py::module_& m) {
           py::arg("prompts"), py::arg("max_new_tokens") = 16, py::arg("temperature") = 0.0f, py::arg("top_k") = 0,
           py::arg("top_p") = 1.0f, py::arg("seed") = 0, py::arg("stop") = std::vector<int32_t>{},
           py::arg("logprobs") = false, py::arg("kv_dtype") = "f32", py::arg("max_step_tokens") = 512,
-          py::arg("threads") = 0,
+          py::arg("threads") = 0, py::arg("batch_invariant") = false,
           "Generates for one prompt (a list of ids) or several (a list of lists), batched; returns one dict per "
           "prompt: prompt_ids, new_ids, finish_reason ('stop' or 'length'), logprobs (if asked), first_token_ms, "
-          "total_ms. temperature 0 is greedy; prompt i samples with seed + i.");
+          "total_ms. temperature 0 is greedy; prompt i samples with seed + i. batch_invariant: each prompt's "
+          "results the same bits as generated alone.");
 }

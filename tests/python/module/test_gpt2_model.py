@@ -241,3 +241,15 @@ def test_compute_releases_the_gil(model, call):
     finally:
         sys.setswitchinterval(old)
     assert during > 0, f"a Python thread made no progress during GPT2.{call}(): the GIL was held"
+
+
+def test_batch_invariant_generation_alone_equals_batched(model):
+    """batch_invariant=True: each prompt's ids and log-probabilities the same bits alone as among the others."""
+    m = model
+    prompts = [[5, 9, 1], list(range(1, 41)), [7], list(range(3, 20))]
+    together = m.generate(prompts, max_new_tokens=6, logprobs=True, max_step_tokens=16, batch_invariant=True)
+    for p, t in zip(prompts, together):
+        alone = m.generate([p], max_new_tokens=6, logprobs=True, max_step_tokens=16, batch_invariant=True)[0]
+        assert alone["new_ids"] == t["new_ids"]
+        assert alone["logprobs"] == t["logprobs"]
+
