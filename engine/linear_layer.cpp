@@ -4,7 +4,6 @@
 #include "gpt2attn/linear.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -18,6 +17,7 @@
 #include "engine/team.hpp"
 #include "engine/util.hpp"
 #include "engine/validate.hpp"
+#include "engine/weights_check.hpp"
 #include "engine/workspace.hpp"
 #include "gpt2attn/error.hpp"
 #include "kernels/tiles.hpp"
@@ -40,23 +40,6 @@ constexpr int64_t kGemmRows = 512;
 constexpr int64_t kFewRowBlock = kernels::tiles::kFewRowBlock;
 
 bool is_float(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
-
-// Throws invalid_argument naming the first NaN or infinite element of the (rows, cols) view w.
-void check_weight_values(const TensorView& w, const char* name) {
-  const int64_t rows = w.rank == 2 ? w.shape[0] : 1, cols = w.shape[w.rank - 1];
-  std::vector<float> row(static_cast<size_t>(cols));
-  for (int64_t r = 0; r < rows; ++r) {
-    detail::convert(w.rank == 2 ? detail::slice(w, 0, r, 1) : w, DType::f32, row.data());
-    for (int64_t c = 0; c < cols; ++c) {
-      if (!std::isfinite(row[static_cast<size_t>(c)])) {
-        std::string msg = std::string("Linear: ") + name + " holds ";
-        msg += std::isnan(row[static_cast<size_t>(c)]) ? "NaN at (" : "Inf at (";
-        if (w.rank == 2) msg += str(r) + ", ";
-        invalid(msg + str(c) + ")");
-      }
-    }
-  }
-}
 
 }  // namespace
 
@@ -125,9 +108,9 @@ Linear::Impl::Impl(const TensorView& w, const TensorView& b, const EngineOptions
     if (b.rank > 0) got.append(" ").append(b.shape_str());
     invalid("Linear: bias must be an empty view or a rank-1 (" + str(N) + ") f32, bf16 or f16 view, got " + got);
   }
-  check_weight_values(w, "weight");
+  detail::check_finite_weights(w, "Linear: weight");
   if (!b.empty()) {
-    check_weight_values(b, "bias");
+    detail::check_finite_weights(b, "Linear: bias");
     bias = detail::f32_values(b);
   }
   few = &detail::linear_kernel(isa, format, compute);

@@ -29,10 +29,9 @@ TensorView as_matrix(const TensorView& v) {
   return m;
 }
 
-// Refuses a weight matrix (or a rank-1 bias as one row) holding NaN or +-Inf, naming the first such element: a
-// layer built from it would return NaN or Inf for every input, with no error at forward.
+// check_finite_weights for element type S over m, a matrix (a rank-1 view as one row: `vector`).
 template <DType S>
-void check_finite_as(const TensorView& m, const char* name, bool vector) {
+void check_finite_as(const TensorView& m, const std::string& name, bool vector) {
   const auto* base = static_cast<const std::byte*>(m.data);
   const int64_t bytes = static_cast<int64_t>(size_of(S));
   for (int64_t r = 0; r < m.shape[0]; ++r) {
@@ -42,7 +41,7 @@ void check_finite_as(const TensorView& m, const char* name, bool vector) {
     for (int64_t c = 0; c < m.shape[1]; ++c) {
       const float x = values[static_cast<size_t>(c)];
       if (std::isfinite(x)) continue;
-      std::string msg = std::string("weights: ") + name + " contains ";
+      std::string msg = name + " contains ";
       msg += std::isnan(x) ? "NaN" : x > 0 ? "+Inf" : "-Inf";
       msg += " at (";  // appended piecewise, as check() below does (GCC 12's -Wrestrict)
       if (!vector) msg += str(r) + ", ";
@@ -54,6 +53,15 @@ void check_finite_as(const TensorView& m, const char* name, bool vector) {
 }
 
 }  // namespace
+
+void check_finite_weights(const TensorView& t, const std::string& name) {
+  const TensorView m = as_matrix(t);  // a bias as one row, its elements still named by one index
+  switch (t.dtype) {
+    case DType::f32: return check_finite_as<DType::f32>(m, name, t.rank == 1);
+    case DType::bf16: return check_finite_as<DType::bf16>(m, name, t.rank == 1);
+    default: return check_finite_as<DType::f16>(m, name, t.rank == 1);
+  }
+}
 
 }  // namespace detail
 
@@ -75,13 +83,7 @@ void detail::validate_weights(const WeightsView& w, const Config& c, int64_t out
     if (t.dtype != DType::f32 && t.dtype != DType::bf16 && t.dtype != DType::f16) {
       invalid(std::string("weights: ") + name + " has dtype " + to_string(t.dtype) + "; weights are f32, bf16 or f16");
     }
-    if (!values) return;
-    const TensorView m = as_matrix(t);  // a bias as one row, its elements still named by one index
-    switch (t.dtype) {
-      case DType::f32: return check_finite_as<DType::f32>(m, name, rank == 1);
-      case DType::bf16: return check_finite_as<DType::bf16>(m, name, rank == 1);
-      default: return check_finite_as<DType::f16>(m, name, rank == 1);
-    }
+    if (values) check_finite_weights(t, std::string("weights: ") + name);
   };
   check("w_q", w_q, E, c.query_width());
   check("w_k", w_k, KW, c.key_width());

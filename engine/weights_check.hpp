@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/weights.hpp"
@@ -18,5 +19,10 @@ void validate_weights(const WeightsView& w, const Config& c, int64_t out_width, 
 // Weights::validate's first half: each vector's size against the config (views of the config's shapes over them are
 // safe after it), reading no value. The layer built from the views then checks the values, once.
 void check_weight_sizes(const Weights& w, const Config& c);
+// Refuses a rank-2 weight matrix or rank-1 bias (f32, bf16 or f16, any strides) holding NaN or +-Inf: invalid_argument
+// "<name> contains NaN at (r, c); weights must be finite" (one index for a bias), the first such element. A layer
+// built from it would return NaN or Inf for every input, with no error at forward. Rows are scanned in their stored
+// type; only a row that fails is converted to name the element.
+void check_finite_weights(const TensorView& t, const std::string& name);
 
 }  // namespace gpt2attn::detail
