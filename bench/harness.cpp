@@ -149,20 +149,19 @@ std::string Precision::name() const {
   return s;
 }
 
+double matrix_bytes(double N, double K, Precision p) {
+  switch (p.weights) {
+    case WeightFormat::int8: return N * K + 4 * N;
+    case WeightFormat::int4: return N * K / 2 + 4 * N * std::ceil(K / static_cast<double>(kWeightGroup));
+    case WeightFormat::compute: break;
+  }
+  return N * K * static_cast<double>(size_of(p.compute));
+}
+
 double decode_weight_bytes(const Config& c, Precision p) {
   const double E = static_cast<double>(c.d_model), d_in = static_cast<double>(c.query_width());
   const double KW = static_cast<double>(c.kv_width());
-  // Per matrix of N rows and K inputs: the codes, and the quantized formats' f32 scales (int8 one a row, int4 one a
-  // row per 32 inputs).
-  const auto matrix = [&](double N, double K) {
-    switch (p.weights) {
-      case WeightFormat::int8: return N * K + 4 * N;
-      case WeightFormat::int4: return N * K / 2 + 4 * N * std::ceil(K / static_cast<double>(kWeightGroup));
-      case WeightFormat::compute: break;
-    }
-    return N * K * static_cast<double>(size_of(p.compute));
-  };
-  return matrix(E + 2 * KW, d_in) + matrix(E, E);
+  return matrix_bytes(E + 2 * KW, d_in, p) + matrix_bytes(E, E, p);
 }
 
 double decode_kv_bytes(const Config& c, int64_t B, int64_t T, DType kv_dtype) {

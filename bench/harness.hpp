@@ -66,6 +66,9 @@ struct Precision {
   std::string name() const;
 };
 
+// Bytes of an (N, K) weight matrix held as p: the codes, and the quantized formats' f32 scales (int8 one a row, int4
+// one a row per kWeightGroup inputs); the compute type's values otherwise.
+double matrix_bytes(double N, double K, Precision p);
 double decode_weight_bytes(const Config& c, Precision p);
 double decode_kv_bytes(const Config& c, int64_t B, int64_t T, DType kv_dtype);
 double decode_step_bytes(const Config& c, int64_t B, int64_t T, Precision p, DType kv_dtype);  // the two above

@@ -5,7 +5,6 @@
 // bench/model_table.py measures the same run's STREAM triad and divides.
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -51,19 +50,12 @@ std::vector<int64_t> batch_list(const Args& a) {
 // vocab x E, each in its format; the few-row kernels read each panel once a step) and every layer's cached K/V.
 double step_bytes(const GPT2Config& c, bench::Precision p, int64_t B, int64_t T, DType kv) {
   const Config a = c.attention();
-  const auto matrix = [&](double N, double K, WeightFormat f) {
-    switch (f) {
-      case WeightFormat::int8: return N * K + 4 * N;
-      case WeightFormat::int4: return N * K / 2 + 4 * N * std::ceil(K / static_cast<double>(kWeightGroup));
-      case WeightFormat::compute: break;
-    }
-    return N * K * static_cast<double>(size_of(p.compute));
-  };
   const double E = static_cast<double>(c.n_embd), I = static_cast<double>(c.inner());
-  const WeightFormat head = p.weights == WeightFormat::int4 ? WeightFormat::int8 : p.weights;  // gpt2.hpp
-  const double per_layer = bench::decode_weight_bytes(a, p) + matrix(I, E, p.weights) + matrix(E, I, p.weights) +
-                           bench::decode_kv_bytes(a, B, T, kv);
-  return static_cast<double>(c.n_layer) * per_layer + matrix(static_cast<double>(c.vocab_size), E, head);
+  // The LM head is int8 under int4 (gpt2.hpp).
+  const bench::Precision head(p.compute, p.weights == WeightFormat::int4 ? WeightFormat::int8 : p.weights);
+  const double per_layer = bench::decode_weight_bytes(a, p) + bench::matrix_bytes(I, E, p) +
+                           bench::matrix_bytes(E, I, p) + bench::decode_kv_bytes(a, B, T, kv);
+  return static_cast<double>(c.n_layer) * per_layer + bench::matrix_bytes(static_cast<double>(c.vocab_size), E, head);
 }
 
 double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
