@@ -39,6 +39,7 @@ const Command& serve_command();     // tools/cli/serve.cpp
 
 // The whole model's options, which generate, logits and serve share (tools/cli/generate.cpp):
 std::vector<Option> model_rows();              // --model DIR, --preset NAME, --seed-weights S
+Option cache_dtype_row();                      // --kv-dtype given once: the model's cache's storage type
 EngineOptions engine_options(const Args& a);   // --dtype, --weights-dtype, --threads, --isa
 void check_model_options(const Args& a);       // one of --model and --preset, checked before anything is read
 GPT2 load_model(const Args& a, const EngineOptions& opts);  // the checkpoint or the preset's random weights

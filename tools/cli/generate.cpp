@@ -134,6 +134,13 @@ std::vector<Option> model_rows() {
           value("seed-weights", "S", "with --preset: the random weights' seed; default 0.")};
 }
 
+Option cache_dtype_row() {
+  Option kv = kv_dtype_row();
+  kv.repeatable = false;
+  kv.help = "the KV cache's storage type; default f32.";
+  return kv;
+}
+
 EngineOptions engine_options(const Args& a) {
   EngineOptions o;
   o.compute = compute_dtypes(a).front();
@@ -296,9 +303,6 @@ const Command& generate_command() {
       "new token ids for each prompt of ids, with a whole GPT-2 (greedy or sampled).",
       [] {
         std::vector<Option> rows = model_rows();
-        Option kv = kv_dtype_row();
-        kv.repeatable = false;
-        kv.help = "the KV cache's storage type; default f32.";
         const std::vector<Option> more = {
             values("prompt-ids", "ID,ID,...", "one prompt's token ids (or --prompts-file)."),
             value("prompts-file", "FILE.json", "a JSON array of prompts, each an array of token ids."),
@@ -309,7 +313,7 @@ const Command& generate_command() {
             value("seed", "S", "the sampling seed of prompt 0 (prompt i: S + i); default 0."),
             value("stop-ids", "ID,ID,...", "ids that end a sequence when generated (e.g. 50256, <|endoftext|>)."),
             compute_row(false),
-            kv,
+            cache_dtype_row(),
             weights_row(false),
             threads_row(),
             isa_row(),

@@ -143,9 +143,6 @@ const Command& serve_command() {
       "an HTTP completions server (token ids) over a whole GPT-2, with continuous batching.",
       [] {
         std::vector<Option> rows = model_rows();
-        Option kv = kv_dtype_row();
-        kv.repeatable = false;
-        kv.help = "the KV cache's storage type; default f32.";
         const std::vector<Option> more = {
             value("host", "ADDR", "the address to listen on; default 127.0.0.1."),
             value("port", "P", "the port; default 0: one the system picks (printed)."),
@@ -161,7 +158,7 @@ const Command& serve_command() {
             flag("no-batch-invariant", "let a request's bits depend on its batch-mates (long prompts' prefill up to "
                                        "10% faster; see docs/serving.md)."),
             compute_row(false),
-            kv,
+            cache_dtype_row(),
             weights_row(false),
             isa_row(),
         };
