@@ -66,7 +66,9 @@ struct GPT2::Impl {
   std::vector<int64_t> lengths, positions;
   std::vector<SequenceId> layer_ids;
 
-  Impl(const GPT2Checkpoint& c, const EngineOptions& o);
+  // `checked`: c's weights passed GPT2Weights::validate's checks already (open_gpt2_checkpoint runs them, naming the
+  // file), so they are not scanned a second time here; the layers built below check what they take either way.
+  Impl(const GPT2Checkpoint& c, const EngineOptions& o, bool checked);
 
   RowOpOptions row_options(const RunOptions& run) const { return {run.threads ? run.threads : opts.threads, opts.isa}; }
   void check_ids(const int32_t* ids, int64_t n, const char* call) const {
@@ -102,10 +104,18 @@ struct GPT2::Impl {
   }
 };
 
-GPT2::Impl::Impl(const GPT2Checkpoint& c, const EngineOptions& o)
+namespace {
+// c's wte once c is checked (validate() unless the caller checked it): the head is the first member built from it.
+const TensorView& checked_wte(const GPT2Checkpoint& c, bool checked) {
+  if (!checked) c.weights.validate(c.config);
+  return c.weights.wte;
+}
+}  // namespace
+
+GPT2::Impl::Impl(const GPT2Checkpoint& c, const EngineOptions& o, bool checked)
     : cfg(c.config),
       opts(o),
-      head((c.config.validate(), c.weights.validate(c.config), c.weights.wte), {}, head_options(o),
+      head(checked_wte(c, checked), {}, head_options(o),
            LinearPaths::few_rows) {
   opts.threads = head.default_threads();
   const GPT2Weights& w = c.weights;
@@ -120,9 +130,10 @@ GPT2::Impl::Impl(const GPT2Checkpoint& c, const EngineOptions& o)
 }
 
 GPT2::GPT2(const GPT2Checkpoint& checkpoint, const EngineOptions& options)
-    : impl_(std::make_unique<Impl>(checkpoint, options)) {}
+    : impl_(std::make_unique<Impl>(checkpoint, options, /*checked=*/false)) {}
+GPT2::GPT2(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 GPT2 GPT2::from_pretrained(const std::string& dir, const EngineOptions& options) {
-  return GPT2(open_gpt2_checkpoint(dir), options);
+  return GPT2(std::make_unique<Impl>(open_gpt2_checkpoint(dir), options, /*checked=*/true));
 }
 GPT2::~GPT2() = default;
 GPT2::GPT2(GPT2&&) noexcept = default;

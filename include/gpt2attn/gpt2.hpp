@@ -89,6 +89,7 @@ class GPT2ATTN_API GPT2 {
   struct GPT2ATTN_LOCAL Impl;  // model/gpt2.cpp
 
  private:
+  explicit GPT2(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 
