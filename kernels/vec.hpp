@@ -74,6 +74,21 @@ struct Vec {
       return B(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
     }
   }
+  // Of W pairs of bf16 values (2W values, pair i at p[2i], p[2i + 1]), the first (H = 0) or second (H = 1) of each
+  // widened to f32. A 32-bit lane holds a pair, so a shift (first) or a mask (second) widens W values, one ALU
+  // operation where load() takes two (a zero-extending shuffle, then the shift). The scalar twin is widen().
+  template <int H>
+  static B load_pair(const bf16* p) {
+    static_assert(H == 0 || H == 1);
+    if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
+      const __m512i h = _mm512_loadu_si512(p);
+      return B(_mm512_castsi512_ps(H == 0 ? _mm512_slli_epi32(h, 16) : _mm512_and_si512(h, _mm512_set1_epi32(-65536))));
+    } else {
+      static_assert(W == 8, "bf16 loads are written for AVX-512 (16 lanes) and AVX2 (8 lanes)");
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      return B(_mm256_castsi256_ps(H == 0 ? _mm256_slli_epi32(h, 16) : _mm256_and_si256(h, _mm256_set1_epi32(-65536))));
+    }
+  }
   // W int8 values as f32: sign-extend to 32 bits, convert (exact). The scalar twin is widen().
   static B load(const int8_t* p) {
     if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
@@ -270,6 +285,8 @@ struct Vec<ScalarArch> {
   static B load(const float* p) { return *p; }
   static B in_register(B x) { return x; }
   static B load(const bf16* p) { return widen(*p); }
+  template <int H>
+  static B load_pair(const bf16* p) { return widen(p[H]); }
   static B load(const int8_t* p) { return widen(*p); }
   static B load(const fp8_e4m3* p) { return widen(*p); }
   static B load(const int32_t* p) { return static_cast<float>(*p); }
