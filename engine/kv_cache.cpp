@@ -57,9 +57,12 @@ KvCache::Impl::Impl(const Config& c, const KvCacheOptions& o) : cfg(c) {
   if (nblocks > INT32_MAX) invalid("KvCacheOptions: capacity of " + str(nblocks) + " blocks exceeds 2^31 - 1");
   max_blocks_per_seq = ceil_div(cfg.context_length, block_tokens);
 
-  pool = detail::allocate_buffer(
-      static_cast<size_t>(detail::checked_mul(nblocks, static_cast<int64_t>(block_bytes), "KvCache: pool bytes")),
-      "KvCache: the pool");
+  const size_t pool_bytes =
+      static_cast<size_t>(detail::checked_mul(nblocks, static_cast<int64_t>(block_bytes), "KvCache: pool bytes"));
+  pool = detail::allocate_buffer(pool_bytes, "KvCache: the pool");
+  // Touched now, so no step pays the page faults of a block's first write: left to the steps, zeroing the pages
+  // took 2.9% of a gpt2-small B = 16 decode step's cycles (perf, 128 -> 378 cached tokens).
+  std::memset(pool.get(), 0, pool_bytes);
   refcount.assign(static_cast<size_t>(nblocks), 0);
   pins.assign(static_cast<size_t>(nblocks), 0);
   block_stamp.assign(static_cast<size_t>(nblocks), 0);
