@@ -67,7 +67,8 @@ Buffer pack_linear(const std::vector<StackedPart>& parts, int64_t K, WeightForma
 
 PanelItems panel_items(const kernels::LinearKernel& lin, int64_t N, int threads) {
   const int64_t panels = kernels::linear_panels(N), groups = ceil_div(panels, lin.panel_group);
-  const int64_t per = std::max<int64_t>(1, groups / (int64_t{threads} * kernels::tiles::kLinearItemsPerThread));
+  const int64_t per = std::clamp<int64_t>(groups / (int64_t{threads} * kernels::tiles::kLinearItemsPerThread), 1,
+                                          kernels::tiles::kLinearMaxItemGroups);
   return {panels, per * lin.panel_group};
 }
 

@@ -92,6 +92,11 @@ inline constexpr int kLinearKChunk = 256;
 // run's first chunk starts cold. The output projection of a gpt2-small B = 16 step (weights cold, 2 threads) took
 // 0.86-0.88x the time of four runs a thread, timed call by call (docs/perf-log.md).
 inline constexpr int kLinearItemsPerThread = 1;
+// ... and at most this many panel groups a run (2.4 MB of bf16 weights at K = 768), so a large matrix (the LM head's
+// 50257 outputs) is many runs, and a thread whose vCPU the host takes away for a while does not hold up the call: the
+// LM head at M = 16 (bf16, 2 threads, Xeon VM) took 5.6-5.7 ms a call against 6.3-6.4 with one run a thread in three
+// of four alternated runs, where the slow vCPU came and went.
+inline constexpr int64_t kLinearMaxItemGroups = 32;
 
 // A ragged step (CausalSelfAttention::step): an entry of at most kStepDecodeTokens new tokens (a decode token, a
 // draft to verify, a short chunk) runs on the decode kernel, its tokens sharing each pass over its keys
