@@ -8,8 +8,8 @@ how many rounds B was faster. A change is worth quoting when the ratios' range l
 
 Each side is a command line; the arguments after `--` are appended to both. Leading NAME=value words set
 environment variables for that side. Both sides must print the same cases, either as `gpt2attn bench --json` rows
-(the time is median_ms) or as Google Benchmark JSON (`--benchmark_format=json`; the time is the median aggregate's
-real_time, in ms).
+(the time is median_ms, or a model's step_median_ms) or as Google Benchmark JSON (`--benchmark_format=json`; the
+time is the median aggregate's real_time, in ms).
 
 Usage: bench/ab.py --a CMD --b CMD [--rounds 5] [--json] -- COMMON_ARGS...
   bench/ab.py --a /tmp/old/gpt2attn --b build/gpt2attn -- bench --preset gpt2-small --mode decode --cache cold --batch 16 --json
@@ -28,7 +28,8 @@ import sys
 
 _UNIT_MS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
 # The fields of a gpt2attn bench row that name its case; the others (isa, implementation, timings) may differ.
-_CASE_FIELDS = ("preset", "mode", "dtype", "kv_dtype", "kv_heads", "batch", "seq", "threads", "cache")
+_CASE_FIELDS = ("preset", "model", "mode", "dtype", "weights_dtype", "kv_dtype", "kv_heads", "batch", "seq", "threads",
+                "cache")
 
 
 def split_side(cmd, common):
@@ -61,9 +62,11 @@ def parse_times(text):
     for line in text.splitlines():
         if line.startswith("{"):
             row = json.loads(line)
-            if "median_ms" in row:
+            # A layer's row times its call (median_ms); a whole model's (--mode model), its decode step.
+            key = "median_ms" if "median_ms" in row else "step_median_ms" if "step_median_ms" in row else None
+            if key:
                 case = " ".join(f"{k}={row[k]}" for k in _CASE_FIELDS if k in row)
-                times[case] = row["median_ms"]
+                times[case] = row[key]
     return times
 
 

@@ -3,9 +3,10 @@
 
 For each --dtype and --batch: transformers' GPT2LMHeadModel.generate (greedy, its KV cache, torch under jemalloc
 keeping its pages, as bench/peer_torch.py tunes it; --threads intra-op threads) and `gpt2attn bench --mode model`,
-each over B prompts of --seq ids and --new-tokens new tokens, alternating which goes first per round. Per side: the
-prefill (generate of one token), the decode time per step ((all tokens - prefill) / (new - 1)), tokens/s = B / step;
-and ours over theirs. transformers comes from a venv (tests/python/module/with_transformers.py makes build/venv-hf).
+each over B prompts of --seq ids and --new-tokens new tokens, alternating which goes first per round; ours keeps its
+K/V in the compute type, as transformers' cache is in the model's dtype. Per side: the prefill (generate of one
+token), the decode time per step ((all tokens - prefill) / (new - 1)), tokens/s = B / step; and ours over theirs.
+transformers comes from a venv (tests/python/module/with_transformers.py makes build/venv-hf).
 
 Usage: bench/peer_hf_generate.py --model DIR [--venv build/venv-hf] [--cli build/gpt2attn] [--batch 1,16]
                                  [--dtype f32,bf16] [--seq 128] [--new-tokens 128] [--threads 2] [--rounds 2] [--json]
@@ -56,9 +57,10 @@ def hf(a, dtype, B):
 
 
 def ours(a, dtype, B):
-    p = subprocess.run([a.cli, "bench", "--mode", "model", "--model", a.model, "--dtype", dtype, "--batch", str(B),
-                        "--seq", str(a.seq), "--new-tokens", str(a.new_tokens), "--threads", str(a.threads),
-                        "--json"], capture_output=True, text=True)
+    # K/V in the compute type, as transformers keeps its cache in the model's dtype.
+    p = subprocess.run([a.cli, "bench", "--mode", "model", "--model", a.model, "--dtype", dtype, "--kv-dtype", dtype,
+                        "--batch", str(B), "--seq", str(a.seq), "--new-tokens", str(a.new_tokens), "--threads",
+                        str(a.threads), "--json"], capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"peer_hf_generate: gpt2attn failed:\n{p.stderr[-3000:]}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
