@@ -67,9 +67,10 @@ Buffer pack_linear(const std::vector<StackedPart>& parts, int64_t K, WeightForma
 
 PanelItems panel_items(const kernels::LinearKernel& lin, int64_t N, int threads) {
   const int64_t panels = kernels::linear_panels(N), groups = ceil_div(panels, lin.panel_group);
-  const int64_t per = std::clamp<int64_t>(groups / (int64_t{threads} * kernels::tiles::kLinearItemsPerThread), 1,
-                                          kernels::tiles::kLinearMaxItemGroups);
-  return {panels, per * lin.panel_group};
+  // A multiple of the team's runs, so that every thread has as many groups to do.
+  const int64_t runs = int64_t{threads} * kernels::tiles::kLinearItemsPerThread;
+  const int64_t items = runs * ceil_div(groups, runs * kernels::tiles::kLinearMaxItemGroups);
+  return {panels, ceil_div(groups, items) * lin.panel_group};
 }
 
 bool columns_overflowed(const float* y, int64_t ldy, int64_t M, int64_t N, const PanelItems& items, int64_t it) {

@@ -95,7 +95,8 @@ inline constexpr int kLinearItemsPerThread = 1;
 // ... and at most this many panel groups a run (2.4 MB of bf16 weights at K = 768), so a large matrix (the LM head's
 // 50257 outputs) is many runs, and a thread whose vCPU the host takes away for a while does not hold up the call: the
 // LM head at M = 16 (bf16, 2 threads, Xeon VM) took 5.6-5.7 ms a call against 6.3-6.4 with one run a thread in three
-// of four alternated runs, where the slow vCPU came and went.
+// of four alternated runs, where the slow vCPU came and went. The runs are a multiple of the team's size, of equal
+// length (engine/few_rows.cpp, panel_items).
 inline constexpr int64_t kLinearMaxItemGroups = 32;
 
 // A ragged step (CausalSelfAttention::step): an entry of at most kStepDecodeTokens new tokens (a decode token, a
