@@ -116,10 +116,10 @@ struct Linear {
 
   // y[m0 .. m0+RR) x the outputs of panels [p0, p0+PP), for k in [k0, k1): starts from 0 when k0 == 0, else from the
   // partial sums in y, and when k1 == K adds the bias. Per k: PP*PV weight loads (widened) + RR broadcasts for
-  // RR*PP*PV FMAs, and PP prefetches (bf16: per pair of inputs). Every loop over j, v, r and i is unrolled by pragma so acc[][] lives in
-  // registers: with bf16 weights GCC 12's own heuristic stops unrolling (the widening load is a longer body), keeps
-  // acc in memory and the kernel ran at a third of the f32 one's speed (measured: 23 vs 70 GB/s at N=2304, K=768,
-  // M=1).
+  // RR*PP*PV FMAs, and PP prefetches (bf16: per pair of inputs). Every loop over j, v, r and i is unrolled by pragma
+  // so acc[][] lives in registers: with bf16 weights GCC 12's own heuristic stops unrolling (the widening load is a
+  // longer body), keeps acc in memory and the kernel ran at a third of the f32 one's speed (measured: 23 vs 70 GB/s
+  // at N=2304, K=768, M=1).
   template <int RR, int PP>
   static void block(const LinearArgs& a, int64_t p0, int64_t m0, int64_t k0, int64_t k1, Prefetch pf) {
     constexpr int NV = PP * PV;                         // accumulator vectors per row
@@ -137,9 +137,9 @@ struct Linear {
     }
     const std::byte* w = static_cast<const std::byte*>(a.w_packed) + p0 * pstride;
     const float* x = a.x + m0 * a.ldx;
-    // Input k's weights (H: which of a bf16 pair, or -1 for an input stored alone) times every row's x[k], after a
-    // prefetch of the next chunk `ahead` bytes on.
-    const auto input = [&](const std::byte* w, int64_t k, auto H, int64_t ahead) {
+    // Input k's weights in `panels` (H: which of a bf16 pair, or -1 for an input stored alone) times every row's x[k],
+    // after a prefetch of the next chunk `ahead` bytes on (none when negative).
+    const auto input = [&](const std::byte* panels, int64_t k, auto H, int64_t ahead) {
       B wv[NV];
       #pragma GCC unroll 32
       for (int j = 0; j < PP; ++j) {
@@ -147,9 +147,10 @@ struct Linear {
         #pragma GCC unroll 32
         for (int v = 0; v < PV; ++v) {
           if constexpr (decltype(H)::value < 0) {
-            wv[j * PV + v] = V::load(reinterpret_cast<const WT*>(w + j * pstride + k * kBytesPerK) + v * W);
+            wv[j * PV + v] = V::load(reinterpret_cast<const WT*>(panels + j * pstride + k * kBytesPerK) + v * W);
           } else {  // the pair starts at its first input's 32 bytes
-            const WT* pair = reinterpret_cast<const WT*>(w + j * pstride + (k - decltype(H)::value) * kBytesPerK);
+            const WT* pair =
+                reinterpret_cast<const WT*>(panels + j * pstride + (k - decltype(H)::value) * kBytesPerK);
             wv[j * PV + v] = V::template load_pair<decltype(H)::value>(pair + v * 2 * W);
           }
         }

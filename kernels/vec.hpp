@@ -82,11 +82,13 @@ struct Vec {
     static_assert(H == 0 || H == 1);
     if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
       const __m512i h = _mm512_loadu_si512(p);
-      return B(_mm512_castsi512_ps(H == 0 ? _mm512_slli_epi32(h, 16) : _mm512_and_si512(h, _mm512_set1_epi32(-65536))));
+      const __m512i w = H == 0 ? _mm512_slli_epi32(h, 16) : _mm512_and_si512(h, _mm512_set1_epi32(-65536));
+      return B(_mm512_castsi512_ps(w));
     } else {
       static_assert(W == 8, "bf16 loads are written for AVX-512 (16 lanes) and AVX2 (8 lanes)");
       const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      return B(_mm256_castsi256_ps(H == 0 ? _mm256_slli_epi32(h, 16) : _mm256_and_si256(h, _mm256_set1_epi32(-65536))));
+      const __m256i w = H == 0 ? _mm256_slli_epi32(h, 16) : _mm256_and_si256(h, _mm256_set1_epi32(-65536));
+      return B(_mm256_castsi256_ps(w));
     }
   }
   // W int8 values as f32: sign-extend to 32 bits, convert (exact). The scalar twin is widen().
