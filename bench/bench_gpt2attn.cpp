@@ -26,6 +26,9 @@
 //   Tiles/<isa>/BQ:../BK:../D:<D>/...    the compiled tile shape at D = 64 and 128 (tiles.hpp cites this)
 //   Decode/<preset>/B:<B>/T:<T>/threads:2  one decode step, gpt2-small, B in {1, 4, 16, 64} x T cached tokens
 //                                          in {128, 1024, 4096}
+//   FewRows/<f32|bf16>/N:<N>/K:<K>/M:<M>/threads:<n>  the public Linear on its few-row kernel (a decode step's
+//                                        projections: gpt2-small's c_fc and LM head shapes, M in {1, 16, 64} rows),
+//                                        weights warm; peak_frac against the FMA peak
 //
 // FLOPs (bench/harness.hpp, as `gpt2attn bench` counts them), causal work counted once:
 //   layer  2*T*E*3E + 2*T*E*E + 4*E*T(T+1)/2,  core  4*E*T(T+1)/2,  projections  2*T*E*3E + 2*T*E*E.
@@ -44,6 +47,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench/fma_peak.hpp"
@@ -57,6 +61,7 @@
 #include "gpt2attn/attention.hpp"
 #include "gpt2attn/config.hpp"
 #include "gpt2attn/kv_cache.hpp"
+#include "gpt2attn/linear.hpp"
 #include "gpt2attn/weights.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/bf16.hpp"
@@ -329,6 +334,30 @@ void bm_projections(benchmark::State& state, const std::string& preset, int64_t 
   }
   report(state, gb::projection_flops(ga::preset(pr.preset), 1, T), span, threads);
   state.SetLabel("onednn-matmul/" + pr.out->implementation());
+}
+
+// ---- the few-row projection kernel (decode's projections and a model's MLP and LM head) ----------------------
+// M rows through an (N, K) public Linear holding only its few-row panels, as a model's LM head does; the weights stay
+// warm in the caches they fit (the LM head's 77-154 MB come from the last-level cache or memory).
+void bm_few_rows(benchmark::State& state, ga::DType compute, int64_t N, int64_t K, int64_t M, int threads) {
+  const std::vector<float> w = random_floats(static_cast<size_t>(N * K), 11);
+  const std::vector<float> x = random_floats(static_cast<size_t>(M * K), 12);
+  std::vector<float> y(static_cast<size_t>(M * N));
+  ga::EngineOptions o;
+  o.compute = compute;
+  o.threads = threads;
+  ga::Linear lin(ga::TensorView::f32(w.data(), {N, K}), {}, o, ga::LinearPaths::few_rows);
+  ga::Workspace ws;
+  ga::RunOptions run;
+  run.threads = threads;
+  lin.forward(x.data(), M, y.data(), run, &ws);
+  const Span span;
+  for (auto _ : state) {
+    lin.forward(x.data(), M, y.data(), run, &ws);
+    benchmark::ClobberMemory();
+  }
+  report(state, 2.0 * static_cast<double>(M * N * K), span, threads);
+  state.SetLabel(lin.implementation());
 }
 
 // ---- two runs alternated inside each iteration (thread scaling, and the ISA ratio below): one clock ------
@@ -723,6 +752,14 @@ void register_all() {
           ->MinTime(0.25)
           ->Repetitions(3)
           ->ReportAggregatesOnly(true);
+  for (ga::DType dt : {ga::DType::f32, ga::DType::bf16})
+    for (const auto& [N, K] : {std::pair<int64_t, int64_t>{3072, 768}, {50257, 768}})
+      for (int64_t M : {1, 16, 64})
+        for (int n : kThreads)
+          standard(benchmark::RegisterBenchmark(
+              (std::string("FewRows/") + ga::to_string(dt) + "/N:" + ts(N) + "/K:" + ts(K) + "/M:" + ts(M) +
+               "/threads:" + ts(n)).c_str(),
+              [dt, N, K, M, n](benchmark::State& s) { bm_few_rows(s, dt, N, K, M, n); }));
 }
 
 void measure_peaks(const char* when) {
