@@ -35,11 +35,12 @@ Buffer pack_linear(const std::vector<StackedPart>& parts, int64_t K, WeightForma
                    const char* what);
 
 // A projection's panels as work items: contiguous runs of whole panel groups (the kernel's unit), about
-// kLinearItemsPerThread per thread and at most kLinearMaxItemGroups groups each, for a dynamic schedule. Dynamic: a worker woken from sleep joins the step
-// 0.05-0.13 ms after the first thread (measured after the bench's cache flush, when it still ran on one thread), and
-// a thread that finds no item left does not hold the step up at the barrier (gpt2-small B=16, 2 threads: 0.70 ms
-// static, 0.62 dynamic, with four runs a thread). Runs rather than single groups: the kernel prefetches each
-// group's successor, which a run keeps on the same thread (tiles.hpp, kLinearItemsPerThread).
+// kLinearItemsPerThread per thread and at most kLinearMaxItemGroups groups each, for a dynamic schedule. Dynamic: a
+// worker woken from sleep joins the step 0.05-0.13 ms after the first thread (measured after the bench's cache flush,
+// when it still ran on one thread), and a thread that finds no item left does not hold the step up at the barrier
+// (gpt2-small B=16, 2 threads: 0.70 ms static, 0.62 dynamic, with four runs a thread). Runs rather than single
+// groups: the kernel prefetches each group's successor, which a run keeps on the same thread (tiles.hpp,
+// kLinearItemsPerThread).
 struct PanelItems {
   int64_t panels = 0, per_item = 0;  // per_item: a multiple of the kernel's panel group
   int64_t count() const { return (panels + per_item - 1) / per_item; }

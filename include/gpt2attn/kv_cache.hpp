@@ -53,7 +53,8 @@ class GPT2ATTN_API KvCache {
  public:
   // Allocates the whole pool now and touches every page of it (Error out_of_memory if that fails), so no step takes
   // a page fault; nothing is allocated later except each sequence's block table, which grows to at most
-  // ceil(context_length / block_tokens) entries and is reserved at create(). The pool serves layers whose config has the same d_model, num_heads and num_kv_heads.
+  // ceil(context_length / block_tokens) entries and is reserved at create(). The pool serves layers whose config has
+  // the same d_model, num_heads and num_kv_heads.
   KvCache(const Config& config, const KvCacheOptions& options);
   ~KvCache();
   KvCache(KvCache&&) noexcept;
