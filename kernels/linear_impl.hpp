@@ -137,13 +137,16 @@ struct Linear {
     }
     const std::byte* w = static_cast<const std::byte*>(a.w_packed) + p0 * pstride;
     const float* x = a.x + m0 * a.ldx;
-    // Input k's weights in `panels` (H: which of a bf16 pair, or -1 for an input stored alone) times every row's x[k],
-    // after a prefetch of the next chunk `ahead` bytes on (none when negative).
-    const auto input = [&](const std::byte* panels, int64_t k, auto H, int64_t ahead) {
+    // Input k's weights in `panels` (H: which of a bf16 pair, or -1 for an input stored alone) times every row's x[k].
+    // Each input alone and each pair's first prefetch the next chunk's share (pf) into L2: L1 holds the chunk being
+    // re-read.
+    const auto input = [&](const std::byte* panels, int64_t k, auto H) {
       B wv[NV];
       #pragma GCC unroll 32
       for (int j = 0; j < PP; ++j) {
-        if (ahead >= 0) __builtin_prefetch(reinterpret_cast<const void*>(pf.start + j * pstride + ahead), 0, 2);
+        if constexpr (decltype(H)::value != 1) {
+          __builtin_prefetch(reinterpret_cast<const void*>(pf.start + j * pstride + (k - k0) * pf.step), 0, 2);
+        }
         #pragma GCC unroll 32
         for (int v = 0; v < PV; ++v) {
           if constexpr (decltype(H)::value < 0) {
@@ -162,21 +165,19 @@ struct Linear {
         for (int i = 0; i < NV; ++i) acc[r][i] = V::fma(xb, wv[i], acc[r][i]);
       }
     };
-    // Prefetches go into L2: L1 holds the chunk being re-read. bf16 reads its pairs (k0 is even, stream_panels'
-    // alignment), one prefetch per pair; an odd K's last input is read alone.
-    using Alone = std::integral_constant<int, -1>;
+    // bf16 reads its pairs (k0 is even, stream_panels' alignment); an odd K's last input is read alone.
     int64_t k = k0;
     if constexpr (kPairs) {
       for (; k + 1 < k1; k += 2) {
-        input(w, k, std::integral_constant<int, 0>{}, (k - k0) * pf.step);
+        input(w, k, std::integral_constant<int, 0>{});
         // The pair's second inputs load their vectors again (L1) through a pointer the compiler cannot see is w:
         // kept from the first half's loads, 24 accumulators + 6 weight vectors spilled 6 accumulators a pair.
         const std::byte* again = w;
         asm("" : "+r"(again));
-        input(again, k + 1, std::integral_constant<int, 1>{}, -1);
+        input(again, k + 1, std::integral_constant<int, 1>{});
       }
     }
-    for (; k < k1; ++k) input(w, k, Alone{}, (k - k0) * pf.step);
+    for (; k < k1; ++k) input(w, k, std::integral_constant<int, -1>{});
     const bool last = k1 == a.K;
     #pragma GCC unroll 32
     for (int j = 0; j < PP; ++j) {
