@@ -338,26 +338,45 @@ void bm_projections(benchmark::State& state, const std::string& preset, int64_t 
 
 // ---- the few-row projection kernel (decode's projections and a model's MLP and LM head) ----------------------
 // M rows through an (N, K) public Linear holding only its few-row panels, as a model's LM head does; the weights stay
-// warm in the caches they fit (the LM head's 77-154 MB come from the last-level cache or memory).
+// warm in the caches they fit (the LM head's 77-154 MB come from the last-level cache or memory). The layer is built
+// once per compute type and shape (Google Benchmark calls a case several times while it sizes its loop), as
+// g_projections is.
+struct FewRows {
+  ga::DType compute;
+  int64_t N, K;
+  ga::Linear lin;
+  std::vector<float> x;  // kFewRowsMaxM rows
+
+  static constexpr int64_t kFewRowsMaxM = 64;
+  static ga::Linear make(ga::DType compute, int64_t N, int64_t K) {
+    const std::vector<float> w = random_floats(static_cast<size_t>(N * K), 11);
+    ga::EngineOptions o;
+    o.compute = compute;
+    return ga::Linear(ga::TensorView::f32(w.data(), {N, K}), {}, o, ga::LinearPaths::few_rows);
+  }
+  FewRows(ga::DType c, int64_t n, int64_t k)
+      : compute(c), N(n), K(k), lin(make(c, n, k)), x(random_floats(static_cast<size_t>(kFewRowsMaxM * k), 12)) {}
+};
+std::unique_ptr<FewRows> g_few_rows;
+
 void bm_few_rows(benchmark::State& state, ga::DType compute, int64_t N, int64_t K, int64_t M, int threads) {
-  const std::vector<float> w = random_floats(static_cast<size_t>(N * K), 11);
-  const std::vector<float> x = random_floats(static_cast<size_t>(M * K), 12);
+  if (!g_few_rows || g_few_rows->compute != compute || g_few_rows->N != N || g_few_rows->K != K) {
+    g_few_rows.reset();
+    g_few_rows = std::make_unique<FewRows>(compute, N, K);
+  }
+  FewRows& f = *g_few_rows;
   std::vector<float> y(static_cast<size_t>(M * N));
-  ga::EngineOptions o;
-  o.compute = compute;
-  o.threads = threads;
-  ga::Linear lin(ga::TensorView::f32(w.data(), {N, K}), {}, o, ga::LinearPaths::few_rows);
   ga::Workspace ws;
   ga::RunOptions run;
   run.threads = threads;
-  lin.forward(x.data(), M, y.data(), run, &ws);
+  f.lin.forward(f.x.data(), M, y.data(), run, &ws);
   const Span span;
   for (auto _ : state) {
-    lin.forward(x.data(), M, y.data(), run, &ws);
+    f.lin.forward(f.x.data(), M, y.data(), run, &ws);
     benchmark::ClobberMemory();
   }
   report(state, 2.0 * static_cast<double>(M * N * K), span, threads);
-  state.SetLabel(lin.implementation());
+  state.SetLabel(f.lin.implementation());
 }
 
 // ---- two runs alternated inside each iteration (thread scaling, and the ISA ratio below): one clock ------
@@ -754,7 +773,7 @@ void register_all() {
           ->ReportAggregatesOnly(true);
   for (ga::DType dt : {ga::DType::f32, ga::DType::bf16})
     for (const auto& [N, K] : {std::pair<int64_t, int64_t>{3072, 768}, {50257, 768}})
-      for (int64_t M : {1, 16, 64})
+      for (int64_t M : {int64_t{1}, int64_t{16}, FewRows::kFewRowsMaxM})
         for (int n : kThreads)
           standard(benchmark::RegisterBenchmark(
               (std::string("FewRows/") + ga::to_string(dt) + "/N:" + ts(N) + "/K:" + ts(K) + "/M:" + ts(M) +
