@@ -28,26 +28,49 @@ uint64_t splitmix64(uint64_t x) {
 
 double uniform(uint64_t seed, uint64_t n) { return double(splitmix64(seed ^ splitmix64(n)) >> 40) * 0x1p-24; }
 
-// The checks every entry shares, and argmax in the same single pass: a NaN fails both comparisons with `best` (never
-// NaN itself), so it costs no extra test on the common path. Ties keep the first index (strict >), as torch.argmax.
+// A float's bits as an int32 key in the float's order (the magnitude bits flipped for negatives; -0 then sorts just
+// below +0), and whether they are a NaN's: integer compares that GCC vectorizes at the baseline instruction set,
+// where a float max does not (its NaN rule), so the pass over the vocabulary is a few vector operations an element.
+int32_t float_key(int32_t b) { return b ^ ((b >> 31) & 0x7fffffff); }
+bool nan_bits(int32_t b) { return (b & 0x7fffffff) > 0x7f800000; }
+
+// The checks every entry shares, and argmax: per chunk of the vocabulary the largest key and whether a NaN is there,
+// then the first logit equal to the largest in the first chunk that holds it (+0 and -0 tie, as they compare equal).
+// Ties keep the first index, as torch.argmax. Greedy decoding calls it once a sequence and step: 16 x 50257 logits
+// took 0.71 ms as one scalar pass with branches, 0.28 ms this way (a throwaway program, g++ 12 -O3, the 2-vCPU Xeon
+// VM).
 int32_t checked_argmax(const float* logits, int64_t vocab, const char* who) {
   if (logits == nullptr) invalid(std::string(who) + ": logits is null");
   if (vocab < 1 || vocab > std::numeric_limits<int32_t>::max()) {
     invalid(std::string(who) + ": vocab must be in [1, 2^31 - 1], got " + std::to_string(vocab));
   }
+  constexpr int64_t kChunk = 1024;
   float best = -kInf;
-  int64_t at = 0;
-  for (int64_t i = 0; i < vocab; ++i) {
-    const float x = logits[i];
-    if (x > best) {
-      best = x, at = i;
-    } else if (!(x <= best)) {
-      invalid(std::string(who) + ": logits[" + std::to_string(i) + "] is NaN");
+  int64_t best_chunk = 0;  // the first chunk holding the largest logit: where the last scan starts
+  for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, vocab - c0);
+    int32_t top = std::numeric_limits<int32_t>::min(), bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t b = std::bit_cast<int32_t>(logits[c0 + i]);
+      const int32_t k = float_key(b);
+      top = k > top ? k : top;
+      bad |= nan_bits(b);
     }
+    if (bad) {  // the first NaN is the index to name
+      int64_t at = c0;
+      while (!std::isnan(logits[at])) ++at;
+      invalid(std::string(who) + ": logits[" + std::to_string(at) + "] is NaN");
+    }
+    // Compared as floats (float_key is its own inverse): a chunk's +0 does not pass an earlier chunk's -0.
+    const float t = std::bit_cast<float>(float_key(top));
+    if (t > best) best = t, best_chunk = c0;
   }
-  // The first +inf is the argmax (nothing later is above it): its index is the one to name.
-  if (best == kInf) invalid(std::string(who) + ": logits[" + std::to_string(at) + "] is +inf");
-  if (best == -kInf) invalid(std::string(who) + ": every logit is -inf, so no token is possible");
+  // The first logit at the largest: the argmax, or the first +inf to name.
+  int64_t at = best_chunk;
+  while (logits[at] != best) ++at;
+  const float top = best;
+  if (top == kInf) invalid(std::string(who) + ": logits[" + std::to_string(at) + "] is +inf");
+  if (top == -kInf) invalid(std::string(who) + ": every logit is -inf, so no token is possible");
   return int32_t(at);
 }
 
@@ -175,7 +198,7 @@ Sampler::Sampler(const SamplingOptions& options, int64_t draws) : options_(optio
   if (draws < 0) invalid("Sampler: draws must be at least 0, got " + std::to_string(draws));
 }
 
-// Cost per call at vocab 50257, logits N(0, 3): greedy 44 us, temperature 1 460 us, top_k 50 115 us, top_p 0.9
+// Cost per call at vocab 50257, logits N(0, 3): greedy 21 us, temperature 1 460 us, top_k 50 115 us, top_p 0.9
 // 570 us, top_k 50 + top_p 0.9 118 us (a throwaway program: 2000 calls after 50 warm-up ones, thread CPU time, median
 // of 5 runs; g++ 12 -O2, one thread of a 2-core "Intel(R) Xeon(R) Processor" VM shared with other work, which moved
 // the figures by up to half again). Without top-k, the 50257 std::exp calls are half of it; the nucleus (2000

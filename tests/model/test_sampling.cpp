@@ -285,6 +285,42 @@ TEST(SamplingErrors, BadOptionsAndLogitsAreNamed) {
   expect_invalid([&] { log_probability(l.data(), 10, 3); }, "logits[4] is NaN");
 }
 
+// argmax reads the logits in chunks of 1024 as integer keys: against a plain first-maximum scan over lengths around
+// the chunk's, with the maximum tied across chunks, at the last element, among negatives only, as +0 against -0, and
+// beside -inf; the first NaN or +inf named wherever it lies.
+TEST(SamplingGreedy, ArgmaxIsTheFirstMaximumAcrossChunks) {
+  const auto naive = [](const std::vector<float>& l) {
+    size_t at = 0;
+    for (size_t i = 1; i < l.size(); ++i) at = l[i] > l[at] ? i : at;
+    return int32_t(at);
+  };
+  std::mt19937 gen(77);
+  for (size_t n : {size_t{1}, size_t{2}, size_t{1023}, size_t{1024}, size_t{1025}, size_t{3000}, size_t{50257}}) {
+    std::uniform_int_distribution<size_t> pick(0, n - 1);
+    for (int trial = 0; trial < 8; ++trial) {
+      std::vector<float> l = normal_logits(int64_t(n), 3.0f, uint32_t(n + trial));
+      const float top = *std::max_element(l.begin(), l.end());
+      switch (trial) {
+        case 1: l[pick(gen)] = top + 1.0f, l[pick(gen)] = top + 1.0f; break;  // a tie, maybe across chunks
+        case 2: l.back() = top + 1.0f; break;
+        case 3: for (float& x : l) x = -std::abs(x) - 1.0f; break;
+        case 4: std::fill(l.begin(), l.end(), -1.0f), l[pick(gen)] = -0.0f, l[pick(gen)] = 0.0f; break;
+        case 5: std::fill(l.begin(), l.end(), -kInf), l[pick(gen)] = -3.0f; break;
+        case 6: std::fill(l.begin(), l.end(), 0.0f); break;
+        case 7: for (size_t i = 0; i < n; i += 3) l[i] = -kInf; l[n / 2] = top + 2.0f; break;
+        default: break;
+      }
+      EXPECT_EQ(argmax(l.data(), int64_t(n)), naive(l)) << "n " << n << " trial " << trial;
+    }
+    std::vector<float> l = normal_logits(int64_t(n), 3.0f, 5);
+    const size_t a = pick(gen), b = pick(gen), first = std::min(a, b), second = std::max(a, b);
+    l[first] = kInf, l[second] = kInf;
+    expect_invalid([&] { argmax(l.data(), int64_t(n)); }, "logits[" + std::to_string(first) + "] is +inf");
+    l[second] = kNaN;  // a NaN anywhere is named before any +inf
+    expect_invalid([&] { argmax(l.data(), int64_t(n)); }, "logits[" + std::to_string(second) + "] is NaN");
+  }
+}
+
 TEST(SamplingLogProbability, MatchesNaiveLogSoftmax) {
   std::vector<float> l = normal_logits(50257, 3.0f, 13);
   l[5] = -kInf;
