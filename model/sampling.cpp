@@ -73,14 +73,11 @@ int32_t checked_argmax(const float* logits, int64_t vocab, const char* who) {
   return int32_t(at);
 }
 
-// Sort keys whose ascending order is the sampling order: descending logit, then ascending id. The float's bits are
-// mapped to an order-preserving uint32 (sign bit flipped for positives, all bits for negatives), inverted, and put
-// above the id; one integer sort then replaces a comparator that reads the logits. -0 is made +0 first: they are equal
-// logits, so they must tie and fall to the id.
+// Sort keys whose ascending order is the sampling order: descending logit, then ascending id. The logit's float_key,
+// made unsigned (its sign bit flipped), inverted, and put above the id; one integer sort then replaces a comparator
+// that reads the logits. -0 is made +0 first: they are equal logits, so they must tie and fall to the id.
 uint64_t order_key(float x, int32_t id) {
-  uint32_t b = std::bit_cast<uint32_t>(x);
-  if (b == 0x80000000u) b = 0;
-  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  const uint32_t b = uint32_t(float_key(std::bit_cast<int32_t>(x == 0.0f ? 0.0f : x))) ^ 0x80000000u;
   return (uint64_t(~b) << 32) | uint32_t(id);
 }
 int32_t key_id(uint64_t key) { return int32_t(uint32_t(key)); }
